@@ -1,0 +1,29 @@
+"""hf_ring: context parallelism (ring attention) for Hugging Face Transformers and Accelerate.
+
+``import hf_ring`` registers the attention implementation ``"ring_flash"`` with
+transformers (when transformers is installed). The core (``hf_ring.kernels``,
+``hf_ring.ring``, ``hf_ring.sharding``) works without it.
+"""
+
+from hf_ring.ring import (
+    ContextParallelState,
+    get_context_parallel_state,
+    ring_flash_attn_func,
+    ring_flash_attn_varlen_func,
+    set_context_parallel_state,
+    setup_context_parallel,
+)
+from hf_ring.sharding import shard_sequence, unshard_sequence
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ContextParallelState",
+    "get_context_parallel_state",
+    "ring_flash_attn_func",
+    "ring_flash_attn_varlen_func",
+    "set_context_parallel_state",
+    "setup_context_parallel",
+    "shard_sequence",
+    "unshard_sequence",
+]

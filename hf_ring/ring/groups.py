@@ -1,0 +1,116 @@
+"""The data-parallel x context-parallel process groups, held in one explicit state object.
+
+Ranks are laid out with context parallelism innermost: global ranks ``[k * cp_size,
+(k + 1) * cp_size)`` form CP group ``k`` (so a CP ring stays within a node, where the
+links are fastest, whenever ``cp_size`` divides the processes per node), and the ranks
+with the same CP rank across CP groups form a data-parallel group.
+
+``setup_context_parallel`` makes the state the *active* one; the ``ring_flash`` attention
+reads it. There is one active state per process, set once at start-up, never per batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch.distributed as dist
+
+_ACTIVE: Optional["ContextParallelState"] = None
+
+
+@dataclass(frozen=True)
+class ContextParallelState:
+    """Process groups and coordinates of this process in the dp x cp grid."""
+
+    cp_group: Optional[dist.ProcessGroup]
+    cp_rank: int
+    cp_size: int
+    dp_group: Optional[dist.ProcessGroup]
+    dp_rank: int
+    dp_size: int
+
+    def __post_init__(self) -> None:
+        if self.cp_size < 1 or self.dp_size < 1:
+            raise ValueError(f"cp_size and dp_size must be >= 1, got {self.cp_size}, {self.dp_size}")
+        if not 0 <= self.cp_rank < self.cp_size:
+            raise ValueError(f"cp_rank {self.cp_rank} out of range for cp_size {self.cp_size}")
+        if not 0 <= self.dp_rank < self.dp_size:
+            raise ValueError(f"dp_rank {self.dp_rank} out of range for dp_size {self.dp_size}")
+
+    @property
+    def world_size(self) -> int:
+        return self.cp_size * self.dp_size
+
+
+def setup_context_parallel(
+    cp_size: int, *, backend: Optional[str] = None, activate: bool = True
+) -> ContextParallelState:
+    """Build (or reuse) the dp x cp groups over the initialised default process group.
+
+    Args:
+        cp_size: ranks per context-parallel group; must divide the world size.
+        backend: backend for the new groups (default: the default group's).
+        activate: make the returned state the one ``ring_flash`` uses.
+
+    Every process of the world must call this with the same arguments (group creation is
+    collective). Calling it again with the same ``cp_size`` returns the active state.
+    """
+    global _ACTIVE
+    if not isinstance(cp_size, int) or cp_size < 1:
+        raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
+    if not dist.is_available() or not dist.is_initialized():
+        if cp_size == 1:
+            state = ContextParallelState(None, 0, 1, None, 0, 1)
+            if activate:
+                _ACTIVE = state
+            return state
+        raise RuntimeError(
+            f"setup_context_parallel(cp_size={cp_size}) needs an initialised default process "
+            "group: launch with `accelerate launch` or `torchrun` and call "
+            "torch.distributed.init_process_group() (Accelerator() does it) first"
+        )
+    if _ACTIVE is not None and _ACTIVE.cp_size == cp_size and _ACTIVE.world_size == dist.get_world_size():
+        return _ACTIVE
+    world = dist.get_world_size()
+    rank = dist.get_rank()
+    if world % cp_size != 0:
+        raise ValueError(
+            f"cp_size={cp_size} does not divide the world size {world}; launch a multiple of "
+            f"{cp_size} processes or pick a cp_size that divides {world}"
+        )
+    dp_size = world // cp_size
+    cp_group = dp_group = None
+    # new_group is collective over the whole world: every rank creates every group.
+    for k in range(dp_size):
+        ranks = list(range(k * cp_size, (k + 1) * cp_size))
+        group = dist.new_group(ranks, backend=backend)
+        if rank in ranks:
+            cp_group = group
+    for j in range(cp_size):
+        ranks = list(range(j, world, cp_size))
+        group = dist.new_group(ranks, backend=backend)
+        if rank in ranks:
+            dp_group = group
+    state = ContextParallelState(
+        cp_group=cp_group,
+        cp_rank=rank % cp_size,
+        cp_size=cp_size,
+        dp_group=dp_group,
+        dp_rank=rank // cp_size,
+        dp_size=dp_size,
+    )
+    if activate:
+        _ACTIVE = state
+    return state
+
+
+def get_context_parallel_state() -> Optional[ContextParallelState]:
+    """The active state, or None when ``setup_context_parallel`` was never called."""
+    return _ACTIVE
+
+
+def set_context_parallel_state(state: Optional[ContextParallelState]) -> None:
+    """Make ``state`` the active one (None deactivates context parallelism)."""
+    global _ACTIVE
+    _ACTIVE = state

@@ -1,0 +1,1 @@
+"""Version-specific patches of upstream libraries, one module per library."""
