@@ -23,13 +23,11 @@ def _group_coords(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def _run(q, k, v, group, causal, softmax_scale, layout, backend, return_lse, local_doc_lens=None, extra=()):
+def _run(q, k, v, group, causal, softmax_scale, layout, backend, return_lse, local_doc_lens=None):
+    rank, world = _group_coords(group)
     check_local(q, k, v, layout, causal)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     kernel = get_backend(backend, q.device, q.dtype)
-    rank, world = _group_coords(group)
-    if world > 1:
-        check_across_ranks(group, q, k, layout, causal, extra)
     plan = RingPlan(group, rank, world, layout, causal, scale, kernel, local_doc_lens)
     out, lse = RingAttentionFunction.apply(q, k, v, plan)
     return (out, lse) if return_lse else out
@@ -69,6 +67,9 @@ def ring_flash_attn_func(
         ``(batch, n_heads, local_seq)`` float32 (float64 for float64 inputs), not
         differentiable. ``out`` is differentiable in q, k, v.
     """
+    _, world = _group_coords(group)
+    if world > 1:
+        check_across_ranks(group, q, k, v, layout, causal)
     return _run(q, k, v, group, causal, softmax_scale, layout, backend, return_lse)
 
 
@@ -101,9 +102,14 @@ def ring_flash_attn_varlen_func(
         ``out`` ``(total_local, n_heads, head_dim)``; with ``return_lse`` also ``lse``
         ``(n_heads, total_local)``.
     """
+    _, world = _group_coords(group)
+    if world > 1:
+        # The document structure is part of what every rank must agree on.
+        bounds = [int(b) for b in cu_seqlens.tolist()] if cu_seqlens.dim() == 1 else [-1]
+        checksum = sum((i + 1) * b for i, b in enumerate(bounds)) % (1 << 40)
+        check_across_ranks(group, q, k, v, "zigzag", causal, (len(bounds), bounds[-1], checksum))
     if q.dim() != 3:
         raise ValueError(f"varlen q must be (total_local, n_heads, head_dim), got shape {tuple(q.shape)}")
-    _, world = _group_coords(group)
     doc_lens = check_cu_seqlens(cu_seqlens, world)
     local_doc_lens = [n // world for n in doc_lens]
     if sum(local_doc_lens) != q.shape[0]:
@@ -111,11 +117,9 @@ def ring_flash_attn_varlen_func(
             f"cu_seqlens covers {sum(doc_lens)} tokens, i.e. {sum(local_doc_lens)} per rank over "
             f"{world} ranks, but q holds {q.shape[0]} local tokens"
         )
-    # The document structure is part of what every rank must agree on.
-    extra = (len(doc_lens), int(cu_seqlens[-1]))
     res = _run(
         q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), group, causal, softmax_scale,
-        "zigzag", backend, True, local_doc_lens, extra,
+        "zigzag", backend, True, local_doc_lens,
     )
     out, lse = res[0].squeeze(0), res[1].squeeze(0)
     return (out, lse) if return_lse else out

@@ -58,26 +58,48 @@ def check_local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, 
         )
 
 
+def _shape_code(t: torch.Tensor) -> list[int]:
+    """A fixed-length description of a tensor: its rank, shape (padded to 4), dtype."""
+    shape = list(t.shape)[:4]
+    code = _DTYPES.index(t.dtype) if t.dtype in _DTYPES else -1
+    return [t.dim(), *shape, *([-1] * (4 - len(shape))), code]
+
+
 def check_across_ranks(
     group: Optional[dist.ProcessGroup],
     q: torch.Tensor,
     k: torch.Tensor,
+    v: torch.Tensor,
     layout: str,
     causal: bool,
     extra: tuple[int, ...] = (),
 ) -> None:
-    """All-gather this rank's signature and raise (on every rank) if any differs."""
+    """All-gather this rank's signature and raise (on every rank) if any differs.
+
+    Runs before the local checks: once every rank is known to hold the same shapes and
+    settings, the local checks (pure functions of those) pass or fail on all ranks alike,
+    so no rank is left waiting in a transfer that a failed rank never starts.
+    """
     world = dist.get_world_size(group)
-    sig = [*q.shape, k.shape[2], _DTYPES.index(q.dtype), _LAYOUT_CODES[layout], int(causal), *extra]
+    sig = [
+        *_shape_code(q), *_shape_code(k), *_shape_code(v),
+        _LAYOUT_CODES.get(layout, -1), int(causal), *extra,
+    ]
     mine = torch.tensor(sig, dtype=torch.int64, device=q.device)
     gathered = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(gathered, mine, group=group)
     rows = [t.tolist() for t in gathered]
     if any(row != rows[0] for row in rows):
+        names = ("q", "k", "v")
         desc = "; ".join(
-            f"rank {r}: q=(b={row[0]}, s={row[1]}, hq={row[2]}, d={row[3]}) hk={row[4]} "
-            f"dtype={_DTYPES[row[5]]} layout={list(_LAYOUT_CODES)[row[6]]} causal={bool(row[7])}"
-            + (f" extra={row[8:]}" if len(row) > 8 else "")
+            f"rank {r}: "
+            + ", ".join(
+                f"{n}={tuple(x for x in row[6 * i + 1 : 6 * i + 5] if x >= 0)}/"
+                f"{_DTYPES[row[6 * i + 5]] if row[6 * i + 5] >= 0 else '?'}"
+                for i, n in enumerate(names)
+            )
+            + f" layout={layout if row[18] >= 0 else '?'} causal={bool(row[19])}"
+            + (f" documents={row[20:]}" if len(row) > 20 else "")
             for r, row in enumerate(rows)
         )
         raise ValueError(
