@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Creates (or reuses) the virtual environment .venv with hf_ring and what its tests and
+# examples need. Idempotent: a second run installs nothing new.
+#
+# PyTorch: 2.13.0 is pinned here because that is the CPU build this project's machines
+# carry on disk; on a GPU machine install the torch build for your CUDA first (pip takes
+# an already installed torch that satisfies pyproject's range).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${HF_RING_VENV:-.venv}"
+PY="${PYTHON:-python3}"
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[setup] creating $VENV"
+  "$PY" -m venv "$VENV"
+fi
+if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+  echo "[setup] installing torch==2.13.0"
+  "$VENV/bin/python" -m pip install -q "torch==2.13.0"
+fi
+if ! "$VENV/bin/python" -c "import hf_ring, pytest, matplotlib, psutil" 2>/dev/null; then
+  echo "[setup] installing hf_ring[test] (editable)"
+  "$VENV/bin/python" -m pip install -q -e ".[test]"
+fi
+"$VENV/bin/python" - <<'PY'
+import torch, transformers, accelerate
+print(f"[setup] torch {torch.__version__}, transformers {transformers.__version__}, accelerate {accelerate.__version__}")
+PY
