@@ -11,10 +11,40 @@ the compute stream wait for them, so the transfer overlaps with the kernels queu
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
+
+
+@dataclass
+class CommWaitStats:
+    """Seconds spent blocked in ``RingExchange.wait`` (the part of the transfers that
+    compute did not hide), and how many waits there were."""
+
+    seconds: float = 0.0
+    waits: int = 0
+
+
+_STATS: Optional[CommWaitStats] = None
+
+
+@contextlib.contextmanager
+def record_comm_wait() -> Iterator[CommWaitStats]:
+    """Measure the time ring transfers keep compute waiting, inside the ``with`` block.
+
+    On CUDA the wait returns once the wait is queued, so this measures host-side blocking
+    only; synchronise around it (the benchmarks do) for device time.
+    """
+    global _STATS
+    previous, _STATS = _STATS, CommWaitStats()
+    try:
+        yield _STATS
+    finally:
+        _STATS = previous
 
 
 class RingExchange:
@@ -39,9 +69,13 @@ class RingExchange:
         self._reqs = dist.batch_isend_irecv(ops)
 
     def wait(self) -> None:
+        start = time.perf_counter() if _STATS is not None else 0.0
         for req in self._reqs:
             req.wait()
         self._reqs = []
+        if _STATS is not None:
+            _STATS.seconds += time.perf_counter() - start
+            _STATS.waits += 1
 
 
 class DoubleBuffer:
