@@ -1,0 +1,216 @@
+"""CPU-side checks of the CUDA backends (hf_ring/kernels/cuda.py).
+
+Without a GPU the kernels cannot run, so this file checks what can be checked here:
+- they are never offered or chosen for CPU tensors, and asking for them is a clear error;
+- the installed PyTorch's schema of the memory-efficient op is the one the code calls;
+- the glue around each kernel (argument binding per flash-attn version, lse padding,
+  GQA head repetition and gradient summation) against the reference backend, with the
+  kernel replaced by a CPU stand-in that follows the kernel's documented contract
+  (signature, return tuple, lse layout). These stand-ins are written from the upstream
+  signatures (flash-attn 2.6 / 2.7+, the hopper interface, aten's schema), so a wrong
+  argument name or return index in cuda.py fails here.
+
+Tolerance: float64 inputs; out within 1e-10 relative error (the glue adds no arithmetic),
+lse and gradients within 1e-6, because the kernels' lse is float32 by contract (~1e-8
+relative rounding, which the stand-ins reproduce).
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from packaging.version import Version
+
+from hf_ring.kernels import available_backends, cuda, get_backend
+from hf_ring.kernels.reference import reference_backward, reference_forward
+from reference_attention import rel_err
+
+CUDA_NAMES = ("flash_attn", "flash_attn_3", "torch_efficient")
+
+
+def test_not_offered_on_cpu():
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        names = available_backends(torch.device("cpu"), dtype)
+        assert not set(CUDA_NAMES) & set(names)
+        assert get_backend("auto", torch.device("cpu"), dtype).name == "torch_cpu_flash"
+
+
+@pytest.mark.parametrize("name", CUDA_NAMES)
+def test_asking_on_cpu_is_a_clear_error(name):
+    with pytest.raises(ValueError, match="cuda|not installed"):
+        get_backend(name, torch.device("cpu"), torch.bfloat16)
+
+
+@pytest.mark.parametrize("fn", [cuda.fa2_forward, cuda.fa3_forward, cuda.efficient_forward])
+def test_kernels_refuse_cpu_tensors(fn):
+    q = torch.randn(1, 4, 2, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="runs on CUDA tensors"):
+        fn(q, q, q, True, 0.5)
+
+
+def test_efficient_schema_matches_installed_torch():
+    cuda.check_efficient_schema()
+
+
+def _inputs(hq=4, hk=2, sq=6, sk=6, d=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, sq, hq, d, generator=g, dtype=torch.float64)
+    k = torch.randn(2, sk, hk, d, generator=g, dtype=torch.float64)
+    v = torch.randn(2, sk, hk, d, generator=g, dtype=torch.float64)
+    dout = torch.randn(2, sq, hq, d, generator=g, dtype=torch.float64)
+    return q, k, v, dout
+
+
+def _check_against_reference(backend_fwd, backend_bwd, causal, hq=4, hk=2):
+    sk = 6 if causal else 10
+    q, k, v, dout = _inputs(hq=hq, hk=hk, sk=sk)
+    scale = 1 / math.sqrt(q.shape[-1])
+    out, lse = backend_fwd(q, k, v, causal, scale)
+    ref_out, ref_lse = reference_forward(q, k, v, causal, scale)
+    assert rel_err(out, ref_out) < 1e-10 and lse.dtype == torch.float32 and rel_err(lse, ref_lse) < 1e-6
+    # A non-contiguous column slice of a wider lse, as the ring passes it.
+    lse_view = torch.cat([ref_lse, ref_lse], dim=-1)[:, :, : q.shape[1]]
+    grads = backend_bwd(dout, q, k, v, ref_out, lse_view, causal, scale)
+    ref = reference_backward(dout, q, k, v, ref_out, ref_lse, causal, scale)
+    for got, want in zip(grads, ref):
+        assert got.shape == want.shape and rel_err(got, want) < 1e-6
+
+
+# ---------------------------------------------------- stand-ins for the CUDA kernels
+
+
+def _ref_lse(q, k, v, causal, scale):
+    return reference_forward(q, k, v, causal, scale)
+
+
+def _fa2_26_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_softmax):
+    assert dropout_p == 0.0 and window_size == (-1, -1) and softcap == 0.0 and alibi_slopes is None
+    out, lse = _ref_lse(q, k, v, causal, softmax_scale)
+    return out, q, k, v, out, lse.float(), None, None
+
+
+def _fa2_26_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
+                     window_size, softcap, alibi_slopes, deterministic, rng_state=None):
+    assert softmax_lse.is_contiguous() and softmax_lse.dtype == torch.float32 and window_size == (-1, -1)
+    for buf, g in zip((dq, dk, dv), reference_backward(dout, q, k, v, out, softmax_lse.double(), causal, softmax_scale)):
+        buf.copy_(g)
+    return dq, dk, dv, None
+
+
+def _fa2_27_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
+                    alibi_slopes, return_softmax):
+    assert (window_size_left, window_size_right) == (-1, -1)
+    out, lse = _ref_lse(q, k, v, causal, softmax_scale)
+    return out, lse.float(), None, None
+
+
+def _fa2_27_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
+                     window_size_left, window_size_right, softcap, alibi_slopes, deterministic, rng_state=None):
+    assert softmax_lse.is_contiguous() and (window_size_left, window_size_right) == (-1, -1)
+    for buf, g in zip((dq, dk, dv), reference_backward(dout, q, k, v, out, softmax_lse.double(), causal, softmax_scale)):
+        buf.copy_(g)
+    return None
+
+
+@pytest.mark.parametrize("version", ["2.6.3", "2.8.3"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_flash_attn_2_glue(monkeypatch, version, causal):
+    if Version(version) >= cuda.FA2_SPLIT_WINDOW:
+        module = SimpleNamespace(_flash_attn_forward=_fa2_27_forward, _flash_attn_backward=_fa2_27_backward)
+    else:
+        module = SimpleNamespace(_flash_attn_forward=_fa2_26_forward, _flash_attn_backward=_fa2_26_backward)
+    monkeypatch.setattr(cuda, "_check", lambda *a: None)
+    monkeypatch.setattr(cuda, "_fa2", lambda: (module, Version(version)))
+    _check_against_reference(cuda.fa2_forward, cuda.fa2_backward, causal)
+
+
+def test_flash_attn_2_wrong_signature_is_an_error(monkeypatch):
+    module = SimpleNamespace(_flash_attn_forward=_fa2_26_forward, _flash_attn_backward=_fa2_26_backward)
+    monkeypatch.setattr(cuda, "_check", lambda *a: None)
+    monkeypatch.setattr(cuda, "_fa2", lambda: (module, Version("2.7.4")))  # 2.7 names on a 2.6 signature
+    q, k, v, _ = _inputs()
+    with pytest.raises(NotImplementedError, match="unexpected signature"):
+        cuda.fa2_forward(q, k, v, True, 0.3)
+
+
+def _fa3_forward(q, k, v, k_new=None, v_new=None, qv=None, out_=None, cu_seqlens_q=None, softmax_scale=None,
+                 causal=False, window_size_left=-1, window_size_right=-1, num_splits=1, sm_margin=0):
+    out, lse = _ref_lse(q, k, v, causal, softmax_scale)
+    return out, lse.float(), torch.empty(0), torch.empty(0)
+
+
+def _fa3_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q=None, dq=None, dk=None, dv=None,
+                  softmax_scale=None, is_causal=False, window_size_left=-1, window_size_right=-1,
+                  deterministic=False, sm_margin=0):
+    for buf, g in zip((dq, dk, dv), reference_backward(dout, q, k, v, out, softmax_lse.double(), is_causal, softmax_scale)):
+        buf.copy_(g)
+    return torch.empty(0)
+
+
+def _fa3_old_forward(q, k, v, softmax_scale, causal, window_size, descale_q=None):
+    out, lse = _ref_lse(q, k, v, causal, softmax_scale)
+    return out, q, k, v, out, lse.float(), None
+
+
+def _fa3_old_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal, window_size, deterministic):
+    for buf, g in zip((dq, dk, dv), reference_backward(dout, q, k, v, out, softmax_lse.double(), causal, softmax_scale)):
+        buf.copy_(g)
+    return dq, dk, dv, None
+
+
+@pytest.mark.parametrize("era", ["current", "old"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_flash_attn_3_glue(monkeypatch, era, causal):
+    fns = (_fa3_forward, _fa3_backward) if era == "current" else (_fa3_old_forward, _fa3_old_backward)
+    monkeypatch.setattr(cuda, "_check", lambda *a: None)
+    monkeypatch.setattr(cuda, "_fa3", lambda: SimpleNamespace(_flash_attn_forward=fns[0], _flash_attn_backward=fns[1]))
+    _check_against_reference(cuda.fa3_forward, cuda.fa3_backward, causal)
+
+
+def test_params_of_a_torch_custom_op():
+    @torch.library.custom_op("hf_ring_test::fa_like", mutates_args=(), device_types="cpu")
+    def fa_like(q: torch.Tensor, softmax_scale: float, is_causal: bool = False) -> torch.Tensor:
+        return q.clone()
+
+    assert cuda._params(fa_like) == {"q": False, "softmax_scale": False, "is_causal": True}
+    kwargs = cuda.bind_kwargs(fa_like, "fa_like", {"q": torch.ones(1), "softmax_scale": 0.5})
+    assert set(kwargs) == {"q", "softmax_scale"}
+    with pytest.raises(NotImplementedError, match="unexpected signature"):
+        cuda.bind_kwargs(fa_like, "fa_like", {"q": torch.ones(1), "softmax_scale": 0.5, "causal": True})
+
+
+def test_pick_out_lse_refuses_a_wrong_tuple():
+    q = torch.zeros(1, 5, 2, 8)
+    with pytest.raises(NotImplementedError, match="not supported"):
+        cuda.pick_out_lse((q, torch.zeros(1, 2, 6)), q, "kernel")
+
+
+def _eff_forward(query, key, value, bias, cu_q, cu_k, max_q, max_k, dropout_p, custom_mask_type,
+                 compute_log_sumexp, *, scale=None):
+    assert query.shape[2] == key.shape[2] == value.shape[2], "the op takes equal head counts"
+    assert bias is None and dropout_p == 0.0 and compute_log_sumexp and custom_mask_type in (0, 1)
+    out, lse = reference_forward(query, key, value, custom_mask_type == 1, scale)
+    pad = math.ceil(query.shape[1] / 32) * 32 - query.shape[1]
+    lse = torch.nn.functional.pad(lse.float(), (0, pad), value=float("inf"))
+    return out, lse, torch.empty(()), torch.empty(()), query.shape[1], key.shape[1]
+
+
+def _eff_backward(grad_out, query, key, value, bias, out, cu_q, cu_k, max_q, max_k, logsumexp, dropout_p,
+                  seed, offset, custom_mask_type, bias_requires_grad, *, scale=None):
+    assert query.shape[2] == key.shape[2] and out.is_contiguous() and logsumexp.shape[-1] % 32 == 0
+    assert torch.isinf(logsumexp[:, :, max_q:]).all() and max_q == query.shape[1] and max_k == key.shape[1]
+    lse = logsumexp[:, :, :max_q].double()
+    dq, dk, dv = reference_backward(grad_out, query, key, value, out, lse, custom_mask_type == 1, scale)
+    return dq, dk, dv, None
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_torch_efficient_glue(monkeypatch, heads, causal):
+    monkeypatch.setattr(cuda, "_check", lambda *a: None)
+    monkeypatch.setattr(cuda, "_EFF_FWD", _eff_forward)
+    monkeypatch.setattr(cuda, "_EFF_BWD", _eff_backward)
+    _check_against_reference(cuda.efficient_forward, cuda.efficient_backward, causal, *heads)
