@@ -5,6 +5,8 @@ transformers (when transformers is installed). The core (``hf_ring.kernels``,
 ``hf_ring.ring``, ``hf_ring.sharding``) works without it.
 """
 
+import importlib.util
+
 from hf_ring.ring import (
     ContextParallelState,
     get_context_parallel_state,
@@ -27,3 +29,25 @@ __all__ = [
     "shard_sequence",
     "unshard_sequence",
 ]
+
+# Registers attn_implementation="ring_flash" (and applies hf_ring.patches.transformers)
+# when transformers is installed; the core above needs only torch.
+if importlib.util.find_spec("transformers") is not None:
+    from hf_ring.hf.registration import register as _register_ring_flash
+
+    _register_ring_flash()
+
+# The collator and the Accelerate plugin need only torch; the Trainer needs transformers.
+from hf_ring.hf.collator import RingCollatorConfig, RingDataCollator
+from hf_ring.hf.plugin import RingAttentionPlugin
+
+__all__ += ["RingCollatorConfig", "RingDataCollator", "RingAttentionPlugin"]
+
+try:
+    import transformers as _transformers  # noqa: F401
+except ImportError:
+    pass
+else:
+    from hf_ring.hf.trainer import RingTrainer
+
+    __all__ += ["RingTrainer"]

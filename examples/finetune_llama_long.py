@@ -1,0 +1,154 @@
+"""Fine-tune a Llama model at long context with the HF Trainer and context parallelism.
+
+One process per device; the sequence of every batch is split over ``--cp_size`` processes
+(ring attention), the batches over the remaining data-parallel ranks.
+
+    # CPU, 2 processes, one CP group of 2 (--multi_gpu makes accelerate start the processes
+    # with torchrun; without it, on a machine with no GPU, it starts only one):
+    accelerate launch --multi_gpu --num_processes 2 examples/finetune_llama_long.py --cp_size 2
+    # or with the config beside this file:
+    accelerate launch --config_file examples/accelerate_cpu.yaml examples/finetune_llama_long.py --cp_size 2
+    # 8 GPUs, 2 data-parallel x 4 context-parallel, a real checkpoint:
+    accelerate launch --config_file examples/accelerate_gpu.yaml examples/finetune_llama_long.py \\
+        --cp_size 4 --seq_len 65536 --model_name_or_path /path/to/llama --bf16
+
+Default: a tiny Llama initialised on the spot, a byte-level tokenizer and a synthetic
+passkey-retrieval set (loss on the answer only), so nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Optional, Sequence
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, TrainingArguments
+
+import hf_ring
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from long_context_data import ByteTokenizer, passkey_dataset  # noqa: E402
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cp_size", type=int, default=1, help="processes per context-parallel group")
+    p.add_argument("--layout", default="zigzag", choices=["zigzag", "stripe", "contiguous"])
+    p.add_argument("--seq_len", type=int, default=2048, help="longest example, in tokens")
+    p.add_argument("--packing", action="store_true", help="pack each batch's examples into one row")
+    p.add_argument("--max_steps", type=int, default=40)
+    p.add_argument("--output_dir", default="output/finetune_llama_long")
+    p.add_argument("--model_name_or_path", default=None, help="a real checkpoint instead of the tiny default model")
+    p.add_argument("--attn_implementation", default=None,
+                   help="default: ring_flash when cp_size > 1, else sdpa")
+    p.add_argument("--hidden_size", type=int, default=64, help="default model only")
+    p.add_argument("--num_layers", type=int, default=2, help="default model only")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--per_device_train_batch_size", type=int, default=1,
+                   help="examples per data-parallel rank and micro-step (with --packing: documents per row)")
+    p.add_argument("--per_device_eval_batch_size", type=int, default=1)
+    p.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    p.add_argument("--learning_rate", type=float, default=2e-3)
+    p.add_argument("--num_train_examples", type=int, default=256)
+    p.add_argument("--num_eval_examples", type=int, default=8)
+    p.add_argument("--eval_steps", type=int, default=20, help="evaluate every N steps (0: only at the end)")
+    p.add_argument("--save_steps", type=int, default=0, help="checkpoint every N steps (0: no checkpoints)")
+    p.add_argument("--logging_steps", type=int, default=1)
+    p.add_argument("--resume_from_checkpoint", default=None)
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--disable_tqdm", action="store_true")
+    return p.parse_args(argv)
+
+
+def training_arguments(args: argparse.Namespace) -> TrainingArguments:
+    evaluate = args.num_eval_examples > 0 and args.eval_steps > 0
+    return TrainingArguments(
+        output_dir=args.output_dir,
+        max_steps=args.max_steps,
+        per_device_train_batch_size=args.per_device_train_batch_size,
+        per_device_eval_batch_size=args.per_device_eval_batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        learning_rate=args.learning_rate,
+        lr_scheduler_type="constant",
+        logging_steps=args.logging_steps,
+        eval_strategy="steps" if evaluate else "no",
+        eval_steps=args.eval_steps if evaluate else None,
+        save_strategy="steps" if args.save_steps > 0 else "no",
+        save_steps=args.save_steps if args.save_steps > 0 else 500,
+        seed=args.seed,
+        data_seed=args.seed,
+        bf16=args.bf16,
+        use_cpu=not torch.cuda.is_available(),
+        report_to="none",
+        disable_tqdm=args.disable_tqdm,
+    )
+
+
+def build_model(args: argparse.Namespace, tokenizer, attn_implementation: str) -> torch.nn.Module:
+    if args.model_name_or_path:
+        return AutoModelForCausalLM.from_pretrained(
+            args.model_name_or_path, attn_implementation=attn_implementation, dtype=torch.float32
+        )
+    heads = max(2, args.hidden_size // 16)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=args.hidden_size,
+        intermediate_size=2 * args.hidden_size,
+        num_hidden_layers=args.num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads // 2,
+        max_position_embeddings=2 * args.seq_len,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        use_cache=False,
+    )
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    training_args = training_arguments(args)  # initialises the process group (gloo on CPU, NCCL on GPU)
+    plugin = hf_ring.RingAttentionPlugin(cp_size=args.cp_size, layout=args.layout)
+    state = plugin.setup()
+    print(f"[hf_ring] {plugin.describe()} (dp_size {state.dp_size} x cp_size {state.cp_size})", flush=True)
+
+    if args.model_name_or_path:
+        tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    else:
+        tokenizer = ByteTokenizer()
+        pad_id = tokenizer.pad_token_id
+    train_set = passkey_dataset(tokenizer, args.num_train_examples, args.seq_len, seed=args.seed)
+    eval_set = passkey_dataset(tokenizer, args.num_eval_examples, args.seq_len, seed=args.seed + 1)
+
+    attn = args.attn_implementation or ("ring_flash" if args.cp_size > 1 else "sdpa")
+    transformers.set_seed(args.seed)  # the same initial weights on every rank and in every run
+    model = build_model(args, tokenizer, attn)
+
+    trainer = hf_ring.RingTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=train_set,
+        eval_dataset=eval_set if args.num_eval_examples > 0 else None,
+        data_collator=plugin.make_collator(pad_token_id=pad_id, packing=args.packing),
+        ring_plugin=plugin,
+    )
+    result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    metrics = dict(result.metrics)
+    if args.num_eval_examples > 0:
+        metrics.update(trainer.evaluate())
+    trainer.save_state()  # writes output_dir/trainer_state.json (log_history: loss per step, eval_loss)
+    if trainer.is_world_process_zero():
+        print(f"[hf_ring] done: train_loss {metrics.get('train_loss')}, eval_loss {metrics.get('eval_loss')}; "
+              f"log in {os.path.join(args.output_dir, 'trainer_state.json')}", flush=True)
+    return metrics
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""Accelerate integration: the dp x cp process groups and data sharded over data-parallel ranks.
+
+Under context parallelism the ``cp_size`` ranks of one CP group work on the SAME batch
+(each on its shard of the sequence), so the data loader must hand out batches per
+data-parallel rank, not per process. Accelerate's own ``prepare_data_loader`` already
+knows how to give each of ``num_processes`` processes its share (samplers, seeding,
+even batches, resuming with ``skip_first_batches``); the plugin calls it with
+``num_processes=dp_size, process_index=dp_rank`` instead of the world's, and installs that
+on the Accelerator so that ``accelerator.prepare(dataloader)`` (the HF Trainer's path too)
+does it.
+
+Usage in a custom loop::
+
+    accelerator = Accelerator()
+    plugin = hf_ring.RingAttentionPlugin(cp_size=4)
+    state = plugin.attach(accelerator)      # builds the groups, hooks prepare()
+    collator = plugin.make_collator(pad_token_id=tok.pad_token_id)
+    model, opt, loader = accelerator.prepare(model, opt, DataLoader(ds, collate_fn=collator))
+
+and compute the loss with :mod:`hf_ring.hf.loss` (``scale_for_ddp`` with
+``plugin.world_size``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from hf_ring.hf.collator import RingDataCollator
+from hf_ring.hf.loss import all_reduce_sum
+from hf_ring.ring.groups import ContextParallelState, setup_context_parallel
+from hf_ring.sharding.layouts import check_layout
+
+
+def _ensure_process_group() -> None:
+    """Initialise the default process group the way Accelerate does (gloo on CPU, NCCL on GPU)."""
+    if dist.is_available() and dist.is_initialized():
+        return
+    from accelerate import PartialState
+
+    PartialState(cpu=not torch.cuda.is_available())
+
+
+@dataclass
+class RingAttentionPlugin:
+    """Context parallelism for Accelerate.
+
+    Attributes:
+        cp_size: processes per context-parallel group (the sequence is split ``cp_size``
+            ways); must divide the number of processes. Groups are consecutive global ranks.
+        layout: the sequence layout, ``"zigzag"`` (default), ``"stripe"`` or ``"contiguous"``;
+            the collator and the attention must use the same.
+    """
+
+    cp_size: int = 1
+    layout: str = "zigzag"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.cp_size, int) or isinstance(self.cp_size, bool) or self.cp_size < 1:
+            raise ValueError(f"cp_size must be a positive int, got {self.cp_size!r}")
+        check_layout(self.layout)
+        self._state: Optional[ContextParallelState] = None
+
+    # ---- groups ----
+
+    def setup(self) -> ContextParallelState:
+        """Build (once) the dp x cp groups over the default process group and make them active.
+
+        Initialises the default group through Accelerate's ``PartialState`` when nothing did
+        yet. Collective: every process must call it.
+        """
+        if self._state is not None:
+            return self._state
+        _ensure_process_group()
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world % self.cp_size != 0:
+            hint = ""
+            if world == 1:
+                hint = (
+                    " Only one process is running. On a machine without GPUs `accelerate launch "
+                    "--num_processes N` starts a single process unless --multi_gpu is also given "
+                    "(it then starts N processes with torchrun and hf_ring uses gloo); `torchrun "
+                    "--nproc_per_node N` works too."
+                )
+            raise ValueError(
+                f"cp_size={self.cp_size} needs a multiple of {self.cp_size} processes, but the world "
+                f"has {world}.{hint}"
+            )
+        self._state = setup_context_parallel(self.cp_size)
+        return self._state
+
+    @property
+    def state(self) -> ContextParallelState:
+        if self._state is None:
+            raise RuntimeError("call RingAttentionPlugin.setup() (or attach()) first")
+        return self._state
+
+    @property
+    def world_size(self) -> int:
+        """All processes, ``dp_size * cp_size``: what DDP averages gradients over."""
+        return self.state.world_size
+
+    def describe(self) -> str:
+        """One line about this process's place in the dp x cp grid."""
+        s = self.state
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        backend = dist.get_backend() if dist.is_initialized() else "none"
+        return (
+            f"rank {rank}/{s.world_size} (backend {backend}): dp_rank {s.dp_rank}/{s.dp_size}, "
+            f"cp_rank {s.cp_rank}/{s.cp_size}, layout {self.layout}"
+        )
+
+    # ---- data ----
+
+    def make_collator(self, pad_token_id: int, **kwargs: Any) -> RingDataCollator:
+        """A :class:`RingDataCollator` for this process's CP rank and the plugin's layout."""
+        s = self.setup()
+        return RingDataCollator(pad_token_id, cp_size=s.cp_size, cp_rank=s.cp_rank, layout=self.layout, **kwargs)
+
+    def attach(self, accelerator: Any) -> ContextParallelState:
+        """Set up the groups and make ``accelerator.prepare`` shard data loaders over the
+        data-parallel ranks only (every rank of a CP group then gets the same batches)."""
+        state = self.setup()
+        if accelerator.num_processes != state.world_size:
+            raise RuntimeError(
+                f"the Accelerator sees {accelerator.num_processes} processes but the default process "
+                f"group has {state.world_size}; create the Accelerator in the launched processes"
+            )
+        plugin = self
+
+        def prepare_data_loader(acc, data_loader, device_placement=None, slice_fn_for_dispatch=None):
+            return plugin.prepare_data_loader(acc, data_loader, device_placement, slice_fn_for_dispatch)
+
+        accelerator.prepare_data_loader = types.MethodType(prepare_data_loader, accelerator)
+        accelerator.ring_attention_plugin = self
+        return state
+
+    def prepare_data_loader(
+        self,
+        accelerator: Any,
+        data_loader: torch.utils.data.DataLoader,
+        device_placement: Optional[bool] = None,
+        slice_fn_for_dispatch: Any = None,
+    ) -> torch.utils.data.DataLoader:
+        """Accelerate's ``prepare_data_loader`` with the data-parallel coordinates."""
+        from accelerate.data_loader import prepare_data_loader
+        from accelerate.utils import DistributedType
+
+        if getattr(data_loader, "_is_accelerate_prepared", False):
+            return data_loader
+        if accelerator.dispatch_batches:
+            raise NotImplementedError(
+                "dispatch_batches=True sends slices of one batch to every process, but under context "
+                "parallelism all ranks of a CP group need the same whole batch; set "
+                "dispatch_batches=False in the Accelerator's DataLoaderConfiguration (the Trainer's "
+                "accelerator_config)"
+            )
+        state = self.state
+        if device_placement is None:
+            device_placement = accelerator.device_placement and accelerator.distributed_type != DistributedType.XLA
+        kwargs = dict(
+            num_processes=state.dp_size,
+            process_index=state.dp_rank,
+            split_batches=accelerator.split_batches,
+            put_on_device=device_placement,
+            rng_types=list(accelerator.rng_types),
+            dispatch_batches=False,
+            even_batches=accelerator.even_batches,
+            slice_fn_for_dispatch=slice_fn_for_dispatch,
+            use_seedable_sampler=accelerator.use_seedable_sampler,
+            data_seed=getattr(accelerator.dataloader_config, "data_seed", None),
+            non_blocking=accelerator.non_blocking,
+            use_stateful_dataloader=getattr(accelerator, "use_stateful_dataloader", False),
+        )
+        # Older Accelerate versions take fewer options; pass what this one knows.
+        accepted = inspect.signature(prepare_data_loader).parameters
+        kwargs = {k: v for k, v in kwargs.items() if k in accepted}
+        prepared = prepare_data_loader(data_loader, accelerator.device, **kwargs)
+        # Registered like Accelerate's own loaders, so save_state/load_state and the
+        # gradient-accumulation end-of-data tracking see it.
+        if isinstance(getattr(accelerator, "_dataloaders", None), list):
+            accelerator._dataloaders.append(prepared)
+        return prepared
+
+    # ---- loss ----
+
+    def global_token_count(self, local_count: torch.Tensor) -> torch.Tensor:
+        """Valid tokens summed over the whole dp x cp world (collective)."""
+        return all_reduce_sum(local_count, group=None)

@@ -1,0 +1,209 @@
+"""``RingTrainer``: the HF Trainer with context parallelism.
+
+What changes against the stock Trainer, and why:
+
+- data: the Accelerator is hooked by :class:`RingAttentionPlugin` so batches are sharded over
+  the data-parallel ranks only; every rank of a CP group gets the same batch and the
+  :class:`RingDataCollator` keeps its shard of the sequence;
+- training loss: the stock per-rank loss is a mean over the rank's tokens, which under CP is
+  the mean of a shard (NaN for a shard without an answer token). Here each rank computes its
+  share ``sum of its token losses / valid tokens of the whole optimizer step over the whole
+  dp x cp world`` (``num_items_in_batch``, counted from ``shift_labels`` across gradient
+  accumulation), times ``world_size`` because DDP averages gradients over every process.
+  The gradients then equal those of a run without CP, and the Trainer's logged loss (the
+  mean over processes of what each returns) is the true token mean;
+- eval loss: the token mean over the whole evaluation set (every token weighs the same),
+  from per-rank ``(sum, count)`` totals reduced once at the end;
+- bookkeeping: the total train batch size counts data-parallel ranks only.
+
+Works with transformers 4.57 and 5.x (it overrides only public or long-stable methods:
+``compute_loss``, ``get_batch_samples``, ``prediction_step``, ``evaluation_loop``,
+``get_total_train_batch_size``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from transformers import Trainer
+
+from hf_ring.hf.collator import RingDataCollator
+from hf_ring.hf.loss import (
+    LossTotals,
+    all_reduce_sum,
+    count_valid_tokens,
+    loss_share,
+    scale_for_ddp,
+    token_loss_sum,
+)
+from hf_ring.hf.plugin import RingAttentionPlugin
+
+RING_ATTENTION = "ring_flash"
+
+
+def _pop_shift_labels(inputs: dict[str, Any]) -> torch.Tensor:
+    """Remove the label keys (so the model computes no loss of its own); return shift_labels."""
+    inputs.pop("labels", None)
+    if "shift_labels" not in inputs:
+        raise ValueError(
+            "the batch has no 'shift_labels'; under context parallelism labels must be shifted on "
+            "the full sequence before sharding: use hf_ring.RingDataCollator as data_collator"
+        )
+    return inputs.pop("shift_labels")
+
+
+class RingTrainer(Trainer):
+    """``transformers.Trainer`` for context-parallel training.
+
+    Args:
+        ring_plugin: the :class:`RingAttentionPlugin` (its ``cp_size`` and layout); default
+            ``RingAttentionPlugin(cp_size=1)``.
+        *args, **kwargs: as for ``transformers.Trainer``. ``data_collator`` must produce
+            ``shift_labels`` (use :class:`RingDataCollator`, e.g. ``ring_plugin.make_collator``);
+            with ``cp_size > 1`` the model must use ``attn_implementation="ring_flash"``.
+
+    Not supported (clear error at construction): ``compute_loss_func``, label smoothing,
+    ``compute_metrics`` with ``cp_size > 1`` (predictions are sharded), the legacy
+    prediction loop, the ``batch_rebalance`` sampling strategy, ``torch.nn.DataParallel``.
+    """
+
+    # compute_loss returns a share already normalised over the whole accumulated step.
+    loss_is_scaled_for_ga = True
+
+    def __init__(self, *args: Any, ring_plugin: Optional[RingAttentionPlugin] = None, **kwargs: Any):
+        self.ring_plugin = ring_plugin if ring_plugin is not None else RingAttentionPlugin(cp_size=1)
+        super().__init__(*args, **kwargs)
+        self.ring_state = self.ring_plugin.attach(self.accelerator)
+        self._check_supported()
+        # transformers 4.x decides from this whether compute_loss already normalised for
+        # gradient accumulation (it does: num_items_in_batch covers the whole step).
+        self.model_accepts_loss_kwargs = True
+        self._eval_totals: Optional[LossTotals] = None
+
+    def _check_supported(self) -> None:
+        state, args = self.ring_state, self.args
+        if state.cp_size > 1:
+            impl = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
+            if impl != RING_ATTENTION:
+                raise ValueError(
+                    f"cp_size={state.cp_size} but the model uses attn_implementation={impl!r}; load it "
+                    f"with attn_implementation={RING_ATTENTION!r} (after `import hf_ring`), otherwise each "
+                    "rank would attend only within its own shard"
+                )
+            if self.compute_metrics is not None:
+                raise NotImplementedError(
+                    "compute_metrics sees per-rank shards of the predictions under context parallelism; "
+                    "drop compute_metrics (the eval loss is exact) or evaluate with cp_size=1"
+                )
+        if self.compute_loss_func is not None:
+            raise ValueError("RingTrainer computes the loss itself (token mean over dp x cp); drop compute_loss_func")
+        if args.label_smoothing_factor != 0:
+            raise NotImplementedError("label smoothing is not supported by RingTrainer; set label_smoothing_factor=0")
+        if getattr(args, "use_legacy_prediction_loop", False):
+            raise NotImplementedError("RingTrainer needs the standard evaluation loop; set use_legacy_prediction_loop=False")
+        if getattr(args, "train_sampling_strategy", None) == "batch_rebalance":
+            raise NotImplementedError(
+                "train_sampling_strategy='batch_rebalance' shards batches over every process, not over "
+                "data-parallel ranks; use 'random', 'sequential' or 'group_by_length'"
+            )
+        if args.n_gpu > 1:
+            raise NotImplementedError(
+                "torch.nn.DataParallel (several GPUs in one process) is not supported; launch one "
+                "process per device with accelerate launch or torchrun"
+            )
+        collator = self.data_collator
+        if isinstance(collator, RingDataCollator):
+            cfg = collator.config
+            if (cfg.cp_size, cfg.cp_rank) != (state.cp_size, state.cp_rank) or cfg.layout != self.ring_plugin.layout:
+                raise ValueError(
+                    f"the data collator shards for cp_size={cfg.cp_size}, cp_rank={cfg.cp_rank}, "
+                    f"layout={cfg.layout!r} but this process is cp_rank {state.cp_rank} of {state.cp_size} "
+                    f"with layout={self.ring_plugin.layout!r}; build it with ring_plugin.make_collator(...)"
+                )
+
+    # ---- training ----
+
+    def get_total_train_batch_size(self, args: Any) -> int:
+        """Examples per optimizer step: CP ranks share a batch, so only data-parallel ranks count."""
+        return self._train_batch_size * args.gradient_accumulation_steps * self.ring_state.dp_size
+
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: torch.device) -> tuple[list, Any]:
+        """The step's micro-batches and their valid-token count over the whole dp x cp world."""
+        batch_samples = []
+        for _ in range(num_batches):
+            try:
+                batch_samples.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        if not batch_samples:
+            return batch_samples, None
+        local = sum(count_valid_tokens(b["shift_labels"]).to(device) for b in batch_samples)
+        return batch_samples, self.ring_plugin.global_token_count(local)
+
+    def compute_loss(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: Optional[torch.Tensor] = None,
+    ) -> Any:
+        """This rank's share of the token-mean loss, scaled for DDP's average over processes."""
+        shift_labels = _pop_shift_labels(inputs)
+        outputs = model(**inputs)
+        token_sum = token_loss_sum(outputs.logits, shift_labels)
+        if num_items_in_batch is None:
+            num_items_in_batch = self.ring_plugin.global_token_count(count_valid_tokens(shift_labels))
+        loss = scale_for_ddp(loss_share(token_sum, num_items_in_batch), self.ring_state.world_size)
+        return (loss, outputs) if return_outputs else loss
+
+    # ---- evaluation ----
+
+    def prediction_step(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, Any],
+        prediction_loss_only: bool,
+        ignore_keys: Optional[list[str]] = None,
+    ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """Loss of the CP group's batch (its token mean); adds this rank's totals for eval_loss.
+
+        Returns ``(loss, logits, labels)``; logits and labels (this rank's shards) only when
+        ``prediction_loss_only`` is False.
+        """
+        inputs = self._prepare_inputs(inputs)
+        shift_labels = _pop_shift_labels(inputs)
+        with torch.no_grad():
+            outputs = model(**inputs)
+            token_sum = token_loss_sum(outputs.logits, shift_labels)
+            count = count_valid_tokens(shift_labels)
+        if self._eval_totals is not None:
+            self._eval_totals.add(token_sum, count)
+        group_totals = all_reduce_sum(torch.stack([token_sum.double(), count.double()]), self.ring_state.cp_group)
+        loss = (group_totals[0] / group_totals[1].clamp(min=1)).float()
+        if prediction_loss_only:
+            return loss, None, None
+        return loss, outputs.logits.detach(), shift_labels
+
+    def evaluation_loop(
+        self,
+        dataloader: Any,
+        description: str,
+        prediction_loss_only: Optional[bool] = None,
+        ignore_keys: Optional[list[str]] = None,
+        metric_key_prefix: str = "eval",
+    ) -> Any:
+        """The stock loop, with ``{prefix}_loss`` replaced by the token mean over the whole set."""
+        self._eval_totals = LossTotals()
+        try:
+            output = super().evaluation_loop(
+                dataloader,
+                description,
+                prediction_loss_only=prediction_loss_only,
+                ignore_keys=ignore_keys,
+                metric_key_prefix=metric_key_prefix,
+            )
+            output.metrics[f"{metric_key_prefix}_loss"] = self._eval_totals.global_mean(self.args.device)
+        finally:
+            self._eval_totals = None
+        return output
