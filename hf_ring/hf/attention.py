@@ -1,0 +1,210 @@
+"""The attention function registered with transformers as ``attn_implementation="ring_flash"``.
+
+Every attention layer of a model loaded with ``ring_flash`` calls
+``ring_flash_attention_forward``. What it does depends on the active context-parallel
+state (``hf_ring.setup_context_parallel``):
+
+- No state, or ``cp_size == 1``: exact local attention. It delegates to transformers' own
+  SDPA attention function with the mask transformers built for SDPA (``hf_ring.hf.mask``),
+  so padding masks, sliding windows, KV caches and ``generate()`` behave exactly as with
+  ``attn_implementation="sdpa"``.
+- ``cp_size > 1``: each rank holds a shard of the sequence; q, k, v are moved to the
+  flash layout and run through ``hf_ring.ring_flash_attn_func`` over the CP group (causal,
+  in the state's layout). The model's inputs were validated once for the forward by the
+  guard (``hf_ring.hf.guard``): global position_ids, right padding only (which a causal
+  mask makes harmless, so the mask is dropped), no cache.
+- Packed rows (``cu_seq_lens_q`` among the kwargs, see the collator contract), with or
+  without CP: ``hf_ring.ring_flash_attn_varlen_func``, documents never attending to each
+  other; batch size 1.
+
+What the ring cannot compute is refused, naming the model feature: logit softcapping
+(Gemma 2), attention dropout, sliding windows shorter than the sequence under CP or in
+packed rows, non-causal attention under CP, KV caches under CP.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from hf_ring.hf.cp_inputs import cp_layout
+from hf_ring.hf.guard import note_ring_call
+from hf_ring.ring.api import ring_flash_attn_func, ring_flash_attn_varlen_func
+from hf_ring.ring.groups import ContextParallelState, get_context_parallel_state
+
+
+def _name(module: nn.Module) -> str:
+    layer = getattr(module, "layer_idx", None)
+    return type(module).__name__ + (f" (layer {layer})" if layer is not None else "")
+
+
+def _refuse_unsupported_features(module: nn.Module, dropout: float, softcap: Optional[float]) -> None:
+    if softcap is not None:
+        raise NotImplementedError(
+            f"{_name(module)} uses attention logit softcapping (softcap={softcap}, e.g. Gemma 2's "
+            "attn_logit_softcapping), which ring_flash does not compute; use attn_implementation="
+            "'eager' or a model without softcapping"
+        )
+    if dropout > 0:
+        raise NotImplementedError(
+            f"{_name(module)} asks for attention dropout {dropout} in training, which ring_flash does "
+            "not compute; set the config's attention_dropout to 0.0"
+        )
+
+
+def _is_causal(module: nn.Module, kwargs: dict[str, Any]) -> bool:
+    is_causal = kwargs.get("is_causal")
+    return getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
+
+
+def _refuse_under_ring(
+    module: nn.Module, query: torch.Tensor, key: torch.Tensor, kwargs: dict[str, Any], what: str
+) -> None:
+    if not _is_causal(module, kwargs):
+        raise NotImplementedError(
+            f"{_name(module)} runs non-causal attention, but {what} computes causal self-attention "
+            "only (a decoder's); encoders and cross-attention are not supported"
+        )
+    if key.shape[-2] != query.shape[-2]:
+        raise NotImplementedError(
+            f"{_name(module)} got {key.shape[-2]} keys for {query.shape[-2]} queries: a KV cache "
+            f"(generation) is not supported by {what}; pass use_cache=False, and generate without "
+            "context parallelism"
+        )
+
+
+def _refuse_short_window(module: nn.Module, sliding_window: Optional[int], span: int, what: str) -> None:
+    # transformers' window keeps key j for query i when i - j < window: a window of at least
+    # `span` tokens masks nothing.
+    if sliding_window is not None and sliding_window < span:
+        raise NotImplementedError(
+            f"{_name(module)} uses sliding-window attention (window {sliding_window} tokens) over "
+            f"{span} tokens, which {what} does not compute (it attends to the whole causal past); "
+            f"use sequences (documents) of at most {sliding_window} tokens, or a model without "
+            "sliding windows"
+        )
+
+
+def _local_attention(module, query, key, value, attention_mask, dropout, scaling, sliding_window, kwargs):
+    if attention_mask is not None and attention_mask.dim() != 4:
+        raise ValueError(
+            f"{_name(module)} passed a {attention_mask.dim()}-D attention mask to ring_flash: this "
+            "model treats ring_flash as a flash-attention kernel (flash masks are 2-D), but ring_flash "
+            "takes the 4-D masks transformers builds for SDPA; the model is not supported"
+        )
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    return sdpa(
+        module, query, key, value, attention_mask,
+        dropout=dropout, scaling=scaling, sliding_window=sliding_window, **kwargs,
+    )
+
+
+def _ring_attention(module, query, key, value, attention_mask, scaling, sliding_window, state, kwargs):
+    _refuse_under_ring(module, query, key, kwargs, "ring_flash under context parallelism")
+    if attention_mask is not None:
+        raise ValueError(
+            f"{_name(module)} received a {attention_mask.dim()}-D attention mask under context "
+            "parallelism; ring_flash computes causal attention over the global positions and takes "
+            "no mask (right padding is accepted at the model's input and needs none)"
+        )
+    seq = query.shape[-2] * state.cp_size
+    _refuse_short_window(module, sliding_window, seq, "ring_flash under context parallelism")
+    # transformers: (batch, heads, seq_local, dim); the ring: (batch, seq_local, heads, dim).
+    out = ring_flash_attn_func(
+        query.transpose(1, 2),
+        key.transpose(1, 2),
+        value.transpose(1, 2),
+        group=state.cp_group,
+        causal=True,
+        softmax_scale=scaling,
+        layout=cp_layout(state),
+    )
+    note_ring_call(module)
+    return out, None
+
+
+def _packed_group(state: Optional[ContextParallelState]):
+    if state is not None:
+        return state.cp_group
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise RuntimeError(
+            "packed rows with ring_flash in a multi-process run need hf_ring.setup_context_parallel("
+            "cp_size) first (cp_size=1 for data parallelism alone), so that ring_flash knows which "
+            "processes share a sequence"
+        )
+    return None
+
+
+def _packed_attention(module, query, key, value, scaling, sliding_window, state, kwargs):
+    under_cp = state is not None and state.cp_size > 1
+    what = "ring_flash on packed rows"
+    if query.shape[0] != 1:
+        raise ValueError(
+            f"packed rows (cu_seq_lens_q given) must come with batch size 1, got {query.shape[0]}; "
+            "concatenate the documents into one row"
+        )
+    _refuse_under_ring(module, query, key, kwargs, what)
+    cu_q = kwargs["cu_seq_lens_q"]
+    cu_k = kwargs.get("cu_seq_lens_k")
+    if cu_k is not None and not torch.equal(cu_k.to(cu_q.device), cu_q):
+        raise ValueError("cu_seq_lens_k must equal cu_seq_lens_q: ring_flash computes self-attention")
+    longest = int((cu_q[1:] - cu_q[:-1]).max())
+    _refuse_short_window(module, sliding_window, longest, what)
+    # (1, heads, tokens_local, dim) -> (tokens_local, heads, dim)
+    out = ring_flash_attn_varlen_func(
+        query[0].transpose(0, 1),
+        key[0].transpose(0, 1),
+        value[0].transpose(0, 1),
+        cu_q,
+        group=_packed_group(state),
+        causal=True,
+        softmax_scale=scaling,
+    )
+    if under_cp:
+        note_ring_call(module)
+    return out.unsqueeze(0), None
+
+
+def ring_flash_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-interface signature.
+
+    Args:
+        module: the calling attention layer (``is_causal``, ``layer_idx`` are read).
+        query: ``(batch, n_heads, seq_local, head_dim)``, float16 / bfloat16 / float32.
+        key, value: ``(batch, n_kv_heads, kv_len, head_dim)``, same dtype; ``kv_len`` equals
+            ``seq_local`` unless a KV cache is in use (refused under CP).
+        attention_mask: the mask built by ``hf_ring.hf.mask.ring_flash_mask``: a 4-D SDPA mask
+            or None without CP; None under CP.
+        dropout: attention dropout probability (must be 0).
+        scaling: softmax scale (default ``1 / sqrt(head_dim)``).
+        sliding_window: the layer's window in tokens, or None.
+        softcap: logit softcapping (must be None).
+        kwargs: the model's remaining kwargs; ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (int32
+            ``(n_docs + 1,)``, global document boundaries) select the packed path.
+
+    Returns:
+        ``(attn_output, None)``, attn_output ``(batch, seq_local, n_heads, head_dim)`` in the
+        query's dtype.
+    """
+    _refuse_unsupported_features(module, dropout, softcap)
+    state = get_context_parallel_state()
+    if kwargs.get("cu_seq_lens_q") is not None:
+        return _packed_attention(module, query, key, value, scaling, sliding_window, state, kwargs)
+    if state is None or state.cp_size == 1:
+        return _local_attention(module, query, key, value, attention_mask, dropout, scaling, sliding_window, kwargs)
+    return _ring_attention(module, query, key, value, attention_mask, scaling, sliding_window, state, kwargs)

@@ -1,0 +1,141 @@
+"""Monkey-patches of transformers internals that ``attn_implementation="ring_flash"`` needs.
+
+Written for transformers 4.57.6 (the last 4.x, the oldest with the attention registry)
+and 5.24.0; applied to the release lines they belong to (4.57.x and 5.x) and refused,
+with an error that says what to install, on any other version.
+
+1. ``flash_name_check`` (5.x only). Transformers 5 takes every implementation name
+   containing "flash" for a flash-attention kernel (``utils.generic.
+   is_flash_attention_requested``): model creation then tries to load ``ring_flash`` from
+   the Hub and fails with "Could not find the currently requested flash attention
+   implementation at `ring_flash`", models whose ``_compatible_flash_implementations`` is
+   set would silently swap it for a Hub kernel, and vision encoders, generation and mask
+   code switch to flash calling conventions (unpadded 2-D masks, ``cu_seqlens``).
+   ``ring_flash`` follows SDPA's conventions (4-D masks without context parallelism), so
+   the check is wrapped to answer False for it and exactly as before for every other
+   name. 4.57.x compares names exactly (``== "flash_attention_2"``,
+   ``startswith("flash_attention")``) and needs no such patch.
+2. ``model_hook`` (4.57.x and 5.x). ``PreTrainedModel.post_init`` and
+   ``set_attn_implementation`` call a hook after they ran, so that every model that asks
+   for ``ring_flash`` gets the guard that detects a bypassed ring
+   (``hf_ring.hf.guard``) without the user doing anything.
+
+Each patch checks that what it replaces has the shape it was written for, and raises
+``UnsupportedTransformersVersion`` otherwise. ``apply`` is idempotent.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import sys
+from typing import Callable, Iterable
+
+from packaging.version import Version
+
+WRITTEN_FOR = ("4.57.6", "5.24.0")
+_MARK = "_hf_ring_patched"
+
+
+class UnsupportedTransformersVersion(RuntimeError):
+    """The installed transformers is one these patches do not know how to patch."""
+
+
+def release_line(version: str) -> str:
+    """``"4.57"`` or ``"5"``: which set of patches a transformers version gets.
+
+    Raises ``UnsupportedTransformersVersion`` for any other version.
+    """
+    v = Version(version)
+    if Version("4.57") <= v < Version("4.58"):
+        return "4.57"
+    if Version("5.0.0.dev0") <= v < Version("6"):
+        return "5"
+    raise UnsupportedTransformersVersion(
+        f"hf_ring's transformers patches were written for transformers {' and '.join(WRITTEN_FOR)} "
+        f"(release lines 4.57.x and 5.x) and do not know how to patch transformers {version}; "
+        'install a supported release, e.g. `pip install "transformers>=4.57,<6"`'
+    )
+
+
+def _fail(what: str, version: str) -> UnsupportedTransformersVersion:
+    return UnsupportedTransformersVersion(
+        f"cannot patch transformers {version}: {what}. hf_ring's patches were written for "
+        f"transformers {' and '.join(WRITTEN_FOR)}; install one of those releases or report "
+        "this with your transformers version"
+    )
+
+
+def _patch_flash_name_check(not_flash: frozenset[str], version: str) -> None:
+    generic = importlib.import_module("transformers.utils.generic")
+    original = getattr(generic, "is_flash_attention_requested", None)
+    if original is None:
+        raise _fail("transformers.utils.generic.is_flash_attention_requested is missing", version)
+    if getattr(original, _MARK, False):
+        return
+    params = list(inspect.signature(original).parameters)
+    if params != ["config", "requested_attention_implementation", "version"]:
+        raise _fail(f"is_flash_attention_requested has parameters {params}", version)
+
+    @functools.wraps(original)
+    def is_flash_attention_requested(config=None, requested_attention_implementation=None, version=None):
+        # Both given is an error upstream; let the original raise it.
+        if config is None or requested_attention_implementation is None:
+            name = requested_attention_implementation if config is None else config._attn_implementation
+            if name in not_flash:
+                return False
+        return original(config, requested_attention_implementation, version)
+
+    setattr(is_flash_attention_requested, _MARK, True)
+    is_flash_attention_requested.original = original
+    # Modules already imported hold the function under their own name; modules imported
+    # later take it from utils.generic, which now holds the wrapper.
+    for name, module in list(sys.modules.items()):
+        if (name == "transformers" or name.startswith("transformers.")) and module is not None:
+            if vars(module).get("is_flash_attention_requested") is original:
+                setattr(module, "is_flash_attention_requested", is_flash_attention_requested)
+
+
+def _wrap_method(cls: type, name: str, hook: Callable, version: str) -> None:
+    original = cls.__dict__.get(name)
+    if original is None or not callable(original):
+        raise _fail(f"{cls.__name__}.{name} is missing", version)
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def wrapper(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        hook(self)
+        return result
+
+    setattr(wrapper, _MARK, True)
+    wrapper.original = original
+    setattr(cls, name, wrapper)
+
+
+def apply(not_flash: Iterable[str], model_hook: Callable, version: str | None = None) -> None:
+    """Apply the patches for the installed transformers (or ``version``, for tests of the
+    version check only: the patches themselves act on the installed package).
+
+    Args:
+        not_flash: attention implementation names that transformers must not take for
+            flash-attention kernels (``{"ring_flash"}``).
+        model_hook: called with every ``PreTrainedModel`` after ``post_init`` and after
+            ``set_attn_implementation``.
+        version: defaults to ``transformers.__version__``.
+
+    Raises:
+        UnsupportedTransformersVersion: a version or an internal shape these patches were
+            not written for.
+    """
+    import transformers
+    from transformers import PreTrainedModel
+
+    version = version or transformers.__version__
+    line = release_line(version)
+    if line == "5":
+        _patch_flash_name_check(frozenset(not_flash), version)
+    _wrap_method(PreTrainedModel, "post_init", model_hook, version)
+    _wrap_method(PreTrainedModel, "set_attn_implementation", model_hook, version)
