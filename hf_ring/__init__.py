@@ -43,11 +43,7 @@ from hf_ring.hf.plugin import RingAttentionPlugin
 
 __all__ += ["RingCollatorConfig", "RingDataCollator", "RingAttentionPlugin"]
 
-try:
-    import transformers as _transformers  # noqa: F401
-except ImportError:
-    pass
-else:
+if importlib.util.find_spec("transformers") is not None:
     from hf_ring.hf.trainer import RingTrainer
 
     __all__ += ["RingTrainer"]

@@ -1,0 +1,230 @@
+"""The HF Trainer under context parallelism computes what it computes without it.
+
+Runs examples/finetune_llama_long.py for real, in float32 with a fixed seed, with
+`accelerate launch` (processes started by torchrun underneath, gloo on CPU), and compares
+the Trainer's own logs (trainer_state.json): the training loss of every step and the eval
+loss. Every configuration sees the same 4 examples per optimizer step (gradient
+accumulation 2), so all of them must log the same losses:
+
+    1 process   cp 1: batch 2 x accumulation 2           (the reference, plain SDPA)
+    2 processes cp 2: one CP group, batch 2 x accumulation 2
+    2 processes dp 2: batch 1 x accumulation 2 per rank
+    4 processes dp 2 x cp 2: batch 1 x accumulation 2 per CP group
+
+The passkey data masks the prompt, so most shards hold no valid label (nothing may be NaN).
+Equal losses at every step after 8 AdamW steps also mean equal gradients. A packed variant
+(cp 2 against cp 1) and a resume from a checkpoint complete the picture.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "examples", "finetune_llama_long.py")
+STEPS = 8
+REL_TOL = 1e-4
+COMMON = [
+    "--seq_len", "256", "--max_steps", str(STEPS), "--seed", "3", "--gradient_accumulation_steps", "2",
+    "--num_train_examples", "64", "--num_eval_examples", "8", "--eval_steps", "4",
+    "--learning_rate", "1e-3", "--disable_tqdm",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(nproc: int, out_dir: str, args: list[str]) -> dict:
+    """Run the example on ``nproc`` processes; return its trainer_state.json."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false")
+    script = [EXAMPLE, "--output_dir", out_dir, *COMMON, *args]
+    if nproc == 1:
+        cmd = [sys.executable, *script]
+    else:
+        # --multi_gpu: on a machine without GPUs accelerate otherwise starts ONE process.
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(nproc),
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               "--main_process_port", str(_free_port()), *script]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{log[-6000:]}"
+    # Every process reports where it sits in the dp x cp grid: proof that nproc really ran.
+    assert sum(f"/{nproc} (backend" in line for line in log.splitlines()) == nproc, log[-3000:]
+    with open(os.path.join(out_dir, "trainer_state.json")) as f:
+        return json.load(f)
+
+
+def _losses(state: dict) -> dict[int, float]:
+    return {e["step"]: e["loss"] for e in state["log_history"] if "loss" in e}
+
+
+def _grad_norms(state: dict) -> dict[int, float]:
+    return {e["step"]: e["grad_norm"] for e in state["log_history"] if "grad_norm" in e}
+
+
+def _epochs(state: dict) -> list[float]:
+    return [e["epoch"] for e in state["log_history"] if "loss" in e]
+
+
+def _eval_losses(state: dict) -> dict[int, float]:
+    # The last entry repeats the final evaluation (trainer.evaluate() after training).
+    return {e["step"]: e["eval_loss"] for e in state["log_history"] if "eval_loss" in e}
+
+
+def _assert_same(got: dict[int, float], ref: dict[int, float], what: str) -> None:
+    assert sorted(got) == sorted(ref), (what, sorted(got), sorted(ref))
+    for step, value in ref.items():
+        assert math.isfinite(got[step]) and math.isfinite(value), (what, step, got[step], value)
+        assert abs(got[step] - value) <= REL_TOL * abs(value), f"{what} at step {step}: {got[step]} vs {value}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Launch each configuration once (on demand) and keep its trainer_state.json."""
+    cache: dict[str, dict] = {}
+    configs = {
+        "cp1": (1, ["--per_device_train_batch_size", "2"]),
+        "cp2": (2, ["--cp_size", "2", "--per_device_train_batch_size", "2", "--save_steps", "4"]),
+        "dp2": (2, ["--per_device_train_batch_size", "1"]),
+        "dp2_cp2": (4, ["--cp_size", "2", "--per_device_train_batch_size", "1"]),
+        "packed_cp1": (1, ["--packing", "--per_device_train_batch_size", "2"]),
+        "packed_cp2": (2, ["--packing", "--cp_size", "2", "--per_device_train_batch_size", "2"]),
+    }
+
+    def get(name: str) -> dict:
+        if name not in cache:
+            nproc, args = configs[name]
+            out = str(tmp_path_factory.mktemp(name))
+            cache[name] = _launch(nproc, out, args)
+            cache[name]["_output_dir"] = out
+        return cache[name]
+
+    return get
+
+
+def test_reference_trains_and_is_finite(runs):
+    ref = runs("cp1")
+    losses = _losses(ref)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert all(math.isfinite(v) for v in losses.values())
+    assert losses[STEPS] < losses[1]  # it learns
+    assert ref["global_step"] == STEPS
+    assert ref["train_batch_size"] == 2
+
+
+@pytest.mark.parametrize("name", ["cp2", "dp2", "dp2_cp2"])
+def test_same_losses_as_without_cp(runs, name):
+    ref, got = runs("cp1"), runs(name)
+    _assert_same(_losses(got), _losses(ref), f"{name} training loss")
+    # The norm of the (all-reduced) gradient: the gradients themselves match.
+    _assert_same(_grad_norms(got), _grad_norms(ref), f"{name} gradient norm")
+    _assert_same(_eval_losses(got), _eval_losses(ref), f"{name} eval loss")
+    assert got["global_step"] == STEPS
+    # Epoch bookkeeping counts data-parallel ranks only (CP ranks share their batches).
+    assert _epochs(got) == pytest.approx(_epochs(ref))
+
+
+def test_packed_same_losses_as_without_cp(runs):
+    ref, got = runs("packed_cp1"), runs("packed_cp2")
+    _assert_same(_losses(got), _losses(ref), "packed training loss")
+    _assert_same(_eval_losses(got), _eval_losses(ref), "packed eval loss")
+
+
+def test_resume_from_checkpoint(runs, tmp_path):
+    """Resuming the CP run from its step-4 checkpoint logs the same steps 5-8."""
+    full = runs("cp2")
+    checkpoint = os.path.join(full["_output_dir"], "checkpoint-4")
+    assert os.path.isdir(checkpoint), os.listdir(full["_output_dir"])
+    resumed = _launch(2, str(tmp_path / "resumed"), [
+        "--cp_size", "2", "--per_device_train_batch_size", "2", "--resume_from_checkpoint", checkpoint,
+    ])
+    later = {s: v for s, v in _losses(full).items() if s > 4}
+    _assert_same({s: v for s, v in _losses(resumed).items() if s > 4}, later, "resumed training loss")
+
+
+# ---- in-process checks of the loss and of the errors (no launch) ----
+
+
+def test_loss_shares_add_up_to_the_token_mean_and_its_gradient():
+    import torch
+    import torch.nn.functional as F
+
+    from hf_ring.hf.loss import count_valid_tokens, loss_share, token_loss_sum
+    from hf_ring.sharding import shard_sequence
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, 16, 11, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 11, (2, 16))
+    labels[:, :13] = -100  # only the end is learned: some shards hold no valid label
+    full = F.cross_entropy(logits.reshape(-1, 11), labels.reshape(-1), ignore_index=-100)
+    (grad_full,) = torch.autograd.grad(full, logits)
+
+    cp = 4
+    count = int(count_valid_tokens(labels))
+    shares = []
+    for r in range(cp):
+        local_logits = shard_sequence(logits, cp, r)
+        local_labels = shard_sequence(labels, cp, r)
+        share = loss_share(token_loss_sum(local_logits, local_labels), count)
+        assert torch.isfinite(share)
+        shares.append(share)
+    assert [int(count_valid_tokens(shard_sequence(labels, cp, r))) == 0 for r in range(cp)].count(True) >= 2
+    total = torch.stack(shares).sum()
+    (grad_cp,) = torch.autograd.grad(total, logits)
+    assert torch.allclose(total.double(), full, rtol=1e-6)
+    assert torch.allclose(grad_cp, grad_full, rtol=1e-6, atol=1e-9)
+
+
+def test_loss_without_any_valid_token_is_zero_not_nan():
+    import torch
+
+    from hf_ring.hf.loss import loss_share, token_loss_sum
+
+    logits = torch.randn(1, 8, 5, requires_grad=True)
+    labels = torch.full((1, 8), -100)
+    share = loss_share(token_loss_sum(logits, labels), 0)
+    share.backward()
+    assert share.item() == 0.0 and torch.isfinite(logits.grad).all()
+
+
+def test_plugin_refuses_a_world_that_cp_size_does_not_divide():
+    from hf_ring import RingAttentionPlugin
+
+    with pytest.raises(ValueError, match="cp_size"):
+        RingAttentionPlugin(cp_size=0)
+    with pytest.raises(ValueError, match="layout"):
+        RingAttentionPlugin(cp_size=2, layout="diagonal")
+    # pytest is one process: cp_size 2 cannot be served, and the error says how to launch.
+    with pytest.raises(ValueError, match="--multi_gpu"):
+        RingAttentionPlugin(cp_size=2).setup()
+
+
+def test_trainer_refuses_what_it_cannot_do_exactly(tmp_path):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+
+    from hf_ring import RingAttentionPlugin, RingDataCollator, RingTrainer
+
+    config = LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)
+    model = LlamaForCausalLM(config)
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=1)
+    plugin = RingAttentionPlugin(cp_size=1)
+    with pytest.raises(ValueError, match="compute_loss_func"):
+        RingTrainer(model=model, args=args, ring_plugin=plugin, data_collator=plugin.make_collator(0),
+                    compute_loss_func=lambda *a, **k: torch.tensor(0.0))
+    with pytest.raises(ValueError, match="make_collator"):
+        RingTrainer(model=model, args=args, ring_plugin=plugin, data_collator=RingDataCollator(0, cp_size=2))
+    trainer = RingTrainer(model=model, args=args, ring_plugin=plugin, data_collator=plugin.make_collator(0))
+    with pytest.raises(ValueError, match="shift_labels"):
+        trainer.compute_loss(model, {"input_ids": torch.zeros(1, 4, dtype=torch.long), "labels": torch.zeros(1, 4)})
