@@ -141,11 +141,12 @@ def validate_cp_inputs(inputs: dict[str, Any], state: ContextParallelState) -> N
     dist.all_gather(gathered, payload, group=state.cp_group)
     bad_ranks = [r for r, t in enumerate(gathered) if int(t[0, -1]) != 0]
     if bad_ranks:
+        what = "per-document positions of the packed row" if cu is not None else f"layout {cp_layout(state)!r}"
         raise ValueError(
             f"position_ids on CP rank(s) {bad_ranks} are not the global positions of their shard "
-            f"for layout {cp_layout(state)!r}" + (" with per-document positions" if cu is not None else "")
-            + ": shard position_ids exactly like input_ids (RingDataCollator does), starting from "
-            "arange(seq_len) over the full padded sequence"
+            f"({what}, the layout of the active context-parallel state): shard position_ids exactly "
+            "like input_ids, from arange(seq_len) over the full padded sequence (RingDataCollator "
+            "does); a collator sharding in another layout than the state's is a mismatch"
         )
     shards = [t[:, :-1] for t in gathered]
     full = unshard_packed(shards, cu.cpu()) if cu is not None else unshard_sequence(shards, 1, cp_layout(state))
