@@ -36,15 +36,14 @@ from long_context_data import ByteTokenizer, passkey_dataset  # noqa: E402
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cp_size", type=int, default=1, help="processes per context-parallel group")
-    p.add_argument("--layout", default="zigzag", choices=["zigzag", "stripe", "contiguous"])
-    p.add_argument("--seq_len", type=int, default=2048, help="longest example, in tokens")
+    p.add_argument("--seq_len", type=int, default=8192, help="longest example, in tokens")
     p.add_argument("--packing", action="store_true", help="pack each batch's examples into one row")
     p.add_argument("--max_steps", type=int, default=40)
     p.add_argument("--output_dir", default="output/finetune_llama_long")
     p.add_argument("--model_name_or_path", default=None, help="a real checkpoint instead of the tiny default model")
     p.add_argument("--attn_implementation", default=None,
                    help="default: ring_flash when cp_size > 1, else sdpa")
-    p.add_argument("--hidden_size", type=int, default=64, help="default model only")
+    p.add_argument("--hidden_size", type=int, default=128, help="default model only")
     p.add_argument("--num_layers", type=int, default=2, help="default model only")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--per_device_train_batch_size", type=int, default=1,
@@ -114,7 +113,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     if not torch.cuda.is_available():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     training_args = training_arguments(args)  # initialises the process group (gloo on CPU, NCCL on GPU)
-    plugin = hf_ring.RingAttentionPlugin(cp_size=args.cp_size, layout=args.layout)
+    plugin = hf_ring.RingAttentionPlugin(cp_size=args.cp_size)
     state = plugin.setup()
     print(f"[hf_ring] {plugin.describe()} (dp_size {state.dp_size} x cp_size {state.cp_size})", flush=True)
 
@@ -141,8 +140,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     )
     result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     metrics = dict(result.metrics)
-    if args.num_eval_examples > 0:
+    evaluated_last_step = args.eval_steps > 0 and trainer.state.global_step % args.eval_steps == 0
+    if args.num_eval_examples > 0 and not evaluated_last_step:
         metrics.update(trainer.evaluate())
+    else:
+        metrics.update({k: v for e in trainer.state.log_history if "eval_loss" in e for k, v in e.items()})
     trainer.save_state()  # writes output_dir/trainer_state.json (log_history: loss per step, eval_loss)
     if trainer.is_world_process_zero():
         print(f"[hf_ring] done: train_loss {metrics.get('train_loss')}, eval_loss {metrics.get('eval_loss')}; "

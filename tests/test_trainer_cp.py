@@ -34,7 +34,7 @@ REL_TOL = 1e-4
 COMMON = [
     "--seq_len", "256", "--max_steps", str(STEPS), "--seed", "3", "--gradient_accumulation_steps", "2",
     "--num_train_examples", "64", "--num_eval_examples", "8", "--eval_steps", "4",
-    "--learning_rate", "1e-3", "--disable_tqdm",
+    "--learning_rate", "1e-3", "--hidden_size", "64", "--disable_tqdm",
 ]
 
 

@@ -42,15 +42,24 @@ from hf_ring.hf.plugin import RingAttentionPlugin
 RING_ATTENTION = "ring_flash"
 
 
-def _pop_shift_labels(inputs: dict[str, Any]) -> torch.Tensor:
-    """Remove the label keys (so the model computes no loss of its own); return shift_labels."""
-    inputs.pop("labels", None)
-    if "shift_labels" not in inputs:
+def _shift_labels(batch: dict[str, Any]) -> torch.Tensor:
+    if "shift_labels" not in batch:
         raise ValueError(
             "the batch has no 'shift_labels'; under context parallelism labels must be shifted on "
             "the full sequence before sharding: use hf_ring.RingDataCollator as data_collator"
         )
-    return inputs.pop("shift_labels")
+    return batch["shift_labels"]
+
+
+def _model_inputs(inputs: dict[str, Any], config: Any) -> tuple[dict[str, Any], torch.Tensor]:
+    """The forward's arguments without the labels (the model computes no loss of its own; it
+    would average over this rank's shard) and without a KV cache (no use in training, and a
+    cache would hold only this rank's shard); plus shift_labels."""
+    shift_labels = _shift_labels(inputs)
+    kwargs = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
+    if getattr(config, "use_cache", None) is not None:
+        kwargs.setdefault("use_cache", False)
+    return kwargs, shift_labels
 
 
 class RingTrainer(Trainer):
@@ -138,7 +147,7 @@ class RingTrainer(Trainer):
                 break
         if not batch_samples:
             return batch_samples, None
-        local = sum(count_valid_tokens(b["shift_labels"]).to(device) for b in batch_samples)
+        local = sum(count_valid_tokens(_shift_labels(b)).to(device) for b in batch_samples)
         return batch_samples, self.ring_plugin.global_token_count(local)
 
     def compute_loss(
@@ -149,8 +158,8 @@ class RingTrainer(Trainer):
         num_items_in_batch: Optional[torch.Tensor] = None,
     ) -> Any:
         """This rank's share of the token-mean loss, scaled for DDP's average over processes."""
-        shift_labels = _pop_shift_labels(inputs)
-        outputs = model(**inputs)
+        kwargs, shift_labels = _model_inputs(inputs, getattr(self.model, "config", None))
+        outputs = model(**kwargs)
         token_sum = token_loss_sum(outputs.logits, shift_labels)
         if num_items_in_batch is None:
             num_items_in_batch = self.ring_plugin.global_token_count(count_valid_tokens(shift_labels))
@@ -172,9 +181,9 @@ class RingTrainer(Trainer):
         ``prediction_loss_only`` is False.
         """
         inputs = self._prepare_inputs(inputs)
-        shift_labels = _pop_shift_labels(inputs)
+        kwargs, shift_labels = _model_inputs(inputs, getattr(self.model, "config", None))
         with torch.no_grad():
-            outputs = model(**inputs)
+            outputs = model(**kwargs)
             token_sum = token_loss_sum(outputs.logits, shift_labels)
             count = count_valid_tokens(shift_labels)
         if self._eval_totals is not None:
