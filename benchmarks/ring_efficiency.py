@@ -1,0 +1,471 @@
+"""How much of a single device's attention speed the ring keeps, per layout.
+
+Efficiency = time of one causal attention call over the full sequence
+             / (cp_size x time of the slowest rank),
+so 1.0 means the ring splits the work perfectly and adds nothing; the causal work each
+rank gets (layout balance), the speed of the kernel on the smaller ring blocks, and the
+per-block merge and gradient accumulation all show up as a loss. Communication does not:
+
+- virtual ring (default): one process runs, rank by rank, exactly the block calls that
+  ``hf_ring.ring.schedule.step_blocks`` gives that rank over all steps, with the same
+  float32 merge (``merge_block_``) and gradient accumulation the ring does, and times
+  each rank. Forward, and forward + backward (given the final out and lse).
+- ``--spawn``: the real ``hf_ring.ring_flash_attn_func`` over gloo in ``cp`` spawned
+  processes (one thread each), including the transfers.
+
+Layouts: zigzag, stripe, contiguous (reference: one causal call over the sequence), and
+packed (a row of documents of mixed lengths, each zigzag-sharded on its own; reference:
+one causal call per document, same kernel).
+
+Defaults: float32 on CPU (the dtype a CPU user trains in; PyTorch's CPU flash kernel is
+faster in float32 than in bfloat16), 8 query heads, 2 KV heads, head_dim 128, batch 1,
+median of 3 repeats after a warm-up, ``torch.set_num_threads(min(2, cpu_count))``.
+Run ``python benchmarks/ring_efficiency.py --help``; see benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from tqdm import tqdm
+
+import hf_ring
+from hf_ring.kernels import AttentionBackend, get_backend
+from hf_ring.ring.merge import merge_block_
+from hf_ring.ring.schedule import step_blocks
+from hf_ring.sharding import shard_packed, unshard_packed
+
+LAYOUTS = ("zigzag", "stripe", "contiguous", "packed")
+DOC_FRACTIONS = (0.4, 0.25, 0.2, 0.1, 0.05)  # packed row: mixed document lengths
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+# "process" counts only the CPU time this process got, so other load on the machine does not
+# inflate it; valid for one thread (several threads would also count their spin-waits).
+CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Attention shape and measurement settings shared by every configuration."""
+
+    heads: int = 8
+    kv_heads: int = 2
+    head_dim: int = 128
+    dtype: str = "float32"
+    device: str = "cpu"
+    backend: str = "auto"
+    repeats: int = 3
+    warmup: int = 1
+    clock: str = "wall"  # or "process": CPU seconds of this process, for one thread on a shared machine
+
+    def __post_init__(self) -> None:
+        if self.clock not in CLOCKS:
+            raise ValueError(f"clock must be one of {sorted(CLOCKS)}, got {self.clock!r}")
+        if self.clock == "process" and (self.device != "cpu" or torch.get_num_threads() != 1):
+            raise ValueError("clock='process' measures one CPU thread: use it with device cpu and --threads 1")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads={self.heads} must be a multiple of kv_heads={self.kv_heads}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.repeats < 1 or self.warmup < 0:
+            raise ValueError("repeats must be >= 1 and warmup >= 0")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def kernel(self) -> AttentionBackend:
+        return get_backend(self.backend, torch.device(self.device), self.torch_dtype)
+
+
+def packed_doc_lens(total: int, cp: int) -> list[int]:
+    """Document lengths of a packed row of ``total`` tokens, each a multiple of 2 * cp."""
+    mult = 2 * cp
+    lens = [max(mult, round(f * total / mult) * mult) for f in DOC_FRACTIONS[:-1]]
+    lens.append(total - sum(lens))
+    if lens[-1] < mult:
+        raise ValueError(f"{total} tokens are too few for a packed row of {len(DOC_FRACTIONS)} documents at cp={cp}")
+    return lens
+
+
+@dataclass
+class Problem:
+    """Full-sequence tensors ``(1, S, heads, head_dim)`` and every rank's shard of them."""
+
+    layout: str
+    cp: int
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    dout: torch.Tensor
+    shards: list[tuple[torch.Tensor, ...]]  # per rank: q, k, v, dout
+    doc_lens: Optional[list[int]] = None  # packed: global document lengths
+
+
+def make_problem(layout: str, cp: int, seq_per_rank: int, cfg: BenchConfig, seed: int = 0) -> Problem:
+    total = cp * seq_per_rank
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(heads: int) -> torch.Tensor:
+        t = torch.randn(1, total, heads, cfg.head_dim, generator=g)
+        return t.to(device=cfg.device, dtype=cfg.torch_dtype)
+
+    q, k, v, dout = rand(cfg.heads), rand(cfg.kv_heads), rand(cfg.kv_heads), rand(cfg.heads)
+    doc_lens = packed_doc_lens(total, cp) if layout == "packed" else None
+    if doc_lens:
+        cu = torch.tensor([0, *torch.tensor(doc_lens).cumsum(0).tolist()])
+        shard = lambda t, r: shard_packed(t, cu, cp, r)  # noqa: E731
+    else:
+        shard = lambda t, r: hf_ring.shard_sequence(t, cp, r, layout=layout)  # noqa: E731
+    shards = [tuple(shard(t, r).contiguous() for t in (q, k, v, dout)) for r in range(cp)]
+    return Problem(layout, cp, q, k, v, dout, shards, doc_lens)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+@dataclass
+class Clock:
+    """Wall time of each kernel call by kind (CPU only: there the calls are synchronous)."""
+
+    enabled: bool
+    now: Callable[[], float] = time.perf_counter
+    seconds: dict = field(default_factory=lambda: {"causal": 0.0, "full": 0.0})
+
+    def call(self, fn: Callable, causal: bool, *args):
+        if not self.enabled:
+            return fn(*args)
+        start = self.now()
+        res = fn(*args)
+        self.seconds["causal" if causal else "full"] += self.now() - start
+        return res
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _blocks(pb: Problem, rank: int, src: int, local_len: int):
+    local_docs = [n // pb.cp for n in pb.doc_lens] if pb.doc_lens else None
+    return step_blocks("zigzag" if local_docs else pb.layout, True, local_len, rank, src, local_docs)
+
+
+def rank_forward(pb: Problem, rank: int, kernel: AttentionBackend, scale: float, clock: Clock):
+    """The ring forward of ``rank`` without transfers: every scheduled block + merge, into
+    float32 accumulators as in hf_ring/ring/ring_attention.py. Returns out, lse."""
+    q = pb.shards[rank][0]
+    b, s, h, d = q.shape
+    out = torch.zeros(b, s, h, d, dtype=_acc(q.dtype), device=q.device)
+    lse = torch.full((b, h, s), float("-inf"), dtype=_acc(q.dtype), device=q.device)
+    for step in range(pb.cp):
+        src = (rank - step) % pb.cp
+        k, v = pb.shards[src][1], pb.shards[src][2]
+        for blk in _blocks(pb, rank, src, s):
+            qs, ks = slice(blk.q_start, blk.q_end), slice(blk.k_start, blk.k_end)
+            bo, bl = clock.call(kernel.forward, blk.causal, q[:, qs], k[:, ks], v[:, ks], blk.causal, scale)
+            merge_block_(out[:, qs], lse[:, :, qs], bo, bl)
+    return out.to(q.dtype), lse
+
+
+def rank_backward(pb: Problem, rank: int, kernel: AttentionBackend, scale: float, out, lse, clock: Clock,
+                  dkv_by_src: Optional[list[torch.Tensor]] = None) -> torch.Tensor:
+    """The ring backward of ``rank`` without transfers, given its final out and lse.
+
+    Each step's dK/dV block is added into an accumulator as the ring adds it into the one
+    travelling with the K/V shard: ``dkv_by_src[src]`` ``(2, b, s, hk, d)`` when given
+    (to check gradients), else a scratch buffer. Returns dq in q's dtype.
+    """
+    q, _, _, dout = pb.shards[rank]
+    acc = _acc(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    kv_shape = (2, *pb.shards[rank][1].shape)
+    scratch = torch.zeros(kv_shape, dtype=acc, device=q.device)
+    for step in range(pb.cp):
+        src = (rank - step) % pb.cp
+        k, v = pb.shards[src][1], pb.shards[src][2]
+        block_dkv = torch.zeros(kv_shape, dtype=acc, device=q.device)
+        for blk in _blocks(pb, rank, src, q.shape[1]):
+            qs, ks = slice(blk.q_start, blk.q_end), slice(blk.k_start, blk.k_end)
+            bdq, bdk, bdv = clock.call(kernel.backward, blk.causal, dout[:, qs], q[:, qs], k[:, ks], v[:, ks],
+                                       out[:, qs], lse[:, :, qs], blk.causal, scale)
+            dq[:, qs] += bdq
+            block_dkv[0][:, ks] += bdk
+            block_dkv[1][:, ks] += bdv
+        (dkv_by_src[src] if dkv_by_src is not None else scratch).add_(block_dkv)
+    return dq.to(q.dtype)
+
+
+def virtual_ring(pb: Problem, kernel: AttentionBackend, scale: float) -> dict[str, torch.Tensor]:
+    """Every rank's virtual ring, reassembled in global order: out, lse, dq, dk, dv of the
+    full sequence (for checking the benchmark's calls compute attention exactly)."""
+    acc = _acc(pb.q.dtype)
+    dkv = [torch.zeros((2, *sh[1].shape), dtype=acc, device=pb.q.device) for sh in pb.shards]
+    outs, lses, dqs = [], [], []
+    for r in range(pb.cp):
+        out, lse = rank_forward(pb, r, kernel, scale, Clock(False))
+        dqs.append(rank_backward(pb, r, kernel, scale, out, lse, Clock(False), dkv))
+        outs.append(out)
+        lses.append(lse)
+    if pb.doc_lens:
+        cu = torch.tensor([0, *torch.tensor(pb.doc_lens).cumsum(0).tolist()])
+        join = lambda ts, dim=1: unshard_packed(ts, cu, dim=dim)  # noqa: E731
+    else:
+        join = lambda ts, dim=1: hf_ring.unshard_sequence(ts, dim=dim, layout=pb.layout)  # noqa: E731
+    return {"out": join(outs), "lse": join(lses, 2), "dq": join(dqs),
+            "dk": join([g[0] for g in dkv]), "dv": join([g[1] for g in dkv])}
+
+
+def _full_calls(pb: Problem) -> list[slice]:
+    """The reference: one causal call over the sequence, or one per packed document."""
+    if not pb.doc_lens:
+        return [slice(0, pb.q.shape[1])]
+    bounds = [0, *torch.tensor(pb.doc_lens).cumsum(0).tolist()]
+    return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+@dataclass
+class Unit:
+    """One timed thing (the full-sequence reference, or one rank of the virtual ring):
+    ``fwd()`` returns what ``bwd`` needs; times are collected over the repeats."""
+
+    name: str
+    fwd: Callable[[], Any]
+    bwd: Callable[[Any], None]
+    clocks: tuple[Clock, Clock] = field(default_factory=lambda: (Clock(False), Clock(False)))
+    fwd_s: list[float] = field(default_factory=list)
+    fb_s: list[float] = field(default_factory=list)
+    kernel_s: list[tuple[dict, dict]] = field(default_factory=list)  # per repeat: fwd, bwd by kind
+
+
+def full_unit(pb: Problem, kernel: AttentionBackend, scale: float) -> Unit:
+    calls = _full_calls(pb)
+
+    def fwd():
+        return [kernel.forward(pb.q[:, c], pb.k[:, c], pb.v[:, c], True, scale) for c in calls]
+
+    def bwd(results):
+        for c, (o, l) in zip(calls, results):
+            kernel.backward(pb.dout[:, c], pb.q[:, c], pb.k[:, c], pb.v[:, c], o, l, True, scale)
+
+    return Unit("full", fwd, bwd)
+
+
+def rank_unit(pb: Problem, rank: int, kernel: AttentionBackend, scale: float, cfg: BenchConfig) -> Unit:
+    # Per-call timing only where calls are synchronous (CPU); on CUDA it would add syncs.
+    clocks = tuple(Clock(cfg.device == "cpu", CLOCKS[cfg.clock]) for _ in range(2))
+    return Unit(f"{pb.layout} rank {rank}", lambda: rank_forward(pb, rank, kernel, scale, clocks[0]),
+                lambda st: rank_backward(pb, rank, kernel, scale, *st, clocks[1]), clocks)
+
+
+def run_interleaved(units: list[Unit], cfg: BenchConfig, tick: Callable[[], None] = lambda: None,
+                    before: Callable[[], None] = lambda: None) -> None:
+    """Time every unit once per repeat, in turn, so that load from other processes hits the
+    reference and the ranks alike; the first ``cfg.warmup`` rounds are not kept."""
+    now = CLOCKS[cfg.clock]
+    for i in range(cfg.warmup + cfg.repeats):
+        for u in units:
+            for c in u.clocks:
+                c.seconds = {"causal": 0.0, "full": 0.0}
+            before()
+            _sync(cfg.device)
+            t0 = now()
+            state = u.fwd()
+            _sync(cfg.device)
+            t1 = now()
+            u.bwd(state)
+            _sync(cfg.device)
+            if i >= cfg.warmup:
+                u.fwd_s.append(t1 - t0)
+                u.fb_s.append(now() - t0)
+                u.kernel_s.append((u.clocks[0].seconds, u.clocks[1].seconds))
+            tick()
+
+
+def group_units(cp: int, layouts: list[str]) -> int:
+    """How many units :func:`measure_group` times for these layouts (for progress bars)."""
+    dense = any(lay != "packed" for lay in layouts)
+    return int(dense) + int("packed" in layouts) + cp * len(layouts)
+
+
+def measure_group(cp: int, seq_per_rank: int, layouts: list[str], cfg: BenchConfig,
+                  tick: Callable[[], None] = lambda: None) -> list[dict]:
+    """Virtual-ring efficiency rows (forward, forward+backward) for every layout at one
+    ``cp`` and length. The dense layouts share one reference (same full sequence)."""
+    kernel = cfg.kernel()
+    scale = 1 / math.sqrt(cfg.head_dim)
+    problems = {lay: make_problem(lay, cp, seq_per_rank, cfg) for lay in layouts}
+    refs = {}
+    dense = [lay for lay in layouts if lay != "packed"]
+    if dense:
+        refs["dense"] = full_unit(problems[dense[0]], kernel, scale)
+    if "packed" in layouts:
+        refs["packed"] = full_unit(problems["packed"], kernel, scale)
+    ranks = {lay: [rank_unit(problems[lay], r, kernel, scale, cfg) for r in range(cp)]
+             for lay in layouts}
+    run_interleaved([*refs.values(), *(u for us in ranks.values() for u in us)], cfg, tick)
+    rows = []
+    for lay in layouts:
+        ref = refs["packed" if lay == "packed" else "dense"]
+        rows += efficiency_rows(lay, cp, seq_per_rank, ref, ranks[lay], cfg, kernel.name, problems[lay].doc_lens)
+    return rows
+
+
+def efficiency_rows(layout: str, cp: int, spr: int, ref: Unit, ranks: list[Unit], cfg: BenchConfig,
+                    backend: str, doc_lens: Optional[list[int]], mode: str = "virtual") -> list[dict]:
+    rows = []
+    for name, attr in (("forward", "fwd_s"), ("forward+backward", "fb_s")):
+        full = statistics.median(getattr(ref, attr))
+        per_rank = [statistics.median(getattr(u, attr)) for u in ranks]
+        slowest = max(range(len(ranks)), key=lambda r: per_rank[r])
+        row = {
+            "layout": layout, "cp": cp, "seq_per_rank": spr, "pass": name,
+            "efficiency": full / (cp * per_rank[slowest]), "mode": mode, "t_full_s": full,
+            "t_slowest_rank_s": per_rank[slowest], "t_ranks_s": per_rank,
+            "efficiency_of_minima": min(getattr(ref, attr)) / (cp * max(min(getattr(u, attr)) for u in ranks)),
+            "backend": backend, "doc_lens": doc_lens, **_shape(cfg),
+        }
+        if ranks[slowest].clocks[0].enabled:
+            # The slowest rank's kernel seconds by block kind (median over repeats): what
+            # the ring would take if merging and accumulating cost nothing.
+            log = ranks[slowest].kernel_s
+            kinds = {k: statistics.median(f[k] + (b[k] if name != "forward" else 0.0) for f, b in log)
+                     for k in ("causal", "full")}
+            row |= {"kernel_causal_s": kinds["causal"], "kernel_full_s": kinds["full"],
+                    "kernel_only_efficiency": full / (cp * (kinds["causal"] + kinds["full"]))}
+        rows.append(row)
+    return rows
+
+
+def _shape(cfg: BenchConfig) -> dict:
+    keys = ("heads", "kv_heads", "head_dim", "dtype", "device", "repeats", "clock")
+    return {k: asdict(cfg)[k] for k in keys} | {"threads": torch.get_num_threads()}
+
+
+# ------------------------------------------------------------------ real ring (--spawn)
+
+
+def _spawn_worker(rank: int, cp: int, layout: str, spr: int, cfg: BenchConfig, threads: int, tmp: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=cp)
+    pb = make_problem(layout, cp, spr, cfg)
+    q, k, v = (t.clone().requires_grad_() for t in pb.shards[rank][:3])
+    dout = pb.shards[rank][3]
+    cu = torch.tensor([0, *torch.tensor(pb.doc_lens or [0]).cumsum(0).tolist()], dtype=torch.int32)
+
+    def fwd():
+        if pb.doc_lens:
+            return hf_ring.ring_flash_attn_varlen_func(q[0], k[0], v[0], cu, backend=cfg.backend).unsqueeze(0)
+        return hf_ring.ring_flash_attn_func(q, k, v, layout=layout, backend=cfg.backend)
+
+    unit = Unit(f"rank {rank}", fwd, lambda out: out.backward(dout))
+    run_interleaved([unit], cfg, before=dist.barrier)
+    torch.save((unit.fwd_s, unit.fb_s), os.path.join(tmp, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def measure_spawn(layout: str, cp: int, seq_per_rank: int, cfg: BenchConfig, threads: int) -> list[dict]:
+    """Real-ring efficiency rows: ``cp`` gloo processes of ``threads`` threads each, against
+    the reference run in this process on ``threads`` threads (the same per-rank share)."""
+    import torch.multiprocessing as mp
+
+    kernel = cfg.kernel()
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    pb = make_problem(layout, cp, seq_per_rank, cfg)
+    ref = full_unit(pb, kernel, 1 / math.sqrt(cfg.head_dim))
+    run_interleaved([ref], cfg)
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_spawn_worker, args=(cp, layout, seq_per_rank, cfg, threads, tmp), nprocs=cp, join=True)
+        ranks = [Unit(f"rank {r}", print, print) for r in range(cp)]
+        for r, u in enumerate(ranks):
+            u.fwd_s, u.fb_s = torch.load(os.path.join(tmp, f"rank{r}.pt"))
+    rows = efficiency_rows(layout, cp, seq_per_rank, ref, ranks, cfg, kernel.name, pb.doc_lens, mode="spawn")
+    torch.set_num_threads(saved)
+    return rows
+
+
+# ------------------------------------------------------------------------------- driver
+
+
+def _print_table(rows: list[dict]) -> None:
+    print(f"{'mode':8} {'layout':11} {'cp':>3} {'seq/rank':>8} {'pass':17} {'eff':>6} {'kernel-only':>11} "
+          f"{'t_full s':>9} {'slowest rank s':>14}")
+    for r in rows:
+        ko = r.get("kernel_only_efficiency")
+        print(f"{r['mode']:8} {r['layout']:11} {r['cp']:>3} {r['seq_per_rank']:>8} {r['pass']:17} "
+              f"{r['efficiency']:6.3f} {(f'{ko:.3f}' if ko else '-'):>11} {r['t_full_s']:9.4f} "
+              f"{r['t_slowest_rank_s']:14.4f}")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--cp", type=int, nargs="+", default=[2, 4, 8])
+    p.add_argument("--seq-per-rank", type=int, nargs="+", default=[1024, 2048])
+    p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
+    p.add_argument("--clock", default="wall", choices=sorted(CLOCKS),
+                   help="wall, or process: CPU seconds of this process (with --threads 1, robust to other load)")
+    p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    p.add_argument("--quick", action="store_true", help="cp 2 and 4, 1024 tokens per rank, 2 repeats")
+    p.add_argument("--tiny", action="store_true", help="smoke test: cp 2, 64 tokens per rank, small heads")
+    p.add_argument("--spawn", action="store_true", help="real ring over gloo, cp=2 (override with --cp)")
+    p.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.cp, a.seq_per_rank, a.repeats = [2, 4], [1024], 2
+    if a.tiny:
+        a.cp, a.seq_per_rank, a.repeats, a.heads, a.kv_heads, a.head_dim = [2], [64], 5, 2, 1, 16
+    if a.spawn and a.cp == [2, 4, 8]:
+        a.cp = [2]
+    torch.set_num_threads(a.threads)
+    cfg = BenchConfig(a.heads, a.kv_heads, a.head_dim, a.dtype, a.device, a.backend, a.repeats, a.warmup, a.clock)
+    if not a.json:
+        threads = f"{max(1, a.threads // max(a.cp))} per process" if a.spawn else str(a.threads)
+        print(f"# {cfg.kernel().name} backend, {a.dtype}, heads {a.heads}/{a.kv_heads}, head_dim {a.head_dim}, "
+              f"batch 1, median of {a.repeats} after {a.warmup} warm-up, torch threads {threads}, {a.clock} clock")
+    rows: list[dict] = []
+    groups = [(cp, spr) for cp in a.cp for spr in a.seq_per_rank]
+    if a.spawn:
+        total = len(groups) * len(a.layouts)
+    else:
+        total = sum((a.warmup + a.repeats) * group_units(cp, a.layouts) for cp, _ in groups)
+    with tqdm(total=total, desc="ring efficiency", file=sys.stderr, disable=a.tiny) as bar:
+        for cp, spr in groups:
+            if a.spawn:
+                new = []
+                for layout in a.layouts:
+                    new += measure_spawn(layout, cp, spr, cfg, max(1, a.threads // cp))
+                    bar.update()
+            else:
+                new = measure_group(cp, spr, a.layouts, cfg, bar.update)
+            rows += new
+            if a.json:
+                for r in new:
+                    print(json.dumps(r), flush=True)
+    if not a.json:
+        _print_table(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
