@@ -3,8 +3,8 @@
 # the last 4.x release) in their own virtual environment, .venv-oldest.
 #
 # Idempotent: the venv is (re)built only when it is missing or its pinned set changed (a
-# stamp file holds the pins it was built with); the hf_ring checkout is always reinstalled
-# editable without dependencies, which is cheap.
+# stamp file holds the pins it was built with), and hf_ring is installed into it (editable,
+# without dependencies) only when it does not already point at this checkout.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -31,7 +31,12 @@ if [[ ! -x "${VENV}/bin/python" ]] || [[ "$(cat "${STAMP}" 2>/dev/null)" != "${P
     "${VENV}/bin/python" -m pip install --quiet "${PINS[@]}"
     echo "${PINS[*]}" > "${STAMP}"
 fi
-"${VENV}/bin/python" -m pip install --quiet --no-deps -e "${ROOT}"
+# Reinstall hf_ring (editable, no dependencies) only when the venv's points elsewhere.
+# (Looked up from / so that the checkout itself is not on the path.)
+hf_ring_init="$(cd / && "${VENV}/bin/python" -c 'import importlib.util as u; s = u.find_spec("hf_ring"); print(s.origin if s else "")')"
+if [[ "${hf_ring_init}" != "${ROOT}/hf_ring/__init__.py" ]]; then
+    "${VENV}/bin/python" -m pip install --quiet --no-deps -e "${ROOT}"
+fi
 
 installed="$("${VENV}/bin/python" -c 'import transformers; print(transformers.__version__)')"
 if [[ "${installed}" != "4.57.6" ]]; then

@@ -185,6 +185,17 @@ def test_attention_dropout_in_training_is_refused():
         model(ids)
 
 
+def test_from_pretrained_loads_ring_flash(tmp_path):
+    _, sdpa = _pair("qwen2")
+    sdpa.save_pretrained(tmp_path)
+    ring = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="ring_flash").float().eval()
+    assert ring.config._attn_implementation == "ring_flash"
+    assert ring.model.__dict__.get("_hf_ring_guarded_model")
+    ids = _ids(2, 10, seed=5)
+    with torch.no_grad():
+        assert rel_err(ring(ids).logits, sdpa(ids).logits) <= TOL
+
+
 def test_models_asking_for_ring_flash_are_guarded():
     ring, sdpa = _pair("llama")
     assert ring.model.__dict__.get("_hf_ring_guarded_model")
