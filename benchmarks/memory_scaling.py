@@ -20,6 +20,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from plotting import new_axes, save  # noqa: E402
 from step_world import StepConfig, run_step  # noqa: E402
 
 
@@ -82,24 +83,13 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _plot(points, longest, budget, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig, ax = new_axes()
     for cp, d in longest.items():
         mine = [p for p in points if p["cp_size"] == cp]
         xs = [p["seq_len"] for p in mine]
         ax.plot(xs, [p["peak_mb_per_process"] for p in mine], "o-", label=f"cp_size={cp}")
     ax.axhline(budget, color="grey", ls="--", lw=1, label=f"budget {budget:.0f} MB")
-    ax.set_xlabel("sequence length (tokens)")
-    ax.set_ylabel("peak memory per process (MB)")
-    ax.set_title("Training-step memory vs sequence length")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+    save(fig, ax, path, "Training-step memory vs sequence length", "sequence length (tokens)", "peak memory per process (MB)")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from plotting import new_axes, save  # noqa: E402
 from step_world import StepConfig, run_step  # noqa: E402
 
 
@@ -71,12 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _plot(rows, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig, ax = new_axes()
     cps = [str(r["cp_size"]) for r in rows]
     compute = [r["step_seconds"] * (1 - r["comm_wait_share"]) for r in rows]
     wait = [r["step_seconds"] * r["comm_wait_share"] for r in rows]
@@ -85,13 +81,7 @@ def _plot(rows, path) -> None:
     for i, r in enumerate(rows):
         ax.text(i, r["step_seconds"], f"{r['tokens_per_second_per_process']:.0f} tok/s/proc",
                 ha="center", va="bottom", fontsize=8)
-    ax.set_xlabel("cp_size")
-    ax.set_ylabel("step time (s), slowest process")
-    ax.set_title(f"Training step at {rows[0]['seq_len']} tokens")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+    save(fig, ax, path, f"Training step at {rows[0]['seq_len']} tokens", "cp_size", "step time (s), slowest process")
 
 
 if __name__ == "__main__":
