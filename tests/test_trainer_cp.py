@@ -26,6 +26,8 @@ import subprocess
 import sys
 
 import pytest
+import transformers
+from packaging.version import Version
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "finetune_llama_long.py")
@@ -140,6 +142,11 @@ def test_packed_same_losses_as_without_cp(runs):
     _assert_same(_eval_losses(got), _eval_losses(ref), "packed eval loss")
 
 
+@pytest.mark.skipif(
+    Version(transformers.__version__) < Version("5"),
+    reason="transformers 4.x resumes a multi-process run with torch.load(map_location=args.device), "
+    "which is 'cpu:0' on CPU and which torch cannot restore; any DDP run on CPU fails there, CP or not",
+)
 def test_resume_from_checkpoint(runs, tmp_path):
     """Resuming the CP run from its step-4 checkpoint logs the same steps 5-8."""
     full = runs("cp2")
@@ -228,3 +235,35 @@ def test_trainer_refuses_what_it_cannot_do_exactly(tmp_path):
     trainer = RingTrainer(model=model, args=args, ring_plugin=plugin, data_collator=plugin.make_collator(0))
     with pytest.raises(ValueError, match="shift_labels"):
         trainer.compute_loss(model, {"input_ids": torch.zeros(1, 4, dtype=torch.long), "labels": torch.zeros(1, 4)})
+
+
+def _save_tiny_checkpoint(path: str) -> None:
+    """A Llama checkpoint with a real (byte-level BPE, no merges) HF tokenizer, as a user's
+    ``--model_name_or_path`` would be; its config keeps ``use_cache=True``, as real ones do."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    for special in ("<pad>", "<s>", "</s>"):
+        vocab[special] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    tokenizer.save_pretrained(path)
+    config = LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, use_cache=True,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id)
+    LlamaForCausalLM(config).save_pretrained(path)
+
+
+def test_pretrained_checkpoint_with_its_tokenizer(tmp_path):
+    checkpoint = str(tmp_path / "tiny-llama")
+    _save_tiny_checkpoint(checkpoint)
+    args = ["--model_name_or_path", checkpoint, "--max_steps", "3", "--eval_steps", "3",
+            "--per_device_train_batch_size", "2"]
+    ref = _launch(1, str(tmp_path / "cp1"), args)
+    got = _launch(2, str(tmp_path / "cp2"), ["--cp_size", "2", *args])
+    _assert_same(_losses(got), _losses(ref), "training loss")
+    _assert_same(_eval_losses(got), _eval_losses(ref), "eval loss")
