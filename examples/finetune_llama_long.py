@@ -57,7 +57,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--save_steps", type=int, default=0, help="checkpoint every N steps (0: no checkpoints)")
     p.add_argument("--logging_steps", type=int, default=1)
     p.add_argument("--resume_from_checkpoint", default=None)
-    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--bf16", action="store_true",
+                   help="weights and compute in bfloat16 (no float32 master copy, no autocast)")
     p.add_argument("--disable_tqdm", action="store_true")
     return p.parse_args(argv)
 
@@ -79,17 +80,20 @@ def training_arguments(args: argparse.Namespace) -> TrainingArguments:
         save_steps=args.save_steps if args.save_steps > 0 else 500,
         seed=args.seed,
         data_seed=args.seed,
-        bf16=args.bf16,
         use_cpu=not torch.cuda.is_available(),
         report_to="none",
         disable_tqdm=args.disable_tqdm,
     )
 
 
+def _dtype(args: argparse.Namespace) -> torch.dtype:
+    return torch.bfloat16 if args.bf16 else torch.float32
+
+
 def build_model(args: argparse.Namespace, tokenizer, attn_implementation: str) -> torch.nn.Module:
     if args.model_name_or_path:
         return AutoModelForCausalLM.from_pretrained(
-            args.model_name_or_path, attn_implementation=attn_implementation, dtype=torch.float32
+            args.model_name_or_path, attn_implementation=attn_implementation, dtype=_dtype(args)
         )
     heads = max(2, args.hidden_size // 16)
     config = LlamaConfig(
@@ -105,7 +109,7 @@ def build_model(args: argparse.Namespace, tokenizer, attn_implementation: str) -
         eos_token_id=tokenizer.eos_token_id,
         use_cache=False,
     )
-    return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).to(_dtype(args))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:
