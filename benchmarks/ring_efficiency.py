@@ -113,11 +113,11 @@ class Problem:
 
 def make_problem(layout: str, cp: int, seq_per_rank: int, cfg: BenchConfig, seed: int = 0) -> Problem:
     total = cp * seq_per_rank
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device=cfg.device).manual_seed(seed)
 
     def rand(heads: int) -> torch.Tensor:
-        t = torch.randn(1, total, heads, cfg.head_dim, generator=g)
-        return t.to(device=cfg.device, dtype=cfg.torch_dtype)
+        # Drawn on the device itself: at 256k tokens a CPU draw and copy would take seconds.
+        return torch.randn(1, total, heads, cfg.head_dim, generator=g, device=cfg.device).to(cfg.torch_dtype)
 
     q, k, v, dout = rand(cfg.heads), rand(cfg.kv_heads), rand(cfg.kv_heads), rand(cfg.heads)
     doc_lens = packed_doc_lens(total, cp) if layout == "packed" else None

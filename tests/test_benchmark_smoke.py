@@ -64,3 +64,20 @@ def test_virtual_ring_computes_attention(layout, cp):
     out.backward(pb.dout)
     for name, want in (("out", out), ("lse", lse), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
         assert rel_err(got[name], want.detach()) < 1e-10, name
+
+
+def test_gpu_check_logic_on_cpu(monkeypatch):
+    """benchmarks/gpu_check.py's sections, pointed at the CPU flash backend: the GPU time
+    it will get is scarce, so its own code must be known to run before it gets there."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    gpu_check = importlib.import_module("gpu_check")
+    monkeypatch.setattr(gpu_check, "DEVICE", torch.device("cpu"))
+    monkeypatch.setattr(gpu_check, "NAMES", ("torch_cpu_flash",))
+    rows: list[dict] = []
+    gpu_check.check_block("torch_cpu_flash", torch.float32, 4, 2, 64, False, 40, 24, rows)
+    gpu_check.check_ring("torch_cpu_flash", torch.bfloat16, "packed", 2, rows)
+    assert [r["pass"] for r in rows] == [True, True], rows
+    eff = gpu_check.efficiency(60, [2], [32], 2, 1)
+    assert {r["layout"] for r in eff["rows"]} == {"zigzag", "stripe", "contiguous", "packed"}
+    lap = gpu_check.overlap([32], 2, 1)["rows"][0]
+    assert lap["kv_block_bytes"] == 2 * 32 * 1 * 128 * 2 and lap["t_step_fwd_s"] > 0
