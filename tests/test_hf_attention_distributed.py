@@ -73,17 +73,20 @@ def _dense_on_rank(case: dict, rank: int, world: int, checkpointing: bool = Fals
     model = tiny_model(case["config"], "ring_flash", case["state_dict"]).train()
     if checkpointing:
         # The backward recomputes each layer, ring included, outside the guarded forward.
-        model.gradient_checkpointing_enable()
+        # (transformers 5 renamed gradient_checkpointing_enable.)
+        getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
     shard = lambda x: hf_ring.shard_sequence(x, world, rank)  # noqa: E731
     ids = shard(case["ids"])
     positions = shard(torch.arange(case["ids"].shape[1]).expand(BATCH, -1))
     logits = model(ids, position_ids=positions).logits
     (logits * shard(case["weights"])).sum().backward()
-    mask = torch.ones_like(case["ids"])
-    mask[0, -PAD:] = 0
-    with torch.no_grad():
-        padded = model(ids, attention_mask=shard(mask), position_ids=positions).logits
-    return {"logits": logits.detach(), "grads": _grads(model), "padded": padded}
+    result = {"logits": logits.detach(), "grads": _grads(model)}
+    if not checkpointing:
+        mask = torch.ones_like(case["ids"])
+        mask[0, -PAD:] = 0
+        with torch.no_grad():
+            result["padded"] = model(ids, attention_mask=shard(mask), position_ids=positions).logits
+    return result
 
 
 def _packed_on_rank(case: dict, rank: int, world: int) -> dict:
