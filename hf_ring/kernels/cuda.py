@@ -55,8 +55,8 @@ _NEUTRAL: dict[str, Any] = {
 def _check(name: str, q: torch.Tensor, dtypes: tuple, min_cc: tuple[int, int], max_head_dim: int) -> None:
     """Device, dtype, head_dim and GPU generation, with errors that say what to do."""
     if q.device.type != "cuda":
-        raise ValueError(f"attention backend {name!r} runs on CUDA tensors, got {q.device}; "
-                         "pass backend='auto' or one of hf_ring.kernels.available_backends(device, dtype)")
+        raise ValueError(f"attention backend {name!r} runs on CUDA tensors, got {q.device}; pass "
+                         "backend='auto' or one of hf_ring.kernels.available_backends(device, dtype)")
     if q.dtype not in dtypes:
         raise ValueError(f"attention backend {name!r} takes {[str(d) for d in dtypes]}, got {q.dtype}; "
                          "cast the model (e.g. torch_dtype=torch.bfloat16) or pass backend='auto'")
@@ -86,7 +86,8 @@ def _params(fn: Callable) -> dict[str, bool]:
         return {a.name: a.has_default_value() for a in op._schema.arguments}
     params = inspect.signature(getattr(fn, "_init_fn", fn)).parameters
     if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params.values()):
-        raise NotImplementedError(f"cannot read the parameters of {fn!r}; hf_ring needs them to call it safely")
+        raise NotImplementedError(f"cannot read the parameters of {fn!r}; hf_ring needs them to call "
+                                  "it safely")
     return {n: p.default is not inspect.Parameter.empty for n, p in params.items()}
 
 
@@ -98,7 +99,8 @@ def bind_kwargs(fn: Callable, what: str, given: dict[str, Any]) -> dict[str, Any
     """
     params = _params(fn)
     missing = [n for n in given if n not in params]
-    unknown = [n for n, has_default in params.items() if not has_default and n not in given and n not in _NEUTRAL]
+    unknown = [n for n, has_default in params.items()
+               if not has_default and n not in given and n not in _NEUTRAL]
     if missing or unknown:
         raise NotImplementedError(
             f"{what} has an unexpected signature (parameters {list(params)}; hf_ring needs "
@@ -120,7 +122,8 @@ def pick_out_lse(result: Any, q: torch.Tensor, what: str) -> tuple[torch.Tensor,
             t = result[i] if i < len(result) else None
             if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and tuple(t.shape) == (b, hq, sq):
                 return result[0], t
-    shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in result]
+    items = result if isinstance(result, (tuple, list)) else [result]
+    shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in items]
     raise NotImplementedError(f"{what} returned {shapes}; expected out {tuple(q.shape)} and a float32 lse "
                               f"{(b, hq, sq)}: this kernel version is not supported")
 
@@ -240,13 +243,15 @@ _MASK_NONE, _MASK_CAUSAL_TOP_LEFT = 0, 1
 
 @functools.lru_cache(maxsize=None)
 def check_efficient_schema() -> None:
+    """Raise NotImplementedError unless the installed PyTorch's op schemas take the
+    positional arguments in the order the calls below pass them."""
     for op, expected in ((_EFF_FWD, EFF_FWD_ARGS), (_EFF_BWD, EFF_BWD_ARGS)):
         schema = op._schema
         names = tuple(a.name for a in schema.arguments if not a.kwarg_only)[: len(expected)]
         kw = {a.name for a in schema.arguments if a.kwarg_only}
         if names != expected or "scale" not in kw:
-            raise NotImplementedError(f"this PyTorch's {schema.name} takes ({', '.join(names)}; kw {sorted(kw)}), "
-                                      f"not the ({', '.join(expected)}; kw scale) hf_ring was written for; "
+            raise NotImplementedError(f"this PyTorch's {schema.name} takes ({', '.join(names)}; "
+                                      f"kw {sorted(kw)}), not the ({', '.join(expected)}; kw scale) hf_ring was written for; "
                                       "pass backend='flash_attn' or 'reference'")
 
 
