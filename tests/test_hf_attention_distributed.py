@@ -142,6 +142,8 @@ def _refusals(rank: int, world: int) -> dict[str, str]:
     out["bypass"] = _error_of(lambda: model(ids, position_ids=positions))
     attn.config = original
     out["after_bypass"] = _error_of(lambda: model(ids, position_ids=positions))
+    # A copy (a reference model, say) stays guarded and runs the ring.
+    out["deep_copy"] = _error_of(lambda: copy.deepcopy(model)(ids, position_ids=positions))
     model.set_attn_implementation("sdpa")
     out["switched_to_sdpa"] = _error_of(lambda: model(ids, position_ids=positions))
     return out
@@ -243,6 +245,7 @@ EXPECTED_REFUSALS = {
     "\\(window 4 tokens\\) over 16 tokens",
     "bypass": "RuntimeError: ring attention was bypassed: .* layers.1.self_attn\\. ",
     "after_bypass": "no error",
+    "deep_copy": "no error",
     "switched_to_sdpa": "RuntimeError: .*config now says 'sdpa'",
 }
 

@@ -32,9 +32,13 @@ import torch.nn as nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from hf_ring.hf.cp_inputs import cp_layout
-from hf_ring.hf.guard import note_ring_call
+from hf_ring.hf.guard import guard_model, note_ring_call
 from hf_ring.ring.api import ring_flash_attn_func, ring_flash_attn_varlen_func
 from hf_ring.ring.groups import ContextParallelState, get_context_parallel_state
+
+# guard_model is re-exported: models loaded with "ring_flash" are guarded automatically,
+# one whose config was set by hand is guarded with hf_ring.hf.attention.guard_model(model).
+__all__ = ["guard_model", "ring_flash_attention_forward"]
 
 
 def _name(module: nn.Module) -> str:
@@ -89,7 +93,17 @@ def _refuse_short_window(module: nn.Module, sliding_window: Optional[int], span:
         )
 
 
-def _local_attention(module, query, key, value, attention_mask, dropout, scaling, sliding_window, kwargs):
+def _local_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    dropout: float,
+    scaling: Optional[float],
+    sliding_window: Optional[int],
+    kwargs: dict[str, Any],
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     if attention_mask is not None and attention_mask.dim() != 4:
         raise ValueError(
             f"{_name(module)} passed a {attention_mask.dim()}-D attention mask to ring_flash: this "
@@ -103,7 +117,17 @@ def _local_attention(module, query, key, value, attention_mask, dropout, scaling
     )
 
 
-def _ring_attention(module, query, key, value, attention_mask, scaling, sliding_window, state, kwargs):
+def _ring_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    scaling: Optional[float],
+    sliding_window: Optional[int],
+    state: ContextParallelState,
+    kwargs: dict[str, Any],
+) -> tuple[torch.Tensor, None]:
     _refuse_under_ring(module, query, key, kwargs, "ring_flash under context parallelism")
     if attention_mask is not None:
         raise ValueError(
@@ -127,7 +151,7 @@ def _ring_attention(module, query, key, value, attention_mask, scaling, sliding_
     return out, None
 
 
-def _packed_group(state: Optional[ContextParallelState]):
+def _packed_group(state: Optional[ContextParallelState]) -> Optional[dist.ProcessGroup]:
     if state is not None:
         return state.cp_group
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -139,7 +163,16 @@ def _packed_group(state: Optional[ContextParallelState]):
     return None
 
 
-def _packed_attention(module, query, key, value, scaling, sliding_window, state, kwargs):
+def _packed_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: Optional[float],
+    sliding_window: Optional[int],
+    state: Optional[ContextParallelState],
+    kwargs: dict[str, Any],
+) -> tuple[torch.Tensor, None]:
     under_cp = state is not None and state.cp_size > 1
     what = "ring_flash on packed rows"
     if query.shape[0] != 1:
