@@ -31,7 +31,6 @@ import torch.distributed as dist
 import torch.nn as nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from hf_ring.hf.cp_inputs import cp_layout
 from hf_ring.hf.guard import guard_model, note_ring_call
 from hf_ring.ring.api import ring_flash_attn_func, ring_flash_attn_varlen_func
 from hf_ring.ring.groups import ContextParallelState, get_context_parallel_state
@@ -145,7 +144,7 @@ def _ring_attention(
         group=state.cp_group,
         causal=True,
         softmax_scale=scaling,
-        layout=cp_layout(state),
+        layout=state.layout,
     )
     note_ring_call(module)
     return out, None

@@ -25,11 +25,6 @@ from hf_ring.sharding.layouts import shard_indices, unshard_sequence
 from hf_ring.sharding.packed import packed_shard_indices, unshard_packed
 
 
-def cp_layout(state: ContextParallelState) -> str:
-    """The sharding layout of the active state (zigzag when the state names none)."""
-    return getattr(state, "layout", "zigzag")
-
-
 def _cache_argument(inputs: dict[str, Any]) -> Optional[Any]:
     # transformers 5 calls it `cache` (with `past_key_values` deprecated), 4.57 `past_key_values`.
     for name in ("cache", "past_key_values"):
@@ -69,7 +64,7 @@ def _expected_positions(
 ) -> torch.Tensor:
     """The global position of each of this rank's tokens, ``(seq_local,)`` int64."""
     if cu_seqlens is None:
-        return shard_indices(seq_local * state.cp_size, state.cp_size, state.cp_rank, cp_layout(state)).to(device)
+        return shard_indices(seq_local * state.cp_size, state.cp_size, state.cp_rank, state.layout).to(device)
     cu = cu_seqlens.to(device=device, dtype=torch.int64)
     idx = packed_shard_indices(cu.cpu(), state.cp_size, state.cp_rank).to(device)
     doc = torch.searchsorted(cu, idx, right=True) - 1
@@ -141,7 +136,7 @@ def validate_cp_inputs(inputs: dict[str, Any], state: ContextParallelState) -> N
     dist.all_gather(gathered, payload, group=state.cp_group)
     bad_ranks = [r for r, t in enumerate(gathered) if int(t[0, -1]) != 0]
     if bad_ranks:
-        what = "per-document positions of the packed row" if cu is not None else f"layout {cp_layout(state)!r}"
+        what = "per-document positions of the packed row" if cu is not None else f"layout {state.layout!r}"
         raise ValueError(
             f"position_ids on CP rank(s) {bad_ranks} are not the global positions of their shard "
             f"({what}, the layout of the active context-parallel state): shard position_ids exactly "
@@ -149,7 +144,7 @@ def validate_cp_inputs(inputs: dict[str, Any], state: ContextParallelState) -> N
             "does); a collator sharding in another layout than the state's is a mismatch"
         )
     shards = [t[:, :-1] for t in gathered]
-    full = unshard_packed(shards, cu.cpu()) if cu is not None else unshard_sequence(shards, 1, cp_layout(state))
+    full = unshard_packed(shards, cu.cpu()) if cu is not None else unshard_sequence(shards, 1, state.layout)
     if bool((full[:, 1:] > full[:, :-1]).any()):
         raise ValueError(
             "ring_flash under context parallelism accepts only right padding (padding tokens at "

@@ -16,6 +16,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from hf_ring.sharding.layouts import check_layout
+
 _ACTIVE: Optional["ContextParallelState"] = None
 
 
@@ -29,8 +31,10 @@ class ContextParallelState:
     dp_group: Optional[dist.ProcessGroup]
     dp_rank: int
     dp_size: int
+    layout: str = "zigzag"
 
     def __post_init__(self) -> None:
+        check_layout(self.layout)
         if self.cp_size < 1 or self.dp_size < 1:
             raise ValueError(f"cp_size and dp_size must be >= 1, got {self.cp_size}, {self.dp_size}")
         if not 0 <= self.cp_rank < self.cp_size:
@@ -44,12 +48,14 @@ class ContextParallelState:
 
 
 def setup_context_parallel(
-    cp_size: int, *, backend: Optional[str] = None, activate: bool = True
+    cp_size: int, *, layout: str = "zigzag", backend: Optional[str] = None, activate: bool = True
 ) -> ContextParallelState:
     """Build (or reuse) the dp x cp groups over the initialised default process group.
 
     Args:
         cp_size: ranks per context-parallel group; must divide the world size.
+        layout: how sequences are split over the CP ranks (``"zigzag"``, ``"stripe"`` or
+            ``"contiguous"``); ``ring_flash`` and the collator both follow it.
         backend: backend for the new groups (default: the default group's).
         activate: make the returned state the one ``ring_flash`` uses.
 
@@ -59,9 +65,10 @@ def setup_context_parallel(
     global _ACTIVE
     if not isinstance(cp_size, int) or cp_size < 1:
         raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
+    check_layout(layout)
     if not dist.is_available() or not dist.is_initialized():
         if cp_size == 1:
-            state = ContextParallelState(None, 0, 1, None, 0, 1)
+            state = ContextParallelState(None, 0, 1, None, 0, 1, layout)
             if activate:
                 _ACTIVE = state
             return state
@@ -70,8 +77,17 @@ def setup_context_parallel(
             "group: launch with `accelerate launch` or `torchrun` and call "
             "torch.distributed.init_process_group() (Accelerator() does it) first"
         )
-    if _ACTIVE is not None and _ACTIVE.cp_size == cp_size and _ACTIVE.world_size == dist.get_world_size():
-        return _ACTIVE
+    active = _ACTIVE
+    if active is not None and active.cp_size == cp_size and active.world_size == dist.get_world_size():
+        if active.layout != layout:
+            # Same groups, another layout: no collective needed.
+            active = ContextParallelState(
+                active.cp_group, active.cp_rank, active.cp_size,
+                active.dp_group, active.dp_rank, active.dp_size, layout,
+            )
+            if activate:
+                _ACTIVE = active
+        return active
     world = dist.get_world_size()
     rank = dist.get_rank()
     if world % cp_size != 0:
@@ -99,6 +115,7 @@ def setup_context_parallel(
         dp_group=dp_group,
         dp_rank=rank // cp_size,
         dp_size=dp_size,
+        layout=layout,
     )
     if activate:
         _ACTIVE = state
