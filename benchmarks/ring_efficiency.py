@@ -110,6 +110,15 @@ class Problem:
     shards: list[tuple[torch.Tensor, ...]]  # per rank: q, k, v, dout
     doc_lens: Optional[list[int]] = None  # packed: global document lengths
 
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        """int64 ``(n_docs + 1,)`` document boundaries of the packed row."""
+        return cu_seqlens(self.doc_lens)
+
+
+def cu_seqlens(doc_lens: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(doc_lens).cumsum(0).tolist()])
+
 
 def make_problem(layout: str, cp: int, seq_per_rank: int, cfg: BenchConfig, seed: int = 0) -> Problem:
     total = cp * seq_per_rank
@@ -122,8 +131,7 @@ def make_problem(layout: str, cp: int, seq_per_rank: int, cfg: BenchConfig, seed
     q, k, v, dout = rand(cfg.heads), rand(cfg.kv_heads), rand(cfg.kv_heads), rand(cfg.heads)
     doc_lens = packed_doc_lens(total, cp) if layout == "packed" else None
     if doc_lens:
-        cu = torch.tensor([0, *torch.tensor(doc_lens).cumsum(0).tolist()])
-        shard = lambda t, r: shard_packed(t, cu, cp, r)  # noqa: E731
+        shard = lambda t, r: shard_packed(t, cu_seqlens(doc_lens), cp, r)  # noqa: E731
     else:
         shard = lambda t, r: hf_ring.shard_sequence(t, cp, r, layout=layout)  # noqa: E731
     shards = [tuple(shard(t, r).contiguous() for t in (q, k, v, dout)) for r in range(cp)]
@@ -218,8 +226,7 @@ def virtual_ring(pb: Problem, kernel: AttentionBackend, scale: float) -> dict[st
         outs.append(out)
         lses.append(lse)
     if pb.doc_lens:
-        cu = torch.tensor([0, *torch.tensor(pb.doc_lens).cumsum(0).tolist()])
-        join = lambda ts, dim=1: unshard_packed(ts, cu, dim=dim)  # noqa: E731
+        join = lambda ts, dim=1: unshard_packed(ts, pb.cu_seqlens, dim=dim)  # noqa: E731
     else:
         join = lambda ts, dim=1: hf_ring.unshard_sequence(ts, dim=dim, layout=pb.layout)  # noqa: E731
     return {"out": join(outs), "lse": join(lses, 2), "dq": join(dqs),
@@ -230,7 +237,7 @@ def _full_calls(pb: Problem) -> list[slice]:
     """The reference: one causal call over the sequence, or one per packed document."""
     if not pb.doc_lens:
         return [slice(0, pb.q.shape[1])]
-    bounds = [0, *torch.tensor(pb.doc_lens).cumsum(0).tolist()]
+    bounds = pb.cu_seqlens.tolist()
     return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
@@ -363,11 +370,11 @@ def _spawn_worker(rank: int, cp: int, layout: str, spr: int, cfg: BenchConfig, t
     pb = make_problem(layout, cp, spr, cfg)
     q, k, v = (t.clone().requires_grad_() for t in pb.shards[rank][:3])
     dout = pb.shards[rank][3]
-    cu = torch.tensor([0, *torch.tensor(pb.doc_lens or [0]).cumsum(0).tolist()], dtype=torch.int32)
 
     def fwd():
         if pb.doc_lens:
-            return hf_ring.ring_flash_attn_varlen_func(q[0], k[0], v[0], cu, backend=cfg.backend).unsqueeze(0)
+            out = hf_ring.ring_flash_attn_varlen_func(q[0], k[0], v[0], pb.cu_seqlens, backend=cfg.backend)
+            return out.unsqueeze(0)
         return hf_ring.ring_flash_attn_func(q, k, v, layout=layout, backend=cfg.backend)
 
     unit = Unit(f"rank {rank}", fwd, lambda out: out.backward(dout))
@@ -413,7 +420,7 @@ def _print_table(rows: list[dict]) -> None:
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--cp", type=int, nargs="+", default=[2, 4, 8])
-    p.add_argument("--seq-per-rank", type=int, nargs="+", default=[1024, 2048])
+    p.add_argument("--seq-per-rank", type=int, nargs="+", default=[2048])
     p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=2)
