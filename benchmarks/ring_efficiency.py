@@ -70,8 +70,8 @@ class BenchConfig:
     def __post_init__(self) -> None:
         if self.clock not in CLOCKS:
             raise ValueError(f"clock must be one of {sorted(CLOCKS)}, got {self.clock!r}")
-        if self.clock == "process" and (self.device != "cpu" or torch.get_num_threads() != 1):
-            raise ValueError("clock='process' measures one CPU thread: use it with device cpu and --threads 1")
+        if self.clock == "process" and self.device != "cpu":
+            raise ValueError("clock='process' measures CPU time: use it with device cpu")
         if self.heads % self.kv_heads:
             raise ValueError(f"heads={self.heads} must be a multiple of kv_heads={self.kv_heads}")
         if self.dtype not in DTYPES:
@@ -247,8 +247,8 @@ class Unit:
     ``fwd()`` returns what ``bwd`` needs; times are collected over the repeats."""
 
     name: str
-    fwd: Callable[[], Any]
-    bwd: Callable[[Any], None]
+    fwd: Optional[Callable[[], Any]] = None  # None: times measured elsewhere (spawned ranks)
+    bwd: Optional[Callable[[Any], None]] = None
     clocks: tuple[Clock, Clock] = field(default_factory=lambda: (Clock(False), Clock(False)))
     fwd_s: list[float] = field(default_factory=list)
     fb_s: list[float] = field(default_factory=list)
@@ -275,27 +275,30 @@ def rank_unit(pb: Problem, rank: int, kernel: AttentionBackend, scale: float, cf
                 lambda st: rank_backward(pb, rank, kernel, scale, *st, clocks[1]), clocks)
 
 
-def run_interleaved(units: list[Unit], cfg: BenchConfig, tick: Callable[[], None] = lambda: None,
-                    before: Callable[[], None] = lambda: None) -> None:
-    """Time every unit once per repeat, in turn, so that load from other processes hits the
-    reference and the ranks alike; the first ``cfg.warmup`` rounds are not kept."""
+def time_unit(u: Unit, cfg: BenchConfig, keep: bool) -> None:
+    """Run ``u`` forward then backward once; record the times if ``keep``."""
     now = CLOCKS[cfg.clock]
+    for c in u.clocks:
+        c.seconds = {"causal": 0.0, "full": 0.0}
+    _sync(cfg.device)
+    t0 = now()
+    state = u.fwd()
+    _sync(cfg.device)
+    t1 = now()
+    u.bwd(state)
+    _sync(cfg.device)
+    if keep:
+        u.fwd_s.append(t1 - t0)
+        u.fb_s.append(now() - t0)
+        u.kernel_s.append((u.clocks[0].seconds, u.clocks[1].seconds))
+
+
+def run_interleaved(units: list[Unit], cfg: BenchConfig, tick: Callable[[], None] = lambda: None) -> None:
+    """Time every unit once per round, in turn, so that load from other processes hits the
+    reference and the ranks alike; the first ``cfg.warmup`` rounds are not kept."""
     for i in range(cfg.warmup + cfg.repeats):
         for u in units:
-            for c in u.clocks:
-                c.seconds = {"causal": 0.0, "full": 0.0}
-            before()
-            _sync(cfg.device)
-            t0 = now()
-            state = u.fwd()
-            _sync(cfg.device)
-            t1 = now()
-            u.bwd(state)
-            _sync(cfg.device)
-            if i >= cfg.warmup:
-                u.fwd_s.append(t1 - t0)
-                u.fb_s.append(now() - t0)
-                u.kernel_s.append((u.clocks[0].seconds, u.clocks[1].seconds))
+            time_unit(u, cfg, keep=i >= cfg.warmup)
             tick()
 
 
@@ -377,31 +380,33 @@ def _spawn_worker(rank: int, cp: int, layout: str, spr: int, cfg: BenchConfig, t
             return out.unsqueeze(0)
         return hf_ring.ring_flash_attn_func(q, k, v, layout=layout, backend=cfg.backend)
 
-    unit = Unit(f"rank {rank}", fwd, lambda out: out.backward(dout))
-    run_interleaved([unit], cfg, before=dist.barrier)
-    torch.save((unit.fwd_s, unit.fb_s), os.path.join(tmp, f"rank{rank}.pt"))
+    ring = Unit(f"rank {rank}", fwd, lambda out: out.backward(dout))
+    # Rank 0 also times the reference, right after each ring round and in the same process
+    # conditions (threads, load), while the others wait.
+    ref = full_unit(pb, cfg.kernel(), 1 / math.sqrt(cfg.head_dim))
+    for i in range(cfg.warmup + cfg.repeats):
+        dist.barrier()
+        time_unit(ring, cfg, keep=i >= cfg.warmup)
+        dist.barrier()
+        if rank == 0:
+            time_unit(ref, cfg, keep=i >= cfg.warmup)
+    torch.save((ring.fwd_s, ring.fb_s, ref.fwd_s, ref.fb_s), os.path.join(tmp, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
 def measure_spawn(layout: str, cp: int, seq_per_rank: int, cfg: BenchConfig, threads: int) -> list[dict]:
-    """Real-ring efficiency rows: ``cp`` gloo processes of ``threads`` threads each, against
-    the reference run in this process on ``threads`` threads (the same per-rank share)."""
+    """Real-ring efficiency rows: ``cp`` gloo processes of ``threads`` threads each; rank 0
+    also times the reference on its ``threads`` threads (the same per-rank share)."""
     import torch.multiprocessing as mp
 
-    kernel = cfg.kernel()
-    saved = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    pb = make_problem(layout, cp, seq_per_rank, cfg)
-    ref = full_unit(pb, kernel, 1 / math.sqrt(cfg.head_dim))
-    run_interleaved([ref], cfg)
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_spawn_worker, args=(cp, layout, seq_per_rank, cfg, threads, tmp), nprocs=cp, join=True)
-        ranks = [Unit(f"rank {r}", print, print) for r in range(cp)]
-        for r, u in enumerate(ranks):
-            u.fwd_s, u.fb_s = torch.load(os.path.join(tmp, f"rank{r}.pt"))
-    rows = efficiency_rows(layout, cp, seq_per_rank, ref, ranks, cfg, kernel.name, pb.doc_lens, mode="spawn")
-    torch.set_num_threads(saved)
-    return rows
+        results = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(cp)]
+    ranks = [Unit(f"rank {r}", fwd_s=res[0], fb_s=res[1]) for r, res in enumerate(results)]
+    ref = Unit("full", fwd_s=results[0][2], fb_s=results[0][3])
+    doc_lens = packed_doc_lens(cp * seq_per_rank, cp) if layout == "packed" else None
+    rows = efficiency_rows(layout, cp, seq_per_rank, ref, ranks, cfg, cfg.kernel().name, doc_lens, mode="spawn")
+    return [r | {"threads": threads} for r in rows]
 
 
 # ------------------------------------------------------------------------------- driver
@@ -431,7 +436,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
     p.add_argument("--clock", default="wall", choices=sorted(CLOCKS),
-                   help="wall, or process: CPU seconds of this process (with --threads 1, robust to other load)")
+                   help="wall, or process: CPU seconds of each process (one thread each; robust to other "
+                        "load; with --spawn it leaves out time spent waiting for transfers)")
     p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     p.add_argument("--quick", action="store_true", help="cp 2 and 4, 1024 tokens per rank, 2 repeats")
     p.add_argument("--tiny", action="store_true", help="smoke test: cp 2, 64 tokens per rank, small heads")
@@ -444,6 +450,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         a.cp, a.seq_per_rank, a.repeats, a.heads, a.kv_heads, a.head_dim = [2], [64], 5, 2, 1, 16
     if a.spawn and a.cp == [2, 4, 8]:
         a.cp = [2]
+    per_process = [max(1, a.threads // cp) for cp in a.cp] if a.spawn else [a.threads]
+    if a.clock == "process" and set(per_process) != {1}:
+        p.error("--clock process measures one thread per process: pass --threads 1 (--spawn: --threads <= cp)")
     torch.set_num_threads(a.threads)
     cfg = BenchConfig(a.heads, a.kv_heads, a.head_dim, a.dtype, a.device, a.backend, a.repeats, a.warmup, a.clock)
     if not a.json:
