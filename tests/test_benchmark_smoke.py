@@ -1,6 +1,7 @@
 """benchmarks/ring_efficiency.py runs end to end in its tiny mode and prints well-formed
-JSON lines: one per (layout, cp, seq_per_rank, pass) with an efficiency in (0, 1.5]; and
-the block calls it times are exactly the ring's (they reassemble to full attention).
+JSON lines: one per (layout, cp, seq_per_rank, pass) with an efficiency in (0, 1.5]; the
+block calls it times are exactly the ring's (they reassemble to full attention); and
+benchmarks/gpu_check.py's sections run, pointed at the CPU backend.
 
 Tiny blocks are dominated by per-call overhead, so the efficiencies are low (~0.1-0.3);
 the bound only catches a broken ratio (zero, negative, a reference that was not timed).
@@ -69,7 +70,7 @@ def test_virtual_ring_computes_attention(layout, cp):
 def test_gpu_check_logic_on_cpu(monkeypatch):
     """benchmarks/gpu_check.py's sections, pointed at the CPU flash backend: the GPU time
     it will get is scarce, so its own code must be known to run before it gets there."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
     gpu_check = importlib.import_module("gpu_check")
     monkeypatch.setattr(gpu_check, "DEVICE", torch.device("cpu"))
     monkeypatch.setattr(gpu_check, "NAMES", ("torch_cpu_flash",))
