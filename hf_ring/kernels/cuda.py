@@ -79,6 +79,7 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
+@functools.lru_cache(maxsize=None)  # read once per function: it is called for every block
 def _params(fn: Callable) -> dict[str, bool]:
     """Parameter name -> whether it has a default, for a Python function or a torch op."""
     op = getattr(fn, "_opoverload", None) or (fn if isinstance(fn, torch._ops.OpOverload) else None)
