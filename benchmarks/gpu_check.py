@@ -33,8 +33,11 @@ from typing import Any, Callable
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ring_efficiency as bench  # noqa: E402  (a sibling script, not a package)
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# The sibling script, and hf_ring itself from this checkout: a GPU machine may have only
+# torch installed, not this package.
+sys.path[:0] = [_HERE, os.path.dirname(_HERE)]
+import ring_efficiency as bench  # noqa: E402
 
 from hf_ring.kernels import available_backends, get_backend  # noqa: E402
 from hf_ring.ring.schedule import step_blocks  # noqa: E402

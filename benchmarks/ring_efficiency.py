@@ -37,7 +37,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
-from tqdm import tqdm
 
 import hf_ring
 from hf_ring.kernels import AttentionBackend, get_backend
@@ -459,6 +458,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         threads = f"{max(1, a.threads // max(a.cp))} per process" if a.spawn else str(a.threads)
         print(f"# {cfg.kernel().name} backend, {a.dtype}, heads {a.heads}/{a.kv_heads}, head_dim {a.head_dim}, "
               f"batch 1, median of {a.repeats} after {a.warmup} warm-up, torch threads {threads}, {a.clock} clock")
+    from tqdm import tqdm  # only the command line needs it (gpu_check.py imports this module)
+
     rows: list[dict] = []
     groups = [(cp, spr) for cp in a.cp for spr in a.seq_per_rank]
     if a.spawn:
