@@ -214,3 +214,20 @@ def test_torch_efficient_glue(monkeypatch, heads, causal):
     monkeypatch.setattr(cuda, "_EFF_FWD", _eff_forward)
     monkeypatch.setattr(cuda, "_EFF_BWD", _eff_backward)
     _check_against_reference(cuda.efficient_forward, cuda.efficient_backward, causal, *heads)
+
+
+def test_auto_skips_a_backend_that_cannot_run_here_and_naming_it_is_an_error(monkeypatch):
+    from hf_ring.kernels import backends
+
+    def probe(device, dtype):
+        raise ValueError("fake kernel needs a newer GPU")
+
+    fake = backends.AttentionBackend(
+        "fake", backends.reference_forward, backends.reference_backward, ("cpu",),
+        (torch.float32,), "stand-in that is installed but not usable here", probe,
+    )
+    monkeypatch.setitem(backends._BACKENDS, "fake", fake)
+    monkeypatch.setitem(backends._AUTO_ORDER, "cpu", ("fake", "torch_cpu_flash"))
+    assert get_backend("auto", torch.device("cpu"), torch.float32).name == "torch_cpu_flash"
+    with pytest.raises(ValueError, match="fake kernel needs a newer GPU"):
+        get_backend("fake", torch.device("cpu"), torch.float32)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -36,6 +36,9 @@ class AttentionBackend:
     devices: tuple[str, ...]
     dtypes: tuple[torch.dtype, ...]
     description: str
+    # Raises ValueError (saying why) when the backend cannot run here: package version,
+    # GPU generation. Checked when the backend is chosen, before any kernel runs.
+    probe: Optional[Callable[[torch.device, torch.dtype], None]] = None
 
     def check(self, device: torch.device, dtype: torch.dtype) -> None:
         if device.type not in self.devices:
@@ -49,6 +52,8 @@ class AttentionBackend:
                 f"attention backend {self.name!r} takes {[str(d) for d in self.dtypes]}, got "
                 f"{dtype}; pass backend='auto' or one of {available_backends(device, dtype)}"
             )
+        if self.probe is not None:
+            self.probe(device, dtype)
 
 
 _ALL_FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
@@ -110,12 +115,27 @@ _AUTO_ORDER = {
 }
 
 
+def _usable(backend: AttentionBackend, device: torch.device, dtype: torch.dtype) -> bool:
+    if not _installed(backend.name):
+        return False
+    try:
+        backend.check(device, dtype)
+    except (ValueError, NotImplementedError):
+        return False
+    return True
+
+
 def get_backend(name: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
-    """Resolve ``name`` (or ``"auto"``) to a backend that runs on ``device`` for ``dtype``."""
+    """Resolve ``name`` (or ``"auto"``) to a backend that runs on ``device`` for ``dtype``.
+
+    ``"auto"`` takes the first backend of a fixed preference order that is installed and
+    usable here (package version, GPU generation); a name asks for exactly that backend
+    and is an error when it cannot run.
+    """
     if name == "auto":
         for candidate in _AUTO_ORDER.get(device.type, ()):
             backend = _BACKENDS.get(candidate)
-            if backend and _installed(candidate) and dtype in backend.dtypes and device.type in backend.devices:
+            if backend is not None and _usable(backend, device, dtype):
                 return backend
         raise ValueError(f"no attention backend runs on {device.type} for {dtype}")
     if name in _REFUSED:

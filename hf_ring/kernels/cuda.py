@@ -295,13 +295,31 @@ def efficient_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     return dq, dk, dv
 
 
+def _probe(name: str, min_cc: tuple[int, int], load: Callable[[], Any]) -> Callable[[torch.device, torch.dtype], None]:
+    """What :func:`_check` verifies that is known before any tensor exists: the package
+    loads in a supported version and the GPU is recent enough."""
+
+    def probe(device: torch.device, dtype: torch.dtype) -> None:
+        load()
+        need = max(min_cc, (8, 0)) if dtype == torch.bfloat16 else min_cc
+        if device.type == "cuda" and _capability(device) < need:
+            cc = _capability(device)
+            raise ValueError(f"attention backend {name!r} needs a GPU of compute capability >= "
+                             f"{need[0]}.{need[1]} for {dtype}, this one is {cc[0]}.{cc[1]}")
+
+    return probe
+
+
 def cuda_backends() -> list[AttentionBackend]:
     """The CUDA backends; whether their packages are installed is checked at selection."""
     return [
         AttentionBackend("flash_attn", fa2_forward, fa2_backward, ("cuda",), _HALF,
-                         f"flash-attn 2 ({FA2_MIN} <= version < {FA2_END}), sm80+"),
+                         f"flash-attn 2 ({FA2_MIN} <= version < {FA2_END}), sm80+",
+                         _probe("flash_attn", (8, 0), _fa2)),
         AttentionBackend("flash_attn_3", fa3_forward, fa3_backward, ("cuda",), _HALF,
-                         "flash-attn 3 hopper build (module flash_attn_interface), sm90"),
+                         "flash-attn 3 hopper build (module flash_attn_interface), sm90",
+                         _probe("flash_attn_3", (9, 0), _fa3)),
         AttentionBackend("torch_efficient", efficient_forward, efficient_backward, ("cuda",),
-                         (torch.float32, *_HALF), "PyTorch's memory-efficient attention op (CUDA)"),
+                         (torch.float32, *_HALF), "PyTorch's memory-efficient attention op (CUDA)",
+                         _probe("torch_efficient", (5, 0), check_efficient_schema)),
     ]
