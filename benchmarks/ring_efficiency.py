@@ -7,8 +7,8 @@ rank gets (layout balance), the speed of the kernel on the smaller ring blocks, 
 per-block merge and gradient accumulation all show up as a loss. Communication does not:
 
 - virtual ring (default): one process runs, rank by rank, exactly the block calls that
-  ``hf_ring.ring.schedule.step_blocks`` gives that rank over all steps, with the same
-  float32 merge (``merge_block_``) and gradient accumulation the ring does, and times
+  ``hf_ring.ring.schedule.step_blocks`` gives that rank over all steps, through the ring's
+  own per-step code (``forward_blocks``, ``backward_blocks``, ``add_block_dkv``), and times
   each rank. Forward, and forward + backward (given the final out and lse).
 - ``--spawn``: the real ``hf_ring.ring_flash_attn_func`` over gloo in ``cp`` spawned
   processes (one thread each), including the transfers.
@@ -33,15 +33,14 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Optional
 
 import torch
 
 import hf_ring
 from hf_ring.kernels import AttentionBackend, get_backend
-from hf_ring.ring.merge import merge_block_
-from hf_ring.ring.schedule import step_blocks
+from hf_ring.ring.ring_attention import RingPlan, accum_dtype, add_block_dkv, backward_blocks, forward_blocks
 from hf_ring.sharding import shard_packed, unshard_packed
 
 LAYOUTS = ("zigzag", "stripe", "contiguous", "packed")
@@ -158,65 +157,69 @@ class Clock:
         self.seconds["causal" if causal else "full"] += self.now() - start
         return res
 
+    def wrap(self, kernel: AttentionBackend) -> AttentionBackend:
+        """``kernel`` with each forward / backward call timed by kind (causal or not)."""
+        if not self.enabled:
+            return kernel
+        # Both calls take ``causal`` as their second-to-last positional argument.
+        return replace(
+            kernel,
+            forward=lambda *a: self.call(kernel.forward, a[-2], *a),
+            backward=lambda *a: self.call(kernel.backward, a[-2], *a),
+        )
 
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
-
-def _blocks(pb: Problem, rank: int, src: int, local_len: int):
+def _plan(pb: Problem, rank: int, kernel: AttentionBackend, scale: float) -> RingPlan:
     local_docs = [n // pb.cp for n in pb.doc_lens] if pb.doc_lens else None
-    return step_blocks("zigzag" if local_docs else pb.layout, True, local_len, rank, src, local_docs)
+    return RingPlan(None, rank, pb.cp, "zigzag" if local_docs else pb.layout, True, scale, kernel, local_docs)
 
 
 def rank_forward(pb: Problem, rank: int, kernel: AttentionBackend, scale: float, clock: Clock):
-    """The ring forward of ``rank`` without transfers: every scheduled block + merge, into
-    float32 accumulators as in hf_ring/ring/ring_attention.py. Returns out, lse."""
+    """The ring forward of ``rank`` without transfers: hf_ring's own per-step code
+    (``forward_blocks``) on each step's K/V shard. Returns out, lse."""
     q = pb.shards[rank][0]
     b, s, h, d = q.shape
-    out = torch.zeros(b, s, h, d, dtype=_acc(q.dtype), device=q.device)
-    lse = torch.full((b, h, s), float("-inf"), dtype=_acc(q.dtype), device=q.device)
+    plan = _plan(pb, rank, clock.wrap(kernel), scale)
+    out = torch.empty(b, s, h, d, dtype=accum_dtype(q.dtype), device=q.device)
+    lse = torch.empty((b, h, s), dtype=accum_dtype(q.dtype), device=q.device)
     for step in range(pb.cp):
         src = (rank - step) % pb.cp
-        k, v = pb.shards[src][1], pb.shards[src][2]
-        for blk in _blocks(pb, rank, src, s):
-            qs, ks = slice(blk.q_start, blk.q_end), slice(blk.k_start, blk.k_end)
-            bo, bl = clock.call(kernel.forward, blk.causal, q[:, qs], k[:, ks], v[:, ks], blk.causal, scale)
-            merge_block_(out[:, qs], lse[:, :, qs], bo, bl)
+        forward_blocks(plan, plan.blocks(step, s), q, pb.shards[src][1], pb.shards[src][2], out, lse, step == 0)
     return out.to(q.dtype), lse
 
 
 def rank_backward(pb: Problem, rank: int, kernel: AttentionBackend, scale: float, out, lse, clock: Clock,
                   dkv_by_src: Optional[list[torch.Tensor]] = None) -> torch.Tensor:
-    """The ring backward of ``rank`` without transfers, given its final out and lse.
+    """The ring backward of ``rank`` without transfers, given its final out and lse, with
+    hf_ring's own per-step code (``backward_blocks``, ``add_block_dkv``).
 
-    Each step's dK/dV block is added into an accumulator as the ring adds it into the one
-    travelling with the K/V shard: ``dkv_by_src[src]`` ``(2, b, s, hk, d)`` when given
-    (to check gradients), else a scratch buffer. Returns dq in q's dtype.
+    Each step's dK/dV blocks are added into the accumulator of the shard they belong to,
+    ``dkv_by_src[src]`` ``(2, b, s, hk, d)`` when given (to check gradients), else a scratch
+    buffer (as the ring adds them into the one travelling with the shard). Returns dq.
     """
     q, _, _, dout = pb.shards[rank]
-    acc = _acc(q.dtype)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    acc = accum_dtype(q.dtype)
+    plan = _plan(pb, rank, clock.wrap(kernel), scale)
+    dq = torch.empty(q.shape, dtype=acc, device=q.device)
     kv_shape = (2, *pb.shards[rank][1].shape)
-    scratch = torch.zeros(kv_shape, dtype=acc, device=q.device)
+    scratch = torch.empty(kv_shape, dtype=acc, device=q.device)
     for step in range(pb.cp):
         src = (rank - step) % pb.cp
         k, v = pb.shards[src][1], pb.shards[src][2]
-        block_dkv = torch.zeros(kv_shape, dtype=acc, device=q.device)
-        for blk in _blocks(pb, rank, src, q.shape[1]):
-            qs, ks = slice(blk.q_start, blk.q_end), slice(blk.k_start, blk.k_end)
-            bdq, bdk, bdv = clock.call(kernel.backward, blk.causal, dout[:, qs], q[:, qs], k[:, ks], v[:, ks],
-                                       out[:, qs], lse[:, :, qs], blk.causal, scale)
-            dq[:, qs] += bdq
-            block_dkv[0][:, ks] += bdk
-            block_dkv[1][:, ks] += bdv
-        (dkv_by_src[src] if dkv_by_src is not None else scratch).add_(block_dkv)
+        block_dkv = backward_blocks(plan, plan.blocks(step, q.shape[1]), dout, q, k, v, out, lse, dq, step == 0)
+        if dkv_by_src is not None:
+            # Zeroed by the caller; in this rank-by-rank replay another rank may add to a
+            # shard before its owner does, so these are only ever added to.
+            add_block_dkv(dkv_by_src[src], block_dkv, q.shape[1], first_step=False)
+        else:
+            add_block_dkv(scratch, block_dkv, q.shape[1], first_step=step == 0)
     return dq.to(q.dtype)
 
 
 def virtual_ring(pb: Problem, kernel: AttentionBackend, scale: float) -> dict[str, torch.Tensor]:
     """Every rank's virtual ring, reassembled in global order: out, lse, dq, dk, dv of the
     full sequence (for checking the benchmark's calls compute attention exactly)."""
-    acc = _acc(pb.q.dtype)
+    acc = accum_dtype(pb.q.dtype)
     dkv = [torch.zeros((2, *sh[1].shape), dtype=acc, device=pb.q.device) for sh in pb.shards]
     outs, lses, dqs = [], [], []
     for r in range(pb.cp):

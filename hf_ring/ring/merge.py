@@ -34,5 +34,5 @@ def merge_block_(
     ref = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
     w_old = torch.exp(lse_acc - ref).transpose(1, 2).unsqueeze(-1)  # (b, q, h, 1)
     w_new = torch.exp(block_lse - ref).transpose(1, 2).unsqueeze(-1)
-    out_acc.mul_(w_old).add_(block_out.to(out_acc.dtype) * w_new)
+    out_acc.mul_(w_old).addcmul_(block_out.to(out_acc.dtype), w_new)
     lse_acc.copy_(new_lse)

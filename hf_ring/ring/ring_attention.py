@@ -52,6 +52,74 @@ class RingPlan:
         return step_blocks(self.layout, self.causal, local_len, self.rank, src, self.local_doc_lens)
 
 
+def _covers(spans, length: int) -> bool:
+    """Whether the ``(start, end)`` ranges tile ``[0, length)`` exactly."""
+    pos = 0
+    for start, end in sorted(spans):
+        if start != pos:
+            return False
+        pos = end
+    return pos == length
+
+
+def forward_blocks(plan: RingPlan, blocks, q, cur_k, cur_v, out, lse, first_step: bool) -> None:
+    """One ring step of the forward: every block against the K/V shard held now, folded
+    into ``out`` ``(b, s, hq, d)`` and ``lse`` ``(b, hq, s)`` (float32 accumulators).
+
+    On the first step the blocks (the diagonal) usually cover every query row once: their
+    results then become the accumulators' first values, with no merge.
+    """
+    first = first_step and _covers([(b.q_start, b.q_end) for b in blocks], q.shape[1])
+    if first_step and not first:
+        out.zero_()
+        lse.fill_(float("-inf"))
+    for blk in blocks:
+        qs, ks = slice(blk.q_start, blk.q_end), slice(blk.k_start, blk.k_end)
+        block_out, block_lse = plan.backend.forward(q[:, qs], cur_k[:, ks], cur_v[:, ks], blk.causal, plan.scale)
+        if first:
+            out[:, qs] = block_out
+            lse[:, :, qs] = block_lse
+        else:
+            merge_block_(out[:, qs], lse[:, :, qs], block_out, block_lse)
+
+
+def backward_blocks(plan: RingPlan, blocks, dout, q, cur_k, cur_v, out, lse, dq, first_step: bool) -> list:
+    """One ring step of the backward: every block's gradients given the final ``out`` and
+    ``lse``; dq is accumulated into ``dq`` (float32), and the blocks' dK/dV are returned as
+    ``[(k_slice, dk, dv)]`` for :func:`add_block_dkv`, so they can be computed while the
+    accumulator they belong to is still in flight."""
+    first = first_step and _covers([(b.q_start, b.q_end) for b in blocks], q.shape[1])
+    if first_step and not first:
+        dq.zero_()
+    block_dkv = []
+    for blk in blocks:
+        qs, ks = slice(blk.q_start, blk.q_end), slice(blk.k_start, blk.k_end)
+        bdq, bdk, bdv = plan.backend.backward(
+            dout[:, qs], q[:, qs], cur_k[:, ks], cur_v[:, ks], out[:, qs], lse[:, :, qs], blk.causal, plan.scale
+        )
+        if first:
+            dq[:, qs] = bdq
+        else:
+            dq[:, qs] += bdq
+        block_dkv.append((ks, bdk, bdv))
+    return block_dkv
+
+
+def add_block_dkv(dkv: torch.Tensor, block_dkv: list, length: int, first_step: bool) -> None:
+    """Add a step's dK/dV blocks into the accumulator ``dkv`` ``(2, b, s, hk, d)``; on the
+    first step, when the blocks cover every key once, they initialise it instead."""
+    first = first_step and _covers([(ks.start, ks.stop) for ks, _, _ in block_dkv], length)
+    if first_step and not first:
+        dkv.zero_()
+    for ks, bdk, bdv in block_dkv:
+        if first:
+            dkv[0][:, ks] = bdk
+            dkv[1][:, ks] = bdv
+        else:
+            dkv[0][:, ks] += bdk
+            dkv[1][:, ks] += bdv
+
+
 def ring_forward(
     plan: RingPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,25 +127,14 @@ def ring_forward(
     lse ``(b, hq, s)`` float32 (float64 for float64 inputs)."""
     b, s, hq, d = q.shape
     acc = accum_dtype(q.dtype)
-    out = torch.zeros(b, s, hq, d, dtype=acc, device=q.device)
-    lse = torch.full((b, hq, s), float("-inf"), dtype=acc, device=q.device)
+    out = torch.empty(b, s, hq, d, dtype=acc, device=q.device)
+    lse = torch.empty((b, hq, s), dtype=acc, device=q.device)
     kv = DoubleBuffer(torch.stack([k, v]))  # (2, b, s, hk, d)
     exchange = RingExchange(plan.group) if plan.world > 1 else None
     for step in range(plan.world):
         if step + 1 < plan.world:
             exchange.start(kv.current, kv.incoming)
-        cur_k, cur_v = kv.current[0], kv.current[1]
-        for blk in plan.blocks(step, s):
-            block_out, block_lse = plan.backend.forward(
-                q[:, blk.q_start : blk.q_end],
-                cur_k[:, blk.k_start : blk.k_end],
-                cur_v[:, blk.k_start : blk.k_end],
-                blk.causal,
-                plan.scale,
-            )
-            merge_block_(
-                out[:, blk.q_start : blk.q_end], lse[:, :, blk.q_start : blk.q_end], block_out, block_lse
-            )
+        forward_blocks(plan, plan.blocks(step, s), q, kv.current[0], kv.current[1], out, lse, step == 0)
         if step + 1 < plan.world:
             exchange.wait()
             kv.swap()
@@ -97,32 +154,24 @@ def ring_backward(
     final ``out`` and ``lse``."""
     s = q.shape[1]
     acc = accum_dtype(q.dtype)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dq = torch.empty(q.shape, dtype=acc, device=q.device)
     kv = DoubleBuffer(torch.stack([k, v]))
-    dkv = DoubleBuffer(torch.zeros((2, *k.shape), dtype=acc, device=k.device))
+    # dkv.current accumulates dK/dV for the K/V block held now; it travels with that block.
+    dkv = DoubleBuffer(torch.empty((2, *k.shape), dtype=acc, device=k.device))
     kv_exchange = RingExchange(plan.group) if plan.world > 1 else None
     dkv_exchange = RingExchange(plan.group) if plan.world > 1 else None
     for step in range(plan.world):
         if step + 1 < plan.world:
             kv_exchange.start(kv.current, kv.incoming)
-        cur_k, cur_v = kv.current[0], kv.current[1]
-        block_dkv = torch.zeros((2, *k.shape), dtype=acc, device=k.device)
-        for blk in plan.blocks(step, s):
-            qs, ks = slice(blk.q_start, blk.q_end), slice(blk.k_start, blk.k_end)
-            bdq, bdk, bdv = plan.backend.backward(
-                dout[:, qs], q[:, qs], cur_k[:, ks], cur_v[:, ks], out[:, qs], lse[:, :, qs],
-                blk.causal, plan.scale,
-            )
-            dq[:, qs] += bdq
-            block_dkv[0][:, ks] += bdk
-            block_dkv[1][:, ks] += bdv
-        if step == 0:
-            dkv.current.copy_(block_dkv)
-        else:
-            # The accumulator for the block we now hold arrives from the previous rank.
+        block_dkv = backward_blocks(
+            plan, plan.blocks(step, s), dout, q, kv.current[0], kv.current[1], out, lse, dq, step == 0
+        )
+        if step > 0:
+            # The accumulator for the block we now hold arrives from the previous rank; the
+            # transfer overlapped with the block gradients computed above.
             dkv_exchange.wait()
             dkv.swap()
-            dkv.current.add_(block_dkv)
+        add_block_dkv(dkv.current, block_dkv, s, step == 0)
         if step + 1 < plan.world:
             kv_exchange.wait()
             kv.swap()
