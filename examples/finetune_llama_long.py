@@ -19,12 +19,14 @@ passkey-retrieval set (loss on the answer only), so nothing is downloaded.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 from typing import Optional, Sequence
 
 import torch
 import transformers
+from accelerate import PartialState
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, TrainingArguments
 
 import hf_ring
@@ -82,6 +84,7 @@ def training_arguments(args: argparse.Namespace) -> TrainingArguments:
         data_seed=args.seed,
         use_cpu=not torch.cuda.is_available(),
         report_to="none",
+        ddp_find_unused_parameters=False,  # every parameter is used: spare DDP the graph walk
         disable_tqdm=args.disable_tqdm,
     )
 
@@ -153,7 +156,21 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     if trainer.is_world_process_zero():
         print(f"[hf_ring] done: train_loss {metrics.get('train_loss')}, eval_loss {metrics.get('eval_loss')}; "
               f"log in {os.path.join(args.output_dir, 'trainer_state.json')}", flush=True)
+    _shut_down(trainer)
     return metrics
+
+
+def _shut_down(trainer: hf_ring.RingTrainer) -> None:
+    """Free the DDP model, then destroy the process groups, in that order.
+
+    Left to interpreter exit, gloo's worker threads can abort a process after a successful
+    run; and if the DDP reducer is the last holder of a gloo group, its destructor joins
+    those threads while holding the GIL that they need (a PyTorch issue), which hangs.
+    """
+    trainer.accelerator.free_memory()
+    trainer.model_wrapped = trainer.model = None
+    gc.collect()
+    PartialState().destroy_process_group()
 
 
 if __name__ == "__main__":

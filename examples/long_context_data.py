@@ -73,7 +73,8 @@ def _ids(tokenizer: Tokenizer, text: str) -> list[int]:
 def passkey_example(tokenizer: Tokenizer, rng: random.Random, max_tokens: int) -> dict[str, list[int]]:
     """One example of at most ``max_tokens`` tokens: ``input_ids`` and ``labels`` (answer only).
 
-    The length is drawn between 3/4 of ``max_tokens`` and ``max_tokens`` so batches need padding.
+    A target length is drawn between 3/4 of ``max_tokens`` and ``max_tokens`` (so batches need
+    padding) and filled with whole filler sentences, so the example may be a sentence shorter.
     """
     key = rng.randint(10000, 99999)
     head = _ids(tokenizer, "There is a pass key hidden in this text. Find it and remember it.\n")

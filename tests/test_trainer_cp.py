@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -61,7 +62,8 @@ def _launch(nproc: int, out_dir: str, args: list[str]) -> dict:
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{log[-6000:]}"
     # Every process reports where it sits in the dp x cp grid: proof that nproc really ran.
-    assert sum(f"/{nproc} (backend" in line for line in log.splitlines()) == nproc, log[-3000:]
+    ranks = re.findall(rf"\[hf_ring\] rank (\d+)/{nproc} \(backend", log)
+    assert sorted(map(int, ranks)) == list(range(nproc)), log[-3000:]
     with open(os.path.join(out_dir, "trainer_state.json")) as f:
         return json.load(f)
 
@@ -267,3 +269,20 @@ def test_pretrained_checkpoint_with_its_tokenizer(tmp_path):
     got = _launch(2, str(tmp_path / "cp2"), ["--cp_size", "2", *args])
     _assert_same(_losses(got), _losses(ref), "training loss")
     _assert_same(_eval_losses(got), _eval_losses(ref), "eval loss")
+
+
+def test_passkey_data_learns_only_the_answer():
+    sys.path.insert(0, os.path.dirname(EXAMPLE))
+    from long_context_data import ByteTokenizer, passkey_dataset
+
+    tok = ByteTokenizer()
+    data = passkey_dataset(tok, num_examples=4, max_tokens=300, seed=0)
+    for row in data:
+        ids, labels = row["input_ids"], row["labels"]
+        assert 300 // 2 <= len(ids) <= 300 and len(labels) == len(ids)
+        learned = [t for t in labels if t != -100]
+        answer = tok.decode(learned)
+        key = answer.strip(" .")
+        assert key.isdigit() and len(key) == 5
+        assert labels[: len(ids) - len(learned)] == [-100] * (len(ids) - len(learned))  # the prompt is masked
+        assert tok.decode(ids[: len(ids) - len(learned)]).count(key) == 2  # hidden once (said twice), asked at the end

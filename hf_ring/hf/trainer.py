@@ -105,6 +105,13 @@ class RingTrainer(Trainer):
                     "compute_metrics sees per-rank shards of the predictions under context parallelism; "
                     "drop compute_metrics (the eval loss is exact) or evaluate with cp_size=1"
                 )
+        accelerate_cp = getattr(getattr(self.accelerator, "parallelism_config", None), "cp_size", 1) or 1
+        if accelerate_cp > 1:
+            raise ValueError(
+                f"the Accelerator's parallelism_config asks for its own context parallelism (cp_size="
+                f"{accelerate_cp}); RingTrainer brings its own: leave parallelism_config's cp_size at 1 "
+                "and give the CP size to RingAttentionPlugin"
+            )
         if self.compute_loss_func is not None:
             raise ValueError("RingTrainer computes the loss itself (token mean over dp x cp); drop compute_loss_func")
         if args.label_smoothing_factor != 0:
