@@ -38,6 +38,8 @@ from long_context_data import ByteTokenizer, passkey_dataset  # noqa: E402
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cp_size", type=int, default=1, help="processes per context-parallel group")
+    p.add_argument("--layout", default="zigzag", choices=["zigzag", "stripe", "contiguous"],
+                   help="how each sequence is split over a CP group (packing needs zigzag)")
     p.add_argument("--seq_len", type=int, default=8192, help="longest example, in tokens")
     p.add_argument("--packing", action="store_true", help="pack each batch's examples into one row")
     p.add_argument("--max_steps", type=int, default=40)
@@ -120,7 +122,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     if not torch.cuda.is_available():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     training_args = training_arguments(args)  # initialises the process group (gloo on CPU, NCCL on GPU)
-    plugin = hf_ring.RingAttentionPlugin(cp_size=args.cp_size)
+    plugin = hf_ring.RingAttentionPlugin(cp_size=args.cp_size, layout=args.layout)
     state = plugin.setup()
     print(f"[hf_ring] {plugin.describe()} (dp_size {state.dp_size} x cp_size {state.cp_size})", flush=True)
 

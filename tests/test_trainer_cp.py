@@ -7,7 +7,7 @@ loss. Every configuration sees the same 4 examples per optimizer step (gradient
 accumulation 2), so all of them must log the same losses:
 
     1 process   cp 1: batch 2 x accumulation 2           (the reference, plain SDPA)
-    2 processes cp 2: one CP group, batch 2 x accumulation 2
+    2 processes cp 2: one CP group, batch 2 x accumulation 2 (zigzag layout, and stripe)
     2 processes dp 2: batch 1 x accumulation 2 per rank
     4 processes dp 2 x cp 2: batch 1 x accumulation 2 per CP group
 
@@ -99,6 +99,7 @@ def runs(tmp_path_factory):
     configs = {
         "cp1": (1, ["--per_device_train_batch_size", "2"]),
         "cp2": (2, ["--cp_size", "2", "--per_device_train_batch_size", "2", "--save_steps", "4"]),
+        "cp2_stripe": (2, ["--cp_size", "2", "--layout", "stripe", "--per_device_train_batch_size", "2"]),
         "dp2": (2, ["--per_device_train_batch_size", "1"]),
         "dp2_cp2": (4, ["--cp_size", "2", "--per_device_train_batch_size", "1"]),
         "packed_cp1": (1, ["--packing", "--per_device_train_batch_size", "2"]),
@@ -126,7 +127,7 @@ def test_reference_trains_and_is_finite(runs):
     assert ref["train_batch_size"] == 2
 
 
-@pytest.mark.parametrize("name", ["cp2", "dp2", "dp2_cp2"])
+@pytest.mark.parametrize("name", ["cp2", "cp2_stripe", "dp2", "dp2_cp2"])
 def test_same_losses_as_without_cp(runs, name):
     ref, got = runs("cp1"), runs(name)
     _assert_same(_losses(got), _losses(ref), f"{name} training loss")

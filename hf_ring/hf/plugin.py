@@ -91,17 +91,8 @@ class RingAttentionPlugin:
                 f"cp_size={self.cp_size} needs a multiple of {self.cp_size} processes, but the world "
                 f"has {world}.{hint}"
             )
-        state = setup_context_parallel(self.cp_size)
-        # ring_flash shards in the layout the state names (zigzag when it names none); the
-        # collator must cut the sequence the same way or every position would be wrong.
-        ring_layout = getattr(state, "layout", "zigzag")
-        if self.layout != ring_layout:
-            raise NotImplementedError(
-                f"the ring_flash attention uses the {ring_layout!r} layout of the context-parallel "
-                f"state, but this plugin was asked for layout={self.layout!r}; use "
-                f"layout={ring_layout!r} so the collator and the attention agree"
-            )
-        self._state = state
+        # ring_flash shards in the state's layout; make_collator cuts sequences the same way.
+        self._state = setup_context_parallel(self.cp_size, layout=self.layout)
         return self._state
 
     @property
