@@ -27,6 +27,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import transformers
 from packaging.version import Version
 
@@ -47,10 +48,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(nproc: int, out_dir: str, args: list[str]) -> dict:
-    """Run the example on ``nproc`` processes; return its trainer_state.json."""
+def _run(nproc: int, script: list[str]) -> str:
+    """Run ``script`` (a path and its arguments) on ``nproc`` processes; return its output."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false")
-    script = [EXAMPLE, "--output_dir", out_dir, *COMMON, *args]
     if nproc == 1:
         cmd = [sys.executable, *script]
     else:
@@ -61,6 +61,12 @@ def _launch(nproc: int, out_dir: str, args: list[str]) -> dict:
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{log[-6000:]}"
+    return log
+
+
+def _launch(nproc: int, out_dir: str, args: list[str]) -> dict:
+    """Run the example on ``nproc`` processes; return its trainer_state.json."""
+    log = _run(nproc, [EXAMPLE, "--output_dir", out_dir, *COMMON, *args])
     # Every process reports where it sits in the dp x cp grid: proof that nproc really ran.
     ranks = re.findall(rf"\[hf_ring\] rank (\d+)/{nproc} \(backend", log)
     assert sorted(map(int, ranks)) == list(range(nproc)), log[-3000:]
@@ -166,7 +172,6 @@ def test_resume_from_checkpoint(runs, tmp_path):
 
 
 def test_loss_shares_add_up_to_the_token_mean_and_its_gradient():
-    import torch
     import torch.nn.functional as F
 
     from hf_ring.hf.loss import count_valid_tokens, loss_share, token_loss_sum
@@ -196,8 +201,6 @@ def test_loss_shares_add_up_to_the_token_mean_and_its_gradient():
 
 
 def test_loss_without_any_valid_token_is_zero_not_nan():
-    import torch
-
     from hf_ring.hf.loss import loss_share, token_loss_sum
 
     logits = torch.randn(1, 8, 5, requires_grad=True)
@@ -220,7 +223,6 @@ def test_plugin_refuses_a_world_that_cp_size_does_not_divide():
 
 
 def test_trainer_refuses_what_it_cannot_do_exactly(tmp_path):
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
     from hf_ring import RingAttentionPlugin, RingDataCollator, RingTrainer
@@ -287,3 +289,20 @@ def test_passkey_data_learns_only_the_answer():
         assert key.isdigit() and len(key) == 5
         assert labels[: len(ids) - len(learned)] == [-100] * (len(ids) - len(learned))  # the prompt is masked
         assert tok.decode(ids[: len(ids) - len(learned)]).count(key) == 2  # hidden once (said twice), asked at the end
+
+
+def test_custom_accelerate_loop_gradients_equal_without_cp(tmp_path):
+    """The plugin's documented custom loop: same losses and the same first gradient
+    (after DDP's average over the 2 processes) at cp 2 as in one process."""
+    script = os.path.join(ROOT, "tests", "ring_custom_loop.py")
+    results = {}
+    for cp in (1, 2):
+        out = str(tmp_path / f"cp{cp}.json")
+        _run(cp, [script, str(cp), out])
+        with open(out) as f:
+            results[cp] = json.load(f)
+    ref, got = results[1], results[2]
+    assert len(got["losses"]) == len(ref["losses"]) == 4
+    _assert_same(dict(enumerate(got["losses"])), dict(enumerate(ref["losses"])), "custom loop loss")
+    g_ref, g_cp = torch.tensor(ref["first_grad"]), torch.tensor(got["first_grad"])
+    assert torch.allclose(g_cp, g_ref, rtol=1e-4, atol=1e-6), (g_cp - g_ref).abs().max()
