@@ -42,7 +42,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="how each sequence is split over a CP group (packing needs zigzag)")
     p.add_argument("--seq_len", type=int, default=8192, help="longest example, in tokens")
     p.add_argument("--packing", action="store_true", help="pack each batch's examples into one row")
-    p.add_argument("--max_steps", type=int, default=40)
+    p.add_argument("--max_steps", type=int, default=60)
     p.add_argument("--output_dir", default="output/finetune_llama_long")
     p.add_argument("--model_name_or_path", default=None, help="a real checkpoint instead of the tiny default model")
     p.add_argument("--attn_implementation", default=None,
@@ -57,7 +57,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--learning_rate", type=float, default=2e-3)
     p.add_argument("--num_train_examples", type=int, default=256)
     p.add_argument("--num_eval_examples", type=int, default=8)
-    p.add_argument("--eval_steps", type=int, default=20, help="evaluate every N steps (0: only at the end)")
+    p.add_argument("--eval_steps", type=int, default=30, help="evaluate every N steps (0: only at the end)")
     p.add_argument("--save_steps", type=int, default=0, help="checkpoint every N steps (0: no checkpoints)")
     p.add_argument("--logging_steps", type=int, default=1)
     p.add_argument("--resume_from_checkpoint", default=None)
