@@ -171,6 +171,18 @@ def test_resume_from_checkpoint(runs, tmp_path):
 # ---- in-process checks of the loss and of the errors (no launch) ----
 
 
+@pytest.fixture
+def fresh_process_state():
+    """Leave no Accelerate state nor active context-parallel state behind for other tests."""
+    from accelerate.state import AcceleratorState
+
+    import hf_ring
+
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+    hf_ring.set_context_parallel_state(None)
+
+
 def test_loss_shares_add_up_to_the_token_mean_and_its_gradient():
     import torch.nn.functional as F
 
@@ -210,7 +222,7 @@ def test_loss_without_any_valid_token_is_zero_not_nan():
     assert share.item() == 0.0 and torch.isfinite(logits.grad).all()
 
 
-def test_plugin_refuses_a_world_that_cp_size_does_not_divide():
+def test_plugin_refuses_a_world_that_cp_size_does_not_divide(fresh_process_state):
     from hf_ring import RingAttentionPlugin
 
     with pytest.raises(ValueError, match="cp_size"):
@@ -222,7 +234,7 @@ def test_plugin_refuses_a_world_that_cp_size_does_not_divide():
         RingAttentionPlugin(cp_size=2).setup()
 
 
-def test_trainer_refuses_what_it_cannot_do_exactly(tmp_path):
+def test_trainer_refuses_what_it_cannot_do_exactly(tmp_path, fresh_process_state):
     from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
     from hf_ring import RingAttentionPlugin, RingDataCollator, RingTrainer
