@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Runs the Hugging Face attention tests against the oldest supported transformers (4.57.6,
-# the last 4.x release) in their own virtual environment, .venv-oldest.
+# Runs the Hugging Face tests (ring_flash, collator, Trainer) against the oldest supported
+# transformers (4.57.6, the last 4.x release) in their own virtual environment, .venv-oldest.
 #
 # Idempotent: the venv is (re)built only when it is missing or its pinned set changed (a
 # stamp file holds the pins it was built with), and hf_ring is installed into it (editable,
@@ -45,4 +45,5 @@ if [[ "${installed}" != "4.57.6" ]]; then
 fi
 
 cd "${ROOT}"
-"${VENV}/bin/python" -m pytest -q tests/test_hf_attention.py tests/test_hf_attention_distributed.py "$@"
+"${VENV}/bin/python" -m pytest -q tests/test_hf_attention.py tests/test_hf_attention_distributed.py \
+    tests/test_collator.py tests/test_trainer_cp.py "$@"

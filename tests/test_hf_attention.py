@@ -158,6 +158,24 @@ def test_packed_rows_match_each_document_alone(monkeypatch):
     assert rel_err(logits, reference) <= TOL
 
 
+def test_packed_rows_under_bf16_autocast():
+    # Autocast hands the attention q/k in float32 and v in bfloat16; ring_flash computes in
+    # bfloat16 like SDPA does. Tolerance: twice the error that SDPA under the same autocast
+    # makes against the float32 model (the ring must not be worse than what a user gets
+    # without it); each document alone is the reference, as above.
+    ring, sdpa = _pair("llama")
+    doc_lens = [6, 10, 4]
+    ids, cu, positions = _packed_batch(doc_lens)
+    packed = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(doc_lens), max_length_k=max(doc_lens))
+    docs = list(zip(cu[:-1].tolist(), cu[1:].tolist()))
+    with torch.no_grad():
+        reference = torch.cat([sdpa(ids[:, a:b]).logits for a, b in docs], dim=1)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = ring(ids, position_ids=positions, **packed).logits
+            sdpa_bf16 = torch.cat([sdpa(ids[:, a:b]).logits for a, b in docs], dim=1)
+    assert rel_err(logits, reference) <= 2 * rel_err(sdpa_bf16, reference)
+
+
 def test_packed_rows_refuse_batches_and_padding_masks():
     ring, _ = _pair("llama")
     ids, cu, positions = _packed_batch([6, 10])

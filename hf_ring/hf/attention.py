@@ -136,6 +136,7 @@ def _ring_attention(
         )
     seq = query.shape[-2] * state.cp_size
     _refuse_short_window(module, sliding_window, seq, "ring_flash under context parallelism")
+    query, key, value = _autocast_inputs(query, key, value)
     # transformers: (batch, heads, seq_local, dim); the ring: (batch, seq_local, heads, dim).
     out = ring_flash_attn_func(
         query.transpose(1, 2),
@@ -148,6 +149,24 @@ def _ring_attention(
     )
     note_ring_call(module)
     return out, None
+
+
+def _autocast_inputs(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One dtype for q, k, v. Under autocast the projections come out in mixed dtypes (q and
+    k in float32 after RoPE, v in the autocast dtype), while a kernel takes one: cast all
+    three to autocast's dtype, as transformers' flash-attention path does."""
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):
+        target = torch.get_autocast_dtype(device_type)
+        return query.to(target), key.to(target), value.to(target)
+    if not query.dtype == key.dtype == value.dtype:
+        raise ValueError(
+            f"ring_flash got q, k, v in {query.dtype}, {key.dtype}, {value.dtype} outside autocast; "
+            "cast the model to one dtype (model.to(dtype)) or train under torch.autocast"
+        )
+    return query, key, value
 
 
 def _packed_group(state: Optional[ContextParallelState]) -> Optional[dist.ProcessGroup]:
@@ -186,6 +205,7 @@ def _packed_attention(
         raise ValueError("cu_seq_lens_k must equal cu_seq_lens_q: ring_flash computes self-attention")
     longest = int((cu_q[1:] - cu_q[:-1]).max())
     _refuse_short_window(module, sliding_window, longest, what)
+    query, key, value = _autocast_inputs(query, key, value)
     # (1, heads, tokens_local, dim) -> (tokens_local, heads, dim)
     out = ring_flash_attn_varlen_func(
         query[0].transpose(0, 1),
