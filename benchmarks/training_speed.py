@@ -1,8 +1,11 @@
 """Training throughput per process at cp_size 1, 2 and 4 for one total sequence length,
 and the share of a step spent blocked on ring transfers.
 
-tokens/s per process = seq_len / step_time / cp_size: with perfect scaling it stays flat
-as cp_size grows (each process handles 1/cp_size of the tokens in 1/cp_size of the time).
+tokens/s per process = seq_len / step_time / cp_size: with one device per process and
+perfect scaling it stays flat as cp_size grows (each process handles 1/cp_size of the
+tokens in 1/cp_size of the time). On a CPU machine every cp_size shares the same cores, so
+the per-process figure must fall as 1/cp_size even with perfect scaling; there tokens/s
+per core (seq_len / step_time / cores used) is the figure that stays flat.
 The communication share is the time a rank spends in ``RingExchange.wait`` (transfers the
 compute did not hide) over its step time, for the slowest rank.
 
@@ -51,17 +54,26 @@ def main(argv: list[str] | None = None) -> dict:
             "processes_over_cores": cp > cores and args.device == "cpu",
             "step_seconds": step,
             "tokens_per_second_per_process": args.seq_len / step / cp,
+            "tokens_per_second_per_core": (
+                args.seq_len / step / min(cores, cp * threads) if args.device == "cpu" else None
+            ),
             "comm_wait_share": res["comm_wait_seconds"] / step,
         })
         tqdm.write(f"cp={cp}: step {step:.2f}s")
     base = rows[0]["tokens_per_second_per_process"]
     print(f"\nseq_len {args.seq_len}, {cores} CPU cores" if args.device == "cpu" else f"\nseq_len {args.seq_len}")
-    print(f"{'cp':>3} {'threads':>7} {'step s':>8} {'tok/s/proc':>11} {'vs cp=1':>8} {'comm wait':>10}")
+    cpu = args.device == "cpu"
+    print(f"{'cp':>3} {'threads':>7} {'step s':>8} {'tok/s/proc':>11} {'vs cp=1':>8}"
+          + (f" {'tok/s/core':>11} {'vs cp=1':>8}" if cpu else "") + f" {'comm wait':>10}")
     for r in rows:
         r["relative_to_cp1"] = r["tokens_per_second_per_process"] / base
+        per_core = ""
+        if cpu:
+            r["per_core_relative_to_cp1"] = r["tokens_per_second_per_core"] / rows[0]["tokens_per_second_per_core"]
+            per_core = f" {r['tokens_per_second_per_core']:>11.0f} {r['per_core_relative_to_cp1']:>8.2f}"
         note = "  (processes share cores)" if r["processes_over_cores"] else ""
         print(f"{r['cp_size']:>3} {r['threads_per_process']:>7} {r['step_seconds']:>8.2f} "
-              f"{r['tokens_per_second_per_process']:>11.0f} {r['relative_to_cp1']:>8.2f} "
+              f"{r['tokens_per_second_per_process']:>11.0f} {r['relative_to_cp1']:>8.2f}{per_core} "
               f"{100 * r['comm_wait_share']:>9.1f}%{note}")
     result = {"device": args.device, "cores": cores, "rows": rows}
     os.makedirs(args.out, exist_ok=True)
@@ -79,8 +91,10 @@ def _plot(rows, path) -> None:
     ax.bar(cps, compute, label="compute")
     ax.bar(cps, wait, bottom=compute, label="waiting on ring transfers")
     for i, r in enumerate(rows):
-        ax.text(i, r["step_seconds"], f"{r['tokens_per_second_per_process']:.0f} tok/s/proc",
-                ha="center", va="bottom", fontsize=8)
+        label = f"{r['tokens_per_second_per_process']:.0f} tok/s/proc"
+        if r.get("tokens_per_second_per_core"):
+            label += f"\n{r['tokens_per_second_per_core']:.0f} tok/s/core"
+        ax.text(i, r["step_seconds"], label, ha="center", va="bottom", fontsize=8)
     save(fig, ax, path, f"Training step at {rows[0]['seq_len']} tokens", "cp_size", "step time (s), slowest process")
 
 
