@@ -13,7 +13,8 @@ Two modes:
 - packing: all examples of the batch go into ONE row, each document padded to a multiple of
   ``2 * cp_size`` and zigzag-sharded on its own (``hf_ring.sharding.shard_packed``), with
   position ids restarting at 0 per document and the global document boundaries as
-  ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (see the batch-key contract in DESIGN.md).
+  ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (int32, identical on every rank), which
+  ``ring_flash`` reads from the model's kwargs (``hf_ring.hf.attention``).
 """
 
 from __future__ import annotations
