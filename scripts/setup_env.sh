@@ -17,7 +17,7 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   echo "[setup] installing torch==2.13.0"
   "$VENV/bin/python" -m pip install -q "torch==2.13.0"
 fi
-if ! "$VENV/bin/python" -c "import hf_ring, pytest, matplotlib, psutil" 2>/dev/null; then
+if ! "$VENV/bin/python" -c "import hf_ring, pytest, matplotlib" 2>/dev/null; then
   echo "[setup] installing hf_ring[test] (editable)"
   "$VENV/bin/python" -m pip install -q -e ".[test]"
 fi
