@@ -7,7 +7,7 @@ Without a GPU the kernels cannot run, so this file checks what can be checked he
   GQA head repetition and gradient summation) against the reference backend, with the
   kernel replaced by a CPU stand-in that follows the kernel's documented contract
   (signature, return tuple, lse layout). These stand-ins are written from the upstream
-  signatures (flash-attn 2.6 / 2.7+, the hopper interface, aten's schema), so a wrong
+  signatures (flash-attn 2.6 / 2.7+ dense and varlen, the hopper interface, aten's schema), so a wrong
   argument name or return index in cuda.py fails here.
 
 Tolerance: float64 inputs; out within 1e-10 relative error (the glue adds no arithmetic),
@@ -27,6 +27,7 @@ from packaging.version import Version
 from hf_ring.kernels import available_backends, cuda, get_backend
 from hf_ring.kernels.reference import reference_backward, reference_forward
 from reference_attention import rel_err
+from varlen_standin import looped_varlen_backward, looped_varlen_forward
 
 CUDA_NAMES = ("flash_attn", "flash_attn_3", "torch_efficient")
 
@@ -231,3 +232,96 @@ def test_auto_skips_a_backend_that_cannot_run_here_and_naming_it_is_an_error(mon
     assert get_backend("auto", torch.device("cpu"), torch.float32).name == "torch_cpu_flash"
     with pytest.raises(ValueError, match="fake kernel needs a newer GPU"):
         get_backend("fake", torch.device("cpu"), torch.float32)
+
+
+# ------------------------------------------- flash-attn 2 varlen kernel (packed rows)
+# Stand-ins written from the upstream signatures of _flash_attn_varlen_forward/_backward:
+# 2.6 (window_size tuple, 8-tuple return) and 2.7+ (split window, (out, lse, S, rng);
+# 2.8 adds zero_tensors=False to the backward). lse is (heads, total_q) since 2.6.
+
+
+def _fa2_26_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                           softmax_scale, causal, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           return_softmax=False, block_table=None, leftpad_k=None, seqused_k=None):
+    assert dropout_p == 0.0 and window_size == (-1, -1) and block_table is None and not return_softmax
+    out, lse = looped_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                     causal, softmax_scale)
+    return out, q, k, v, out, lse, None, None
+
+
+def _fa2_26_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                            max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
+                            alibi_slopes, deterministic, rng_state=None):
+    assert softmax_lse.is_contiguous() and softmax_lse.dtype == torch.float32 and window_size == (-1, -1)
+    grads = looped_varlen_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                   max_seqlen_k, causal, softmax_scale)
+    for buf, g in zip((dq, dk, dv), grads):
+        buf.copy_(g)
+    return dq, dk, dv, None
+
+
+def _fa2_27_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                           softmax_scale, causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
+                           alibi_slopes=None, return_softmax=False, block_table=None, leftpad_k=None,
+                           seqused_k=None):
+    assert (window_size_left, window_size_right) == (-1, -1) and isinstance(max_seqlen_q, int)
+    out, lse = looped_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                     causal, softmax_scale)
+    return out, lse, None, None
+
+
+def _fa2_27_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                            max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size_left,
+                            window_size_right, softcap, alibi_slopes, deterministic, rng_state=None,
+                            zero_tensors=False):
+    assert softmax_lse.is_contiguous() and (window_size_left, window_size_right) == (-1, -1)
+    grads = looped_varlen_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                   max_seqlen_k, causal, softmax_scale)
+    for buf, g in zip((dq, dk, dv), grads):
+        buf.copy_(g)
+    return None
+
+
+@pytest.mark.parametrize("version", ["2.6.3", "2.8.3"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_flash_attn_2_varlen_glue(monkeypatch, version, causal):
+    fns = (_fa2_27_varlen_forward, _fa2_27_varlen_backward) if Version(version) >= cuda.FA2_SPLIT_WINDOW \
+        else (_fa2_26_varlen_forward, _fa2_26_varlen_backward)
+    module = SimpleNamespace(_flash_attn_varlen_forward=fns[0], _flash_attn_varlen_backward=fns[1])
+    monkeypatch.setattr(cuda, "_check", lambda *a: None)
+    monkeypatch.setattr(cuda, "_fa2", lambda: (module, Version(version)))
+    backend = cuda.cuda_backends()[0]
+    assert backend.name == "flash_attn" and backend.varlen_forward is cuda.fa2_varlen_forward
+    # Three segments of unequal lengths (square when causal, as the ring asks).
+    q_lens, k_lens = (3, 6, 2), ((3, 6, 2) if causal else (5, 1, 4))
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32) for n in (q_lens, k_lens))
+    q, k, v, dout = _inputs(sq=sum(q_lens), sk=sum(k_lens))
+    q, k, v, dout = q[0], k[0], v[0], dout[0]  # (total, heads, d)
+    args = (cu_q, cu_k, max(q_lens), max(k_lens), causal, 0.3)
+    out, lse = cuda.fa2_varlen_forward(q, k, v, *args)
+    ref_out, ref_lse = looped_varlen_forward(q, k, v, *args)
+    assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32
+    assert rel_err(out, ref_out) < 1e-10 and rel_err(lse, ref_lse) < 1e-6
+    # A non-contiguous column slice of a wider lse, as the ring passes it.
+    lse_view = torch.cat([ref_lse, ref_lse], dim=-1)[:, : q.shape[0]]
+    grads = cuda.fa2_varlen_backward(dout, q, k, v, ref_out, lse_view, *args)
+    for got, want in zip(grads, looped_varlen_backward(dout, q, k, v, ref_out, ref_lse, *args)):
+        assert got.shape == want.shape and rel_err(got, want) < 1e-6
+
+
+def test_flash_attn_2_varlen_refuses_a_padded_lse(monkeypatch):
+    """flash-attn before 2.6 returned the varlen lse padded, (n_seqs, heads, max_q)."""
+
+    def padded_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                       softmax_scale, causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
+                       alibi_slopes=None, return_softmax=False):
+        n = cu_seqlens_q.numel() - 1
+        return q, torch.zeros(n, q.shape[1], max_seqlen_q), None, None
+
+    monkeypatch.setattr(cuda, "_check", lambda *a: None)
+    monkeypatch.setattr(cuda, "_fa2", lambda: (SimpleNamespace(_flash_attn_varlen_forward=padded_forward),
+                                               Version("2.7.4")))
+    q = torch.randn(6, 4, 8)
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="not supported"):
+        cuda.fa2_varlen_forward(q, q[:, :2], q[:, :2], cu, cu, 4, 4, True, 0.3)

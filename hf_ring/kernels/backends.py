@@ -9,6 +9,12 @@ the already-received block, never before communication.
 
 Asking for a backend that is not available on this machine, device or dtype is an error:
 a different kernel would be a silent change of numerics and speed.
+
+A backend may also offer a variable-length kernel (``varlen_forward`` / ``varlen_backward``):
+many independent blocks in one call, rows concatenated, ``q`` ``(total_q, heads, head_dim)``,
+``k``/``v`` ``(total_k, kv_heads, head_dim)``, boundaries ``cu_q``/``cu_k`` int32
+``(n_blocks + 1,)`` on the tensors' device, lse ``(heads, total_q)`` float32. Packed rows
+use it to run every document of a ring step in one launch instead of one per document.
 """
 
 from __future__ import annotations
@@ -24,6 +30,10 @@ from hf_ring.kernels.torch_cpu import cpu_flash_backward, cpu_flash_forward
 
 ForwardFn = Callable[..., "tuple[torch.Tensor, torch.Tensor]"]
 BackwardFn = Callable[..., "tuple[torch.Tensor, torch.Tensor, torch.Tensor]"]
+# (q, k, v, cu_q, cu_k, max_q, max_k, causal, scale) -> (out, lse)
+VarlenForwardFn = Callable[..., "tuple[torch.Tensor, torch.Tensor]"]
+# (dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale) -> (dq, dk, dv)
+VarlenBackwardFn = Callable[..., "tuple[torch.Tensor, torch.Tensor, torch.Tensor]"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +49,9 @@ class AttentionBackend:
     # Raises ValueError (saying why) when the backend cannot run here: package version,
     # GPU generation. Checked when the backend is chosen, before any kernel runs.
     probe: Optional[Callable[[torch.device, torch.dtype], None]] = None
+    # Optional variable-length kernel (see the module docstring); both or neither.
+    varlen_forward: Optional[VarlenForwardFn] = None
+    varlen_backward: Optional[VarlenBackwardFn] = None
 
     def check(self, device: torch.device, dtype: torch.dtype) -> None:
         if device.type not in self.devices:

@@ -42,7 +42,7 @@ _NEUTRAL: dict[str, Any] = {
     **{name: None for name in (
         "k_new", "v_new", "qv", "out", "out_", "cu_seqlens_q", "cu_seqlens_k",
         "cu_seqlens_k_new", "seqused_q", "seqused_k", "sequed_q", "sequed_k",
-        "max_seqlen_q", "max_seqlen_k", "page_table", "kv_batch_idx", "leftpad_k",
+        "max_seqlen_q", "max_seqlen_k", "page_table", "block_table", "kv_batch_idx", "leftpad_k",
         "rotary_cos", "rotary_sin", "seqlens_rotary", "q_descale", "k_descale",
         "v_descale", "descale_q", "descale_k", "descale_v",
     )},
@@ -113,20 +113,24 @@ def bind_kwargs(fn: Callable, what: str, given: dict[str, Any]) -> dict[str, Any
     return kwargs
 
 
-def pick_out_lse(result: Any, q: torch.Tensor, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+def pick_out_lse(result: Any, q: torch.Tensor, what: str, lse_shape: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` from a flash forward's tuple: out first, lse at index 1 (flash-attn
     >= 2.7, FA3) or 5 (flash-attn 2.6 and early FA3 return ``out, q, k, v, out_padded,
-    lse, ...``). Only a float32 ``(batch, n_heads, q_len)`` tensor is taken as the lse."""
-    b, sq, hq, _ = q.shape
+    lse, ...``). Only a float32 tensor of ``lse_shape`` (default ``(batch, n_heads,
+    q_len)``) is taken as the lse."""
+    if lse_shape is None:
+        b, sq, hq, _ = q.shape
+        lse_shape = (b, hq, sq)
+    lse_shape = tuple(lse_shape)
     if isinstance(result, (tuple, list)) and len(result) >= 2 and result[0].shape == q.shape:
         for i in (1, 5):
             t = result[i] if i < len(result) else None
-            if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and tuple(t.shape) == (b, hq, sq):
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and tuple(t.shape) == lse_shape:
                 return result[0], t
     items = result if isinstance(result, (tuple, list)) else [result]
     shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in items]
     raise NotImplementedError(f"{what} returned {shapes}; expected out {tuple(q.shape)} and a float32 lse "
-                              f"{(b, hq, sq)}: this kernel version is not supported")
+                              f"{lse_shape}: this kernel version is not supported")
 
 
 def _grad_buffers(q, k, v):
@@ -161,29 +165,60 @@ def fa2_window(version: Version) -> dict[str, Any]:
     return {"window_size": (-1, -1)}
 
 
+def _fa2_call(entry: str, given: dict[str, Any]) -> tuple[Any, str]:
+    """Call flash-attn 2's ``entry`` with ``given`` plus the options hf_ring switches off
+    (no dropout, softcap, alibi or window), bound by the installed signature."""
+    fa, version = _fa2()
+    fn, what = getattr(fa, entry), f"flash-attn {version} {entry}"
+    given = {**given, "dropout_p": 0.0, "softcap": 0.0, "alibi_slopes": None, **fa2_window(version)}
+    return fn(**bind_kwargs(fn, what, given)), what
+
+
 def fa2_forward(q, k, v, causal: bool, scale: float):
     """q ``(b, sq, hq, d)``, k/v ``(b, sk, hk, d)`` fp16/bf16 -> out like q, lse ``(b, hq, sq)`` f32."""
     _check("flash_attn", q, _HALF, (8, 0), 256)
-    fa, version = _fa2()
-    given = dict(q=q, k=k, v=v, dropout_p=0.0, softmax_scale=scale, causal=causal, softcap=0.0,
-                 alibi_slopes=None, return_softmax=False, **fa2_window(version))
-    fn = fa._flash_attn_forward
-    result = fn(**bind_kwargs(fn, f"flash-attn {version} _flash_attn_forward", given))
-    return pick_out_lse(result, q, f"flash-attn {version} _flash_attn_forward")
+    given = dict(q=q, k=k, v=v, softmax_scale=scale, causal=causal, return_softmax=False)
+    result, what = _fa2_call("_flash_attn_forward", given)
+    return pick_out_lse(result, q, what)
 
 
 def fa2_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     """Block gradients given the final ``out`` ``(b, sq, hq, d)`` and ``lse`` ``(b, hq, sq)``;
     dq, dk, dv in the input dtype, shaped like q, k, v."""
     _check("flash_attn", q, _HALF, (8, 0), 256)
-    fa, version = _fa2()
     dq, dk, dv = _grad_buffers(q, k, v)
     # The kernel indexes lse as a dense (b, h, sq) array; the ring passes a column slice.
     given = dict(dout=dout, q=q, k=k, v=v, out=out.to(q.dtype), softmax_lse=lse.float().contiguous(),
-                 dq=dq, dk=dk, dv=dv, dropout_p=0.0, softmax_scale=scale, causal=causal, softcap=0.0,
-                 alibi_slopes=None, deterministic=False, **fa2_window(version))
-    fn = fa._flash_attn_backward
-    fn(**bind_kwargs(fn, f"flash-attn {version} _flash_attn_backward", given))
+                 dq=dq, dk=dk, dv=dv, softmax_scale=scale, causal=causal, deterministic=False)
+    _fa2_call("_flash_attn_backward", given)
+    return dq, dk, dv
+
+
+def _varlen_args(cu_q, cu_k, max_q: int, max_k: int) -> dict[str, Any]:
+    return dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=int(max_q), max_seqlen_k=int(max_k))
+
+
+def fa2_varlen_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float):
+    """q ``(total_q, hq, d)``, k/v ``(total_k, hk, d)`` fp16/bf16, cu_q/cu_k int32 ``(n + 1,)``
+    -> out like q, lse ``(hq, total_q)`` f32 (flash-attn >= 2.6's unpadded varlen lse; a
+    padded ``(n, hq, max_q)`` one, as older releases returned, is refused by the shape check).
+    Causal blocks are square, so the kernel's bottom-right alignment is top-left here."""
+    _check("flash_attn", q, _HALF, (8, 0), 256)
+    given = dict(q=q, k=k, v=v, softmax_scale=scale, causal=causal, return_softmax=False,
+                 **_varlen_args(cu_q, cu_k, max_q, max_k))
+    result, what = _fa2_call("_flash_attn_varlen_forward", given)
+    return pick_out_lse(result, q, what, lse_shape=(q.shape[1], q.shape[0]))
+
+
+def fa2_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float):
+    """Gradients of the blocks of :func:`fa2_varlen_forward` given the final ``out``
+    ``(total_q, hq, d)`` and ``lse`` ``(hq, total_q)``; dq, dk, dv shaped and typed like q, k, v."""
+    _check("flash_attn", q, _HALF, (8, 0), 256)
+    dq, dk, dv = _grad_buffers(q, k, v)
+    given = dict(dout=dout.contiguous(), q=q, k=k, v=v, out=out.to(q.dtype).contiguous(),
+                 softmax_lse=lse.float().contiguous(), dq=dq, dk=dk, dv=dv, softmax_scale=scale,
+                 causal=causal, deterministic=False, **_varlen_args(cu_q, cu_k, max_q, max_k))
+    _fa2_call("_flash_attn_varlen_backward", given)
     return dq, dk, dv
 
 
@@ -315,7 +350,7 @@ def cuda_backends() -> list[AttentionBackend]:
     return [
         AttentionBackend("flash_attn", fa2_forward, fa2_backward, ("cuda",), _HALF,
                          f"flash-attn 2 ({FA2_MIN} <= version < {FA2_END}), sm80+",
-                         _probe("flash_attn", (8, 0), _fa2)),
+                         _probe("flash_attn", (8, 0), _fa2), fa2_varlen_forward, fa2_varlen_backward),
         AttentionBackend("flash_attn_3", fa3_forward, fa3_backward, ("cuda",), _HALF,
                          "flash-attn 3 hopper build (module flash_attn_interface), sm90",
                          _probe("flash_attn_3", (9, 0), _fa3)),

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from hf_ring.kernels import AttentionBackend
 from hf_ring.ring.comm import DoubleBuffer, RingExchange
 from hf_ring.ring.merge import merge_block_
+from hf_ring.ring.packed_step import backward_varlen, forward_varlen
 from hf_ring.ring.schedule import step_blocks
 
 
@@ -46,6 +47,13 @@ class RingPlan:
         self.layout, self.causal, self.scale = layout, causal, scale
         self.backend = backend
         self.local_doc_lens = local_doc_lens
+
+    @property
+    def varlen(self) -> bool:
+        """Packed rows on a backend with a varlen kernel: one kernel call per ring step
+        for all documents (packed_step.py) instead of one per document."""
+        b = self.backend
+        return self.local_doc_lens is not None and b.varlen_forward is not None and b.varlen_backward is not None
 
     def blocks(self, step: int, local_len: int):
         src = (self.rank - step) % self.world
@@ -73,6 +81,9 @@ def forward_blocks(plan: RingPlan, blocks, q, cur_k, cur_v, out, lse, first_step
     if first_step and not first:
         out.zero_()
         lse.fill_(float("-inf"))
+    if plan.varlen:
+        forward_varlen(plan, blocks, q, cur_k, cur_v, out, lse, first)
+        return
     for blk in blocks:
         qs, ks = slice(blk.q_start, blk.q_end), slice(blk.k_start, blk.k_end)
         block_out, block_lse = plan.backend.forward(q[:, qs], cur_k[:, ks], cur_v[:, ks], blk.causal, plan.scale)
@@ -91,6 +102,8 @@ def backward_blocks(plan: RingPlan, blocks, dout, q, cur_k, cur_v, out, lse, dq,
     first = first_step and _covers([(b.q_start, b.q_end) for b in blocks], q.shape[1])
     if first_step and not first:
         dq.zero_()
+    if plan.varlen:
+        return backward_varlen(plan, blocks, dout, q, cur_k, cur_v, out, lse, dq, first)
     block_dkv = []
     for blk in blocks:
         qs, ks = slice(blk.q_start, blk.q_end), slice(blk.k_start, blk.k_end)

@@ -1,0 +1,106 @@
+"""Packed rows through a backend's varlen kernel: one kernel call per ring step for all
+documents (hf_ring/ring/packed_step.py) instead of one call per document.
+
+The varlen kernel here is a CPU stand-in that loops the reference kernel over the
+``cu_seqlens`` segments, so both paths run the same arithmetic per document and must agree
+within 1e-6 relative (float32 inputs); what differs is the gathering, boundaries and
+putting back, which is what this checks. It also checks the varlen path was taken: one
+varlen call per ring step in the forward and one in the backward, no per-block calls.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_ring
+from distributed import run_world
+from hf_ring.kernels import backends
+from hf_ring.kernels.reference import reference_backward, reference_forward
+from hf_ring.sharding import shard_packed
+from reference_attention import rel_err
+from varlen_standin import looped_varlen_backward, looped_varlen_forward
+
+DOC_LENS = (8, 4, 12, 4)  # multiples of 2 * cp_size for cp_size 1 and 2
+HQ, HK, D = 4, 2, 16
+CALLS = {"forward": 0, "backward": 0, "varlen_forward": 0, "varlen_backward": 0}
+
+
+def _counted_forward(q, k, v, causal, scale):
+    CALLS["forward"] += 1
+    return reference_forward(q, k, v, causal, scale)
+
+
+def _counted_backward(*args):
+    CALLS["backward"] += 1
+    return reference_backward(*args)
+
+
+def _varlen_forward(*args):
+    CALLS["varlen_forward"] += 1
+    return looped_varlen_forward(*args)
+
+
+def _varlen_backward(*args):
+    CALLS["varlen_backward"] += 1
+    return looped_varlen_backward(*args)
+
+
+_F32 = (torch.float32,)
+STANDINS = {
+    "per_doc_standin": backends.AttentionBackend(
+        "per_doc_standin", _counted_forward, _counted_backward, ("cpu",), _F32, "reference, counted"),
+    "varlen_standin": backends.AttentionBackend(
+        "varlen_standin", _counted_forward, _counted_backward, ("cpu",), _F32,
+        "reference, counted, with a looped varlen kernel", None, _varlen_forward, _varlen_backward),
+}
+
+
+def _rank(rank: int, world: int, causal: bool, register: bool) -> dict:
+    if register:  # a spawned process: its own registry, nothing leaks into other tests
+        backends._BACKENDS.update(STANDINS)
+    multiple = 2 * world
+    cu = torch.tensor([0, *torch.tensor(DOC_LENS).cumsum(0).tolist()], dtype=torch.int32)
+    assert all(n % multiple == 0 for n in DOC_LENS)
+    g = torch.Generator().manual_seed(3)
+    total = int(cu[-1])
+    q, dout = (torch.randn(total, HQ, D, generator=g) for _ in range(2))
+    k, v = (torch.randn(total, HK, D, generator=g) for _ in range(2))
+    shard = lambda t: shard_packed(t, cu, world, rank, dim=0)
+    res = {}
+    for name in ("per_doc_standin", "varlen_standin"):
+        for key in CALLS:
+            CALLS[key] = 0
+        ql, kl, vl = (shard(t).clone().requires_grad_() for t in (q, k, v))
+        out, lse = hf_ring.ring_flash_attn_varlen_func(ql, kl, vl, cu, causal=causal, backend=name, return_lse=True)
+        calls_fwd = dict(CALLS)
+        out.backward(shard(dout))
+        calls_bwd = {key: CALLS[key] - calls_fwd[key] for key in CALLS}
+        res[name] = {"out": out.detach(), "lse": lse, "dq": ql.grad, "dk": kl.grad, "dv": vl.grad,
+                     "calls_fwd": calls_fwd, "calls_bwd": calls_bwd}
+    return res
+
+
+def _check(per_rank: list, world: int) -> None:
+    for res in per_rank:
+        per_doc, varlen = res["per_doc_standin"], res["varlen_standin"]
+        for name in ("out", "lse", "dq", "dk", "dv"):
+            assert rel_err(varlen[name], per_doc[name]) <= 1e-6, (name, rel_err(varlen[name], per_doc[name]))
+        # One varlen call per ring step, and the per-block kernel never called.
+        assert varlen["calls_fwd"] == {"forward": 0, "backward": 0, "varlen_forward": world, "varlen_backward": 0}
+        assert varlen["calls_bwd"] == {"forward": 0, "backward": 0, "varlen_forward": 0, "varlen_backward": world}
+        # The per-document path: one block call per document per step.
+        assert per_doc["calls_fwd"]["forward"] == world * len(DOC_LENS)
+        assert per_doc["calls_bwd"]["backward"] == world * len(DOC_LENS)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_varlen_step_single_process(monkeypatch, causal):
+    for name, backend in STANDINS.items():
+        monkeypatch.setitem(backends._BACKENDS, name, backend)
+    _check([_rank(0, 1, causal, False)], 1)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_varlen_step_world_2(causal):
+    _check(run_world(2, _rank, causal, True), 2)

@@ -1,0 +1,37 @@
+"""A CPU stand-in for a variable-length attention kernel: hf_ring's reference block kernel
+looped over the ``cu_seqlens`` segments, with the varlen contract of
+``hf_ring.kernels.backends`` (rows concatenated, lse ``(heads, total_q)`` float32)."""
+
+from __future__ import annotations
+
+import torch
+
+from hf_ring.kernels.reference import reference_backward, reference_forward
+
+
+def segments(cu: torch.Tensor) -> list[tuple[int, int]]:
+    assert cu.dtype == torch.int32 and cu.dim() == 1, "varlen kernels take int32 boundaries"
+    b = cu.tolist()
+    return list(zip(b[:-1], b[1:]))
+
+
+def looped_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    """q ``(total_q, hq, d)``, k/v ``(total_k, hk, d)`` -> out like q, lse ``(hq, total_q)`` f32."""
+    outs, lses = [], []
+    for (qa, qb), (ka, kb) in zip(segments(cu_q), segments(cu_k), strict=True):
+        assert qb - qa <= max_q and kb - ka <= max_k
+        o, l = reference_forward(q[None, qa:qb], k[None, ka:kb], v[None, ka:kb], causal, scale)
+        outs.append(o[0])
+        lses.append(l[0])
+    return torch.cat(outs), torch.cat(lses, dim=1).float()
+
+
+def looped_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
+    """dq, dk, dv shaped like q, k, v, given the final out and lse ``(hq, total_q)``."""
+    assert lse.shape == (q.shape[1], q.shape[0])
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    for (qa, qb), (ka, kb) in zip(segments(cu_q), segments(cu_k), strict=True):
+        g = reference_backward(dout[None, qa:qb], q[None, qa:qb], k[None, ka:kb], v[None, ka:kb],
+                               out[None, qa:qb], lse[None, :, qa:qb].to(q.dtype), causal, scale)
+        dq[qa:qb], dk[ka:kb], dv[ka:kb] = (t[0] for t in g)
+    return dq, dk, dv
