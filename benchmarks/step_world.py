@@ -100,6 +100,7 @@ def _worker(rank: int, cfg: StepConfig, init_file: str, out_dir: str) -> None:
 
 def _measure(model, opt, cfg: StepConfig, state, seq_len: int, device, sync, baseline_mb: float) -> dict:
     import hf_ring
+    from hf_ring.hf.loss import count_valid_tokens, loss_share, token_loss_sum
     from hf_ring.ring.comm import record_comm_wait
 
     ids = torch.randint(0, cfg.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(seq_len))
@@ -107,14 +108,11 @@ def _measure(model, opt, cfg: StepConfig, state, seq_len: int, device, sync, bas
     pos = torch.arange(seq_len).unsqueeze(0)
     shard = lambda t: hf_ring.shard_sequence(t, cfg.cp_size, state.cp_rank).to(device)
     ids_l, labels_l, pos_l = shard(ids), shard(labels), shard(pos)
-    n_valid = int((labels != -100).sum())
+    n_valid = int(count_valid_tokens(labels))
 
     def step() -> None:
-        logits = model(input_ids=ids_l, position_ids=pos_l).logits.float()
-        loss = torch.nn.functional.cross_entropy(
-            logits.view(-1, logits.shape[-1]), labels_l.view(-1), ignore_index=-100, reduction="sum"
-        ) / n_valid
-        loss.backward()
+        logits = model(input_ids=ids_l, position_ids=pos_l).logits
+        loss_share(token_loss_sum(logits, labels_l), n_valid).backward()
         if cfg.cp_size > 1:
             # Each rank's loss is its share of the global token mean, so the model's
             # gradient is the sum of the ranks' gradients.

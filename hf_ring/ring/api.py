@@ -23,8 +23,7 @@ def _group_coords(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def _run(q, k, v, group, causal, softmax_scale, layout, backend, return_lse, local_doc_lens=None):
-    rank, world = _group_coords(group)
+def _run(q, k, v, group, rank, world, causal, softmax_scale, layout, backend, return_lse, local_doc_lens=None):
     check_local(q, k, v, layout, causal)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     kernel = get_backend(backend, q.device, q.dtype)
@@ -67,10 +66,10 @@ def ring_flash_attn_func(
         ``(batch, n_heads, local_seq)`` float32 (float64 for float64 inputs), not
         differentiable. ``out`` is differentiable in q, k, v.
     """
-    _, world = _group_coords(group)
+    rank, world = _group_coords(group)
     if world > 1:
         check_across_ranks(group, q, k, v, layout, causal)
-    return _run(q, k, v, group, causal, softmax_scale, layout, backend, return_lse)
+    return _run(q, k, v, group, rank, world, causal, softmax_scale, layout, backend, return_lse)
 
 
 def ring_flash_attn_varlen_func(
@@ -102,7 +101,7 @@ def ring_flash_attn_varlen_func(
         ``out`` ``(total_local, n_heads, head_dim)``; with ``return_lse`` also ``lse``
         ``(n_heads, total_local)``.
     """
-    _, world = _group_coords(group)
+    rank, world = _group_coords(group)
     if world > 1:
         # The document structure is part of what every rank must agree on.
         bounds = [int(b) for b in cu_seqlens.tolist()] if cu_seqlens.dim() == 1 else [-1]
@@ -118,7 +117,7 @@ def ring_flash_attn_varlen_func(
             f"{world} ranks, but q holds {q.shape[0]} local tokens"
         )
     res = _run(
-        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), group, causal, softmax_scale,
+        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), group, rank, world, causal, softmax_scale,
         "zigzag", backend, True, local_doc_lens,
     )
     out, lse = res[0].squeeze(0), res[1].squeeze(0)

@@ -77,7 +77,7 @@ def forward_varlen(plan, blocks, q, cur_k, cur_v, out, lse, first: bool) -> None
     """As ``forward_blocks``' loop, in one call; ``first``: the blocks cover every query
     row once and their results initialise ``out`` ``(1, s, hq, d)`` / ``lse`` ``(1, hq, s)``."""
     _check_one_row(q)
-    sb = step_batch(blocks, q.device)
+    sb = plan.varlen_batch(blocks, q.device)
     if sb is None:
         return
     r, kr = sb.q_rows, sb.k_rows
@@ -101,7 +101,7 @@ def backward_varlen(plan, blocks, dout, q, cur_k, cur_v, out, lse, dq, first: bo
     else added); returns ``[(k_slice, dk, dv)]`` with ``(1, n, hk, d)`` views, as
     ``add_block_dkv`` takes them."""
     _check_one_row(q)
-    sb = step_batch(blocks, q.device)
+    sb = plan.varlen_batch(blocks, q.device)
     if sb is None:
         return []
     r, kr = sb.q_rows, sb.k_rows

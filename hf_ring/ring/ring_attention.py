@@ -21,7 +21,7 @@ import torch.distributed as dist
 from hf_ring.kernels import AttentionBackend
 from hf_ring.ring.comm import DoubleBuffer, RingExchange
 from hf_ring.ring.merge import merge_block_
-from hf_ring.ring.packed_step import backward_varlen, forward_varlen
+from hf_ring.ring.packed_step import backward_varlen, forward_varlen, step_batch
 from hf_ring.ring.schedule import step_blocks
 
 
@@ -47,6 +47,11 @@ class RingPlan:
         self.layout, self.causal, self.scale = layout, causal, scale
         self.backend = backend
         self.local_doc_lens = local_doc_lens
+        # The schedule of a step is the same in the forward and the backward: built once
+        # (for packed rows that is a Python loop over the documents, and on the varlen
+        # path small index tensors copied to the device).
+        self._blocks: dict[tuple[int, int], list] = {}
+        self._varlen_batches: dict[tuple, object] = {}
 
     @property
     def varlen(self) -> bool:
@@ -56,8 +61,18 @@ class RingPlan:
         return self.local_doc_lens is not None and b.varlen_forward is not None and b.varlen_backward is not None
 
     def blocks(self, step: int, local_len: int):
-        src = (self.rank - step) % self.world
-        return step_blocks(self.layout, self.causal, local_len, self.rank, src, self.local_doc_lens)
+        key = (step, local_len)
+        if key not in self._blocks:
+            src = (self.rank - step) % self.world
+            self._blocks[key] = step_blocks(self.layout, self.causal, local_len, self.rank, src, self.local_doc_lens)
+        return self._blocks[key]
+
+    def varlen_batch(self, blocks, device: torch.device):
+        """``packed_step.step_batch`` for a step's blocks, built once per plan."""
+        key = tuple(blocks)  # Blocks are frozen dataclasses: hashable
+        if key not in self._varlen_batches:
+            self._varlen_batches[key] = step_batch(blocks, device)
+        return self._varlen_batches[key]
 
 
 def _covers(spans, length: int) -> bool:
