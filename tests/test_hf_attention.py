@@ -142,9 +142,10 @@ def _packed_batch(doc_lens):
 def test_packed_rows_match_each_document_alone(monkeypatch):
     ring, sdpa = _pair("llama")
     calls = []
-    varlen = hf_ring.hf.attention.ring_flash_attn_varlen_func
+    ring_op = hf_ring.hf.attention.ring_attention
+    # Every layer runs the varlen ring on the forward's plan, whose documents are the row's.
     monkeypatch.setattr(
-        hf_ring.hf.attention, "ring_flash_attn_varlen_func", lambda *a, **k: calls.append(1) or varlen(*a, **k)
+        hf_ring.hf.attention, "ring_attention", lambda q, k, v, plan: calls.append(plan.local_doc_lens) or ring_op(q, k, v, plan)
     )
     doc_lens = [6, 10, 4]
     ids, cu, positions = _packed_batch(doc_lens)
@@ -154,7 +155,7 @@ def test_packed_rows_match_each_document_alone(monkeypatch):
         reference = torch.cat(
             [sdpa(ids[:, int(a) : int(b)]).logits for a, b in zip(cu[:-1], cu[1:])], dim=1
         )
-    assert len(calls) == ring.config.num_hidden_layers  # the varlen ring, not SDPA's packed mask
+    assert calls == [tuple(doc_lens)] * ring.config.num_hidden_layers  # the varlen ring, not SDPA's packed mask
     assert rel_err(logits, reference) <= TOL
 
 

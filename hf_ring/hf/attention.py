@@ -1,21 +1,23 @@
 """The attention function registered with transformers as ``attn_implementation="ring_flash"``.
 
 Every attention layer of a model loaded with ``ring_flash`` calls
-``ring_flash_attention_forward``. What it does depends on the active context-parallel
-state (``hf_ring.setup_context_parallel``):
+``ring_flash_attention_forward``. The model's guard (``hf_ring.hf.guard``) validated the
+forward's inputs once and hands a :class:`~hf_ring.hf.forward_context.ForwardContext`
+down through the forward's keyword arguments; what this function does depends on it:
 
-- No state, or ``cp_size == 1``: exact local attention. It delegates to transformers' own
-  SDPA attention function with the mask transformers built for SDPA (``hf_ring.hf.mask``),
-  so padding masks, sliding windows, KV caches and ``generate()`` behave exactly as with
-  ``attn_implementation="sdpa"``.
+- No context-parallel state in the context (none active, or ``cp_size == 1``): exact
+  local attention. It delegates to transformers' own SDPA attention function with the
+  mask transformers built for SDPA (``hf_ring.hf.mask``), so padding masks, sliding
+  windows, KV caches and ``generate()`` behave exactly as with ``attn_implementation="sdpa"``.
 - ``cp_size > 1``: each rank holds a shard of the sequence; q, k, v are moved to the
-  flash layout and run through ``hf_ring.ring_flash_attn_func`` over the CP group (causal,
-  in the state's layout). The model's inputs were validated once for the forward by the
-  guard (``hf_ring.hf.guard``): global position_ids, right padding only (which a causal
-  mask makes harmless, so the mask is dropped), no cache.
+  flash layout and run through the ring on the context's plan (group, layout, backend
+  and schedule built once per forward), with no collective but the ring's own transfers
+  and no host sync. Inputs were validated by the guard: global position_ids, right
+  padding only (which a causal mask makes harmless, so the mask is dropped), no cache.
+  Without a context under CP (an unguarded model, or one that does not hand its keyword
+  arguments to its attention layers) it refuses rather than attend within the shard.
 - Packed rows (``cu_seq_lens_q`` among the kwargs, see the collator contract), with or
-  without CP: ``hf_ring.ring_flash_attn_varlen_func``, documents never attending to each
-  other; batch size 1.
+  without CP: the varlen ring, documents never attending to each other; batch size 1.
 
 What the ring cannot compute is refused, naming the model feature: logit softcapping
 (Gemma 2), attention dropout, sliding windows shorter than the sequence under CP or in
@@ -31,9 +33,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from hf_ring.hf.guard import guard_model, note_ring_call
-from hf_ring.ring.api import ring_flash_attn_func, ring_flash_attn_varlen_func
-from hf_ring.ring.groups import ContextParallelState, get_context_parallel_state
+from hf_ring.hf.forward_context import CONTEXT_KWARG, ForwardContext
+from hf_ring.hf.guard import RING_FLASH, guard_model
+from hf_ring.ring.api import ring_attention, ring_flash_attn_varlen_func
+from hf_ring.ring.groups import get_context_parallel_state
 
 # guard_model is re-exported: models loaded with "ring_flash" are guarded automatically,
 # one whose config was set by hand is guarded with hf_ring.hf.attention.guard_model(model).
@@ -124,7 +127,7 @@ def _ring_attention(
     attention_mask: Optional[torch.Tensor],
     scaling: Optional[float],
     sliding_window: Optional[int],
-    state: ContextParallelState,
+    context: ForwardContext,
     kwargs: dict[str, Any],
 ) -> tuple[torch.Tensor, None]:
     _refuse_under_ring(module, query, key, kwargs, "ring_flash under context parallelism")
@@ -134,21 +137,23 @@ def _ring_attention(
             "parallelism; ring_flash computes causal attention over the global positions and takes "
             "no mask (right padding is accepted at the model's input and needs none)"
         )
-    seq = query.shape[-2] * state.cp_size
+    seq = query.shape[-2] * context.cp_size
     _refuse_short_window(module, sliding_window, seq, "ring_flash under context parallelism")
-    query, key, value = _autocast_inputs(query, key, value)
-    # transformers: (batch, heads, seq_local, dim); the ring: (batch, seq_local, heads, dim).
-    out = ring_flash_attn_func(
-        query.transpose(1, 2),
-        key.transpose(1, 2),
-        value.transpose(1, 2),
-        group=state.cp_group,
-        causal=True,
-        softmax_scale=scaling,
-        layout=state.layout,
-    )
-    note_ring_call(module)
+    out = _run_ring(query, key, value, scaling, context)
+    context.ran_ring.add(id(module))
     return out, None
+
+
+def _run_ring(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: Optional[float], context: ForwardContext
+) -> torch.Tensor:
+    """transformers' ``(batch, heads, seq_local, dim)`` through the forward's ring plan;
+    returns ``(batch, seq_local, heads, dim)``. No collective but the ring's transfers."""
+    query, key, value = _autocast_inputs(query, key, value)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    plan = context.plan(query, scale)
+    out, _ = ring_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), plan)
+    return out
 
 
 def _autocast_inputs(
@@ -169,18 +174,6 @@ def _autocast_inputs(
     return query, key, value
 
 
-def _packed_group(state: Optional[ContextParallelState]) -> Optional[dist.ProcessGroup]:
-    if state is not None:
-        return state.cp_group
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        raise RuntimeError(
-            "packed rows with ring_flash in a multi-process run need hf_ring.setup_context_parallel("
-            "cp_size) first (cp_size=1 for data parallelism alone), so that ring_flash knows which "
-            "processes share a sequence"
-        )
-    return None
-
-
 def _packed_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -188,10 +181,9 @@ def _packed_attention(
     value: torch.Tensor,
     scaling: Optional[float],
     sliding_window: Optional[int],
-    state: Optional[ContextParallelState],
+    context: Optional[ForwardContext],
     kwargs: dict[str, Any],
 ) -> tuple[torch.Tensor, None]:
-    under_cp = state is not None and state.cp_size > 1
     what = "ring_flash on packed rows"
     if query.shape[0] != 1:
         raise ValueError(
@@ -199,26 +191,41 @@ def _packed_attention(
             "concatenate the documents into one row"
         )
     _refuse_under_ring(module, query, key, kwargs, what)
+    if context is None:
+        # An unguarded model without context parallelism: the boundaries are read here.
+        _refuse_unguarded_packed()
+        out = _packed_without_context(module, query, key, value, scaling, sliding_window, kwargs, what)
+        return out, None
+    _refuse_short_window(module, sliding_window, max(context.doc_lens), what)
+    out = _run_ring(query, key, value, scaling, context)
+    if context.state is not None:
+        context.ran_ring.add(id(module))
+    return out, None
+
+
+def _refuse_unguarded_packed() -> None:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise RuntimeError(
+            "packed rows with ring_flash in a multi-process run need hf_ring.setup_context_parallel("
+            "cp_size) first (cp_size=1 for data parallelism alone) and a guarded model (created with "
+            f"attn_implementation={RING_FLASH!r} after `import hf_ring`), so that ring_flash knows which "
+            "processes share a sequence"
+        )
+
+
+def _packed_without_context(module, query, key, value, scaling, sliding_window, kwargs, what) -> torch.Tensor:
     cu_q = kwargs["cu_seq_lens_q"]
     cu_k = kwargs.get("cu_seq_lens_k")
     if cu_k is not None and not torch.equal(cu_k.to(cu_q.device), cu_q):
         raise ValueError("cu_seq_lens_k must equal cu_seq_lens_q: ring_flash computes self-attention")
-    longest = int((cu_q[1:] - cu_q[:-1]).max())
-    _refuse_short_window(module, sliding_window, longest, what)
+    _refuse_short_window(module, sliding_window, int((cu_q[1:] - cu_q[:-1]).max()), what)
     query, key, value = _autocast_inputs(query, key, value)
-    # (1, heads, tokens_local, dim) -> (tokens_local, heads, dim)
+    # (1, heads, tokens, dim) -> (tokens, heads, dim)
     out = ring_flash_attn_varlen_func(
-        query[0].transpose(0, 1),
-        key[0].transpose(0, 1),
-        value[0].transpose(0, 1),
-        cu_q,
-        group=_packed_group(state),
-        causal=True,
-        softmax_scale=scaling,
+        query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu_q,
+        causal=True, softmax_scale=scaling,
     )
-    if under_cp:
-        note_ring_call(module)
-    return out.unsqueeze(0), None
+    return out.unsqueeze(0)
 
 
 def ring_flash_attention_forward(
@@ -254,9 +261,26 @@ def ring_flash_attention_forward(
         query's dtype.
     """
     _refuse_unsupported_features(module, dropout, softcap)
-    state = get_context_parallel_state()
+    context: Optional[ForwardContext] = kwargs.pop(CONTEXT_KWARG, None)
+    if context is None:
+        _refuse_without_context(module)
     if kwargs.get("cu_seq_lens_q") is not None:
-        return _packed_attention(module, query, key, value, scaling, sliding_window, state, kwargs)
-    if state is None or state.cp_size == 1:
+        return _packed_attention(module, query, key, value, scaling, sliding_window, context, kwargs)
+    if context is None or context.state is None:
         return _local_attention(module, query, key, value, attention_mask, dropout, scaling, sliding_window, kwargs)
-    return _ring_attention(module, query, key, value, attention_mask, scaling, sliding_window, state, kwargs)
+    return _ring_attention(module, query, key, value, attention_mask, scaling, sliding_window, context, kwargs)
+
+
+def _refuse_without_context(module: nn.Module) -> None:
+    """Under context parallelism the ring needs the forward's validated context; without
+    it this layer would attend within its own shard only."""
+    state = get_context_parallel_state()
+    if state is not None and state.cp_size > 1:
+        raise RuntimeError(
+            f"ring_flash ran under context parallelism (cp_size={state.cp_size}) in {_name(module)} "
+            "without the context that hf_ring's model guard validates once per forward: either the "
+            f"model is not guarded (create it with attn_implementation={RING_FLASH!r} after `import "
+            "hf_ring`, or call hf_ring.hf.attention.guard_model(model)), or this model does not hand "
+            "its forward's keyword arguments to its attention layers, which hf_ring needs; such a "
+            "model is not supported under context parallelism"
+        )

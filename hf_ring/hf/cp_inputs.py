@@ -1,16 +1,20 @@
-"""Checks, once per forward, that a model's inputs are ones the ring can serve.
+"""Checks, once per model forward, that the inputs are ones the ring can serve.
 
-Why here and not in every attention layer: these properties belong to the batch (padding,
-positions, cache), so one check per forward is enough, and under context parallelism it
-is done collectively, with one small all-gather over the CP group, so that a bad batch
-raises the same error on every rank instead of leaving the others waiting in the ring.
+Why here and not in every attention layer: these properties belong to the batch (shapes,
+padding, positions, documents, cache), so one check per forward is enough. Under context
+parallelism it is collective: one all-gather of a fixed-length header over the CP group
+(batch, local length, documents, layout, and whether this rank found a problem), plus,
+only when a padding mask is given, one all-gather of a ``(batch, 2)`` summary of it. So
+ranks that disagree, or a rank whose inputs are refused, raise an error on *every* rank
+instead of leaving the others waiting in the ring (or, with different shapes, aborting
+gloo or hanging NCCL). The number of collectives does not depend on the number of layers.
 
 Under CP every rank feeds its shard of the sequence (``hf_ring.shard_sequence``, or
 ``hf_ring.sharding.shard_packed`` for packed rows) with the *global* ``position_ids``:
 RoPE runs in the model on those positions, and the ring's causal mask follows the layout
-(held in the state, else zigzag). Right padding needs no mask at all under a causal mask
-(no real token attends to a later one), so a 2-D right-padding ``attention_mask`` is
-accepted and then dropped; every other mask is refused.
+(held in the state). Right padding needs no mask at all under a causal mask (no real
+token attends to a later one), so a 2-D right-padding ``attention_mask`` is accepted and
+then dropped; every other mask is refused.
 """
 
 from __future__ import annotations
@@ -18,11 +22,18 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
+from hf_ring.ring.api import documents_fields
 from hf_ring.ring.groups import ContextParallelState
-from hf_ring.sharding.layouts import shard_indices, unshard_sequence
-from hf_ring.sharding.packed import packed_shard_indices, unshard_packed
+from hf_ring.ring.validation import check_agreement, layout_code
+from hf_ring.sharding.layouts import shard_indices
+from hf_ring.sharding.packed import check_cu_seqlens, packed_shard_indices
+
+_HINT = (
+    "every rank of a CP group must run the same forward on its shard of the same batch: "
+    "build batches with RingDataCollator and feed them through RingAttentionPlugin (or "
+    "plugin.attach(accelerator)), which gives every rank of a CP group the same batch"
+)
 
 
 def _cache_argument(inputs: dict[str, Any]) -> Optional[Any]:
@@ -33,21 +44,29 @@ def _cache_argument(inputs: dict[str, Any]) -> Optional[Any]:
     return None
 
 
-def check_packed_inputs(inputs: dict[str, Any]) -> None:
-    """Packed rows (``cu_seq_lens_q`` given): batch size 1 and no padding mask.
+def _rows_and_length(inputs: dict[str, Any]) -> tuple[int, int]:
+    for name in ("input_ids", "inputs_embeds", "position_ids"):
+        t = inputs.get(name)
+        if t is not None and t.dim() >= 2:
+            return t.shape[0], t.shape[1]
+    return -1, -1
 
-    The document boundaries are the whole mask: a padding mask next to them contradicts
-    them (the collator pads documents instead), and is refused rather than ignored.
+
+def packed_document_lengths(inputs: dict[str, Any], cp_size: int) -> Optional[tuple[int, ...]]:
+    """A packed batch's global document lengths (``cu_seq_lens_q`` given), or None.
+
+    Checks what a rank can check alone: batch size 1, no padding mask (the document
+    boundaries are the whole mask: a padding mask next to them contradicts them, and is
+    refused rather than ignored), ``cu_seq_lens_k`` equal to ``cu_seq_lens_q``, and
+    boundaries that shard over ``cp_size`` ranks. One host sync (the boundaries).
     """
     cu = inputs.get("cu_seq_lens_q")
     if cu is None:
-        return
-    ids = inputs.get("input_ids")
-    if ids is None:
-        ids = inputs.get("inputs_embeds")
-    if ids is not None and ids.shape[0] != 1:
+        return None
+    batch, _ = _rows_and_length(inputs)
+    if batch not in (-1, 1):
         raise ValueError(
-            f"packed rows (cu_seq_lens_q given) must come with batch size 1, got {ids.shape[0]}; "
+            f"packed rows (cu_seq_lens_q given) must come with batch size 1, got {batch}; "
             "concatenate the documents of a batch into one row"
         )
     mask = inputs.get("attention_mask")
@@ -57,23 +76,15 @@ def check_packed_inputs(inputs: dict[str, Any]) -> None:
             "boundaries define the mask; pad documents instead (RingDataCollator does) and pass "
             "attention_mask=None"
         )
+    bounds = cu.reshape(-1).tolist()
+    cu_k = inputs.get("cu_seq_lens_k")
+    if cu_k is not None and cu_k.reshape(-1).tolist() != bounds:
+        raise ValueError("cu_seq_lens_k must equal cu_seq_lens_q: ring_flash computes self-attention")
+    return tuple(check_cu_seqlens(torch.tensor(bounds), cp_size))
 
 
-def _expected_positions(
-    seq_local: int, cu_seqlens: Optional[torch.Tensor], state: ContextParallelState, device
-) -> torch.Tensor:
-    """The global position of each of this rank's tokens, ``(seq_local,)`` int64."""
-    if cu_seqlens is None:
-        return shard_indices(seq_local * state.cp_size, state.cp_size, state.cp_rank, state.layout).to(device)
-    cu = cu_seqlens.to(device=device, dtype=torch.int64)
-    idx = packed_shard_indices(cu.cpu(), state.cp_size, state.cp_rank).to(device)
-    doc = torch.searchsorted(cu, idx, right=True) - 1
-    # Positions restart at 0 in every document.
-    return idx - cu[doc]
-
-
-def _refuse_local(inputs: dict[str, Any], state: ContextParallelState) -> None:
-    """Errors that every rank sees alike from its own inputs (no communication needed)."""
+def _refuse_local(inputs: dict[str, Any], state: ContextParallelState) -> Optional[tuple[int, ...]]:
+    """What a rank can refuse from its own inputs; returns the packed document lengths."""
     if _cache_argument(inputs) is not None:
         raise NotImplementedError(
             "KV cache / generate() is not supported under context parallelism "
@@ -86,7 +97,7 @@ def _refuse_local(inputs: dict[str, Any], state: ContextParallelState) -> None:
             f"use_cache=True is not supported under context parallelism (cp_size={state.cp_size}): "
             "a cache would hold only this rank's shard of K/V; pass use_cache=False or leave it unset"
         )
-    check_packed_inputs(inputs)
+    doc_lens = packed_document_lengths(inputs, state.cp_size)
     mask = inputs.get("attention_mask")
     if mask is not None and mask.dim() != 2:
         raise ValueError(
@@ -94,60 +105,131 @@ def _refuse_local(inputs: dict[str, Any], state: ContextParallelState) -> None:
             "computes causal attention over the global positions (and per document for packed rows "
             "with cu_seq_lens_q); pass a 2-D right-padding mask or none"
         )
-    if inputs.get("position_ids") is None:
+    positions = inputs.get("position_ids")
+    if positions is None:
         raise ValueError(
             "ring_flash under context parallelism needs the global position_ids of this rank's "
             "shard (shard_sequence(arange(seq_len)[None], cp_size, cp_rank), as RingDataCollator "
             "emits): without them the model numbers the local tokens 0..local_len-1 and RoPE is wrong"
         )
-
-
-def validate_cp_inputs(inputs: dict[str, Any], state: ContextParallelState) -> None:
-    """Validate one forward's inputs under CP (``state.cp_size > 1``); collective.
-
-    Args:
-        inputs: the base model's forward arguments by name: ``position_ids``
-            ``(batch or 1, seq_local)`` int, ``attention_mask`` ``(batch, seq_local)`` 0/1 or
-            None, optionally ``cu_seq_lens_q`` int ``(n_docs + 1,)``, ``cache`` /
-            ``past_key_values``, ``use_cache``.
-        state: the active context-parallel state.
-
-    Raises:
-        NotImplementedError: a KV cache or ``use_cache=True``.
-        ValueError: missing or non-global ``position_ids``, a mask other than right padding,
-            packed rows with batch size > 1 or a padding mask. The collective checks raise on
-            every rank of the CP group.
-    """
-    _refuse_local(inputs, state)
-    positions = inputs["position_ids"]
-    if positions.dim() == 1:
-        positions = positions.unsqueeze(0)
-    mask = inputs.get("attention_mask")
-    batch, seq_local = (mask.shape if mask is not None else positions.shape)
-    keep = torch.ones(batch, seq_local, dtype=torch.int32, device=positions.device)
-    if mask is not None:
-        keep = mask.to(device=positions.device, dtype=torch.int32)
-    cu = inputs.get("cu_seq_lens_q")
-    expected = _expected_positions(positions.shape[-1], cu, state, positions.device)
-    # Positions of padding tokens do not matter: nothing real attends to them.
-    wrong = ((positions != expected) & (keep != 0)).any().to(torch.int32)
-    payload = torch.cat([keep, wrong.expand(batch, 1)], dim=1)
-    gathered = [torch.empty_like(payload) for _ in range(state.cp_size)]
-    dist.all_gather(gathered, payload, group=state.cp_group)
-    bad_ranks = [r for r, t in enumerate(gathered) if int(t[0, -1]) != 0]
-    if bad_ranks:
-        what = "per-document positions of the packed row" if cu is not None else f"layout {state.layout!r}"
+    batch, seq_local = _rows_and_length(inputs)
+    if positions.shape[-1] != seq_local or (mask is not None and tuple(mask.shape) != (batch, seq_local)):
         raise ValueError(
-            f"position_ids on CP rank(s) {bad_ranks} are not the global positions of their shard "
-            f"({what}, the layout of the active context-parallel state): shard position_ids exactly "
-            "like input_ids, from arange(seq_len) over the full padded sequence (RingDataCollator "
-            "does); a collator sharding in another layout than the state's is a mismatch"
+            f"position_ids {tuple(positions.shape)} and attention_mask "
+            f"{None if mask is None else tuple(mask.shape)} must match the inputs' (batch, local_seq) "
+            f"= {(batch, seq_local)}"
         )
-    shards = [t[:, :-1] for t in gathered]
-    full = unshard_packed(shards, cu.cpu()) if cu is not None else unshard_sequence(shards, 1, state.layout)
-    if bool((full[:, 1:] > full[:, :-1]).any()):
+    return doc_lens
+
+
+def _global_indices(seq_local: int, doc_lens: Optional[tuple[int, ...]], state: ContextParallelState) -> torch.Tensor:
+    """Which global token each local one is, ``(seq_local,)`` int64 on the CPU."""
+    if doc_lens is None:
+        return shard_indices(seq_local * state.cp_size, state.cp_size, state.cp_rank, state.layout)
+    cu = torch.tensor([0, *torch.tensor(doc_lens).cumsum(0).tolist()])
+    return packed_shard_indices(cu, state.cp_size, state.cp_rank)
+
+
+def _expected_positions(index: torch.Tensor, doc_lens: Optional[tuple[int, ...]]) -> torch.Tensor:
+    """Global position ids of the tokens at ``index``: restarting at 0 in every document."""
+    if doc_lens is None:
+        return index
+    starts = torch.tensor([0, *torch.tensor(doc_lens).cumsum(0).tolist()])
+    return index - starts[torch.searchsorted(starts, index, right=True) - 1]
+
+
+def _positions_wrong(inputs: dict[str, Any], index: torch.Tensor, doc_lens) -> torch.Tensor:
+    """0-d int64 on the inputs' device: 1 where a real token has a non-global position."""
+    positions = inputs["position_ids"]
+    expected = _expected_positions(index, doc_lens).to(positions.device)
+    wrong = positions != expected
+    mask = inputs.get("attention_mask")
+    if mask is not None:
+        # Positions of padding tokens do not matter: nothing real attends to them.
+        wrong = wrong & (mask.to(positions.device) != 0)
+    return wrong.any().to(torch.int64)
+
+
+def _check_right_padding(mask: torch.Tensor, index: torch.Tensor, state: ContextParallelState) -> None:
+    """Collective: refuse a padding token before a real one anywhere in a full row."""
+    keep = mask.to(torch.bool)
+    index = index.to(mask.device).expand_as(keep)
+    last_real = torch.where(keep, index, torch.full_like(index, -1)).amax(dim=1)
+    first_pad = torch.where(keep, torch.full_like(index, 1 << 62), index).amin(dim=1)
+    mine = torch.stack([last_real, first_pad], dim=1)  # (batch, 2)
+    gathered = [torch.empty_like(mine) for _ in range(state.cp_size)]
+    torch.distributed.all_gather(gathered, mine, group=state.cp_group)
+    both = torch.stack(gathered)  # (cp, batch, 2)
+    if bool((both[..., 0].amax(dim=0) > both[..., 1].amin(dim=0)).any()):
         raise ValueError(
             "ring_flash under context parallelism accepts only right padding (padding tokens at "
             "the end of each row, as RingDataCollator pads): this attention_mask has a padding "
             "token before a real one (left padding or holes); pad on the right instead"
         )
+
+
+def validate_cp_inputs(inputs: dict[str, Any], state: ContextParallelState) -> Optional[tuple[int, ...]]:
+    """Validate one forward's inputs under CP (``state.cp_size > 1``); collective over
+    ``state.cp_group``: one all-gather of a fixed-length header, plus one of a ``(batch, 2)``
+    mask summary when an ``attention_mask`` is given; one host sync for each.
+
+    Args:
+        inputs: the base model's forward arguments by name: ``input_ids`` / ``inputs_embeds``
+            ``(batch, seq_local[, hidden])``, ``position_ids`` ``(batch or 1, seq_local)``
+            int, ``attention_mask`` ``(batch, seq_local)`` 0/1 or None, optionally
+            ``cu_seq_lens_q`` / ``cu_seq_lens_k`` int ``(n_docs + 1,)``, ``cache`` /
+            ``past_key_values``, ``use_cache``.
+        state: the active context-parallel state.
+
+    Returns:
+        The packed row's global document lengths, or None for dense rows.
+
+    Raises (on every rank of the CP group):
+        NotImplementedError: a KV cache or ``use_cache=True``.
+        ValueError: inputs that differ across the ranks, missing or non-global
+            ``position_ids``, a mask other than right padding, packed rows with batch size > 1
+            or a padding mask.
+    """
+    problem: Optional[Exception] = None
+    doc_lens = None
+    batch, seq_local = _rows_and_length(inputs)
+    try:
+        doc_lens = _refuse_local(inputs, state)
+        index = _global_indices(seq_local, doc_lens, state)
+    except (ValueError, NotImplementedError) as e:
+        # Raised only after the header went round: the other ranks must not wait for us.
+        problem = e
+    device = next((t.device for t in inputs.values() if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    mask = inputs.get("attention_mask")
+    fields = [
+        ("refused", int(problem is not None)),
+        ("positions_not_global", 0),
+        ("batch", batch),
+        ("local_seq", seq_local),
+        ("attention_mask", int(mask is not None)),
+        ("cp_size", state.cp_size),
+        ("layout", layout_code(state.layout)),
+        *documents_fields([0, *torch.tensor(doc_lens).cumsum(0).tolist()] if doc_lens else []),
+    ]
+    header = torch.tensor([v for _, v in fields], dtype=torch.int64, device=device)
+    if problem is None:
+        header[1] = _positions_wrong(inputs, index, doc_lens)
+    rows = check_agreement(state.cp_group, fields, device, "the model's inputs", _HINT,
+                           ignore=("refused", "positions_not_global"), values=header)
+    refused = [r for r, row in enumerate(rows) if row[0]]
+    if problem is not None:
+        raise problem
+    if refused:
+        raise ValueError(f"CP rank(s) {refused} refused this forward's inputs (see the error there); {_HINT}")
+    bad_positions = [r for r, row in enumerate(rows) if row[1]]
+    if bad_positions:
+        what = "per-document positions of the packed row" if doc_lens else f"layout {state.layout!r}"
+        raise ValueError(
+            f"position_ids on CP rank(s) {bad_positions} are not the global positions of their shard "
+            f"({what}, the layout of the active context-parallel state): shard position_ids exactly "
+            "like input_ids, from arange(seq_len) over the full padded sequence (RingDataCollator "
+            "does); a collator sharding in another layout than the state's is a mismatch"
+        )
+    if mask is not None:
+        _check_right_padding(mask, index, state)
+    return doc_lens

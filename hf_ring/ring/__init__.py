@@ -1,21 +1,28 @@
-"""Ring layer: the ring algorithms, the (out, lse) merge, the P2P ring and autograd.
+"""Ring layer: the ring algorithms, the (out, lse) merge, the transport and autograd, and
+the dp x cp process groups.
 
 Never imports transformers or accelerate.
 """
 
-from hf_ring.ring.api import ring_flash_attn_func, ring_flash_attn_varlen_func
+from hf_ring.ring.api import ring_attention, ring_flash_attn_func, ring_flash_attn_varlen_func
+from hf_ring.ring.comm import CommWaitStats, VirtualRing
 from hf_ring.ring.groups import (
     ContextParallelState,
     get_context_parallel_state,
     set_context_parallel_state,
     setup_context_parallel,
 )
+from hf_ring.ring.plan import RingPlan
 
 __all__ = [
+    "CommWaitStats",
+    "ContextParallelState",
+    "RingPlan",
+    "VirtualRing",
+    "get_context_parallel_state",
+    "ring_attention",
     "ring_flash_attn_func",
     "ring_flash_attn_varlen_func",
-    "ContextParallelState",
-    "get_context_parallel_state",
     "set_context_parallel_state",
     "setup_context_parallel",
 ]

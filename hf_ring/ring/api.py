@@ -1,21 +1,35 @@
 """Public ring attention functions: ``ring_flash_attn_func`` (dense rows) and
-``ring_flash_attn_varlen_func`` (packed rows of several documents)."""
+``ring_flash_attn_varlen_func`` (packed rows of several documents), and ``ring_attention``,
+the op on an already built :class:`~hf_ring.ring.plan.RingPlan` (no checks across ranks).
+
+Called directly, each public function first checks that every rank of the group passes
+the same shapes, dtype and settings (one small all-gather; see validation.py). Callers
+that established this already, once for many calls (the Hugging Face integration does
+it once per model forward), pass ``check_ranks=False`` or build a plan and call
+:func:`ring_attention`, so that the hot path has no collective besides the ring's own
+transfers and no host sync.
+"""
 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
 from hf_ring.kernels import get_backend
-from hf_ring.ring.ring_attention import RingAttentionFunction, RingPlan
+from hf_ring.ring.comm import CommWaitStats, process_group_transport
+from hf_ring.ring.plan import RingPlan
+from hf_ring.ring.ring_attention import RingAttentionFunction
 from hf_ring.ring.validation import check_across_ranks, check_local
 from hf_ring.sharding.packed import check_cu_seqlens
 
+Output = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 
-def _group_coords(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
+
+def group_coords(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
+    """``(rank, world)`` of this process in ``group``; ``(0, 1)`` without torch.distributed."""
     if not (dist.is_available() and dist.is_initialized()):
         if group is not None:
             raise RuntimeError("a process group was passed but torch.distributed is not initialised")
@@ -23,13 +37,32 @@ def _group_coords(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def _run(q, k, v, group, rank, world, causal, softmax_scale, layout, backend, return_lse, local_doc_lens=None):
-    check_local(q, k, v, layout, causal)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    kernel = get_backend(backend, q.device, q.dtype)
-    plan = RingPlan(group, rank, world, layout, causal, scale, kernel, local_doc_lens)
-    out, lse = RingAttentionFunction.apply(q, k, v, plan)
-    return (out, lse) if return_lse else out
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ring op on a plan, with local checks only (no communication before the ring).
+
+    Args:
+        q: ``(batch, local_seq, n_heads, head_dim)``; k, v: ``(batch, local_seq,
+            n_kv_heads, head_dim)``; one float dtype, one device.
+        plan: who and what (see :class:`RingPlan`), its backend resolved for q's device
+            and dtype; every rank of the ring must pass tensors of the same shapes and
+            plans with the same settings.
+
+    Returns:
+        ``out`` like q (differentiable in q, k, v) and ``lse`` ``(batch, n_heads,
+        local_seq)`` float32 (float64 for float64 inputs).
+    """
+    check_local(q, k, v, plan.layout, plan.causal)
+    return RingAttentionFunction.apply(q, k, v, plan)
+
+
+def _scale(q: torch.Tensor, softmax_scale: Optional[float]) -> float:
+    return softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+
+
+def _plan(q, group, rank, world, causal, scale, layout, backend, comm_stats, local_doc_lens=None) -> RingPlan:
+    transport = process_group_transport(group, comm_stats) if world > 1 else None
+    return RingPlan(group, rank, world, layout, causal, scale, get_backend(backend, q.device, q.dtype),
+                    local_doc_lens, transport)
 
 
 def ring_flash_attn_func(
@@ -43,7 +76,9 @@ def ring_flash_attn_func(
     layout: str = "zigzag",
     backend: str = "auto",
     return_lse: bool = False,
-):
+    check_ranks: bool = True,
+    comm_stats: Optional[CommWaitStats] = None,
+) -> Output:
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
     Every rank passes its own shard, taken from the full sequence with
@@ -60,30 +95,48 @@ def ring_flash_attn_func(
         layout: ``"zigzag"``, ``"stripe"`` or ``"contiguous"``; must match the sharding.
         backend: block kernel, ``"auto"`` or a name from ``hf_ring.kernels.available_backends``.
         return_lse: also return the log-sum-exp.
+        check_ranks: check first that every rank passes the same shapes, dtype, layout,
+            causal flag and scale (one small all-gather and a host sync). Pass False only
+            when the caller has established that already: a disagreement then hangs or
+            corrupts instead of raising.
+        comm_stats: a sink for the time the ring waited on transfers.
 
     Returns:
         ``out`` shaped and typed like q; with ``return_lse``, also ``lse``
         ``(batch, n_heads, local_seq)`` float32 (float64 for float64 inputs), not
         differentiable. ``out`` is differentiable in q, k, v.
     """
-    rank, world = _group_coords(group)
-    if world > 1:
-        check_across_ranks(group, q, k, v, layout, causal)
-    return _run(q, k, v, group, rank, world, causal, softmax_scale, layout, backend, return_lse)
+    rank, world = group_coords(group)
+    scale = _scale(q, softmax_scale)
+    if world > 1 and check_ranks:
+        check_across_ranks(group, q, k, v, layout, causal, scale)
+    check_local(q, k, v, layout, causal)
+    plan = _plan(q, group, rank, world, causal, scale, layout, backend, comm_stats)
+    out, lse = ring_attention(q, k, v, plan)
+    return (out, lse) if return_lse else out
+
+
+def documents_fields(bounds: Sequence[int]) -> list[tuple[str, int]]:
+    """What ranks must agree on about a packed row's boundaries, as fixed-length fields."""
+    checksum = sum((i + 1) * b for i, b in enumerate(bounds)) % (1 << 40)
+    return [("cu_seqlens.numel", len(bounds)), ("cu_seqlens[-1]", bounds[-1] if bounds else -1),
+            ("cu_seqlens.checksum", checksum)]
 
 
 def ring_flash_attn_varlen_func(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    cu_seqlens: torch.Tensor,
+    cu_seqlens: Union[torch.Tensor, Sequence[int]],
     *,
     group: Optional[dist.ProcessGroup] = None,
     causal: bool = True,
     softmax_scale: Optional[float] = None,
     backend: str = "auto",
     return_lse: bool = False,
-):
+    check_ranks: bool = True,
+    comm_stats: Optional[CommWaitStats] = None,
+) -> Output:
     """Ring attention over a packed row: documents never attend to each other.
 
     The row's documents are zigzag-sharded one by one (``hf_ring.sharding.shard_packed``),
@@ -92,33 +145,36 @@ def ring_flash_attn_varlen_func(
     Args:
         q: ``(total_local, n_heads, head_dim)``: this rank's tokens of the packed row(s).
         k, v: ``(total_local, n_kv_heads, head_dim)``.
-        cu_seqlens: int ``(n_docs + 1,)``, the *global* document boundaries over the full
-            packed sequence, starting at 0; every document length a multiple of
-            ``2 * cp_size``; identical on every rank of the group.
-        group, causal, softmax_scale, backend, return_lse: as in ``ring_flash_attn_func``.
+        cu_seqlens: int ``(n_docs + 1,)`` (a tensor, or a list of ints, which avoids a host
+            sync), the *global* document boundaries over the full packed sequence,
+            starting at 0; every document length a multiple of ``2 * cp_size``; identical
+            on every rank of the group.
+        group, causal, softmax_scale, backend, return_lse, check_ranks, comm_stats: as in
+            ``ring_flash_attn_func``; ``check_ranks`` also covers the documents.
 
     Returns:
         ``out`` ``(total_local, n_heads, head_dim)``; with ``return_lse`` also ``lse``
         ``(n_heads, total_local)``.
     """
-    rank, world = _group_coords(group)
-    if world > 1:
-        # The document structure is part of what every rank must agree on.
-        bounds = [int(b) for b in cu_seqlens.tolist()] if cu_seqlens.dim() == 1 else [-1]
-        checksum = sum((i + 1) * b for i, b in enumerate(bounds)) % (1 << 40)
-        check_across_ranks(group, q, k, v, "zigzag", causal, (len(bounds), bounds[-1], checksum))
+    rank, world = group_coords(group)
+    scale = _scale(q, softmax_scale)
+    bounds = torch.as_tensor(cu_seqlens, device="cpu").reshape(-1).tolist()
+    if world > 1 and check_ranks:
+        # Agreement first: a rank whose boundaries are invalid must not raise alone.
+        check_across_ranks(group, q, k, v, "zigzag", causal, scale, documents_fields(bounds))
+    doc_lens = check_cu_seqlens(torch.as_tensor(cu_seqlens), world)
     if q.dim() != 3:
         raise ValueError(f"varlen q must be (total_local, n_heads, head_dim), got shape {tuple(q.shape)}")
-    doc_lens = check_cu_seqlens(cu_seqlens, world)
-    local_doc_lens = [n // world for n in doc_lens]
+    local_doc_lens = tuple(n // world for n in doc_lens)
     if sum(local_doc_lens) != q.shape[0]:
         raise ValueError(
             f"cu_seqlens covers {sum(doc_lens)} tokens, i.e. {sum(local_doc_lens)} per rank over "
             f"{world} ranks, but q holds {q.shape[0]} local tokens"
         )
-    res = _run(
-        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), group, rank, world, causal, softmax_scale,
-        "zigzag", backend, True, local_doc_lens,
-    )
-    out, lse = res[0].squeeze(0), res[1].squeeze(0)
+    plan = _plan(q, group, rank, world, causal, scale, "zigzag", backend, comm_stats, local_doc_lens)
+    out, lse = ring_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), plan)
+    out, lse = out.squeeze(0), lse.squeeze(0)
     return (out, lse) if return_lse else out
+
+
+__all__ = ["documents_fields", "group_coords", "ring_attention", "ring_flash_attn_func", "ring_flash_attn_varlen_func"]

@@ -1,65 +1,87 @@
-"""Point-to-point ring exchange with double buffering.
+"""The ring's transport: each rank sends a buffer onward and receives the previous rank's.
 
-Every rank sends a buffer to ``rank + 1`` and receives one from ``rank - 1`` of its group,
-asynchronously, so the caller computes on the current buffer while the next one is in
-flight. Two buffers alternate: the one being computed on (and sent) and the one being
-received into, so no step allocates.
+The ring algorithm (ring_attention.py) talks to a *transport*: a factory that opens one
+:class:`Exchange` per channel (``"kv"`` for the K/V blocks, ``"dkv"`` for their gradient
+accumulators in the backward). An exchange moves one buffer per step, asynchronously,
+so the caller computes on the current buffer while the next one is in flight.
 
-On CUDA, NCCL runs point-to-point transfers on its own internal stream; ``wait()`` makes
-the compute stream wait for them, so the transfer overlaps with the kernels queued before.
+- :func:`process_group_transport`: the real one, point-to-point over a process group. On
+  CUDA, NCCL runs point-to-point transfers on its own internal stream; ``wait()`` makes
+  the compute stream wait for them, so the transfer overlaps with the kernels queued
+  before.
+- :class:`VirtualRing`: every rank of a ring simulated one after another in one process
+  (benchmarks): the K/V channel delivers the shard the real ring would deliver at that
+  step, so the forward and dq are exact; the gradient channel, whose contents depend on
+  ranks not yet run, loops the sent buffer back (same bytes moved, other values).
+
+Time spent blocked in ``wait`` (the part of the transfers that compute did not hide)
+goes to an optional :class:`CommWaitStats` sink that the caller passes; nothing is
+recorded in module state.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
+KV_CHANNEL = "kv"
+DKV_CHANNEL = "dkv"
+
 
 @dataclass
 class CommWaitStats:
-    """Seconds spent blocked in ``RingExchange.wait`` (the part of the transfers that
-    compute did not hide), and how many waits there were."""
+    """Seconds spent blocked in ``Exchange.wait`` and how many waits there were.
+
+    On CUDA ``wait`` returns once the wait is queued on the stream, so this measures
+    host-side blocking only; synchronise around it for device time.
+    """
 
     seconds: float = 0.0
     waits: int = 0
 
 
-_STATS: Optional[CommWaitStats] = None
+class Exchange(Protocol):
+    """One channel of the ring: ``start`` sends ``send`` onward and receives into ``recv``;
+    ``wait`` returns when both are done. One transfer in flight at a time."""
+
+    def start(self, send: torch.Tensor, recv: torch.Tensor) -> None: ...
+
+    def wait(self) -> None: ...
 
 
-@contextlib.contextmanager
-def record_comm_wait() -> Iterator[CommWaitStats]:
-    """Measure the time ring transfers keep compute waiting, inside the ``with`` block.
-
-    On CUDA the wait returns once the wait is queued, so this measures host-side blocking
-    only; synchronise around it (the benchmarks do) for device time.
-    """
-    global _STATS
-    previous, _STATS = _STATS, CommWaitStats()
-    try:
-        yield _STATS
-    finally:
-        _STATS = previous
+# channel name -> a fresh Exchange for one ring pass
+Transport = Callable[[str], Exchange]
 
 
-class RingExchange:
+class _Timed:
+    """Adds the seconds of each ``wait`` to a stats sink."""
+
+    def __init__(self, stats: Optional[CommWaitStats]) -> None:
+        self._stats = stats
+
+    def _record(self, start: float) -> None:
+        if self._stats is not None:
+            self._stats.seconds += time.perf_counter() - start
+            self._stats.waits += 1
+
+
+class RingExchange(_Timed):
     """Sends to the next rank of ``group`` and receives from the previous one."""
 
-    def __init__(self, group: Optional[dist.ProcessGroup]) -> None:
+    def __init__(self, group: Optional[dist.ProcessGroup], stats: Optional[CommWaitStats] = None) -> None:
+        super().__init__(stats)
         self.group = group
-        self.rank = dist.get_rank(group)
-        self.size = dist.get_world_size(group)
-        self.next_global = dist.get_global_rank(group, (self.rank + 1) % self.size) if group is not None else (self.rank + 1) % self.size
-        self.prev_global = dist.get_global_rank(group, (self.rank - 1) % self.size) if group is not None else (self.rank - 1) % self.size
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        to_global = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
+        self.next_global = to_global((rank + 1) % size)
+        self.prev_global = to_global((rank - 1) % size)
         self._reqs: list = []
 
     def start(self, send: torch.Tensor, recv: torch.Tensor) -> None:
-        """Begin sending ``send`` onward and receiving the previous rank's into ``recv``."""
         if self._reqs:
             raise RuntimeError("RingExchange.start called while a transfer is still in flight")
         ops = [
@@ -69,13 +91,58 @@ class RingExchange:
         self._reqs = dist.batch_isend_irecv(ops)
 
     def wait(self) -> None:
-        start = time.perf_counter() if _STATS is not None else 0.0
+        start = time.perf_counter()
         for req in self._reqs:
             req.wait()
         self._reqs = []
-        if _STATS is not None:
-            _STATS.seconds += time.perf_counter() - start
-            _STATS.waits += 1
+        self._record(start)
+
+
+def process_group_transport(
+    group: Optional[dist.ProcessGroup], stats: Optional[CommWaitStats] = None
+) -> Transport:
+    """The real ring over ``group`` (None: the default group); every channel is P2P."""
+    return lambda channel: RingExchange(group, stats)
+
+
+class _VirtualExchange(_Timed):
+    def __init__(self, deliver: Callable[[torch.Tensor, torch.Tensor, int], None], stats) -> None:
+        super().__init__(stats)
+        self._deliver = deliver
+        self._step = 0
+
+    def start(self, send: torch.Tensor, recv: torch.Tensor) -> None:
+        self._deliver(send, recv, self._step)
+        self._step += 1
+
+    def wait(self) -> None:
+        self._record(time.perf_counter())
+
+
+class VirtualRing:
+    """The transport of rank ``rank`` in a ring of ``len(kv_by_rank)`` ranks run in one
+    process, rank after rank.
+
+    Args:
+        rank: the simulated rank.
+        kv_by_rank: every rank's K/V buffer as the ring stacks it, ``(2, batch, local_seq,
+            n_kv_heads, head_dim)``, in rank order.
+        stats: optional wait-time sink.
+    """
+
+    def __init__(self, rank: int, kv_by_rank: Sequence[torch.Tensor], stats: Optional[CommWaitStats] = None):
+        self.rank, self.kv_by_rank, self.stats = rank, kv_by_rank, stats
+
+    def __call__(self, channel: str) -> Exchange:
+        world = len(self.kv_by_rank)
+        if channel == KV_CHANNEL:
+            # The ring's i-th transfer brings the K/V of rank (rank - i - 1).
+            def deliver(send, recv, i):
+                recv.copy_(self.kv_by_rank[(self.rank - i - 1) % world])
+        else:
+            def deliver(send, recv, i):
+                recv.copy_(send)
+        return _VirtualExchange(deliver, self.stats)
 
 
 class DoubleBuffer:

@@ -13,66 +13,16 @@ inputs) and are returned in the input dtype.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
-
 import torch
-import torch.distributed as dist
 
-from hf_ring.kernels import AttentionBackend
-from hf_ring.ring.comm import DoubleBuffer, RingExchange
+from hf_ring.ring.comm import DKV_CHANNEL, KV_CHANNEL, DoubleBuffer
 from hf_ring.ring.merge import merge_block_
-from hf_ring.ring.packed_step import backward_varlen, forward_varlen, step_batch
-from hf_ring.ring.schedule import step_blocks
+from hf_ring.ring.packed_step import backward_varlen, forward_varlen
+from hf_ring.ring.plan import RingPlan
 
 
 def accum_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-class RingPlan:
-    """What a ring call needs besides the tensors: who we are and which blocks to run."""
-
-    def __init__(
-        self,
-        group: Optional[dist.ProcessGroup],
-        rank: int,
-        world: int,
-        layout: str,
-        causal: bool,
-        scale: float,
-        backend: AttentionBackend,
-        local_doc_lens: Optional[Sequence[int]] = None,
-    ) -> None:
-        self.group, self.rank, self.world = group, rank, world
-        self.layout, self.causal, self.scale = layout, causal, scale
-        self.backend = backend
-        self.local_doc_lens = local_doc_lens
-        # The schedule of a step is the same in the forward and the backward: built once
-        # (for packed rows that is a Python loop over the documents, and on the varlen
-        # path small index tensors copied to the device).
-        self._blocks: dict[tuple[int, int], list] = {}
-        self._varlen_batches: dict[tuple, object] = {}
-
-    @property
-    def varlen(self) -> bool:
-        """Packed rows on a backend with a varlen kernel: one kernel call per ring step
-        for all documents (packed_step.py) instead of one per document."""
-        b = self.backend
-        return self.local_doc_lens is not None and b.varlen_forward is not None and b.varlen_backward is not None
-
-    def blocks(self, step: int, local_len: int):
-        key = (step, local_len)
-        if key not in self._blocks:
-            src = (self.rank - step) % self.world
-            self._blocks[key] = step_blocks(self.layout, self.causal, local_len, self.rank, src, self.local_doc_lens)
-        return self._blocks[key]
-
-    def varlen_batch(self, blocks, device: torch.device):
-        """``packed_step.step_batch`` for a step's blocks, built once per plan."""
-        key = tuple(blocks)  # Blocks are frozen dataclasses: hashable
-        if key not in self._varlen_batches:
-            self._varlen_batches[key] = step_batch(blocks, device)
-        return self._varlen_batches[key]
 
 
 def _covers(spans, length: int) -> bool:
@@ -158,7 +108,7 @@ def ring_forward(
     out = torch.empty(b, s, hq, d, dtype=acc, device=q.device)
     lse = torch.empty((b, hq, s), dtype=acc, device=q.device)
     kv = DoubleBuffer(torch.stack([k, v]))  # (2, b, s, hk, d)
-    exchange = RingExchange(plan.group) if plan.world > 1 else None
+    exchange = plan.transport(KV_CHANNEL) if plan.world > 1 else None
     for step in range(plan.world):
         if step + 1 < plan.world:
             exchange.start(kv.current, kv.incoming)
@@ -186,8 +136,8 @@ def ring_backward(
     kv = DoubleBuffer(torch.stack([k, v]))
     # dkv.current accumulates dK/dV for the K/V block held now; it travels with that block.
     dkv = DoubleBuffer(torch.empty((2, *k.shape), dtype=acc, device=k.device))
-    kv_exchange = RingExchange(plan.group) if plan.world > 1 else None
-    dkv_exchange = RingExchange(plan.group) if plan.world > 1 else None
+    kv_exchange = plan.transport(KV_CHANNEL) if plan.world > 1 else None
+    dkv_exchange = plan.transport(DKV_CHANNEL) if plan.world > 1 else None
     for step in range(plan.world):
         if step + 1 < plan.world:
             kv_exchange.start(kv.current, kv.incoming)

@@ -1,23 +1,31 @@
 """Checks run before any point-to-point transfer, so that a mistake is an error on every
 rank instead of a hang.
 
-Local checks need no communication. The cross-rank check gathers a few integers from
-every rank of the group (one small all-gather per call) and raises the same error on all
-ranks when their shapes, dtypes or settings disagree: mismatched ring messages would
-otherwise block forever or corrupt memory.
+Local checks (:func:`check_local`) need no communication and no host sync: they read
+shapes, dtypes and settings only. The cross-rank check (:func:`check_agreement`) gathers
+a fixed-length vector of named integers from every rank of the group (one small
+all-gather and one host sync) and raises the same error on all ranks when any value
+differs: mismatched ring messages would otherwise block forever or corrupt memory. Its
+length never depends on the inputs, so ranks holding different shapes get an error, not
+a gloo abort or an NCCL hang.
+
+Who runs it: the public ring ops once per call (unless the caller says it validated
+already), and the Hugging Face integration once per model forward
+(``hf_ring.hf.cp_inputs``), after which the attention layers of that forward run without
+any check across ranks.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import struct
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from hf_ring.sharding.layouts import check_layout
+from hf_ring.sharding.layouts import LAYOUTS, check_layout
 
 _DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
-_LAYOUT_CODES = {"zigzag": 0, "stripe": 1, "contiguous": 2}
 
 
 def check_local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, causal: bool) -> None:
@@ -58,11 +66,67 @@ def check_local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, 
         )
 
 
-def _shape_code(t: torch.Tensor) -> list[int]:
-    """A fixed-length description of a tensor: its rank, shape (padded to 4), dtype."""
-    shape = list(t.shape)[:4]
-    code = _DTYPES.index(t.dtype) if t.dtype in _DTYPES else -1
-    return [t.dim(), *shape, *([-1] * (4 - len(shape))), code]
+def float_bits(x: float) -> int:
+    """A float as the int64 of its IEEE bits: exact equality across ranks, no rounding."""
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def _bits_float(n: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", int(n)))[0]
+
+
+def layout_code(layout: str) -> int:
+    return LAYOUTS.index(layout) if layout in LAYOUTS else -1
+
+
+def check_agreement(
+    group: Optional[dist.ProcessGroup],
+    fields: Sequence[tuple[str, int]],
+    device: torch.device,
+    what: str,
+    hint: str,
+    ignore: Sequence[str] = (),
+    values: Optional[torch.Tensor] = None,
+) -> list[list[int]]:
+    """All-gather ``fields`` (name, int) from every rank of ``group``; raise the same
+    ValueError on every rank if any value differs. Collective: every rank must call it with
+    the same field names (its length is fixed by the names, never by the inputs).
+
+    Args:
+        group: the process group (None: the default group).
+        fields: ``[(name, value)]``; a name ending in ``"_scale"`` holds :func:`float_bits`.
+        device: where the gathered tensor lives (the group's backend device).
+        what: what must agree, for the error ("ring attention inputs").
+        hint: what to do, for the error.
+        ignore: names whose values may differ (the caller reads them from the result).
+        values: the values as an int64 tensor on ``device``, when some were computed there
+            (no host sync before the collective); default: built from ``fields``.
+
+    Returns:
+        Every rank's values, in rank order (identical but for ``ignore`` when it returns).
+    """
+    world = dist.get_world_size(group)
+    mine = values if values is not None else torch.tensor([v for _, v in fields], dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine, group=group)
+    rows = torch.stack(gathered).tolist()
+    diffs = []
+    for i, (name, _) in enumerate(fields):
+        if name in ignore:
+            continue
+        values = [row[i] for row in rows]
+        if len(set(values)) > 1:
+            shown = [_bits_float(x) if name.endswith("_scale") else x for x in values]
+            diffs.append(f"{name}: " + ", ".join(f"rank {r} {x}" for r, x in enumerate(shown)))
+    if diffs:
+        raise ValueError(f"{what} differ across the ranks of the context-parallel group ({'; '.join(diffs)}); {hint}")
+    return rows
+
+
+def _tensor_fields(name: str, t: torch.Tensor) -> list[tuple[str, int]]:
+    shape = list(t.shape)[:4] + [-1] * (4 - min(t.dim(), 4))
+    dtype = _DTYPES.index(t.dtype) if t.dtype in _DTYPES else -1
+    return [(f"{name}.dim", t.dim()), *((f"{name}.shape[{i}]", n) for i, n in enumerate(shape)), (f"{name}.dtype", dtype)]
 
 
 def check_across_ranks(
@@ -72,38 +136,23 @@ def check_across_ranks(
     v: torch.Tensor,
     layout: str,
     causal: bool,
-    extra: tuple[int, ...] = (),
+    scale: float,
+    extra: Sequence[tuple[str, int]] = (),
 ) -> None:
-    """All-gather this rank's signature and raise (on every rank) if any differs.
+    """Raise (on every rank) unless every rank passes the same shapes, dtypes, layout,
+    mask and softmax scale (and ``extra``, e.g. the packed row's documents).
 
     Runs before the local checks: once every rank is known to hold the same shapes and
     settings, the local checks (pure functions of those) pass or fail on all ranks alike,
     so no rank is left waiting in a transfer that a failed rank never starts.
     """
-    world = dist.get_world_size(group)
-    sig = [
-        *_shape_code(q), *_shape_code(k), *_shape_code(v),
-        _LAYOUT_CODES.get(layout, -1), int(causal), *extra,
+    fields = [
+        *_tensor_fields("q", q), *_tensor_fields("k", k), *_tensor_fields("v", v),
+        ("layout", layout_code(layout)), ("causal", int(causal)), ("softmax_scale", float_bits(scale)),
+        *extra,
     ]
-    mine = torch.tensor(sig, dtype=torch.int64, device=q.device)
-    gathered = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(gathered, mine, group=group)
-    rows = [t.tolist() for t in gathered]
-    if any(row != rows[0] for row in rows):
-        names = ("q", "k", "v")
-        desc = "; ".join(
-            f"rank {r}: "
-            + ", ".join(
-                f"{n}={tuple(x for x in row[6 * i + 1 : 6 * i + 5] if x >= 0)}/"
-                f"{_DTYPES[row[6 * i + 5]] if row[6 * i + 5] >= 0 else '?'}"
-                for i, n in enumerate(names)
-            )
-            + f" layout={layout if row[18] >= 0 else '?'} causal={bool(row[19])}"
-            + (f" documents={row[20:]}" if len(row) > 20 else "")
-            for r, row in enumerate(rows)
-        )
-        raise ValueError(
-            "ring attention inputs differ across the ranks of the context-parallel group; "
-            "every rank must pass the same shapes, dtype and settings (shard the full, "
-            f"padded sequence with shard_sequence / RingDataCollator): {desc}"
-        )
+    check_agreement(
+        group, fields, q.device, "ring attention inputs",
+        "every rank must pass the same shapes, dtype and settings (shard the full, padded "
+        "sequence with shard_sequence / RingDataCollator)",
+    )

@@ -1,0 +1,92 @@
+"""The hot path under context parallelism: validated once per forward, then trusted.
+
+One training step (forward and backward) of a tiny Llama at cp=2 must issue the same
+number of collectives (other than the ring's P2P transfers) and of host syncs whatever
+the number of layers: the model-level check runs once per forward, and no attention
+layer repeats a collective or a host sync. The ring's own transfers do grow with the
+layers (which shows the counter sees the ring at all). Exact counts, no tolerance.
+
+Also: ranks whose inputs differ in shape, or where only one rank's inputs are refused,
+get an error on every rank instead of a gloo abort or a hang.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import hf_ring
+from collective_counter import count_calls
+from distributed import run_world
+from test_hf_attention import VOCAB, tiny_config, tiny_model
+
+SEQ = 16
+LAYERS = (2, 8)
+
+
+def _step(model, ids, positions, weights) -> None:
+    logits = model(ids, position_ids=positions).logits
+    (logits * weights).sum().backward()
+
+
+def _counts_per_depth(rank: int, world: int) -> dict:
+    hf_ring.setup_context_parallel(world)
+    g = torch.Generator().manual_seed(0)
+    full_ids = torch.randint(3, VOCAB, (2, SEQ), generator=g)
+    shard = lambda x: hf_ring.shard_sequence(x, world, rank)  # noqa: E731
+    ids, positions = shard(full_ids), shard(torch.arange(SEQ).expand(2, -1))
+    weights = shard(torch.randn(2, SEQ, VOCAB, generator=g))
+    result = {}
+    for layers in LAYERS:
+        model = tiny_model(tiny_config("llama", num_hidden_layers=layers), "ring_flash").train()
+        _step(model, ids, positions, weights)  # first call: one-time set-up is not counted
+        with count_calls() as counts:
+            _step(model, ids, positions, weights)
+        result[layers] = dict(counts)
+    return result
+
+
+def test_collectives_and_host_syncs_do_not_grow_with_layers():
+    for per_depth in run_world(2, _counts_per_depth):
+        shallow, deep = per_depth[LAYERS[0]], per_depth[LAYERS[1]]
+        assert shallow.get("collective", 0) == deep.get("collective", 0), per_depth
+        assert shallow.get("host_sync", 0) == deep.get("host_sync", 0), per_depth
+        print(per_depth)
+        # One model-level header check per forward, nothing per layer.
+        assert shallow.get("collective", 0) == 1, per_depth
+        # The ring itself runs per layer; at cp=2 per layer: 1 K/V transfer in the forward,
+        # 1 K/V and 2 dK/dV transfers in the backward.
+        assert deep["p2p"] == 4 * LAYERS[1] and shallow["p2p"] == 4 * LAYERS[0], per_depth
+
+
+def _error_of(fn) -> str:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test asserts on the message
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def _divergent(rank: int, world: int) -> dict:
+    hf_ring.setup_context_parallel(world)
+    model = tiny_model(tiny_config("llama"), "ring_flash")
+    batch = 2 if rank == 0 else 3
+    ids = torch.randint(3, VOCAB, (batch, SEQ // world))
+    positions = hf_ring.shard_sequence(torch.arange(SEQ).expand(batch, -1), world, rank)
+    same_ids = ids[:2]
+    return {
+        "batch": _error_of(lambda: model(ids, position_ids=positions)),
+        # Only rank 1 asks for a cache: refused there, and the other rank must not wait.
+        "one_rank_refused": _error_of(
+            lambda: model(same_ids, position_ids=positions[:2], use_cache=(rank == 1) or None)
+        ),
+        "after": _error_of(lambda: model(same_ids, position_ids=positions[:2])),
+    }
+
+
+def test_divergent_inputs_fail_on_every_rank():
+    r0, r1 = run_world(2, _divergent)
+    for r in (r0, r1):
+        assert "differ across the ranks" in r["batch"] and "batch: rank 0 2, rank 1 3" in r["batch"], r
+        assert r["after"] == "no error", r
+    assert "use_cache=True is not supported" in r1["one_rank_refused"], r1
+    assert "CP rank(s) [1] refused" in r0["one_rank_refused"], r0
