@@ -1,4 +1,4 @@
-"""``hf_ring.patches.accelerate``: Accelerate's private internals, in one process on CPU.
+"""``hf_ring.patches``: the accessors of private upstream internals, in one process on CPU.
 
 Each is checked three ways: it refuses a version it was not written for (a faked
 ``__version__``), it refuses an object without the shape it was written for (a fake
@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from hf_ring.patches import accelerate as acc_patches
+from hf_ring.patches import transformers as tf_patches
 
 
 @pytest.fixture
@@ -145,3 +146,65 @@ def test_register_data_loader_is_idempotent(fresh_process_state):
     # The test of the patch may look at what the patch touches.
     assert accelerator._dataloaders == [loader]
 
+
+# ---- transformers accessors ----
+
+
+class _TrainerWithOtherPrepareInputs:
+    def __init__(self) -> None:
+        self._train_batch_size = True
+
+    def _prepare_inputs(self, inputs, device):
+        return inputs
+
+
+class _ConfigWithPlainAttribute:
+    _attn_implementation = "sdpa"
+
+
+def test_transformers_accessors_refuse_an_installed_version_they_do_not_know(monkeypatch):
+    import transformers
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(attn_implementation="sdpa")
+    monkeypatch.setattr(transformers, "__version__", "4.56.2")
+    calls = [
+        lambda: tf_patches.attn_implementation(config),
+        lambda: tf_patches.train_batch_size(_TrainerWithOtherPrepareInputs()),
+        lambda: tf_patches.prepare_inputs(_TrainerWithOtherPrepareInputs(), {}),
+    ]
+    for call in calls:
+        with pytest.raises(tf_patches.UnsupportedTransformersVersion, match="transformers 4.56.2"):
+            call()
+
+
+def test_attn_implementation_reads_the_config():
+    from transformers import LlamaConfig
+
+    assert tf_patches.attn_implementation(LlamaConfig(attn_implementation="sdpa")) == "sdpa"
+    assert tf_patches.attn_implementation(LlamaConfig(attn_implementation="ring_flash")) == "ring_flash"
+    assert tf_patches.attn_implementation(LlamaConfig()) is None
+    with pytest.raises(tf_patches.UnsupportedTransformersVersion, match="not a property"):
+        tf_patches.attn_implementation(_ConfigWithPlainAttribute())
+
+
+def test_trainer_accessors_refuse_a_trainer_of_another_shape():
+    trainer = _TrainerWithOtherPrepareInputs()
+    with pytest.raises(tf_patches.UnsupportedTransformersVersion, match="not an int"):
+        tf_patches.train_batch_size(trainer)
+    with pytest.raises(tf_patches.UnsupportedTransformersVersion, match=r"\['self', 'inputs', 'device'\]"):
+        tf_patches.prepare_inputs(trainer, {})
+
+
+def test_trainer_accessors_on_a_real_trainer(tmp_path, fresh_process_state):
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    config = LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none",
+                             per_device_train_batch_size=3)
+    trainer = Trainer(model=LlamaForCausalLM(config), args=args)
+    assert tf_patches.train_batch_size(trainer) == 3
+    inputs = tf_patches.prepare_inputs(trainer, {"input_ids": torch.tensor([[1, 2, 3]])})
+    assert inputs["input_ids"].tolist() == [[1, 2, 3]]
+    assert inputs["input_ids"].device == args.device
