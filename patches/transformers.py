@@ -22,6 +22,19 @@ with an error that says what to install, on any other version.
 
 Each patch checks that what it replaces has the shape it was written for, and raises
 ``UnsupportedTransformersVersion`` otherwise. ``apply`` is idempotent.
+
+The private attributes hf_ring reads are read here too, through accessors that check the
+installed release line and the attribute's shape first, so that a transformers release
+that renames or reshapes one fails with a clear error instead of a wrong answer (the same
+in 4.57.6 and 5.24.0):
+
+- ``attn_implementation(config)``: ``config._attn_implementation``, the attention
+  implementation a model runs (transformers has no public reader of it);
+- ``train_batch_size(trainer)``: ``Trainer._train_batch_size``, the per-device batch size
+  the Trainer trains with (``auto_find_batch_size`` changes it, so the argument's value
+  may be stale);
+- ``prepare_inputs(trainer, inputs)``: ``Trainer._prepare_inputs``, what moves a batch to
+  the device before the model's forward (the stock ``prediction_step`` calls it first).
 """
 
 from __future__ import annotations
@@ -30,7 +43,7 @@ import functools
 import importlib
 import inspect
 import sys
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 from packaging.version import Version
 
@@ -139,3 +152,68 @@ def apply(not_flash: Iterable[str], model_hook: Callable, version: str | None = 
         _patch_flash_name_check(frozenset(not_flash), version)
     _wrap_method(PreTrainedModel, "post_init", model_hook, version)
     _wrap_method(PreTrainedModel, "set_attn_implementation", model_hook, version)
+
+
+@functools.lru_cache(maxsize=None)
+def _checked_version(version: str) -> str:
+    release_line(version)
+    return version
+
+
+def _installed_version() -> str:
+    """The installed transformers' version, once it is known to be on a supported line."""
+    import transformers
+
+    return _checked_version(transformers.__version__)
+
+
+def attn_implementation(config: Any) -> str | None:
+    """``config._attn_implementation``: the attention implementation the model of ``config``
+    runs (``"sdpa"``, ``"ring_flash"``, ...), or None when the config names none yet.
+
+    Raises:
+        UnsupportedTransformersVersion: an unsupported transformers version, or a config
+            class whose ``_attn_implementation`` is not the property 4.57.6 and 5.24.0 have.
+    """
+    version = _installed_version()
+    if not isinstance(getattr(type(config), "_attn_implementation", None), property):
+        raise _fail(f"{type(config).__name__}._attn_implementation is not a property", version)
+    name = config._attn_implementation
+    if name is not None and not isinstance(name, str):
+        raise _fail(f"{type(config).__name__}._attn_implementation is {name!r}, not a name", version)
+    return name
+
+
+def train_batch_size(trainer: Any) -> int:
+    """``trainer._train_batch_size``: the per-device batch size of the current training run.
+
+    Raises:
+        UnsupportedTransformersVersion: an unsupported transformers version, or a Trainer
+            that holds no int ``_train_batch_size`` (set by ``Trainer.__init__``).
+    """
+    version = _installed_version()
+    size = vars(trainer).get("_train_batch_size")
+    if not isinstance(size, int) or isinstance(size, bool):
+        raise _fail(f"{type(trainer).__name__}._train_batch_size is {size!r}, not an int", version)
+    return size
+
+
+@functools.lru_cache(maxsize=None)
+def _prepare_inputs_parameters(trainer_class: type) -> list[str] | None:
+    method = getattr(trainer_class, "_prepare_inputs", None)
+    return list(inspect.signature(method).parameters) if callable(method) else None
+
+
+def prepare_inputs(trainer: Any, inputs: dict[str, Any]) -> dict[str, Any]:
+    """``trainer._prepare_inputs(inputs)``: the batch as the model's forward takes it (tensors
+    on the Trainer's device).
+
+    Raises:
+        UnsupportedTransformersVersion: an unsupported transformers version, or a Trainer
+            whose ``_prepare_inputs`` is missing or takes other parameters than ``inputs``.
+    """
+    version = _installed_version()
+    params = _prepare_inputs_parameters(type(trainer))
+    if params != ["self", "inputs"]:
+        raise _fail(f"{type(trainer).__name__}._prepare_inputs has parameters {params}", version)
+    return trainer._prepare_inputs(inputs)

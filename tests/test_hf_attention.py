@@ -279,7 +279,12 @@ def test_patch_knows_its_release_lines():
     assert tf_patches.release_line("4.57.0") == "4.57"
     assert tf_patches.release_line("5.24.0") == "5"
     assert tf_patches.release_line("5.0.0rc1") == "5"
-    assert tf_patches.WRITTEN_FOR == ("4.57.6", "5.24.0")
+    # Every release line the patches accept was written against a real release of it, and
+    # the refusal names those releases.
+    assert sorted(tf_patches.release_line(v) for v in tf_patches.WRITTEN_FOR) == ["4.57", "5"]
+    with pytest.raises(tf_patches.UnsupportedTransformersVersion) as error:
+        tf_patches.release_line("4.56.2")
+    assert all(v in str(error.value) for v in tf_patches.WRITTEN_FOR), error.value
 
 
 def test_core_imports_without_transformers():

@@ -7,7 +7,8 @@ knows how to give each of ``num_processes`` processes its share (samplers, seedi
 even batches, resuming with ``skip_first_batches``); the plugin calls it with
 ``num_processes=dp_size, process_index=dp_rank`` instead of the world's, and installs that
 on the Accelerator so that ``accelerator.prepare(dataloader)`` (the HF Trainer's path too)
-does it.
+does it. Both go through :mod:`hf_ring.patches.accelerate`, the one module that knows
+Accelerate's internals (and the versions it knows them for).
 
 Usage in a custom loop::
 
@@ -23,8 +24,6 @@ and compute the loss with :mod:`hf_ring.hf.loss` (``scale_for_ddp`` with
 
 from __future__ import annotations
 
-import inspect
-import types
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -33,6 +32,7 @@ import torch.distributed as dist
 
 from hf_ring.hf.collator import RingDataCollator
 from hf_ring.hf.loss import all_reduce_sum
+from hf_ring.patches import accelerate as accelerate_patches
 from hf_ring.ring.groups import ContextParallelState, setup_context_parallel
 from hf_ring.sharding.layouts import check_layout
 
@@ -132,12 +132,12 @@ class RingAttentionPlugin:
                 f"the Accelerator sees {accelerator.num_processes} processes but the default process "
                 f"group has {state.world_size}; create the Accelerator in the launched processes"
             )
-        plugin = self
-
-        def prepare_data_loader(acc, data_loader, device_placement=None, slice_fn_for_dispatch=None):
-            return plugin.prepare_data_loader(acc, data_loader, device_placement, slice_fn_for_dispatch)
-
-        accelerator.prepare_data_loader = types.MethodType(prepare_data_loader, accelerator)
+        accelerate_patches.install_prepare_data_loader(
+            accelerator,
+            lambda data_loader, device_placement, slice_fn: self.prepare_data_loader(
+                accelerator, data_loader, device_placement, slice_fn
+            ),
+        )
         accelerator.ring_attention_plugin = self
         return state
 
@@ -149,11 +149,6 @@ class RingAttentionPlugin:
         slice_fn_for_dispatch: Any = None,
     ) -> torch.utils.data.DataLoader:
         """Accelerate's ``prepare_data_loader`` with the data-parallel coordinates."""
-        from accelerate.data_loader import prepare_data_loader
-        from accelerate.utils import DistributedType
-
-        if getattr(data_loader, "_is_accelerate_prepared", False):
-            return data_loader
         if accelerator.dispatch_batches:
             raise NotImplementedError(
                 "dispatch_batches=True sends slices of one batch to every process, but under context "
@@ -162,31 +157,14 @@ class RingAttentionPlugin:
                 "accelerator_config)"
             )
         state = self.state
-        if device_placement is None:
-            device_placement = accelerator.device_placement and accelerator.distributed_type != DistributedType.XLA
-        kwargs = dict(
+        return accelerate_patches.prepare_data_loader(
+            accelerator,
+            data_loader,
             num_processes=state.dp_size,
             process_index=state.dp_rank,
-            split_batches=accelerator.split_batches,
-            put_on_device=device_placement,
-            rng_types=list(accelerator.rng_types),
-            dispatch_batches=False,
-            even_batches=accelerator.even_batches,
+            device_placement=device_placement,
             slice_fn_for_dispatch=slice_fn_for_dispatch,
-            use_seedable_sampler=accelerator.use_seedable_sampler,
-            data_seed=getattr(accelerator.dataloader_config, "data_seed", None),
-            non_blocking=accelerator.non_blocking,
-            use_stateful_dataloader=getattr(accelerator, "use_stateful_dataloader", False),
         )
-        # Older Accelerate versions take fewer options; pass what this one knows.
-        accepted = inspect.signature(prepare_data_loader).parameters
-        kwargs = {k: v for k, v in kwargs.items() if k in accepted}
-        prepared = prepare_data_loader(data_loader, accelerator.device, **kwargs)
-        # Registered like Accelerate's own loaders, so save_state/load_state and the
-        # gradient-accumulation end-of-data tracking see it.
-        if isinstance(getattr(accelerator, "_dataloaders", None), list):
-            accelerator._dataloaders.append(prepared)
-        return prepared
 
     # ---- loss ----
 

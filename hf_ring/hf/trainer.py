@@ -18,7 +18,9 @@ What changes against the stock Trainer, and why:
 
 Works with transformers 4.57 and 5.x (it overrides only public or long-stable methods:
 ``compute_loss``, ``get_batch_samples``, ``prediction_step``, ``evaluation_loop``,
-``get_total_train_batch_size``).
+``get_total_train_batch_size``). The Trainer's and the config's private attributes it needs
+are read through :mod:`hf_ring.patches.transformers`, which checks them against the
+versions it was written for.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from hf_ring.hf.loss import (
     token_loss_sum,
 )
 from hf_ring.hf.plugin import RingAttentionPlugin
+from hf_ring.patches import transformers as transformers_patches
 
 RING_ATTENTION = "ring_flash"
 
@@ -93,7 +96,8 @@ class RingTrainer(Trainer):
     def _check_supported(self) -> None:
         state, args = self.ring_state, self.args
         if state.cp_size > 1:
-            impl = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
+            config = getattr(self.model, "config", None)
+            impl = transformers_patches.attn_implementation(config) if config is not None else None
             if impl != RING_ATTENTION:
                 raise ValueError(
                     f"cp_size={state.cp_size} but the model uses attn_implementation={impl!r}; load it "
@@ -142,7 +146,7 @@ class RingTrainer(Trainer):
 
     def get_total_train_batch_size(self, args: Any) -> int:
         """Examples per optimizer step: CP ranks share a batch, so only data-parallel ranks count."""
-        return self._train_batch_size * args.gradient_accumulation_steps * self.ring_state.dp_size
+        return transformers_patches.train_batch_size(self) * args.gradient_accumulation_steps * self.ring_state.dp_size
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: torch.device) -> tuple[list, Any]:
         """The step's micro-batches and their valid-token count over the whole dp x cp world."""
@@ -187,7 +191,7 @@ class RingTrainer(Trainer):
         Returns ``(loss, logits, labels)``; logits and labels (this rank's shards) only when
         ``prediction_loss_only`` is False.
         """
-        inputs = self._prepare_inputs(inputs)
+        inputs = transformers_patches.prepare_inputs(self, inputs)
         kwargs, shift_labels = _model_inputs(inputs, getattr(self.model, "config", None))
         with torch.no_grad():
             outputs = model(**kwargs)

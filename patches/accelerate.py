@@ -1,0 +1,221 @@
+"""The private internals of Accelerate that ``RingAttentionPlugin`` relies on.
+
+Under context parallelism every rank of one CP group must load the same batches, so data
+loaders are sharded over the data-parallel ranks, not over every process. Accelerate has
+no public way to say so: ``Accelerator.prepare`` hands each DataLoader to the Accelerator's
+own ``prepare_data_loader``, which shards over the world and registers the result in the
+private list ``Accelerator._dataloaders`` (what ``save_state`` / ``load_state``,
+``join_uneven_inputs`` and the end-of-data tracking of gradient accumulation read); a
+loader it prepared carries the private flag ``_is_accelerate_prepared``. This module is
+the one place in hf_ring that knows those names:
+
+- ``install_prepare_data_loader``: puts another DataLoader preparation on one Accelerator,
+  so that ``accelerator.prepare(loader)`` (the HF Trainer's path too) runs it;
+- ``prepare_data_loader``: ``Accelerator.prepare_data_loader`` with the process
+  coordinates given by the caller instead of the world's;
+- ``register_data_loader`` / ``is_prepared``: ``_dataloaders`` and
+  ``_is_accelerate_prepared``.
+
+Written for accelerate 1.10.0 to 1.15.0: the source of ``Accelerator.prepare_data_loader``,
+of ``accelerate.data_loader.prepare_data_loader``'s signature, of ``_dataloaders``'s
+creation and of the ``prepare`` path that calls ``self.prepare_data_loader`` was read in
+every release from 1.10.0 to 1.15.0 (1.10.0, 1.10.1, 1.11.0, 1.12.0, 1.13.0, 1.14.0,
+1.15.0) and is the same in each. A version outside 1.10.0 to 1.15.x is refused, with an
+error that names these releases; each function also checks that what it touches has the
+shape it was written for, and raises ``UnsupportedAccelerateVersion`` otherwise.
+
+accelerate is imported only when a function runs: ``import hf_ring`` needs only torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Callable, Optional
+
+from packaging.version import Version
+
+WRITTEN_FOR = ("1.10.0", "1.10.1", "1.11.0", "1.12.0", "1.13.0", "1.14.0", "1.15.0")
+# Every release in [1.10.0, 1.16) was read; a 1.16 pre-release is already the next line.
+_OLDEST = Version("1.10.0")
+_NEXT_UNREAD = Version("1.16.0.dev0")
+_INSTALL_HINT = 'pip install "accelerate>=1.10,<1.16"'
+
+# Accelerator.prepare calls self.prepare_data_loader with these; a replacement must take them.
+_PREPARE_PARAMETERS = ["self", "data_loader", "device_placement", "slice_fn_for_dispatch"]
+_DATA_LOADER_OPTIONS = frozenset(
+    {
+        "num_processes",
+        "process_index",
+        "split_batches",
+        "put_on_device",
+        "rng_types",
+        "dispatch_batches",
+        "even_batches",
+        "slice_fn_for_dispatch",
+        "use_seedable_sampler",
+        "data_seed",
+        "non_blocking",
+        "use_stateful_dataloader",
+    }
+)
+
+# (data_loader, device_placement, slice_fn_for_dispatch) -> the prepared data loader
+PrepareDataLoader = Callable[[Any, Optional[bool], Optional[Callable]], Any]
+
+
+class UnsupportedAccelerateVersion(RuntimeError):
+    """The installed accelerate is one this module does not know the internals of."""
+
+
+def _written_for() -> str:
+    return ", ".join(WRITTEN_FOR)
+
+
+@functools.lru_cache(maxsize=None)
+def _check_known(version: str) -> str:
+    if not _OLDEST <= Version(version) < _NEXT_UNREAD:
+        raise UnsupportedAccelerateVersion(
+            f"hf_ring's accelerate patches were written for accelerate {_written_for()} and do not "
+            f"know the internals of accelerate {version}; install one of those releases, e.g. "
+            f"`{_INSTALL_HINT}`"
+        )
+    return version
+
+
+def check_version(version: Optional[str] = None) -> str:
+    """``version`` (default: the installed accelerate's) when this module was written for it.
+
+    Raises:
+        UnsupportedAccelerateVersion: any version outside accelerate 1.10.0 to 1.15.x.
+    """
+    if version is None:
+        import accelerate
+
+        version = accelerate.__version__
+    return _check_known(version)
+
+
+def _fail(what: str, version: str) -> UnsupportedAccelerateVersion:
+    return UnsupportedAccelerateVersion(
+        f"cannot use accelerate {version}: {what}. hf_ring's accelerate patches were written for "
+        f"accelerate {_written_for()}; install one of those releases (`{_INSTALL_HINT}`) or report "
+        "this with your accelerate version"
+    )
+
+
+def _registered_loaders(accelerator: Any, version: str) -> list:
+    loaders = getattr(accelerator, "_dataloaders", None)
+    if not isinstance(loaders, list):
+        raise _fail(
+            f"{type(accelerator).__name__}._dataloaders is {type(loaders).__name__}, not the list of "
+            "prepared data loaders",
+            version,
+        )
+    return loaders
+
+
+def is_prepared(data_loader: Any) -> bool:
+    """Whether Accelerate already prepared ``data_loader`` (its ``_is_accelerate_prepared``).
+
+    Accelerate sets the flag on what ``Accelerator.prepare`` returned and found registered;
+    preparing such a loader again would shard it twice.
+    """
+    version = check_version()
+    flag = getattr(data_loader, "_is_accelerate_prepared", False)
+    if not isinstance(flag, bool):
+        raise _fail(f"a data loader's _is_accelerate_prepared is {flag!r}, not a bool", version)
+    return flag
+
+
+def register_data_loader(accelerator: Any, data_loader: Any) -> None:
+    """Add ``data_loader`` to ``accelerator._dataloaders`` unless it is there (idempotent).
+
+    Registered loaders are the ones ``save_state`` / ``load_state`` checkpoint, and the
+    ones whose end of data closes a gradient-accumulation step.
+    """
+    loaders = _registered_loaders(accelerator, check_version())
+    if data_loader not in loaders:
+        loaders.append(data_loader)
+
+
+def prepare_data_loader(
+    accelerator: Any,
+    data_loader: Any,
+    *,
+    num_processes: int,
+    process_index: int,
+    device_placement: Optional[bool] = None,
+    slice_fn_for_dispatch: Optional[Callable] = None,
+) -> Any:
+    """``accelerator.prepare_data_loader(data_loader, ...)`` as Accelerate does it, for
+    ``num_processes`` processes of which this is ``process_index``.
+
+    The samplers, seeding, even batches, device placement and ``skip_first_batches``
+    support all come from Accelerate; only the coordinates differ. Batches are never
+    dispatched from one process: every process loads its own (the caller refuses an
+    Accelerator configured with ``dispatch_batches=True``).
+
+    Returns:
+        The prepared loader, registered with ``accelerator``; ``data_loader`` itself (now
+        registered) when it was prepared already.
+    """
+    version = check_version()
+    from accelerate.data_loader import prepare_data_loader as accelerate_prepare_data_loader
+    from accelerate.utils import DistributedType
+
+    missing = _DATA_LOADER_OPTIONS - set(inspect.signature(accelerate_prepare_data_loader).parameters)
+    if missing:
+        raise _fail(f"accelerate.data_loader.prepare_data_loader takes no {sorted(missing)}", version)
+    if is_prepared(data_loader):
+        register_data_loader(accelerator, data_loader)
+        return data_loader
+    if device_placement is None:
+        device_placement = accelerator.device_placement and accelerator.distributed_type != DistributedType.XLA
+    # Accelerate also passes its device mesh, from which prepare_data_loader recomputes
+    # num_processes and process_index; that would undo the coordinates given here.
+    prepared = accelerate_prepare_data_loader(
+        data_loader,
+        accelerator.device,
+        num_processes=num_processes,
+        process_index=process_index,
+        split_batches=accelerator.split_batches,
+        put_on_device=device_placement,
+        rng_types=list(accelerator.rng_types),
+        dispatch_batches=False,
+        even_batches=accelerator.even_batches,
+        slice_fn_for_dispatch=slice_fn_for_dispatch,
+        use_seedable_sampler=accelerator.use_seedable_sampler,
+        data_seed=accelerator.dataloader_config.data_seed,
+        non_blocking=accelerator.non_blocking,
+        use_stateful_dataloader=accelerator.use_stateful_dataloader,
+    )
+    register_data_loader(accelerator, prepared)
+    return prepared
+
+
+def install_prepare_data_loader(accelerator: Any, prepare: PrepareDataLoader) -> None:
+    """Make ``accelerator.prepare(loader)`` call ``prepare`` for data loaders.
+
+    ``Accelerator.prepare`` hands every DataLoader to ``self.prepare_data_loader(obj,
+    device_placement=...)``; an attribute of that name on this one Accelerator shadows the
+    class's method, so other Accelerators are untouched. Installing again replaces the
+    previous one.
+    """
+    version = check_version()
+    method = getattr(type(accelerator), "prepare_data_loader", None)
+    if not callable(method):
+        raise _fail(f"{type(accelerator).__name__}.prepare_data_loader is missing", version)
+    params = list(inspect.signature(method).parameters)
+    if params != _PREPARE_PARAMETERS:
+        raise _fail(f"{type(accelerator).__name__}.prepare_data_loader has parameters {params}", version)
+    # What prepare() returns is registered in _dataloaders: an Accelerator without that list
+    # is refused here rather than at its first prepare().
+    _registered_loaders(accelerator, version)
+
+    def prepare_data_loader(
+        data_loader: Any, device_placement: Optional[bool] = None, slice_fn_for_dispatch: Optional[Callable] = None
+    ) -> Any:
+        return prepare(data_loader, device_placement, slice_fn_for_dispatch)
+
+    accelerator.prepare_data_loader = prepare_data_loader

@@ -1,0 +1,210 @@
+"""``hf_ring.patches``: the accessors of private upstream internals, in one process on CPU.
+
+Each is checked three ways: it refuses a version it was not written for (a faked
+``__version__``), it refuses an object without the shape it was written for (a fake
+Accelerator or Trainer), and it does its job on the real, installed upstream object.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from hf_ring.patches import accelerate as acc_patches
+from hf_ring.patches import transformers as tf_patches
+
+
+@pytest.fixture
+def fresh_process_state():
+    """Leave no Accelerate state behind for other tests."""
+    from accelerate.state import AcceleratorState
+
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+class _AcceleratorWithoutLoaderList:
+    """Accelerator.prepare_data_loader's signature, without the ``_dataloaders`` list."""
+
+    def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
+        return data_loader
+
+
+class _AcceleratorWithOtherSignature:
+    def __init__(self) -> None:
+        self._dataloaders: list = []
+
+    def prepare_data_loader(self, data_loader, device_placement=None):
+        return data_loader
+
+
+# ---- accelerate: versions ----
+
+
+@pytest.mark.parametrize("version", acc_patches.WRITTEN_FOR + ("1.15.1",))
+def test_accelerate_versions_it_was_written_for_are_accepted(version):
+    assert acc_patches.check_version(version) == version
+
+
+@pytest.mark.parametrize("version", ["0.34.2", "1.9.0", "1.10.0rc1", "1.16.0.dev0", "1.16.0", "2.0.0"])
+def test_accelerate_versions_it_was_not_written_for_are_refused(version):
+    with pytest.raises(acc_patches.UnsupportedAccelerateVersion) as error:
+        acc_patches.check_version(version)
+    message = str(error.value)
+    assert f"accelerate {version}" in message
+    assert all(v in message for v in acc_patches.WRITTEN_FOR), message
+    assert 'pip install "accelerate>=1.10,<1.16"' in message
+
+
+def test_every_accelerate_function_refuses_an_installed_version_it_does_not_know(monkeypatch):
+    import accelerate
+
+    monkeypatch.setattr(accelerate, "__version__", "1.16.0")
+    loader = DataLoader(range(4))
+    fake = _AcceleratorWithOtherSignature()
+    calls = [
+        lambda: acc_patches.check_version(),
+        lambda: acc_patches.is_prepared(loader),
+        lambda: acc_patches.register_data_loader(fake, loader),
+        lambda: acc_patches.install_prepare_data_loader(fake, lambda *a: a[0]),
+        lambda: acc_patches.prepare_data_loader(fake, loader, num_processes=1, process_index=0),
+    ]
+    for call in calls:
+        with pytest.raises(acc_patches.UnsupportedAccelerateVersion, match="accelerate 1.16.0"):
+            call()
+
+
+# ---- accelerate: shapes ----
+
+
+def test_accelerator_without_a_loader_list_is_refused():
+    fake = _AcceleratorWithoutLoaderList()
+    with pytest.raises(acc_patches.UnsupportedAccelerateVersion, match="_dataloaders is NoneType"):
+        acc_patches.install_prepare_data_loader(fake, lambda *a: a[0])
+    with pytest.raises(acc_patches.UnsupportedAccelerateVersion, match="_dataloaders is NoneType"):
+        acc_patches.register_data_loader(fake, DataLoader(range(4)))
+    assert "prepare_data_loader" not in vars(fake)
+
+
+def test_accelerator_whose_prepare_data_loader_has_other_parameters_is_refused():
+    fake = _AcceleratorWithOtherSignature()
+    with pytest.raises(acc_patches.UnsupportedAccelerateVersion, match="parameters"):
+        acc_patches.install_prepare_data_loader(fake, lambda *a: a[0])
+    assert "prepare_data_loader" not in vars(fake)
+
+
+def test_prepared_flag_that_is_not_a_bool_is_refused():
+    loader = DataLoader(range(4))
+    assert acc_patches.is_prepared(loader) is False
+    loader._is_accelerate_prepared = "yes"
+    with pytest.raises(acc_patches.UnsupportedAccelerateVersion, match="not a bool"):
+        acc_patches.is_prepared(loader)
+
+
+# ---- accelerate: the real Accelerator ----
+
+
+def test_installed_preparation_serves_accelerator_prepare(fresh_process_state):
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    calls = []
+
+    def as_rank_1_of_2(data_loader, device_placement, slice_fn_for_dispatch):
+        calls.append(data_loader)
+        return acc_patches.prepare_data_loader(
+            accelerator,
+            data_loader,
+            num_processes=2,
+            process_index=1,
+            device_placement=device_placement,
+            slice_fn_for_dispatch=slice_fn_for_dispatch,
+        )
+
+    acc_patches.install_prepare_data_loader(accelerator, as_rank_1_of_2)
+    loader = DataLoader(torch.arange(8), batch_size=1)
+    prepared = accelerator.prepare(loader)
+
+    assert calls == [loader]
+    # One process stands in for rank 1 of 2: it gets every other batch, starting at the second.
+    assert [batch.tolist() for batch in prepared] == [[1], [3], [5], [7]]
+    # prepare() flags only what is registered with the Accelerator.
+    assert acc_patches.is_prepared(prepared)
+    assert not acc_patches.is_prepared(loader)
+    assert accelerator.prepare(prepared) is prepared
+    assert calls == [loader, prepared]
+
+
+def test_register_data_loader_is_idempotent(fresh_process_state):
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    loader = DataLoader(range(4))
+    acc_patches.register_data_loader(accelerator, loader)
+    acc_patches.register_data_loader(accelerator, loader)
+    # The test of the patch may look at what the patch touches.
+    assert accelerator._dataloaders == [loader]
+
+
+# ---- transformers accessors ----
+
+
+class _TrainerWithOtherPrepareInputs:
+    def __init__(self) -> None:
+        self._train_batch_size = True
+
+    def _prepare_inputs(self, inputs, device):
+        return inputs
+
+
+class _ConfigWithPlainAttribute:
+    _attn_implementation = "sdpa"
+
+
+def test_transformers_accessors_refuse_an_installed_version_they_do_not_know(monkeypatch):
+    import transformers
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(attn_implementation="sdpa")
+    monkeypatch.setattr(transformers, "__version__", "4.56.2")
+    calls = [
+        lambda: tf_patches.attn_implementation(config),
+        lambda: tf_patches.train_batch_size(_TrainerWithOtherPrepareInputs()),
+        lambda: tf_patches.prepare_inputs(_TrainerWithOtherPrepareInputs(), {}),
+    ]
+    for call in calls:
+        with pytest.raises(tf_patches.UnsupportedTransformersVersion, match="transformers 4.56.2"):
+            call()
+
+
+def test_attn_implementation_reads_the_config():
+    from transformers import LlamaConfig
+
+    assert tf_patches.attn_implementation(LlamaConfig(attn_implementation="sdpa")) == "sdpa"
+    assert tf_patches.attn_implementation(LlamaConfig(attn_implementation="ring_flash")) == "ring_flash"
+    assert tf_patches.attn_implementation(LlamaConfig()) is None
+    with pytest.raises(tf_patches.UnsupportedTransformersVersion, match="not a property"):
+        tf_patches.attn_implementation(_ConfigWithPlainAttribute())
+
+
+def test_trainer_accessors_refuse_a_trainer_of_another_shape():
+    trainer = _TrainerWithOtherPrepareInputs()
+    with pytest.raises(tf_patches.UnsupportedTransformersVersion, match="not an int"):
+        tf_patches.train_batch_size(trainer)
+    with pytest.raises(tf_patches.UnsupportedTransformersVersion, match=r"\['self', 'inputs', 'device'\]"):
+        tf_patches.prepare_inputs(trainer, {})
+
+
+def test_trainer_accessors_on_a_real_trainer(tmp_path, fresh_process_state):
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    config = LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none",
+                             per_device_train_batch_size=3)
+    trainer = Trainer(model=LlamaForCausalLM(config), args=args)
+    assert tf_patches.train_batch_size(trainer) == 3
+    inputs = tf_patches.prepare_inputs(trainer, {"input_ids": torch.tensor([[1, 2, 3]])})
+    assert inputs["input_ids"].tolist() == [[1, 2, 3]]
+    assert inputs["input_ids"].device == args.device
