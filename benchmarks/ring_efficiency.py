@@ -26,6 +26,7 @@ Run ``python benchmarks/ring_efficiency.py --help``; see benchmarks/README.md.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -37,10 +38,11 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Optional
 
 import torch
+import torch.nn.functional as F
 
 import hf_ring
 from hf_ring.kernels import AttentionBackend, get_backend
-from hf_ring.ring.ring_attention import RingPlan, accum_dtype, add_block_dkv, backward_blocks, forward_blocks
+from hf_ring.ring import RingPlan, VirtualRing, ring_attention
 from hf_ring.sharding import shard_packed, unshard_packed
 
 LAYOUTS = ("zigzag", "stripe", "contiguous", "packed")
@@ -113,6 +115,20 @@ class Problem:
         """int64 ``(n_docs + 1,)`` document boundaries of the packed row."""
         return cu_seqlens(self.doc_lens)
 
+    @functools.cached_property
+    def kv_by_rank(self) -> list[torch.Tensor]:
+        """Each rank's K/V as the ring stacks them, ``(2, 1, S / cp, kv_heads, head_dim)``."""
+        return [torch.stack([sh[1], sh[2]]) for sh in self.shards]
+
+
+@dataclass
+class RingRun:
+    """One rank's ring forward: its q (a leaf, for dq), out and lse."""
+
+    q: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
+
 
 def cu_seqlens(doc_lens: list[int]) -> torch.Tensor:
     return torch.tensor([0, *torch.tensor(doc_lens).cumsum(0).tolist()])
@@ -143,100 +159,80 @@ def _sync(device: str) -> None:
 
 @dataclass
 class Clock:
-    """Wall time of each kernel call by kind (CPU only: there the calls are synchronous)."""
+    """Wall time of each kernel call, by pass and kind (CPU only: there the calls are
+    synchronous): ``fwd_causal``, ``fwd_full``, ``bwd_causal``, ``bwd_full``."""
 
     enabled: bool
     now: Callable[[], float] = time.perf_counter
-    seconds: dict = field(default_factory=lambda: {"causal": 0.0, "full": 0.0})
+    seconds: dict = field(default_factory=dict)
 
-    def call(self, fn: Callable, causal: bool, *args):
-        if not self.enabled:
-            return fn(*args)
+    def reset(self) -> None:
+        self.seconds = {f"{p}_{k}": 0.0 for p in ("fwd", "bwd") for k in ("causal", "full")}
+
+    def call(self, fn: Callable, which: str, *args):
+        # Every kernel entry point takes ``causal`` as its second-to-last positional argument.
         start = self.now()
         res = fn(*args)
-        self.seconds["causal" if causal else "full"] += self.now() - start
+        self.seconds[f"{which}_{'causal' if args[-2] else 'full'}"] += self.now() - start
         return res
 
     def wrap(self, kernel: AttentionBackend) -> AttentionBackend:
-        """``kernel`` with each forward / backward call timed by kind (causal or not)."""
+        """``kernel`` with each of its calls timed."""
         if not self.enabled:
             return kernel
-        # Both calls take ``causal`` as their second-to-last positional argument.
-        return replace(
-            kernel,
-            forward=lambda *a: self.call(kernel.forward, a[-2], *a),
-            backward=lambda *a: self.call(kernel.backward, a[-2], *a),
-        )
+        timed = {
+            name: (lambda fn, which: lambda *a: self.call(fn, which, *a))(getattr(kernel, name), which)
+            for name, which in (("forward", "fwd"), ("backward", "bwd"), ("varlen_forward", "fwd"),
+                                ("varlen_backward", "bwd"))
+            if getattr(kernel, name) is not None
+        }
+        return replace(kernel, **timed)
 
 
 def _plan(pb: Problem, rank: int, kernel: AttentionBackend, scale: float) -> RingPlan:
-    local_docs = [n // pb.cp for n in pb.doc_lens] if pb.doc_lens else None
-    return RingPlan(None, rank, pb.cp, "zigzag" if local_docs else pb.layout, True, scale, kernel, local_docs)
+    """Rank ``rank``'s ring plan over a :class:`VirtualRing` transport."""
+    local_docs = tuple(n // pb.cp for n in pb.doc_lens) if pb.doc_lens else None
+    return RingPlan(
+        group=None, rank=rank, world=pb.cp, layout="zigzag" if local_docs else pb.layout, causal=True,
+        scale=scale, backend=kernel, local_doc_lens=local_docs,
+        transport=VirtualRing(rank, pb.kv_by_rank) if pb.cp > 1 else None,
+    )
 
 
-def rank_forward(pb: Problem, rank: int, kernel: AttentionBackend, scale: float, clock: Clock):
-    """The ring forward of ``rank`` without transfers: hf_ring's own per-step code
-    (``forward_blocks``) on each step's K/V shard. Returns out, lse."""
-    q = pb.shards[rank][0]
-    b, s, h, d = q.shape
-    plan = _plan(pb, rank, clock.wrap(kernel), scale)
-    out = torch.empty(b, s, h, d, dtype=accum_dtype(q.dtype), device=q.device)
-    lse = torch.empty((b, h, s), dtype=accum_dtype(q.dtype), device=q.device)
-    for step in range(pb.cp):
-        src = (rank - step) % pb.cp
-        forward_blocks(plan, plan.blocks(step, s), q, pb.shards[src][1], pb.shards[src][2], out, lse, step == 0)
-    return out.to(q.dtype), lse
+def rank_forward(pb: Problem, rank: int, kernel: AttentionBackend, scale: float) -> RingRun:
+    """Rank ``rank``'s ring forward: ``hf_ring.ring.ring_attention`` itself, the ring's
+    transfers replaced by in-process copies (:class:`hf_ring.ring.VirtualRing`)."""
+    q, k, v = (t.detach().requires_grad_() for t in pb.shards[rank][:3])
+    out, lse = ring_attention(q, k, v, _plan(pb, rank, kernel, scale))
+    return RingRun(q, out, lse)
 
 
-def rank_backward(pb: Problem, rank: int, kernel: AttentionBackend, scale: float, out, lse, clock: Clock,
-                  dkv_by_src: Optional[list[torch.Tensor]] = None) -> torch.Tensor:
-    """The ring backward of ``rank`` without transfers, given its final out and lse, with
-    hf_ring's own per-step code (``backward_blocks``, ``add_block_dkv``).
-
-    Each step's dK/dV blocks are added into the accumulator of the shard they belong to,
-    ``dkv_by_src[src]`` ``(2, b, s, hk, d)`` when given (to check gradients), else a scratch
-    buffer (as the ring adds them into the one travelling with the shard). Returns dq.
-    """
-    q, _, _, dout = pb.shards[rank]
-    acc = accum_dtype(q.dtype)
-    plan = _plan(pb, rank, clock.wrap(kernel), scale)
-    dq = torch.empty(q.shape, dtype=acc, device=q.device)
-    kv_shape = (2, *pb.shards[rank][1].shape)
-    scratch = torch.empty(kv_shape, dtype=acc, device=q.device)
-    for step in range(pb.cp):
-        src = (rank - step) % pb.cp
-        k, v = pb.shards[src][1], pb.shards[src][2]
-        block_dkv = backward_blocks(plan, plan.blocks(step, q.shape[1]), dout, q, k, v, out, lse, dq, step == 0)
-        if dkv_by_src is not None:
-            # Zeroed by the caller; in this rank-by-rank replay another rank may add to a
-            # shard before its owner does, so these are only ever added to.
-            add_block_dkv(dkv_by_src[src], block_dkv, q.shape[1], first_step=False)
-        else:
-            add_block_dkv(scratch, block_dkv, q.shape[1], first_step=step == 0)
-    return dq.to(q.dtype)
+def rank_backward(pb: Problem, rank: int, run: RingRun) -> None:
+    """The ring backward of :func:`rank_forward` (autograd through the ring op)."""
+    run.out.backward(pb.shards[rank][3])
 
 
 def virtual_ring(pb: Problem, kernel: AttentionBackend, scale: float) -> dict[str, torch.Tensor]:
-    """Every rank's virtual ring, reassembled in global order: out, lse, dq, dk, dv of the
-    full sequence (for checking the benchmark's calls compute attention exactly)."""
-    acc = accum_dtype(pb.q.dtype)
-    dkv = [torch.zeros((2, *sh[1].shape), dtype=acc, device=pb.q.device) for sh in pb.shards]
+    """Every rank's virtual ring, reassembled in global order: out, lse and dq of the full
+    sequence (to check that the benchmark runs exact attention). dK/dV are not returned:
+    their accumulators travel through ranks that, one after another in one process, have
+    not run yet (the real ring's dK/dV are tested over gloo in tests/test_ring_attention.py)."""
     outs, lses, dqs = [], [], []
     for r in range(pb.cp):
-        out, lse = rank_forward(pb, r, kernel, scale, Clock(False))
-        dqs.append(rank_backward(pb, r, kernel, scale, out, lse, Clock(False), dkv))
-        outs.append(out)
-        lses.append(lse)
+        run = rank_forward(pb, r, kernel, scale)
+        rank_backward(pb, r, run)
+        outs.append(run.out.detach())
+        lses.append(run.lse)
+        dqs.append(run.q.grad)
     if pb.doc_lens:
         join = lambda ts, dim=1: unshard_packed(ts, pb.cu_seqlens, dim=dim)  # noqa: E731
     else:
         join = lambda ts, dim=1: hf_ring.unshard_sequence(ts, dim=dim, layout=pb.layout)  # noqa: E731
-    return {"out": join(outs), "lse": join(lses, 2), "dq": join(dqs),
-            "dk": join([g[0] for g in dkv]), "dv": join([g[1] for g in dkv])}
+    return {"out": join(outs), "lse": join(lses, 2), "dq": join(dqs)}
 
 
-def _full_calls(pb: Problem) -> list[slice]:
-    """The reference: one causal call over the sequence, or one per packed document."""
+def full_calls(pb: Problem) -> list[slice]:
+    """The sequence's causal calls without CP: the whole row, or one per packed document."""
     if not pb.doc_lens:
         return [slice(0, pb.q.shape[1])]
     bounds = pb.cu_seqlens.tolist()
@@ -245,20 +241,21 @@ def _full_calls(pb: Problem) -> list[slice]:
 
 @dataclass
 class Unit:
-    """One timed thing (the full-sequence reference, or one rank of the virtual ring):
+    """One timed thing (a full-sequence reference, or one rank of the virtual ring):
     ``fwd()`` returns what ``bwd`` needs; times are collected over the repeats."""
 
     name: str
     fwd: Optional[Callable[[], Any]] = None  # None: times measured elsewhere (spawned ranks)
     bwd: Optional[Callable[[Any], None]] = None
-    clocks: tuple[Clock, Clock] = field(default_factory=lambda: (Clock(False), Clock(False)))
+    clock: Clock = field(default_factory=lambda: Clock(False))
     fwd_s: list[float] = field(default_factory=list)
     fb_s: list[float] = field(default_factory=list)
-    kernel_s: list[tuple[dict, dict]] = field(default_factory=list)  # per repeat: fwd, bwd by kind
+    kernel_s: list[dict] = field(default_factory=list)  # per repeat: Clock.seconds
 
 
-def full_unit(pb: Problem, kernel: AttentionBackend, scale: float) -> Unit:
-    calls = _full_calls(pb)
+def _kernel_unit(pb: Problem, kernel: AttentionBackend, scale: float) -> Unit:
+    """One kernel call per document (one for a dense row)."""
+    calls = full_calls(pb)
 
     def fwd():
         return [kernel.forward(pb.q[:, c], pb.k[:, c], pb.v[:, c], True, scale) for c in calls]
@@ -267,21 +264,67 @@ def full_unit(pb: Problem, kernel: AttentionBackend, scale: float) -> Unit:
         for c, (o, l) in zip(calls, results):
             kernel.backward(pb.dout[:, c], pb.q[:, c], pb.k[:, c], pb.v[:, c], o, l, True, scale)
 
-    return Unit("full", fwd, bwd)
+    return Unit("per-document calls" if pb.doc_lens else "one causal call", fwd, bwd)
+
+
+def _varlen_unit(pb: Problem, kernel: AttentionBackend, scale: float) -> Unit:
+    """One varlen kernel call over every document of the packed row."""
+    cu = pb.cu_seqlens.to(device=pb.q.device, dtype=torch.int32)
+    longest = max(pb.doc_lens)
+    q, k, v, dout = (t[0] for t in (pb.q, pb.k, pb.v, pb.dout))
+
+    def fwd():
+        return kernel.varlen_forward(q, k, v, cu, cu, longest, longest, True, scale)
+
+    def bwd(result):
+        kernel.varlen_backward(dout, q, k, v, *result, cu, cu, longest, longest, True, scale)
+
+    return Unit("one varlen call", fwd, bwd)
+
+
+def _masked_sdpa_unit(pb: Problem, scale: float) -> Unit:
+    """What a user without CP runs on a packed row with plain PyTorch: one SDPA call over
+    the whole row with a block-diagonal causal mask, backward through autograd."""
+    doc = torch.repeat_interleave(torch.arange(len(pb.doc_lens)), torch.tensor(pb.doc_lens)).to(pb.q.device)
+    n = doc.numel()
+    mask = (doc[:, None] == doc[None, :]) & torch.ones(n, n, dtype=torch.bool, device=doc.device).tril()
+    group = pb.q.shape[2] // pb.k.shape[2]
+
+    def fwd():
+        q, k, v = (t.detach().transpose(1, 2).requires_grad_() for t in (pb.q, pb.k, pb.v))
+        kr, vr = (t.repeat_interleave(group, dim=1) for t in (k, v))
+        return F.scaled_dot_product_attention(q, kr, vr, attn_mask=mask, scale=scale)
+
+    def bwd(out):
+        out.backward(pb.dout.transpose(1, 2))
+
+    return Unit("one masked SDPA call", fwd, bwd)
+
+
+def full_units(pb: Problem, kernel: AttentionBackend, scale: float) -> list[Unit]:
+    """The exact ways to compute the whole sequence without CP; the fastest is the
+    reference. Dense rows: one causal call. Packed rows: one call per document, one
+    masked SDPA call, and one varlen call when the kernel has one."""
+    units = [_kernel_unit(pb, kernel, scale)]
+    if pb.doc_lens:
+        units.append(_masked_sdpa_unit(pb, scale))
+        if kernel.varlen_forward is not None:
+            units.append(_varlen_unit(pb, kernel, scale))
+    return units
 
 
 def rank_unit(pb: Problem, rank: int, kernel: AttentionBackend, scale: float, cfg: BenchConfig) -> Unit:
     # Per-call timing only where calls are synchronous (CPU); on CUDA it would add syncs.
-    clocks = tuple(Clock(cfg.device == "cpu", CLOCKS[cfg.clock]) for _ in range(2))
-    return Unit(f"{pb.layout} rank {rank}", lambda: rank_forward(pb, rank, kernel, scale, clocks[0]),
-                lambda st: rank_backward(pb, rank, kernel, scale, *st, clocks[1]), clocks)
+    clock = Clock(cfg.device == "cpu", CLOCKS[cfg.clock])
+    timed = clock.wrap(kernel)
+    return Unit(f"{pb.layout} rank {rank}", lambda: rank_forward(pb, rank, timed, scale),
+                lambda run: rank_backward(pb, rank, run), clock)
 
 
 def time_unit(u: Unit, cfg: BenchConfig, keep: bool) -> None:
     """Run ``u`` forward then backward once; record the times if ``keep``."""
     now = CLOCKS[cfg.clock]
-    for c in u.clocks:
-        c.seconds = {"causal": 0.0, "full": 0.0}
+    u.clock.reset()
     _sync(cfg.device)
     t0 = now()
     state = u.fwd()
@@ -292,7 +335,7 @@ def time_unit(u: Unit, cfg: BenchConfig, keep: bool) -> None:
     if keep:
         u.fwd_s.append(t1 - t0)
         u.fb_s.append(now() - t0)
-        u.kernel_s.append((u.clocks[0].seconds, u.clocks[1].seconds))
+        u.kernel_s.append(dict(u.clock.seconds))
 
 
 def run_interleaved(units: list[Unit], cfg: BenchConfig, tick: Callable[[], None] = lambda: None) -> None:
@@ -304,10 +347,11 @@ def run_interleaved(units: list[Unit], cfg: BenchConfig, tick: Callable[[], None
             tick()
 
 
-def group_units(cp: int, layouts: list[str]) -> int:
+def group_units(cp: int, layouts: list[str], kernel: AttentionBackend) -> int:
     """How many units :func:`measure_group` times for these layouts (for progress bars)."""
     dense = any(lay != "packed" for lay in layouts)
-    return int(dense) + int("packed" in layouts) + cp * len(layouts)
+    packed = (2 + (kernel.varlen_forward is not None)) if "packed" in layouts else 0
+    return int(dense) + packed + cp * len(layouts)
 
 
 def measure_group(cp: int, seq_per_rank: int, layouts: list[str], cfg: BenchConfig,
@@ -317,15 +361,15 @@ def measure_group(cp: int, seq_per_rank: int, layouts: list[str], cfg: BenchConf
     kernel = cfg.kernel()
     scale = 1 / math.sqrt(cfg.head_dim)
     problems = {lay: make_problem(lay, cp, seq_per_rank, cfg) for lay in layouts}
-    refs = {}
+    refs: dict[str, list[Unit]] = {}
     dense = [lay for lay in layouts if lay != "packed"]
     if dense:
-        refs["dense"] = full_unit(problems[dense[0]], kernel, scale)
+        refs["dense"] = full_units(problems[dense[0]], kernel, scale)
     if "packed" in layouts:
-        refs["packed"] = full_unit(problems["packed"], kernel, scale)
+        refs["packed"] = full_units(problems["packed"], kernel, scale)
     ranks = {lay: [rank_unit(problems[lay], r, kernel, scale, cfg) for r in range(cp)]
              for lay in layouts}
-    run_interleaved([*refs.values(), *(u for us in ranks.values() for u in us)], cfg, tick)
+    run_interleaved([*(u for us in refs.values() for u in us), *(u for us in ranks.values() for u in us)], cfg, tick)
     rows = []
     for lay in layouts:
         ref = refs["packed" if lay == "packed" else "dense"]
@@ -333,10 +377,12 @@ def measure_group(cp: int, seq_per_rank: int, layouts: list[str], cfg: BenchConf
     return rows
 
 
-def efficiency_rows(layout: str, cp: int, spr: int, ref: Unit, ranks: list[Unit], cfg: BenchConfig,
+def efficiency_rows(layout: str, cp: int, spr: int, refs: list[Unit], ranks: list[Unit], cfg: BenchConfig,
                     backend: str, doc_lens: Optional[list[int]], mode: str = "virtual") -> list[dict]:
+    """Efficiency against the fastest reference of ``refs``, per pass."""
     rows = []
     for name, attr in (("forward", "fwd_s"), ("forward+backward", "fb_s")):
+        ref = min(refs, key=lambda u: statistics.median(getattr(u, attr)))
         full = statistics.median(getattr(ref, attr))
         per_rank = [statistics.median(getattr(u, attr)) for u in ranks]
         slowest = max(range(len(ranks)), key=lambda r: per_rank[r])
@@ -345,13 +391,16 @@ def efficiency_rows(layout: str, cp: int, spr: int, ref: Unit, ranks: list[Unit]
             "efficiency": full / (cp * per_rank[slowest]), "mode": mode, "t_full_s": full,
             "t_slowest_rank_s": per_rank[slowest], "t_ranks_s": per_rank,
             "efficiency_of_minima": min(getattr(ref, attr)) / (cp * max(min(getattr(u, attr)) for u in ranks)),
+            "reference": ref.name,
+            "t_references_s": {u.name: statistics.median(getattr(u, attr)) for u in refs},
             "backend": backend, "doc_lens": doc_lens, **_shape(cfg),
         }
-        if ranks[slowest].clocks[0].enabled:
+        if ranks[slowest].clock.enabled:
             # The slowest rank's kernel seconds by block kind (median over repeats): what
             # the ring would take if merging and accumulating cost nothing.
             log = ranks[slowest].kernel_s
-            kinds = {k: statistics.median(f[k] + (b[k] if name != "forward" else 0.0) for f, b in log)
+            passes = ("fwd",) if name == "forward" else ("fwd", "bwd")
+            kinds = {k: statistics.median(sum(rep[f"{p}_{k}"] for p in passes) for rep in log)
                      for k in ("causal", "full")}
             row |= {"kernel_causal_s": kinds["causal"], "kernel_full_s": kinds["full"],
                     "kernel_only_efficiency": full / (cp * (kinds["causal"] + kinds["full"]))}
@@ -385,14 +434,15 @@ def _spawn_worker(rank: int, cp: int, layout: str, spr: int, cfg: BenchConfig, t
     ring = Unit(f"rank {rank}", fwd, lambda out: out.backward(dout))
     # Rank 0 also times the reference, right after each ring round and in the same process
     # conditions (threads, load), while the others wait.
-    ref = full_unit(pb, cfg.kernel(), 1 / math.sqrt(cfg.head_dim))
+    refs = full_units(pb, cfg.kernel(), 1 / math.sqrt(cfg.head_dim))
     for i in range(cfg.warmup + cfg.repeats):
         dist.barrier()
         time_unit(ring, cfg, keep=i >= cfg.warmup)
         dist.barrier()
         if rank == 0:
-            time_unit(ref, cfg, keep=i >= cfg.warmup)
-    torch.save((ring.fwd_s, ring.fb_s, ref.fwd_s, ref.fb_s), os.path.join(tmp, f"rank{rank}.pt"))
+            for ref in refs:
+                time_unit(ref, cfg, keep=i >= cfg.warmup)
+    torch.save((ring.fwd_s, ring.fb_s, [(u.name, u.fwd_s, u.fb_s) for u in refs]), os.path.join(tmp, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
@@ -405,9 +455,9 @@ def measure_spawn(layout: str, cp: int, seq_per_rank: int, cfg: BenchConfig, thr
         mp.spawn(_spawn_worker, args=(cp, layout, seq_per_rank, cfg, threads, tmp), nprocs=cp, join=True)
         results = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(cp)]
     ranks = [Unit(f"rank {r}", fwd_s=res[0], fb_s=res[1]) for r, res in enumerate(results)]
-    ref = Unit("full", fwd_s=results[0][2], fb_s=results[0][3])
+    refs = [Unit(name, fwd_s=fwd_s, fb_s=fb_s) for name, fwd_s, fb_s in results[0][2]]
     doc_lens = packed_doc_lens(cp * seq_per_rank, cp) if layout == "packed" else None
-    rows = efficiency_rows(layout, cp, seq_per_rank, ref, ranks, cfg, cfg.kernel().name, doc_lens, mode="spawn")
+    rows = efficiency_rows(layout, cp, seq_per_rank, refs, ranks, cfg, cfg.kernel().name, doc_lens, mode="spawn")
     return [r | {"threads": threads} for r in rows]
 
 
@@ -468,7 +518,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if a.spawn:
         total = len(groups) * len(a.layouts)
     else:
-        total = sum((a.warmup + a.repeats) * group_units(cp, a.layouts) for cp, _ in groups)
+        total = sum((a.warmup + a.repeats) * group_units(cp, a.layouts, cfg.kernel()) for cp, _ in groups)
     with tqdm(total=total, desc="ring efficiency", file=sys.stderr, disable=a.tiny) as bar:
         for cp, spr in groups:
             if a.spawn:

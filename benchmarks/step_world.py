@@ -23,6 +23,7 @@ import resource
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -67,7 +68,6 @@ def _peak_mb(device: torch.device) -> float:
 
 def _worker(rank: int, cfg: StepConfig, init_file: str, out_dir: str) -> None:
     import hf_ring
-    from hf_ring.ring.comm import record_comm_wait
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.set_num_threads(cfg.threads_per_process)
@@ -101,7 +101,7 @@ def _worker(rank: int, cfg: StepConfig, init_file: str, out_dir: str) -> None:
 def _measure(model, opt, cfg: StepConfig, state, seq_len: int, device, sync, baseline_mb: float) -> dict:
     import hf_ring
     from hf_ring.hf.loss import count_valid_tokens, loss_share, token_loss_sum
-    from hf_ring.ring.comm import record_comm_wait
+    from hf_ring.ring.comm import CommWaitStats
 
     ids = torch.randint(0, cfg.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(seq_len))
     labels = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1)  # shifted on the full sequence
@@ -110,8 +110,11 @@ def _measure(model, opt, cfg: StepConfig, state, seq_len: int, device, sync, bas
     ids_l, labels_l, pos_l = shard(ids), shard(labels), shard(pos)
     n_valid = int(count_valid_tokens(labels))
 
-    def step() -> None:
-        logits = model(input_ids=ids_l, position_ids=pos_l).logits
+    waits = CommWaitStats()
+
+    def step(stats: Optional[CommWaitStats] = None) -> None:
+        # The guard hands the sink down to every ring call of the forward (and its backward).
+        logits = model(input_ids=ids_l, position_ids=pos_l, hf_ring_comm_stats=stats).logits
         loss_share(token_loss_sum(logits, labels_l), n_valid).backward()
         if cfg.cp_size > 1:
             # Each rank's loss is its share of the global token mean, so the model's
@@ -124,14 +127,13 @@ def _measure(model, opt, cfg: StepConfig, state, seq_len: int, device, sync, bas
     for _ in range(cfg.warmup):
         step()
     times = []
-    with record_comm_wait() as waits:
-        for _ in range(cfg.steps):
-            sync()
-            dist.barrier()
-            start = time.perf_counter()
-            step()
-            sync()
-            times.append(time.perf_counter() - start)
+    for _ in range(cfg.steps):
+        sync()
+        dist.barrier()
+        start = time.perf_counter()
+        step(waits)
+        sync()
+        times.append(time.perf_counter() - start)
     peak = _peak_mb(device) - (baseline_mb if device.type == "cpu" else 0.0)
     return {
         "seq_len": seq_len,

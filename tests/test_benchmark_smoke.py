@@ -1,11 +1,13 @@
 """benchmarks/ring_efficiency.py runs end to end in its tiny mode and prints well-formed
-JSON lines: one per (layout, cp, seq_per_rank, pass) with an efficiency in (0, 1.5]; the
-block calls it times are exactly the ring's (they reassemble to full attention); and
+JSON lines: one per (layout, cp, seq_per_rank, pass), whose figures are consistent with
+each other (the efficiency is the reference over cp times the slowest rank, the reference
+the fastest exact way without CP, the kernel-only efficiency no lower than the whole);
+the ring it times is exact (its virtual ring reassembles to full attention); and
 benchmarks/gpu_check.py's sections run, pointed at the CPU backend.
 
-Tiny blocks are dominated by per-call overhead, so the efficiencies are low (~0.1-0.3);
-the bound only catches a broken ratio (zero, negative, a reference that was not timed).
-One thread and the process clock keep it stable on a machine shared with other work.
+Tiny blocks are dominated by per-call overhead, so the efficiencies themselves are low
+(~0.1-0.3) and not asserted. One thread and the process clock keep it stable on a machine
+shared with other work.
 """
 
 from __future__ import annotations
@@ -38,7 +40,14 @@ def test_ring_efficiency_tiny_json():
     for r in rows:
         assert REQUIRED <= set(r), r
         assert r["cp"] == 2 and r["seq_per_rank"] == 64
-        assert 0 < r["efficiency"] <= 1.5, r
+        assert r["t_slowest_rank_s"] == max(r["t_ranks_s"]), r
+        assert r["t_full_s"] == min(r["t_references_s"].values()) == r["t_references_s"][r["reference"]], r
+        assert math.isclose(r["efficiency"], r["t_full_s"] / (r["cp"] * r["t_slowest_rank_s"]), rel_tol=1e-12), r
+        # Per repeat the kernels' time is part of the rank's, so their medians keep that order.
+        assert r["kernel_only_efficiency"] >= r["efficiency"], r
+    packed = {r["pass"]: r for r in rows if r["layout"] == "packed"}
+    # Packed rows are compared with the fastest exact way to run them without CP.
+    assert set(packed["forward"]["t_references_s"]) == {"per-document calls", "one masked SDPA call"}
 
 
 def _load_benchmark():
@@ -51,8 +60,8 @@ def _load_benchmark():
 
 @pytest.mark.parametrize("layout,cp", [("zigzag", 4), ("stripe", 3), ("contiguous", 2), ("packed", 2)])
 def test_virtual_ring_computes_attention(layout, cp):
-    """The block calls the benchmark times are the ring's: reassembled over all ranks they
-    give full attention and its gradients (float64, within 1e-10 of the plain-math reference)."""
+    """The ring the benchmark times is exact: reassembled over all ranks, its out, lse and
+    dq are full attention's (float64, within 1e-10 of the plain-math reference)."""
     bench = _load_benchmark()
     cfg = bench.BenchConfig(heads=4, kv_heads=2, head_dim=16, dtype="float64")
     pb = bench.make_problem(layout, cp, 24, cfg)
@@ -63,7 +72,8 @@ def test_virtual_ring_computes_attention(layout, cp):
     q, k, v = (t.clone().requires_grad_() for t in (pb.q, pb.k, pb.v))
     out, lse = full_attention(q, k, v, True, doc_ids)
     out.backward(pb.dout)
-    for name, want in (("out", out), ("lse", lse), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
+    assert set(got) == {"out", "lse", "dq"}
+    for name, want in (("out", out), ("lse", lse), ("dq", q.grad)):
         assert rel_err(got[name], want.detach()) < 1e-10, name
 
 
@@ -81,4 +91,5 @@ def test_gpu_check_logic_on_cpu(monkeypatch):
     eff = gpu_check.efficiency(60, [2], [32], 2, 1)
     assert {r["layout"] for r in eff["rows"]} == {"zigzag", "stripe", "contiguous", "packed"}
     lap = gpu_check.overlap([32], 2, 1)["rows"][0]
-    assert lap["kv_block_bytes"] == 2 * 32 * 1 * 128 * 2 and lap["t_step_fwd_s"] > 0
+    assert lap["kv_block_bytes"] == 2 * 32 * 1 * 128 * 2
+    assert lap["fwd_hidden_d2d_s"] == (lap["t_copy_d2d_s"] < lap["t_step_fwd_s"]), lap

@@ -24,6 +24,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
+from hf_ring.ring.groups import ContextParallelState
 from hf_ring.sharding import required_multiple, shard_packed, shard_sequence
 from hf_ring.sharding.layouts import check_layout
 
@@ -175,6 +176,17 @@ class RingDataCollator:
             if pad_token_id is None:
                 raise ValueError("RingDataCollator needs pad_token_id (the id written into padding)")
             self.config = RingCollatorConfig(pad_token_id=pad_token_id, **kwargs)
+
+    @classmethod
+    def for_state(cls, state: ContextParallelState, pad_token_id: int, **kwargs: Any) -> "RingDataCollator":
+        """A collator that shards exactly as ``state`` says (its CP size, rank and layout):
+        the state is the one owner of those, so nothing has to be reconciled later."""
+        return cls(pad_token_id, cp_size=state.cp_size, cp_rank=state.cp_rank, layout=state.layout, **kwargs)
+
+    def matches(self, state: ContextParallelState) -> bool:
+        """Whether this collator shards as ``state`` says."""
+        cfg = self.config
+        return (cfg.cp_size, cfg.cp_rank, cfg.layout) == (state.cp_size, state.cp_rank, state.layout)
 
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         if len(features) == 0:

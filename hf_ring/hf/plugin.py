@@ -113,15 +113,16 @@ class RingAttentionPlugin:
         backend = dist.get_backend() if dist.is_initialized() else "none"
         return (
             f"rank {rank}/{s.world_size} (backend {backend}): dp_rank {s.dp_rank}/{s.dp_size}, "
-            f"cp_rank {s.cp_rank}/{s.cp_size}, layout {self.layout}"
+            f"cp_rank {s.cp_rank}/{s.cp_size}, layout {s.layout}"
         )
 
     # ---- data ----
 
     def make_collator(self, pad_token_id: int, **kwargs: Any) -> RingDataCollator:
-        """A :class:`RingDataCollator` for this process's CP rank and the plugin's layout."""
+        """A :class:`RingDataCollator` built from the context-parallel state (CP size, rank and
+        layout), which owns them."""
         s = self.setup()
-        return RingDataCollator(pad_token_id, cp_size=s.cp_size, cp_rank=s.cp_rank, layout=self.layout, **kwargs)
+        return RingDataCollator.for_state(s, pad_token_id, **kwargs)
 
     def attach(self, accelerator: Any) -> ContextParallelState:
         """Set up the groups and make ``accelerator.prepare`` shard data loaders over the

@@ -135,11 +135,11 @@ class RingTrainer(Trainer):
         collator = self.data_collator
         if isinstance(collator, RingDataCollator):
             cfg = collator.config
-            if (cfg.cp_size, cfg.cp_rank) != (state.cp_size, state.cp_rank) or cfg.layout != self.ring_plugin.layout:
+            if not collator.matches(state):
                 raise ValueError(
                     f"the data collator shards for cp_size={cfg.cp_size}, cp_rank={cfg.cp_rank}, "
                     f"layout={cfg.layout!r} but this process is cp_rank {state.cp_rank} of {state.cp_size} "
-                    f"with layout={self.ring_plugin.layout!r}; build it with ring_plugin.make_collator(...)"
+                    f"with layout={state.layout!r}; build it with ring_plugin.make_collator(...)"
                 )
 
     # ---- training ----

@@ -11,7 +11,7 @@ reads it. There is one active state per process, set once at start-up, never per
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch.distributed as dist
@@ -32,6 +32,9 @@ class ContextParallelState:
     dp_rank: int
     dp_size: int
     layout: str = "zigzag"
+    # The default process group the groups were built over: a state outlives neither a
+    # destroyed nor a re-initialised one.
+    world_group: Optional[dist.ProcessGroup] = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         check_layout(self.layout)
@@ -60,7 +63,9 @@ def setup_context_parallel(
         activate: make the returned state the one ``ring_flash`` uses.
 
     Every process of the world must call this with the same arguments (group creation is
-    collective). Calling it again with the same ``cp_size`` returns the active state.
+    collective). Calling it again with the same ``cp_size`` over the same default group
+    returns the active state; after the default group was destroyed and initialised again,
+    new groups are built.
     """
     global _ACTIVE
     if not isinstance(cp_size, int) or cp_size < 1:
@@ -78,13 +83,15 @@ def setup_context_parallel(
             "torch.distributed.init_process_group() (Accelerator() does it) first"
         )
     active = _ACTIVE
-    if active is not None and active.cp_size == cp_size and active.world_size == dist.get_world_size():
+    if (
+        active is not None
+        and active.cp_size == cp_size
+        and active.world_group is dist.group.WORLD
+        and active.world_size == dist.get_world_size()
+    ):
         if active.layout != layout:
             # Same groups, another layout: no collective needed.
-            active = ContextParallelState(
-                active.cp_group, active.cp_rank, active.cp_size,
-                active.dp_group, active.dp_rank, active.dp_size, layout,
-            )
+            active = replace(active, layout=layout)
             if activate:
                 _ACTIVE = active
         return active
@@ -116,6 +123,7 @@ def setup_context_parallel(
         dp_rank=rank // cp_size,
         dp_size=dp_size,
         layout=layout,
+        world_group=dist.group.WORLD,
     )
     if activate:
         _ACTIVE = state
