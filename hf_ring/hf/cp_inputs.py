@@ -214,8 +214,19 @@ def validate_cp_inputs(inputs: dict[str, Any], state: ContextParallelState) -> O
     header = torch.tensor([v for _, v in fields], dtype=torch.int64, device=device)
     if problem is None:
         header[1] = _positions_wrong(inputs, index, doc_lens)
-    rows = check_agreement(state.cp_group, fields, device, "the model's inputs", _HINT,
-                           ignore=("refused", "positions_not_global"), values=header)
+    try:
+        rows = check_agreement(state.cp_group, fields, device, "the model's inputs", _HINT,
+                               ignore=("refused", "positions_not_global"), values=header)
+    except RuntimeError as e:
+        if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+            raise
+        raise RuntimeError(
+            f"CP rank {state.cp_rank} waited {state.timeout} for the other ranks of its context-"
+            "parallel group to run this forward, and they did not: every rank of a CP group must "
+            "run every forward of a ring_flash model together (a forward on the main process only, "
+            "a sanity check or generate() on one rank, or ranks that took different branches hang "
+            "or fail like this). The timeout is setup_context_parallel(timeout=...)"
+        ) from e
     refused = [r for r, row in enumerate(rows) if row[0]]
     if problem is not None:
         raise problem

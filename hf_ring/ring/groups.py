@@ -12,6 +12,7 @@ reads it. There is one active state per process, set once at start-up, never per
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from datetime import timedelta
 from typing import Optional
 
 import torch.distributed as dist
@@ -19,6 +20,9 @@ import torch.distributed as dist
 from hf_ring.sharding.layouts import check_layout
 
 _ACTIVE: Optional["ContextParallelState"] = None
+# A forward that only some ranks of a CP group run (a main-process-only sanity check, say)
+# leaves the others waiting in a collective: fail in minutes, not after torch's 30.
+DEFAULT_CP_TIMEOUT = timedelta(minutes=10)
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,8 @@ class ContextParallelState:
     # The default process group the groups were built over: a state outlives neither a
     # destroyed nor a re-initialised one.
     world_group: Optional[dist.ProcessGroup] = field(default=None, compare=False, repr=False)
+    # How long a collective of the CP group may wait for a peer before it fails.
+    timeout: Optional[timedelta] = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         check_layout(self.layout)
@@ -51,7 +57,12 @@ class ContextParallelState:
 
 
 def setup_context_parallel(
-    cp_size: int, *, layout: str = "zigzag", backend: Optional[str] = None, activate: bool = True
+    cp_size: int,
+    *,
+    layout: str = "zigzag",
+    backend: Optional[str] = None,
+    activate: bool = True,
+    timeout: timedelta = DEFAULT_CP_TIMEOUT,
 ) -> ContextParallelState:
     """Build (or reuse) the dp x cp groups over the initialised default process group.
 
@@ -61,6 +72,9 @@ def setup_context_parallel(
             ``"contiguous"``); ``ring_flash`` and the collator both follow it.
         backend: backend for the new groups (default: the default group's).
         activate: make the returned state the one ``ring_flash`` uses.
+        timeout: how long a collective of the new groups waits for a peer before it fails
+            (gloo raises; NCCL's watchdog aborts). A CP group's ranks must run every forward
+            together; one that does not is then an error within ``timeout``.
 
     Every process of the world must call this with the same arguments (group creation is
     collective). Calling it again with the same ``cp_size`` over the same default group
@@ -70,6 +84,8 @@ def setup_context_parallel(
     global _ACTIVE
     if not isinstance(cp_size, int) or cp_size < 1:
         raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
+    if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
+        raise ValueError(f"timeout must be a positive datetime.timedelta, got {timeout!r}")
     check_layout(layout)
     if not dist.is_available() or not dist.is_initialized():
         if cp_size == 1:
@@ -107,12 +123,12 @@ def setup_context_parallel(
     # new_group is collective over the whole world: every rank creates every group.
     for k in range(dp_size):
         ranks = list(range(k * cp_size, (k + 1) * cp_size))
-        group = dist.new_group(ranks, backend=backend)
+        group = dist.new_group(ranks, backend=backend, timeout=timeout)
         if rank in ranks:
             cp_group = group
     for j in range(cp_size):
         ranks = list(range(j, world, cp_size))
-        group = dist.new_group(ranks, backend=backend)
+        group = dist.new_group(ranks, backend=backend, timeout=timeout)
         if rank in ranks:
             dp_group = group
     state = ContextParallelState(
@@ -124,6 +140,7 @@ def setup_context_parallel(
         dp_size=dp_size,
         layout=layout,
         world_group=dist.group.WORLD,
+        timeout=timeout,
     )
     if activate:
         _ACTIVE = state
