@@ -15,7 +15,7 @@ import torch
 
 import hf_ring
 from distributed import run_world
-from hf_ring.kernels import backends
+from hf_ring.kernels import AttentionBackend, register_backend, registry
 from hf_ring.kernels.reference import reference_backward, reference_forward
 from hf_ring.sharding import shard_packed
 from reference_attention import rel_err
@@ -46,26 +46,30 @@ def _varlen_backward(*args):
     return looped_varlen_backward(*args)
 
 
-_F32 = (torch.float32,)
-STANDINS = {
-    "per_doc_standin": backends.AttentionBackend(
-        "per_doc_standin", _counted_forward, _counted_backward, ("cpu",), _F32, "reference, counted"),
-    "varlen_standin": backends.AttentionBackend(
-        "varlen_standin", _counted_forward, _counted_backward, ("cpu",), _F32,
-        "reference, counted, with a looped varlen kernel", None, _varlen_forward, _varlen_backward),
-}
+_STANDIN_FIELDS = dict(forward=_counted_forward, backward=_counted_backward, devices=("cpu",),
+                       dtypes=(torch.float32,))
+STANDINS = (
+    AttentionBackend(name="per_doc_standin", description="reference, counted", **_STANDIN_FIELDS),
+    AttentionBackend(name="varlen_standin", description="reference, counted, with a looped varlen kernel",
+                     varlen_forward=_varlen_forward, varlen_backward=_varlen_backward, **_STANDIN_FIELDS),
+)
 
 
-def _rank(rank: int, world: int, causal: bool, register: bool) -> dict:
-    if register:  # a spawned process: its own registry, nothing leaks into other tests
-        backends._BACKENDS.update(STANDINS)
-    multiple = 2 * world
+def _inputs():
     cu = torch.tensor([0, *torch.tensor(DOC_LENS).cumsum(0).tolist()], dtype=torch.int32)
-    assert all(n % multiple == 0 for n in DOC_LENS)
     g = torch.Generator().manual_seed(3)
     total = int(cu[-1])
     q, dout = (torch.randn(total, HQ, D, generator=g) for _ in range(2))
     k, v = (torch.randn(total, HK, D, generator=g) for _ in range(2))
+    return cu, q, k, v, dout
+
+
+def _rank(rank: int, world: int, causal: bool, register: bool) -> dict:
+    if register:  # a spawned process: its own registry, nothing leaks into other tests
+        for backend in STANDINS:
+            register_backend(backend)
+    assert all(n % (2 * world) == 0 for n in DOC_LENS)
+    cu, q, k, v, dout = _inputs()
     shard = lambda t: shard_packed(t, cu, world, rank, dim=0)
     res = {}
     for name in ("per_doc_standin", "varlen_standin"):
@@ -96,8 +100,9 @@ def _check(per_rank: list, world: int) -> None:
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_varlen_step_single_process(monkeypatch, causal):
-    for name, backend in STANDINS.items():
-        monkeypatch.setitem(backends._BACKENDS, name, backend)
+    monkeypatch.setattr(registry, "_REGISTERED", dict(registry._REGISTERED))
+    for backend in STANDINS:
+        register_backend(backend)
     _check([_rank(0, 1, causal, False)], 1)
 
 
