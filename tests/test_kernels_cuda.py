@@ -9,7 +9,9 @@ Without a GPU the kernels cannot run, so this file checks what can be checked he
   kernel replaced by a CPU stand-in that follows the kernel's documented contract
   (signature, return tuple, lse layout). These stand-ins are written from the upstream
   signatures (flash-attn 2.6 / 2.7+ dense and varlen, the hopper interface, aten's schema), so a wrong
-  argument name or return index in the glue fails here.
+  argument name or return index in the glue fails here. What the glue returns is compared
+  with attention written independently of hf_ring (``reference_attention.block_attention``),
+  not with the reference backend the stand-ins call, so a wrong reference fails here too.
 
 Tolerance: float64 inputs; out within 1e-10 relative error (the glue adds no arithmetic),
 lse and gradients within 1e-6, because the kernels' lse is float32 by contract (~1e-8
@@ -28,7 +30,7 @@ from packaging.version import Version
 from hf_ring.kernels import AttentionBackend, available_backends, get_backend, register_backend, registry
 from hf_ring.kernels import cuda_glue, flash_attn2, flash_attn3, torch_efficient
 from hf_ring.kernels.reference import reference_backward, reference_forward
-from reference_attention import rel_err
+from reference_attention import block_attention, block_attention_grads, rel_err, segment_attention
 from varlen_standin import looped_varlen_backward, looped_varlen_forward
 
 CUDA_NAMES = ("flash_attn", "flash_attn_3", "torch_efficient")
@@ -72,13 +74,12 @@ def _check_against_reference(backend_fwd, backend_bwd, causal, hq=4, hk=2):
     q, k, v, dout = _inputs(hq=hq, hk=hk, sk=sk)
     scale = 1 / math.sqrt(q.shape[-1])
     out, lse = backend_fwd(q, k, v, causal, scale)
-    ref_out, ref_lse = reference_forward(q, k, v, causal, scale)
+    ref_out, ref_lse = block_attention(q, k, v, causal, scale)
     assert rel_err(out, ref_out) < 1e-10 and lse.dtype == torch.float32 and rel_err(lse, ref_lse) < 1e-6
     # A non-contiguous column slice of a wider lse, as the ring passes it.
     lse_view = torch.cat([ref_lse, ref_lse], dim=-1)[:, :, : q.shape[1]]
     grads = backend_bwd(dout, q, k, v, ref_out, lse_view, causal, scale)
-    ref = reference_backward(dout, q, k, v, ref_out, ref_lse, causal, scale)
-    for got, want in zip(grads, ref):
+    for got, want in zip(grads, block_attention_grads(dout, q, k, v, causal, scale)):
         assert got.shape == want.shape and rel_err(got, want) < 1e-6
 
 
@@ -354,14 +355,14 @@ def test_flash_attn_2_varlen_glue(monkeypatch, version, causal):
     q, k, v, dout = q[0], k[0], v[0], dout[0]  # (total, heads, d)
     args = (cu_q, cu_k, max(q_lens), max(k_lens), causal, 0.3)
     out, lse = flash_attn2.fa2_varlen_forward(q, k, v, *args)
-    ref_out, ref_lse = looped_varlen_forward(q, k, v, *args)
+    ref = segment_attention(q, k, v, dout, cu_q, cu_k, causal, 0.3)
     assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32
-    assert rel_err(out, ref_out) < 1e-10 and rel_err(lse, ref_lse) < 1e-6
+    assert rel_err(out, ref["out"]) < 1e-10 and rel_err(lse, ref["lse"]) < 1e-6
     # A non-contiguous column slice of a wider lse, as the ring passes it.
-    lse_view = torch.cat([ref_lse, ref_lse], dim=-1)[:, : q.shape[0]]
-    grads = flash_attn2.fa2_varlen_backward(dout, q, k, v, ref_out, lse_view, *args)
-    for got, want in zip(grads, looped_varlen_backward(dout, q, k, v, ref_out, ref_lse, *args)):
-        assert got.shape == want.shape and rel_err(got, want) < 1e-6
+    lse_view = torch.cat([ref["lse"], ref["lse"]], dim=-1)[:, : q.shape[0]]
+    grads = flash_attn2.fa2_varlen_backward(dout, q, k, v, ref["out"], lse_view, *args)
+    for got, name, like in zip(grads, ("dq", "dk", "dv"), (q, k, v)):
+        assert got.shape == like.shape and rel_err(got, ref[name]) < 1e-6
 
 
 def test_flash_attn_2_varlen_refuses_a_padded_lse(monkeypatch):
