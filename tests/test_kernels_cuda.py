@@ -1,4 +1,5 @@
-"""CPU-side checks of the CUDA backends (hf_ring/kernels/cuda.py).
+"""CPU-side checks of the CUDA backends (hf_ring/kernels/flash_attn2.py, flash_attn3.py,
+torch_efficient.py and their shared cuda_glue.py), and of the registry around them.
 
 Without a GPU the kernels cannot run, so this file checks what can be checked here:
 - they are never offered or chosen for CPU tensors, and asking for them is a clear error;
@@ -8,7 +9,9 @@ Without a GPU the kernels cannot run, so this file checks what can be checked he
   kernel replaced by a CPU stand-in that follows the kernel's documented contract
   (signature, return tuple, lse layout). These stand-ins are written from the upstream
   signatures (flash-attn 2.6 / 2.7+ dense and varlen, the hopper interface, aten's schema), so a wrong
-  argument name or return index in cuda.py fails here.
+  argument name or return index in the glue fails here. What the glue returns is compared
+  with attention written independently of hf_ring (``reference_attention.block_attention``),
+  not with the reference backend the stand-ins call, so a wrong reference fails here too.
 
 Tolerance: float64 inputs; out within 1e-10 relative error (the glue adds no arithmetic),
 lse and gradients within 1e-6, because the kernels' lse is float32 by contract (~1e-8
@@ -24,9 +27,10 @@ import pytest
 import torch
 from packaging.version import Version
 
-from hf_ring.kernels import available_backends, cuda, get_backend
+from hf_ring.kernels import AttentionBackend, available_backends, get_backend, register_backend, registry
+from hf_ring.kernels import cuda_glue, flash_attn2, flash_attn3, torch_efficient
 from hf_ring.kernels.reference import reference_backward, reference_forward
-from reference_attention import rel_err
+from reference_attention import block_attention, block_attention_grads, rel_err, segment_attention
 from varlen_standin import looped_varlen_backward, looped_varlen_forward
 
 CUDA_NAMES = ("flash_attn", "flash_attn_3", "torch_efficient")
@@ -45,15 +49,15 @@ def test_asking_on_cpu_is_a_clear_error(name):
         get_backend(name, torch.device("cpu"), torch.bfloat16)
 
 
-@pytest.mark.parametrize("fn", [cuda.fa2_forward, cuda.fa3_forward, cuda.efficient_forward])
+@pytest.mark.parametrize("fn", [flash_attn2.fa2_forward, flash_attn3.fa3_forward, torch_efficient.efficient_forward])
 def test_kernels_refuse_cpu_tensors(fn):
     q = torch.randn(1, 4, 2, 8, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="runs on CUDA tensors"):
+    with pytest.raises(ValueError, match="runs on cuda, but the tensors are on cpu"):
         fn(q, q, q, True, 0.5)
 
 
 def test_efficient_schema_matches_installed_torch():
-    cuda.check_efficient_schema()
+    torch_efficient.check_efficient_schema()
 
 
 def _inputs(hq=4, hk=2, sq=6, sk=6, d=8, seed=0):
@@ -70,17 +74,22 @@ def _check_against_reference(backend_fwd, backend_bwd, causal, hq=4, hk=2):
     q, k, v, dout = _inputs(hq=hq, hk=hk, sk=sk)
     scale = 1 / math.sqrt(q.shape[-1])
     out, lse = backend_fwd(q, k, v, causal, scale)
-    ref_out, ref_lse = reference_forward(q, k, v, causal, scale)
+    ref_out, ref_lse = block_attention(q, k, v, causal, scale)
     assert rel_err(out, ref_out) < 1e-10 and lse.dtype == torch.float32 and rel_err(lse, ref_lse) < 1e-6
     # A non-contiguous column slice of a wider lse, as the ring passes it.
     lse_view = torch.cat([ref_lse, ref_lse], dim=-1)[:, :, : q.shape[1]]
     grads = backend_bwd(dout, q, k, v, ref_out, lse_view, causal, scale)
-    ref = reference_backward(dout, q, k, v, ref_out, ref_lse, causal, scale)
-    for got, want in zip(grads, ref):
+    for got, want in zip(grads, block_attention_grads(dout, q, k, v, causal, scale)):
         assert got.shape == want.shape and rel_err(got, want) < 1e-6
 
 
 # ---------------------------------------------------- stand-ins for the CUDA kernels
+
+
+def _allow_cpu_tensors(monkeypatch, module) -> None:
+    """Let a CUDA backend module's glue run on the stand-ins' CPU float64 tensors, which
+    its per-launch check rightly refuses."""
+    monkeypatch.setattr(module, "check_block", lambda *a: None)
 
 
 def _ref_lse(q, k, v, causal, scale):
@@ -119,22 +128,22 @@ def _fa2_27_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, sof
 @pytest.mark.parametrize("version", ["2.6.3", "2.8.3"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_flash_attn_2_glue(monkeypatch, version, causal):
-    if Version(version) >= cuda.FA2_SPLIT_WINDOW:
+    if Version(version) >= flash_attn2.FA2_SPLIT_WINDOW:
         module = SimpleNamespace(_flash_attn_forward=_fa2_27_forward, _flash_attn_backward=_fa2_27_backward)
     else:
         module = SimpleNamespace(_flash_attn_forward=_fa2_26_forward, _flash_attn_backward=_fa2_26_backward)
-    monkeypatch.setattr(cuda, "_check", lambda *a: None)
-    monkeypatch.setattr(cuda, "_fa2", lambda: (module, Version(version)))
-    _check_against_reference(cuda.fa2_forward, cuda.fa2_backward, causal)
+    _allow_cpu_tensors(monkeypatch, flash_attn2)
+    monkeypatch.setattr(flash_attn2, "_fa2", lambda: (module, Version(version)))
+    _check_against_reference(flash_attn2.fa2_forward, flash_attn2.fa2_backward, causal)
 
 
 def test_flash_attn_2_wrong_signature_is_an_error(monkeypatch):
     module = SimpleNamespace(_flash_attn_forward=_fa2_26_forward, _flash_attn_backward=_fa2_26_backward)
-    monkeypatch.setattr(cuda, "_check", lambda *a: None)
-    monkeypatch.setattr(cuda, "_fa2", lambda: (module, Version("2.7.4")))  # 2.7 names on a 2.6 signature
+    _allow_cpu_tensors(monkeypatch, flash_attn2)
+    monkeypatch.setattr(flash_attn2, "_fa2", lambda: (module, Version("2.7.4")))  # 2.7 names on a 2.6 signature
     q, k, v, _ = _inputs()
     with pytest.raises(NotImplementedError, match="unexpected signature"):
-        cuda.fa2_forward(q, k, v, True, 0.3)
+        flash_attn2.fa2_forward(q, k, v, True, 0.3)
 
 
 def _fa3_forward(q, k, v, k_new=None, v_new=None, qv=None, out_=None, cu_seqlens_q=None, softmax_scale=None,
@@ -166,9 +175,9 @@ def _fa3_old_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale
 @pytest.mark.parametrize("causal", [True, False])
 def test_flash_attn_3_glue(monkeypatch, era, causal):
     fns = (_fa3_forward, _fa3_backward) if era == "current" else (_fa3_old_forward, _fa3_old_backward)
-    monkeypatch.setattr(cuda, "_check", lambda *a: None)
-    monkeypatch.setattr(cuda, "_fa3", lambda: SimpleNamespace(_flash_attn_forward=fns[0], _flash_attn_backward=fns[1]))
-    _check_against_reference(cuda.fa3_forward, cuda.fa3_backward, causal)
+    _allow_cpu_tensors(monkeypatch, flash_attn3)
+    monkeypatch.setattr(flash_attn3, "_fa3", lambda: SimpleNamespace(_flash_attn_forward=fns[0], _flash_attn_backward=fns[1]))
+    _check_against_reference(flash_attn3.fa3_forward, flash_attn3.fa3_backward, causal)
 
 
 def test_params_of_a_torch_custom_op():
@@ -176,17 +185,17 @@ def test_params_of_a_torch_custom_op():
     def fa_like(q: torch.Tensor, softmax_scale: float, is_causal: bool = False) -> torch.Tensor:
         return q.clone()
 
-    assert cuda._params(fa_like) == {"q": False, "softmax_scale": False, "is_causal": True}
-    kwargs = cuda.bind_kwargs(fa_like, "fa_like", {"q": torch.ones(1), "softmax_scale": 0.5})
+    assert cuda_glue.params_of(fa_like) == {"q": False, "softmax_scale": False, "is_causal": True}
+    kwargs = cuda_glue.bind_kwargs(fa_like, "fa_like", {"q": torch.ones(1), "softmax_scale": 0.5})
     assert set(kwargs) == {"q", "softmax_scale"}
     with pytest.raises(NotImplementedError, match="unexpected signature"):
-        cuda.bind_kwargs(fa_like, "fa_like", {"q": torch.ones(1), "softmax_scale": 0.5, "causal": True})
+        cuda_glue.bind_kwargs(fa_like, "fa_like", {"q": torch.ones(1), "softmax_scale": 0.5, "causal": True})
 
 
 def test_pick_out_lse_refuses_a_wrong_tuple():
     q = torch.zeros(1, 5, 2, 8)
     with pytest.raises(NotImplementedError, match="not supported"):
-        cuda.pick_out_lse((q, torch.zeros(1, 2, 6)), q, "kernel")
+        cuda_glue.pick_out_lse((q, torch.zeros(1, 2, 6)), q, "kernel")
 
 
 def _eff_forward(query, key, value, bias, cu_q, cu_k, max_q, max_k, dropout_p, custom_mask_type,
@@ -211,27 +220,74 @@ def _eff_backward(grad_out, query, key, value, bias, out, cu_q, cu_k, max_q, max
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)])
 @pytest.mark.parametrize("causal", [True, False])
 def test_torch_efficient_glue(monkeypatch, heads, causal):
-    monkeypatch.setattr(cuda, "_check", lambda *a: None)
-    monkeypatch.setattr(cuda, "_EFF_FWD", _eff_forward)
-    monkeypatch.setattr(cuda, "_EFF_BWD", _eff_backward)
-    _check_against_reference(cuda.efficient_forward, cuda.efficient_backward, causal, *heads)
+    _allow_cpu_tensors(monkeypatch, torch_efficient)
+    monkeypatch.setattr(torch_efficient, "_EFF_FWD", _eff_forward)
+    monkeypatch.setattr(torch_efficient, "_EFF_BWD", _eff_backward)
+    _check_against_reference(torch_efficient.efficient_forward, torch_efficient.efficient_backward, causal, *heads)
 
 
-def test_auto_skips_a_backend_that_cannot_run_here_and_naming_it_is_an_error(monkeypatch):
-    from hf_ring.kernels import backends
+@pytest.fixture
+def own_registry(monkeypatch):
+    """A copy of the backend registry that this test may change."""
+    monkeypatch.setattr(registry, "_REGISTERED", dict(registry._REGISTERED))
 
+
+def _fake(name="fake", **fields) -> AttentionBackend:
+    return AttentionBackend(name=name, forward=reference_forward, backward=reference_backward, devices=("cpu",),
+                            dtypes=(torch.float32,), description="stand-in", **fields)
+
+
+def test_auto_skips_a_backend_that_cannot_run_here_and_naming_it_is_an_error(own_registry):
     def probe(device, dtype):
         raise ValueError("fake kernel needs a newer GPU")
 
-    fake = backends.AttentionBackend(
-        "fake", backends.reference_forward, backends.reference_backward, ("cpu",),
-        (torch.float32,), "stand-in that is installed but not usable here", probe,
-    )
-    monkeypatch.setitem(backends._BACKENDS, "fake", fake)
-    monkeypatch.setitem(backends._AUTO_ORDER, "cpu", ("fake", "torch_cpu_flash"))
+    register_backend(_fake(probe=probe), auto_priority=100)
     assert get_backend("auto", torch.device("cpu"), torch.float32).name == "torch_cpu_flash"
     with pytest.raises(ValueError, match="fake kernel needs a newer GPU"):
         get_backend("fake", torch.device("cpu"), torch.float32)
+
+
+def test_auto_takes_the_highest_priority_and_none_means_by_name_only(own_registry):
+    cpu = torch.device("cpu")
+    register_backend(_fake("by_name_only"))
+    assert get_backend("auto", cpu, torch.float32).name == "torch_cpu_flash"
+    assert get_backend("by_name_only", cpu, torch.float32).name == "by_name_only"
+    register_backend(_fake("preferred"), auto_priority=11)
+    assert get_backend("auto", cpu, torch.float32).name == "preferred"
+    # Only for the dtypes it takes: bf16 still goes to the CPU flash op.
+    assert get_backend("auto", cpu, torch.bfloat16).name == "torch_cpu_flash"
+    assert {"by_name_only", "preferred"} <= set(available_backends(cpu, torch.float32))
+
+
+def test_register_refuses_a_duplicate_or_reserved_name(own_registry):
+    with pytest.raises(ValueError, match="registered already; pass replace=True"):
+        register_backend(_fake("reference"))
+    for name in ("auto", "torch_flash", "flash_attn_4"):
+        with pytest.raises(ValueError, match="reserved"):
+            register_backend(_fake(name))
+    replacement = _fake("reference")
+    register_backend(replacement, replace=True)
+    assert get_backend("reference", torch.device("cpu"), torch.float32) is replacement
+
+
+def test_a_backend_not_installed_says_how_to_install_it(own_registry):
+    register_backend(_fake(installed=lambda: False, install_hint="pip install fake-attn"), auto_priority=100)
+    assert "fake" not in available_backends(torch.device("cpu"), torch.float32)
+    assert get_backend("auto", torch.device("cpu"), torch.float32).name == "torch_cpu_flash"
+    with pytest.raises(ValueError, match=r"not installed \(pip install fake-attn\)"):
+        get_backend("fake", torch.device("cpu"), torch.float32)
+
+
+def test_the_record_takes_keywords_and_both_varlen_kernels_or_neither():
+    with pytest.raises(TypeError):
+        AttentionBackend("positional", reference_forward, reference_backward, ("cpu",), (torch.float32,), "x")
+    with pytest.raises(ValueError, match="both"):
+        _fake(varlen_forward=looped_varlen_forward)
+
+
+def test_refused_names_keep_their_guidance():
+    with pytest.raises(NotImplementedError, match="backend='torch_efficient'"):
+        get_backend("torch_flash", torch.device("cuda"), torch.bfloat16)
 
 
 # ------------------------------------------- flash-attn 2 varlen kernel (packed rows)
@@ -285,28 +341,28 @@ def _fa2_27_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seql
 @pytest.mark.parametrize("version", ["2.6.3", "2.8.3"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_flash_attn_2_varlen_glue(monkeypatch, version, causal):
-    fns = (_fa2_27_varlen_forward, _fa2_27_varlen_backward) if Version(version) >= cuda.FA2_SPLIT_WINDOW \
+    fns = (_fa2_27_varlen_forward, _fa2_27_varlen_backward) if Version(version) >= flash_attn2.FA2_SPLIT_WINDOW \
         else (_fa2_26_varlen_forward, _fa2_26_varlen_backward)
     module = SimpleNamespace(_flash_attn_varlen_forward=fns[0], _flash_attn_varlen_backward=fns[1])
-    monkeypatch.setattr(cuda, "_check", lambda *a: None)
-    monkeypatch.setattr(cuda, "_fa2", lambda: (module, Version(version)))
-    backend = cuda.cuda_backends()[0]
-    assert backend.name == "flash_attn" and backend.varlen_forward is cuda.fa2_varlen_forward
+    _allow_cpu_tensors(monkeypatch, flash_attn2)
+    monkeypatch.setattr(flash_attn2, "_fa2", lambda: (module, Version(version)))
+    backend = flash_attn2.FLASH_ATTN
+    assert backend.name == "flash_attn" and backend.varlen_forward is flash_attn2.fa2_varlen_forward
     # Three segments of unequal lengths (square when causal, as the ring asks).
     q_lens, k_lens = (3, 6, 2), ((3, 6, 2) if causal else (5, 1, 4))
     cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32) for n in (q_lens, k_lens))
     q, k, v, dout = _inputs(sq=sum(q_lens), sk=sum(k_lens))
     q, k, v, dout = q[0], k[0], v[0], dout[0]  # (total, heads, d)
     args = (cu_q, cu_k, max(q_lens), max(k_lens), causal, 0.3)
-    out, lse = cuda.fa2_varlen_forward(q, k, v, *args)
-    ref_out, ref_lse = looped_varlen_forward(q, k, v, *args)
+    out, lse = flash_attn2.fa2_varlen_forward(q, k, v, *args)
+    ref = segment_attention(q, k, v, dout, cu_q, cu_k, causal, 0.3)
     assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32
-    assert rel_err(out, ref_out) < 1e-10 and rel_err(lse, ref_lse) < 1e-6
+    assert rel_err(out, ref["out"]) < 1e-10 and rel_err(lse, ref["lse"]) < 1e-6
     # A non-contiguous column slice of a wider lse, as the ring passes it.
-    lse_view = torch.cat([ref_lse, ref_lse], dim=-1)[:, : q.shape[0]]
-    grads = cuda.fa2_varlen_backward(dout, q, k, v, ref_out, lse_view, *args)
-    for got, want in zip(grads, looped_varlen_backward(dout, q, k, v, ref_out, ref_lse, *args)):
-        assert got.shape == want.shape and rel_err(got, want) < 1e-6
+    lse_view = torch.cat([ref["lse"], ref["lse"]], dim=-1)[:, : q.shape[0]]
+    grads = flash_attn2.fa2_varlen_backward(dout, q, k, v, ref["out"], lse_view, *args)
+    for got, name, like in zip(grads, ("dq", "dk", "dv"), (q, k, v)):
+        assert got.shape == like.shape and rel_err(got, ref[name]) < 1e-6
 
 
 def test_flash_attn_2_varlen_refuses_a_padded_lse(monkeypatch):
@@ -318,10 +374,10 @@ def test_flash_attn_2_varlen_refuses_a_padded_lse(monkeypatch):
         n = cu_seqlens_q.numel() - 1
         return q, torch.zeros(n, q.shape[1], max_seqlen_q), None, None
 
-    monkeypatch.setattr(cuda, "_check", lambda *a: None)
-    monkeypatch.setattr(cuda, "_fa2", lambda: (SimpleNamespace(_flash_attn_varlen_forward=padded_forward),
+    _allow_cpu_tensors(monkeypatch, flash_attn2)
+    monkeypatch.setattr(flash_attn2, "_fa2", lambda: (SimpleNamespace(_flash_attn_varlen_forward=padded_forward),
                                                Version("2.7.4")))
     q = torch.randn(6, 4, 8)
     cu = torch.tensor([0, 2, 6], dtype=torch.int32)
     with pytest.raises(NotImplementedError, match="not supported"):
-        cuda.fa2_varlen_forward(q, q[:, :2], q[:, :2], cu, cu, 4, 4, True, 0.3)
+        flash_attn2.fa2_varlen_forward(q, q[:, :2], q[:, :2], cu, cu, 4, 4, True, 0.3)

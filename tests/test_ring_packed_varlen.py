@@ -4,8 +4,12 @@ documents (hf_ring/ring/packed_step.py) instead of one call per document.
 The varlen kernel here is a CPU stand-in that loops the reference kernel over the
 ``cu_seqlens`` segments, so both paths run the same arithmetic per document and must agree
 within 1e-6 relative (float32 inputs); what differs is the gathering, boundaries and
-putting back, which is what this checks. It also checks the varlen path was taken: one
-varlen call per ring step in the forward and one in the backward, no per-block calls.
+putting back, which is what this checks. Both paths are also checked against float64
+attention computed document by document independently of hf_ring
+(``reference_attention.segment_attention``), within 1e-5 relative as for other float32
+rings, so a wrong reference kernel fails here too. It also checks the varlen path was
+taken: one varlen call per ring step in the forward and one in the backward, no
+per-block calls.
 """
 
 from __future__ import annotations
@@ -15,10 +19,10 @@ import torch
 
 import hf_ring
 from distributed import run_world
-from hf_ring.kernels import backends
+from hf_ring.kernels import AttentionBackend, register_backend, registry
 from hf_ring.kernels.reference import reference_backward, reference_forward
 from hf_ring.sharding import shard_packed
-from reference_attention import rel_err
+from reference_attention import rel_err, segment_attention
 from varlen_standin import looped_varlen_backward, looped_varlen_forward
 
 DOC_LENS = (8, 4, 12, 4)  # multiples of 2 * cp_size for cp_size 1 and 2
@@ -46,26 +50,30 @@ def _varlen_backward(*args):
     return looped_varlen_backward(*args)
 
 
-_F32 = (torch.float32,)
-STANDINS = {
-    "per_doc_standin": backends.AttentionBackend(
-        "per_doc_standin", _counted_forward, _counted_backward, ("cpu",), _F32, "reference, counted"),
-    "varlen_standin": backends.AttentionBackend(
-        "varlen_standin", _counted_forward, _counted_backward, ("cpu",), _F32,
-        "reference, counted, with a looped varlen kernel", None, _varlen_forward, _varlen_backward),
-}
+_STANDIN_FIELDS = dict(forward=_counted_forward, backward=_counted_backward, devices=("cpu",),
+                       dtypes=(torch.float32,))
+STANDINS = (
+    AttentionBackend(name="per_doc_standin", description="reference, counted", **_STANDIN_FIELDS),
+    AttentionBackend(name="varlen_standin", description="reference, counted, with a looped varlen kernel",
+                     varlen_forward=_varlen_forward, varlen_backward=_varlen_backward, **_STANDIN_FIELDS),
+)
 
 
-def _rank(rank: int, world: int, causal: bool, register: bool) -> dict:
-    if register:  # a spawned process: its own registry, nothing leaks into other tests
-        backends._BACKENDS.update(STANDINS)
-    multiple = 2 * world
+def _inputs():
     cu = torch.tensor([0, *torch.tensor(DOC_LENS).cumsum(0).tolist()], dtype=torch.int32)
-    assert all(n % multiple == 0 for n in DOC_LENS)
     g = torch.Generator().manual_seed(3)
     total = int(cu[-1])
     q, dout = (torch.randn(total, HQ, D, generator=g) for _ in range(2))
     k, v = (torch.randn(total, HK, D, generator=g) for _ in range(2))
+    return cu, q, k, v, dout
+
+
+def _rank(rank: int, world: int, causal: bool, register: bool) -> dict:
+    if register:  # a spawned process: its own registry, nothing leaks into other tests
+        for backend in STANDINS:
+            register_backend(backend)
+    assert all(n % (2 * world) == 0 for n in DOC_LENS)
+    cu, q, k, v, dout = _inputs()
     shard = lambda t: shard_packed(t, cu, world, rank, dim=0)
     res = {}
     for name in ("per_doc_standin", "varlen_standin"):
@@ -81,11 +89,16 @@ def _rank(rank: int, world: int, causal: bool, register: bool) -> dict:
     return res
 
 
-def _check(per_rank: list, world: int) -> None:
-    for res in per_rank:
+def _check(per_rank: list, world: int, causal: bool) -> None:
+    cu, q, k, v, dout = _inputs()
+    ref = segment_attention(q, k, v, dout, cu, cu, causal, D ** -0.5)
+    for rank, res in enumerate(per_rank):
         per_doc, varlen = res["per_doc_standin"], res["varlen_standin"]
         for name in ("out", "lse", "dq", "dk", "dv"):
             assert rel_err(varlen[name], per_doc[name]) <= 1e-6, (name, rel_err(varlen[name], per_doc[name]))
+            want = shard_packed(ref[name], cu, world, rank, dim=1 if name == "lse" else 0)
+            for path in (per_doc, varlen):
+                assert rel_err(path[name], want) <= 1e-5, (name, rel_err(path[name], want))
         # One varlen call per ring step, and the per-block kernel never called.
         assert varlen["calls_fwd"] == {"forward": 0, "backward": 0, "varlen_forward": world, "varlen_backward": 0}
         assert varlen["calls_bwd"] == {"forward": 0, "backward": 0, "varlen_forward": 0, "varlen_backward": world}
@@ -96,11 +109,12 @@ def _check(per_rank: list, world: int) -> None:
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_varlen_step_single_process(monkeypatch, causal):
-    for name, backend in STANDINS.items():
-        monkeypatch.setitem(backends._BACKENDS, name, backend)
-    _check([_rank(0, 1, causal, False)], 1)
+    monkeypatch.setattr(registry, "_REGISTERED", dict(registry._REGISTERED))
+    for backend in STANDINS:
+        register_backend(backend)
+    _check([_rank(0, 1, causal, False)], 1, causal)
 
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_varlen_step_world_2(causal):
-    _check(run_world(2, _rank, causal, True), 2)
+    _check(run_world(2, _rank, causal, True), 2, causal)

@@ -1,6 +1,6 @@
 """A CPU stand-in for a variable-length attention kernel: hf_ring's reference block kernel
 looped over the ``cu_seqlens`` segments, with the varlen contract of
-``hf_ring.kernels.backends`` (rows concatenated, lse ``(heads, total_q)`` float32)."""
+``hf_ring.kernels.base`` (rows concatenated, lse ``(heads, total_q)`` float32)."""
 
 from __future__ import annotations
 

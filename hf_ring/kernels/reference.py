@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import torch
 
+from hf_ring.kernels.base import ALL_FLOATS, AttentionBackend
+
 
 def _accum_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
-    """Scaled, masked scores ``(batch, n_kv_heads, group, q_len, k_len)`` in float32/64."""
+    """Scaled, masked scores ``(batch, n_kv_heads, group, q_len, k_len)`` in float32/64
+    from q ``(batch, q_len, n_heads, head_dim)`` and k ``(batch, k_len, n_kv_heads, head_dim)``."""
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     acc = _accum_dtype(q.dtype)
@@ -68,7 +71,8 @@ def reference_backward(
     all blocks gives the exact gradient of the whole attention.
 
     Args:
-        dout, out: ``(batch, q_len, n_heads, head_dim)``; lse: ``(batch, n_heads, q_len)``.
+        dout, out: ``(batch, q_len, n_heads, head_dim)``, any floating dtype; q, k, v as in
+            :func:`reference_forward`; lse: ``(batch, n_heads, q_len)`` float32 or float64.
     Returns:
         dq, dk, dv in float32 (float64 for float64 inputs), shaped like q, k, v.
     """
@@ -87,3 +91,13 @@ def reference_backward(
     dq = torch.einsum("bhgqk,bkhd->bqhgd", ds, k.to(acc)).reshape(b, sq, hq, d)
     dk = torch.einsum("bhgqk,bqhgd->bkhd", ds, q.to(acc).view(b, sq, hk, g, d))
     return dq, dk, dv
+
+
+REFERENCE = AttentionBackend(
+    name="reference",
+    forward=reference_forward,
+    backward=reference_backward,
+    devices=("cpu", "cuda"),
+    dtypes=ALL_FLOATS,
+    description="plain math; materialises the score matrix (tests, float64, short blocks)",
+)

@@ -1,0 +1,127 @@
+"""The contract every attention-block backend follows, and the one check they all share.
+
+Kept apart from the registry so that backend modules can build their record from it
+without importing the registry (which imports them to register the built-ins).
+
+A backend computes one block of attention, ``(q, k, v, causal, scale) -> (out, lse)``, and
+its backward ``(dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv)``:
+
+- ``q``, ``dout``, ``out``: ``(batch, q_len, n_heads, head_dim)``; ``k``, ``v``:
+  ``(batch, k_len, n_kv_heads, head_dim)``, all of one floating dtype (``out`` may come
+  back in float32 from the merge; backends cast it). ``n_heads % n_kv_heads == 0`` (GQA):
+  backends that cannot take that natively repeat K/V locally, on the already-received
+  block, never before communication.
+- ``lse``: ``(batch, n_heads, q_len)``, natural-log units, float32 (float64 for float64
+  inputs); in the backward it is the *final* lse of each query row, possibly a
+  non-contiguous column slice of a wider tensor.
+- ``causal`` blocks always have ``q_len == k_len`` (top-left and bottom-right alignment
+  agree); non-causal ones may differ.
+- ``dq``, ``dk``, ``dv``: shaped like q, k, v, in the input dtype or float32.
+
+A backend may also offer a variable-length kernel: many independent blocks in one call,
+rows concatenated. ``q`` ``(total_q, n_heads, head_dim)``, ``k``/``v`` ``(total_k,
+n_kv_heads, head_dim)``, boundaries ``cu_q``/``cu_k`` int32 ``(n_blocks + 1,)`` on the
+tensors' device, ``max_q``/``max_k`` Python ints, lse ``(n_heads, total_q)`` float32.
+Packed rows use it to run every document of a ring step in one launch.
+
+Asking for a backend that cannot run on this machine, device or dtype is an error that
+says what to do: a different kernel would be a silent change of numerics and speed.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+# (q, k, v, causal, scale) -> (out, lse)
+ForwardFn = Callable[..., "tuple[torch.Tensor, torch.Tensor]"]
+# (dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv)
+BackwardFn = Callable[..., "tuple[torch.Tensor, torch.Tensor, torch.Tensor]"]
+# (q, k, v, cu_q, cu_k, max_q, max_k, causal, scale) -> (out, lse)
+VarlenForwardFn = Callable[..., "tuple[torch.Tensor, torch.Tensor]"]
+# (dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale) -> (dq, dk, dv)
+VarlenBackwardFn = Callable[..., "tuple[torch.Tensor, torch.Tensor, torch.Tensor]"]
+# Raises ValueError / NotImplementedError, saying why, when the backend cannot run here.
+ProbeFn = Callable[[torch.device, torch.dtype], None]
+
+ALL_FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+HALF_FLOATS = (torch.float16, torch.bfloat16)
+# bfloat16 kernels need Ampere whatever the backend's own minimum.
+_BF16_MIN_CAPABILITY = (8, 0)
+
+
+def _always_installed() -> bool:
+    return True
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionBackend:
+    """A named block kernel, the devices and dtypes it takes, and how to tell it can run.
+
+    Fields:
+        name: what users pass as ``backend=``.
+        forward, backward: the block kernel (see the module docstring for shapes).
+        devices: device types it runs on (``"cpu"``, ``"cuda"``).
+        dtypes: input dtypes it takes.
+        description: one line for listings.
+        installed: whether its package is importable; cheap, no import side effects.
+        install_hint: what to do when ``installed()`` is False (e.g. ``pip install ...``).
+        min_capability: lowest CUDA compute capability it runs on; None for no minimum.
+        max_head_dim: largest head_dim its kernels take; None for no limit.
+        probe: further checks known before any tensor exists (package version, kernel
+            signature); raises ValueError / NotImplementedError saying what to do.
+        varlen_forward, varlen_backward: the optional variable-length kernel; both or neither.
+    """
+
+    name: str
+    forward: ForwardFn
+    backward: BackwardFn
+    devices: tuple[str, ...]
+    dtypes: tuple[torch.dtype, ...]
+    description: str
+    installed: Callable[[], bool] = _always_installed
+    install_hint: str = ""
+    min_capability: Optional[tuple[int, int]] = None
+    max_head_dim: Optional[int] = None
+    probe: Optional[ProbeFn] = None
+    varlen_forward: Optional[VarlenForwardFn] = None
+    varlen_backward: Optional[VarlenBackwardFn] = None
+
+    def __post_init__(self) -> None:
+        if (self.varlen_forward is None) != (self.varlen_backward is None):
+            raise ValueError(f"attention backend {self.name!r}: give both varlen_forward and "
+                             "varlen_backward, or neither")
+
+    def check(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Raise ValueError (saying what to do) unless this backend runs on ``device`` for
+        ``dtype``: device type, dtype, GPU generation, then ``probe``.
+
+        The one check every backend uses, at selection and, for the CUDA kernels, before
+        each launch (everything it reads is cached after the first call).
+        """
+        hint = "pass backend='auto' or one of hf_ring.kernels.available_backends(device, dtype)"
+        if device.type not in self.devices:
+            raise ValueError(f"attention backend {self.name!r} runs on {'/'.join(self.devices)}, but the "
+                             f"tensors are on {device}; {hint}")
+        if dtype not in self.dtypes:
+            raise ValueError(f"attention backend {self.name!r} takes {[str(d) for d in self.dtypes]}, "
+                             f"got {dtype}; cast the model (e.g. torch_dtype=torch.bfloat16) or {hint}")
+        if device.type == "cuda" and self.min_capability is not None:
+            need = max(self.min_capability, _BF16_MIN_CAPABILITY) if dtype == torch.bfloat16 \
+                else self.min_capability
+            have = gpu_capability(device)
+            if have < need:
+                raise ValueError(f"attention backend {self.name!r} needs a GPU of compute capability "
+                                 f">= {need[0]}.{need[1]} for {dtype}, this one is {have[0]}.{have[1]}; "
+                                 f"{hint}")
+        if self.probe is not None:
+            self.probe(device, dtype)
+
+
+@functools.lru_cache(maxsize=None)  # a driver query; checked before every CUDA launch
+def gpu_capability(device: torch.device) -> tuple[int, int]:
+    """CUDA compute capability ``(major, minor)`` of ``device``."""
+    return torch.cuda.get_device_capability(device)

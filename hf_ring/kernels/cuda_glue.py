@@ -1,0 +1,127 @@
+"""What the CUDA backends share: the per-launch check, and safe calls into kernel internals.
+
+The ring needs two things public attention APIs hide: the forward's log-sum-exp, and a
+backward that takes an externally merged ``out`` and ``lse``. So the CUDA backends call
+kernels' internal entry points, whose signatures change between releases. Every call
+therefore binds its arguments by the installed signature (:func:`bind_kwargs`) and reads
+the result by shape (:func:`pick_out_lse`), raising an error naming what it found instead
+of passing arguments to the wrong parameters or taking the wrong tensor as the lse.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Callable, Optional
+
+import torch
+
+from hf_ring.kernels.base import AttentionBackend
+
+# Values that switch a kernel option off (no dropout, no window, no softcap, no paged or
+# rotary or fp8 extras). Only used for parameters the installed signature requires and
+# hf_ring does not set itself; any other required parameter is an error.
+NEUTRAL: dict[str, Any] = {
+    "dropout_p": 0.0, "softcap": 0.0, "alibi_slopes": None, "return_softmax": False,
+    "deterministic": False, "rng_state": None, "window_size": (-1, -1),
+    "window_size_left": -1, "window_size_right": -1, "attention_chunk": 0,
+    "rotary_interleaved": True, "num_splits": 1, "pack_gqa": None, "sm_margin": 0,
+    "gqa_parallel": False, "scheduler_metadata": None,
+    **{name: None for name in (
+        "k_new", "v_new", "qv", "out", "out_", "cu_seqlens_q", "cu_seqlens_k",
+        "cu_seqlens_k_new", "seqused_q", "seqused_k", "sequed_q", "sequed_k",
+        "max_seqlen_q", "max_seqlen_k", "page_table", "block_table", "kv_batch_idx", "leftpad_k",
+        "rotary_cos", "rotary_sin", "seqlens_rotary", "q_descale", "k_descale",
+        "v_descale", "descale_q", "descale_k", "descale_v",
+    )},
+}
+
+
+def check_block(backend: AttentionBackend, q: torch.Tensor) -> None:
+    """Before a launch: :meth:`AttentionBackend.check` on q's device and dtype, and head_dim.
+
+    Args:
+        q: the block's queries, ``(..., head_dim)``; K/V share its device, dtype and head_dim.
+    """
+    backend.check(q.device, q.dtype)
+    d = q.shape[-1]
+    # The kernels load head_dim in 16-byte vectors.
+    align = 4 if q.dtype == torch.float32 else 8
+    limit = backend.max_head_dim
+    if d % align or (limit is not None and d > limit):
+        raise ValueError(f"attention backend {backend.name!r} needs head_dim a multiple of {align} and at "
+                         f"most {limit}, got {d}; use backend='reference' for this head size")
+
+
+@functools.lru_cache(maxsize=None)  # read once per function: it is called for every block
+def params_of(fn: Callable) -> dict[str, bool]:
+    """Parameter name -> whether it has a default, for a Python function or a torch op."""
+    op = getattr(fn, "_opoverload", None) or (fn if isinstance(fn, torch._ops.OpOverload) else None)
+    if op is not None:
+        return {a.name: a.has_default_value() for a in op._schema.arguments}
+    params = inspect.signature(getattr(fn, "_init_fn", fn)).parameters
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params.values()):
+        raise NotImplementedError(f"cannot read the parameters of {fn!r}; hf_ring needs them to call "
+                                  "it safely")
+    return {n: p.default is not inspect.Parameter.empty for n, p in params.items()}
+
+
+def bind_kwargs(fn: Callable, what: str, given: dict[str, Any]) -> dict[str, Any]:
+    """Keyword arguments for ``fn``: ``given`` plus neutral values for other required ones.
+
+    Raises NotImplementedError when ``fn`` lacks a parameter we set or requires one we do
+    not know: the installed kernel is a version this code was not written for.
+    """
+    params = params_of(fn)
+    missing = [n for n in given if n not in params]
+    unknown = [n for n, has_default in params.items()
+               if not has_default and n not in given and n not in NEUTRAL]
+    if missing or unknown:
+        raise NotImplementedError(
+            f"{what} has an unexpected signature (parameters {list(params)}; hf_ring needs "
+            f"{missing} and does not know the required {unknown}); install a supported version "
+            "(see hf_ring/kernels/flash_attn2.py and flash_attn3.py) or pass backend='torch_efficient'"
+        )
+    kwargs = {n: NEUTRAL[n] for n, has_default in params.items() if not has_default and n not in given}
+    kwargs.update(given)
+    return kwargs
+
+
+def pick_out_lse(result: Any, q: torch.Tensor, what: str,
+                 lse_shape: Optional[tuple[int, ...]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` from a flash forward's return tuple.
+
+    out comes first; lse sits at index 1 (flash-attn >= 2.7, FA3) or 5 (flash-attn 2.6
+    and early FA3 return ``out, q, k, v, out_padded, lse, ...``). Only a float32 tensor of
+    ``lse_shape`` is taken as the lse.
+
+    Args:
+        result: what the kernel returned.
+        q: the queries, ``(batch, q_len, n_heads, head_dim)`` or varlen ``(total_q, n_heads,
+            head_dim)``; out must have its shape.
+        what: the kernel's name, for the error.
+        lse_shape: default ``(batch, n_heads, q_len)``; varlen callers pass ``(n_heads, total_q)``.
+    Returns:
+        out shaped like q, and lse float32 of ``lse_shape``.
+    """
+    if lse_shape is None:
+        b, sq, hq, _ = q.shape
+        lse_shape = (b, hq, sq)
+    lse_shape = tuple(lse_shape)
+    if isinstance(result, (tuple, list)) and len(result) >= 2 and result[0].shape == q.shape:
+        for i in (1, 5):
+            t = result[i] if i < len(result) else None
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and tuple(t.shape) == lse_shape:
+                return result[0], t
+    items = result if isinstance(result, (tuple, list)) else [result]
+    shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in items]
+    raise NotImplementedError(f"{what} returned {shapes}; expected out {tuple(q.shape)} and a float32 lse "
+                              f"{lse_shape}: this kernel version is not supported")
+
+
+def grad_buffers(q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Uninitialised dq, dk, dv shaped and typed like q, k, v, for kernels that write into
+    the gradients they are given."""
+    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    return dq, dk, dv

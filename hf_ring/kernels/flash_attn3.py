@@ -1,0 +1,77 @@
+"""flash-attn 3, the hopper build (module ``flash_attn_interface``), dense blocks.
+
+sm90 GPUs, fp16/bf16, head_dim up to 256. The interface has no version of its own to
+check and renamed its arguments across builds (``causal`` -> ``is_causal`` in the
+backward; ``window_size=(l, r)`` -> two ints), so argument names are read from the
+installed functions and bound by :func:`hf_ring.kernels.cuda_glue.bind_kwargs`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+from typing import Any, Callable
+
+import torch
+
+from hf_ring.kernels.base import HALF_FLOATS, AttentionBackend
+from hf_ring.kernels.cuda_glue import NEUTRAL, bind_kwargs, check_block, grad_buffers, params_of, pick_out_lse
+
+
+@functools.lru_cache(maxsize=None)
+def _fa3() -> Any:
+    """The interface module; ValueError when it cannot be imported."""
+    try:
+        return importlib.import_module("flash_attn_interface")
+    except ImportError as e:
+        raise ValueError("backend 'flash_attn_3' needs the flash-attn hopper build (module "
+                         f"flash_attn_interface) importable ({e}); pass backend='flash_attn'") from e
+
+
+def _fa3_call(fn: Callable, what: str, given: dict[str, Any], causal: bool) -> Any:
+    params = params_of(fn)
+    flag = next((n for n in ("is_causal", "causal") if n in params), "causal")
+    window = {n: NEUTRAL[n] for n in ("window_size", "window_size_left", "window_size_right") if n in params}
+    return fn(**bind_kwargs(fn, what, {**given, flag: causal, **window}))
+
+
+def fa3_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q ``(b, sq, hq, d)``, k/v ``(b, sk, hk, d)`` fp16/bf16 -> out like q, lse ``(b, hq, sq)`` f32."""
+    check_block(FLASH_ATTN_3, q)
+    what = "flash_attn_interface._flash_attn_forward"
+    result = _fa3_call(_fa3()._flash_attn_forward, what, dict(q=q, k=k, v=v, softmax_scale=scale), causal)
+    return pick_out_lse(result, q, what)
+
+
+def fa3_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Block gradients given the final ``out`` ``(b, sq, hq, d)`` (any float dtype) and
+    ``lse`` ``(b, hq, sq)``; dq, dk, dv in the input dtype, shaped like q, k, v."""
+    check_block(FLASH_ATTN_3, q)
+    dq, dk, dv = grad_buffers(q, k, v)
+    # The kernel indexes lse as a dense (b, h, sq) array; the ring passes a column slice.
+    given = dict(dout=dout, q=q, k=k, v=v, out=out.to(q.dtype), softmax_lse=lse.float().contiguous(),
+                 dq=dq, dk=dk, dv=dv, softmax_scale=scale)
+    _fa3_call(_fa3()._flash_attn_backward, "flash_attn_interface._flash_attn_backward", given, causal)
+    return dq, dk, dv
+
+
+def _probe(device: torch.device, dtype: torch.dtype) -> None:
+    _fa3()
+
+
+FLASH_ATTN_3 = AttentionBackend(
+    name="flash_attn_3",
+    forward=fa3_forward,
+    backward=fa3_backward,
+    devices=("cuda",),
+    dtypes=HALF_FLOATS,
+    description="flash-attn 3 hopper build (module flash_attn_interface), sm90",
+    installed=lambda: importlib.util.find_spec("flash_attn_interface") is not None,
+    install_hint="build flash-attn's hopper/ folder: cd hopper && python setup.py install",
+    min_capability=(9, 0),
+    max_head_dim=256,
+    probe=_probe,
+)
