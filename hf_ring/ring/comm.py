@@ -145,6 +145,32 @@ class VirtualRing:
         return _VirtualExchange(deliver, self.stats)
 
 
+class BlockStream:
+    """The K/V blocks a rank holds, step after step: its own first, then each one received.
+
+    Its own block is never written to (so the forward can save it for the backward, and
+    the backward can run twice); received blocks alternate between two buffers (one when
+    the ring has two ranks): the one computed on and sent, and the one received into.
+    """
+
+    def __init__(self, own: torch.Tensor, world: int) -> None:
+        self.current = own
+        self._recv = [torch.empty_like(own) for _ in range(min(2, world - 1))]
+        self._step = 0
+        self._next: Optional[torch.Tensor] = None
+
+    def start(self, exchange: Exchange) -> None:
+        """Send the block held now onward; receive the next one."""
+        self._next = self._recv[self._step % len(self._recv)]
+        exchange.start(self.current, self._next)
+
+    def advance(self, exchange: Exchange) -> None:
+        """Wait for the next block and hold it."""
+        exchange.wait()
+        self.current, self._next = self._next, None
+        self._step += 1
+
+
 class DoubleBuffer:
     """Two equally shaped buffers: ``current`` (computed on, sent) and ``incoming``."""
 

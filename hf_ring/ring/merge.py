@@ -21,6 +21,11 @@ def merge_block_(
 ) -> None:
     """Fold one block's result into the accumulators, in place.
 
+    Written as ``lse += log(1 + exp(lse_B - lse))`` (``logaddexp``, in place) and
+    ``out = lerp(out, out_B, exp(lse_B - lse_new))``: five small ops on the lse and one
+    pass over ``out``. A row whose new lse is still -inf (no key seen yet, none in this
+    block) gets weight 0, not ``exp(-inf - -inf) = nan``.
+
     Args:
         out_acc: ``(batch, q_len, n_heads, head_dim)`` float32 (float64) accumulator;
             may be a view into a larger accumulator.
@@ -29,10 +34,6 @@ def merge_block_(
         block_lse: ``(batch, n_heads, q_len)``, any float dtype.
     """
     block_lse = block_lse.to(lse_acc.dtype)
-    new_lse = torch.logaddexp(lse_acc, block_lse)
-    # Rows where both are -inf: keep weights finite (0) instead of exp(-inf - -inf) = nan.
-    ref = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
-    w_old = torch.exp(lse_acc - ref).transpose(1, 2).unsqueeze(-1)  # (b, q, h, 1)
-    w_new = torch.exp(block_lse - ref).transpose(1, 2).unsqueeze(-1)
-    out_acc.mul_(w_old).addcmul_(block_out.to(out_acc.dtype), w_new)
-    lse_acc.copy_(new_lse)
+    torch.logaddexp(lse_acc, block_lse, out=lse_acc)
+    w_new = torch.exp(block_lse - lse_acc).nan_to_num_(0.0)  # (b, h, q)
+    out_acc.lerp_(block_out.to(out_acc.dtype), w_new.transpose(1, 2).unsqueeze(-1))

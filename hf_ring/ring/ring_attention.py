@@ -13,9 +13,11 @@ inputs) and are returned in the input dtype.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-from hf_ring.ring.comm import DKV_CHANNEL, KV_CHANNEL, DoubleBuffer
+from hf_ring.ring.comm import DKV_CHANNEL, KV_CHANNEL, BlockStream, DoubleBuffer
 from hf_ring.ring.merge import merge_block_
 from hf_ring.ring.packed_step import backward_varlen, forward_varlen
 from hf_ring.ring.plan import RingPlan
@@ -35,20 +37,42 @@ def _covers(spans, length: int) -> bool:
     return pos == length
 
 
-def forward_blocks(plan: RingPlan, blocks, q, cur_k, cur_v, out, lse, first_step: bool) -> None:
-    """One ring step of the forward: every block against the K/V shard held now, folded
-    into ``out`` ``(b, s, hq, d)`` and ``lse`` ``(b, hq, s)`` (float32 accumulators).
+def _whole(blocks, length: int) -> bool:
+    """One block that covers every query row: its result can become the accumulator."""
+    return len(blocks) == 1 and blocks[0].q_start == 0 and blocks[0].q_end == length
 
-    On the first step the blocks (the diagonal) usually cover every query row once: their
-    results then become the accumulators' first values, with no merge.
+
+def forward_blocks(
+    plan: RingPlan, blocks, q: torch.Tensor, cur_k: torch.Tensor, cur_v: torch.Tensor,
+    acc: Optional[tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One ring step of the forward: every block against the K/V shard held now, folded
+    into the accumulators ``acc = (out (b, s, hq, d), lse (b, hq, s))`` (float32, float64
+    for float64 inputs), which are returned.
+
+    ``acc`` is None on the first step. Its blocks (the diagonal) usually cover every query
+    row once: their results then become the accumulators, with no merge and, when the
+    kernel returns the accumulator dtype, no copy.
     """
-    first = first_step and _covers([(b.q_start, b.q_end) for b in blocks], q.shape[1])
-    if first_step and not first:
-        out.zero_()
-        lse.fill_(float("-inf"))
+    s = q.shape[1]
+    dtype = accum_dtype(q.dtype)
+    if acc is None and _whole(blocks, s) and not plan.varlen:
+        blk = blocks[0]
+        block_out, block_lse = plan.backend.forward(q, cur_k[:, blk.k_start:blk.k_end],
+                                                    cur_v[:, blk.k_start:blk.k_end], blk.causal, plan.scale)
+        return block_out.to(dtype), block_lse.to(dtype)
+    first = acc is None and _covers([(b.q_start, b.q_end) for b in blocks], s)
+    if acc is None:
+        b, _, hq, d = q.shape
+        acc = (torch.empty(b, s, hq, d, dtype=dtype, device=q.device),
+               torch.empty(b, hq, s, dtype=dtype, device=q.device))
+        if not first:
+            acc[0].zero_()
+            acc[1].fill_(float("-inf"))
+    out, lse = acc
     if plan.varlen:
         forward_varlen(plan, blocks, q, cur_k, cur_v, out, lse, first)
-        return
+        return out, lse
     for blk in blocks:
         qs, ks = slice(blk.q_start, blk.q_end), slice(blk.k_start, blk.k_end)
         block_out, block_lse = plan.backend.forward(q[:, qs], cur_k[:, ks], cur_v[:, ks], blk.causal, plan.scale)
@@ -57,18 +81,32 @@ def forward_blocks(plan: RingPlan, blocks, q, cur_k, cur_v, out, lse, first_step
             lse[:, :, qs] = block_lse
         else:
             merge_block_(out[:, qs], lse[:, :, qs], block_out, block_lse)
+    return out, lse
 
 
-def backward_blocks(plan: RingPlan, blocks, dout, q, cur_k, cur_v, out, lse, dq, first_step: bool) -> list:
+def backward_blocks(
+    plan: RingPlan, blocks, dout: torch.Tensor, q: torch.Tensor, cur_k: torch.Tensor, cur_v: torch.Tensor,
+    out: torch.Tensor, lse: torch.Tensor, dq: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, list]:
     """One ring step of the backward: every block's gradients given the final ``out`` and
-    ``lse``; dq is accumulated into ``dq`` (float32), and the blocks' dK/dV are returned as
+    ``lse``. dq is accumulated into ``dq`` (float32; None on the first step, when a block
+    covering every row becomes it) and returned, with the blocks' dK/dV as
     ``[(k_slice, dk, dv)]`` for :func:`add_block_dkv`, so they can be computed while the
     accumulator they belong to is still in flight."""
-    first = first_step and _covers([(b.q_start, b.q_end) for b in blocks], q.shape[1])
-    if first_step and not first:
-        dq.zero_()
+    s = q.shape[1]
+    dtype = accum_dtype(q.dtype)
+    if dq is None and _whole(blocks, s) and not plan.varlen:
+        blk = blocks[0]
+        ks = slice(blk.k_start, blk.k_end)
+        bdq, bdk, bdv = plan.backend.backward(dout, q, cur_k[:, ks], cur_v[:, ks], out, lse, blk.causal, plan.scale)
+        return bdq.to(dtype), [(ks, bdk, bdv)]
+    first = dq is None and _covers([(b.q_start, b.q_end) for b in blocks], s)
+    if dq is None:
+        dq = torch.empty(q.shape, dtype=dtype, device=q.device)
+        if not first:
+            dq.zero_()
     if plan.varlen:
-        return backward_varlen(plan, blocks, dout, q, cur_k, cur_v, out, lse, dq, first)
+        return dq, backward_varlen(plan, blocks, dout, q, cur_k, cur_v, out, lse, dq, first)
     block_dkv = []
     for blk in blocks:
         qs, ks = slice(blk.q_start, blk.q_end), slice(blk.k_start, blk.k_end)
@@ -80,7 +118,7 @@ def backward_blocks(plan: RingPlan, blocks, dout, q, cur_k, cur_v, out, lse, dq,
         else:
             dq[:, qs] += bdq
         block_dkv.append((ks, bdk, bdv))
-    return block_dkv
+    return dq, block_dkv
 
 
 def add_block_dkv(dkv: torch.Tensor, block_dkv: list, length: int, first_step: bool) -> None:
@@ -99,23 +137,22 @@ def add_block_dkv(dkv: torch.Tensor, block_dkv: list, length: int, first_step: b
 
 
 def ring_forward(
-    plan: RingPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    plan: RingPlan, q: torch.Tensor, kv: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q ``(b, s, hq, d)``, k/v ``(b, s, hk, d)`` -> out ``(b, s, hq, d)`` in q's dtype and
-    lse ``(b, hq, s)`` float32 (float64 for float64 inputs)."""
-    b, s, hq, d = q.shape
-    acc = accum_dtype(q.dtype)
-    out = torch.empty(b, s, hq, d, dtype=acc, device=q.device)
-    lse = torch.empty((b, hq, s), dtype=acc, device=q.device)
-    kv = DoubleBuffer(torch.stack([k, v]))  # (2, b, s, hk, d)
+    """q ``(b, s, hq, d)`` and this rank's K/V stacked, ``kv`` ``(2, b, s, hk, d)`` (the one
+    message a step sends; left unchanged) -> out ``(b, s, hq, d)`` in q's dtype and lse
+    ``(b, hq, s)`` float32 (float64 for float64 inputs)."""
+    s = q.shape[1]
+    blocks = BlockStream(kv, plan.world)
     exchange = plan.transport(KV_CHANNEL) if plan.world > 1 else None
+    acc = None
     for step in range(plan.world):
         if step + 1 < plan.world:
-            exchange.start(kv.current, kv.incoming)
-        forward_blocks(plan, plan.blocks(step, s), q, kv.current[0], kv.current[1], out, lse, step == 0)
+            blocks.start(exchange)
+        acc = forward_blocks(plan, plan.blocks(step, s), q, blocks.current[0], blocks.current[1], acc)
         if step + 1 < plan.world:
-            exchange.wait()
-            kv.swap()
+            blocks.advance(exchange)
+    out, lse = acc
     return out.to(q.dtype), lse
 
 
@@ -123,26 +160,25 @@ def ring_backward(
     plan: RingPlan,
     dout: torch.Tensor,
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    kv: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients for the local q, k, v given ``dout`` ``(b, s, hq, d)`` and the forward's
-    final ``out`` and ``lse``."""
+    """Gradients for the local q, k, v given ``dout`` ``(b, s, hq, d)``, this rank's stacked
+    ``kv`` ``(2, b, s, hk, d)`` (left unchanged) and the forward's final ``out`` and ``lse``."""
     s = q.shape[1]
     acc = accum_dtype(q.dtype)
-    dq = torch.empty(q.shape, dtype=acc, device=q.device)
-    kv = DoubleBuffer(torch.stack([k, v]))
+    dq = None
+    blocks = BlockStream(kv, plan.world)
     # dkv.current accumulates dK/dV for the K/V block held now; it travels with that block.
-    dkv = DoubleBuffer(torch.empty((2, *k.shape), dtype=acc, device=k.device))
+    dkv = DoubleBuffer(torch.empty(kv.shape, dtype=acc, device=kv.device))
     kv_exchange = plan.transport(KV_CHANNEL) if plan.world > 1 else None
     dkv_exchange = plan.transport(DKV_CHANNEL) if plan.world > 1 else None
     for step in range(plan.world):
         if step + 1 < plan.world:
-            kv_exchange.start(kv.current, kv.incoming)
-        block_dkv = backward_blocks(
-            plan, plan.blocks(step, s), dout, q, kv.current[0], kv.current[1], out, lse, dq, step == 0
+            blocks.start(kv_exchange)
+        dq, block_dkv = backward_blocks(
+            plan, plan.blocks(step, s), dout, q, blocks.current[0], blocks.current[1], out, lse, dq
         )
         if step > 0:
             # The accumulator for the block we now hold arrives from the previous rank; the
@@ -151,8 +187,7 @@ def ring_backward(
             dkv.swap()
         add_block_dkv(dkv.current, block_dkv, s, step == 0)
         if step + 1 < plan.world:
-            kv_exchange.wait()
-            kv.swap()
+            blocks.advance(kv_exchange)
         if plan.world > 1:
             dkv_exchange.start(dkv.current, dkv.incoming)
     if plan.world > 1:
@@ -160,22 +195,27 @@ def ring_backward(
         dkv_exchange.wait()
         dkv.swap()
     dk, dv = dkv.current[0], dkv.current[1]
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq.to(q.dtype), dk.to(kv.dtype), dv.to(kv.dtype)
 
 
 class RingAttentionFunction(torch.autograd.Function):
-    """Autograd wrapper; ``lse`` is returned as a non-differentiable output."""
+    """Autograd wrapper; ``lse`` is returned as a non-differentiable output.
+
+    K and V are stacked once, in the forward, into the buffer the ring sends; that buffer
+    (not k and v) is saved for the backward, which sends it again without restacking.
+    """
 
     @staticmethod
     def forward(ctx, q, k, v, plan: RingPlan):
-        out, lse = ring_forward(plan, q, k, v)
-        ctx.save_for_backward(q, k, v, out, lse)
+        kv = torch.stack([k, v])  # (2, b, s, hk, d)
+        out, lse = ring_forward(plan, q, kv)
+        ctx.save_for_backward(q, kv, out, lse)
         ctx.plan = plan
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(ctx.plan, dout.contiguous(), q, k, v, out, lse)
+        q, kv, out, lse = ctx.saved_tensors
+        dq, dk, dv = ring_backward(ctx.plan, dout.contiguous(), q, kv, out, lse)
         return dq, dk, dv, None
