@@ -7,10 +7,16 @@ layer repeats a collective or a host sync. The ring's own transfers do grow with
 layers (which shows the counter sees the ring at all). Exact counts, no tolerance.
 
 Also: ranks whose inputs differ in shape, or where only one rank's inputs are refused,
-get an error on every rank instead of a gloo abort or a hang.
+get an error on every rank instead of a gloo abort or a hang; ``labels`` passed to the
+model under CP are refused (its loss would be a per-shard mean); and a forward that only
+some ranks of a CP group run fails on those ranks within the group's timeout (5 s here;
+the bound allows 30 s of slack for a loaded machine), naming the likely cause.
 """
 
 from __future__ import annotations
+
+import time
+from datetime import timedelta
 
 import torch
 
@@ -21,6 +27,7 @@ from test_hf_attention import VOCAB, tiny_config, tiny_model
 
 SEQ = 16
 LAYERS = (2, 8)
+TIMEOUT_S = 5
 
 
 def _step(model, ids, positions, weights) -> None:
@@ -50,7 +57,6 @@ def test_collectives_and_host_syncs_do_not_grow_with_layers():
         shallow, deep = per_depth[LAYERS[0]], per_depth[LAYERS[1]]
         assert shallow.get("collective", 0) == deep.get("collective", 0), per_depth
         assert shallow.get("host_sync", 0) == deep.get("host_sync", 0), per_depth
-        print(per_depth)
         # One model-level header check per forward, nothing per layer.
         assert shallow.get("collective", 0) == 1, per_depth
         # The ring itself runs per layer; at cp=2 per layer: 1 K/V transfer in the forward,
@@ -80,6 +86,8 @@ def _divergent(rank: int, world: int) -> dict:
             lambda: model(same_ids, position_ids=positions[:2], use_cache=(rank == 1) or None)
         ),
         "after": _error_of(lambda: model(same_ids, position_ids=positions[:2])),
+        # A model's own loss under CP would be a per-shard mean: refused.
+        "labels": _error_of(lambda: model(same_ids, position_ids=positions[:2], labels=same_ids)),
     }
 
 
@@ -90,3 +98,24 @@ def test_divergent_inputs_fail_on_every_rank():
         assert r["after"] == "no error", r
     assert "use_cache=True is not supported" in r1["one_rank_refused"], r1
     assert "CP rank(s) [1] refused" in r0["one_rank_refused"], r0
+    for r in (r0, r1):
+        assert "ValueError" in r["labels"] and "mean over this rank's shard" in r["labels"], r
+
+
+def _subset_forward(rank: int, world: int) -> str:
+    hf_ring.setup_context_parallel(world, timeout=timedelta(seconds=TIMEOUT_S))
+    model = tiny_model(tiny_config("llama"), "ring_flash")
+    ids = torch.randint(3, VOCAB, (1, SEQ // world))
+    positions = hf_ring.shard_sequence(torch.arange(SEQ)[None], world, rank)
+    if rank != 0:
+        return "did not run"  # as if only the main process ran a sanity forward
+    start = time.monotonic()
+    message = _error_of(lambda: model(ids, position_ids=positions))
+    return f"{message} after {time.monotonic() - start:.1f}s"
+
+
+def test_forward_on_some_ranks_only_fails_within_the_timeout():
+    r0, _ = run_world(2, _subset_forward)
+    assert "RuntimeError" in r0 and "every rank of a CP group must run every forward" in r0, r0
+    seconds = float(r0.rsplit("after ", 1)[1].rstrip("s"))
+    assert seconds < TIMEOUT_S + 30, r0

@@ -35,6 +35,7 @@ RING_FLASH = "ring_flash"
 # reference model, pickling) stay guarded: the hooks are module-level functions.
 _GUARDED_MODEL = "_hf_ring_guarded_model"
 _GUARDED_LAYER = "_hf_ring_guarded_layer"
+_GUARDED_LOSS = "_hf_ring_guarded_loss"
 
 
 def _is_attention_module(module: nn.Module) -> bool:
@@ -111,6 +112,26 @@ def _pre_forward(model: nn.Module, args: tuple, kwargs: dict):
     return args, kwargs
 
 
+def _refuse_model_loss(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Pre-hook of the model around the base model (e.g. ``LlamaForCausalLM``): under CP
+    the loss it computes from ``labels`` would be a mean over this rank's shard."""
+    state = get_context_parallel_state()
+    if state is None or state.cp_size == 1:
+        return None
+    inputs = _bind(model, args, kwargs)
+    given = [name for name in ("labels", "shift_labels") if inputs.get(name) is not None]
+    if given:
+        raise ValueError(
+            f"{type(model).__name__} got {' and '.join(given)} under context parallelism "
+            f"(cp_size={state.cp_size}): the loss it would compute is a mean over this rank's shard "
+            "only (NaN on a shard without a label), not the sequence's. Call the model without "
+            "labels and take the loss with hf_ring.hf.loss (token_loss_sum over this rank, divided by "
+            "the valid tokens of the whole dp x cp world; tests/ring_custom_loop.py shows it), or "
+            "train with RingTrainer, which does"
+        )
+    return None
+
+
 def _post_forward(model: nn.Module, args: tuple, kwargs: dict, output: Any):
     context: Optional[ForwardContext] = kwargs.get(CONTEXT_KWARG)
     if context is None or context.state is None:
@@ -132,9 +153,13 @@ def guard_model(model: nn.Module) -> None:
 
     The base model (``model.base_model``, e.g. the ``LlamaModel`` of a ``LlamaForCausalLM``)
     receives every input and runs every decoder layer; its attention layers are those
-    whose class name ends in ``Attention`` and that carry a ``layer_idx``.
+    whose class name ends in ``Attention`` and that carry a ``layer_idx``. The model
+    around it refuses ``labels`` under CP (its loss would be a per-shard mean).
     """
     base = getattr(model, "base_model", model)
+    if base is not model and not model.__dict__.get(_GUARDED_LOSS):
+        model.register_forward_pre_hook(_refuse_model_loss, with_kwargs=True)
+        model.__dict__[_GUARDED_LOSS] = True
     if base.__dict__.get(_GUARDED_MODEL):
         return
     for m in base.modules():

@@ -205,6 +205,17 @@ class RingTrainer(Trainer):
             return loss, None, None
         return loss, outputs.logits.detach(), shift_labels
 
+    def predict(self, *args: Any, **kwargs: Any) -> Any:
+        """The stock ``predict`` without context parallelism; refused under it."""
+        if self.ring_state.cp_size > 1:
+            raise NotImplementedError(
+                f"RingTrainer.predict() under context parallelism (cp_size={self.ring_state.cp_size}) "
+                "would return each rank's shard of every sequence, in the layout's order, as if it "
+                "were a row of its own; predict with cp_size=1 (the model is the same), or use "
+                "evaluate() for the exact loss"
+            )
+        return super().predict(*args, **kwargs)
+
     def evaluation_loop(
         self,
         dataloader: Any,
