@@ -35,6 +35,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from hf_ring.hf.forward_context import CONTEXT_KWARG, ForwardContext
 from hf_ring.hf.guard import RING_FLASH, guard_model
+from hf_ring.hf.local_sinks import attention_with_sinks
 from hf_ring.ring.api import ring_attention, ring_flash_attn_varlen_func
 from hf_ring.ring.groups import get_context_parallel_state
 
@@ -112,6 +113,11 @@ def _local_attention(
             "model treats ring_flash as a flash-attention kernel (flash masks are 2-D), but ring_flash "
             "takes the 4-D masks transformers builds for SDPA; the model is not supported"
         )
+    sinks = kwargs.pop("s_aux", None)
+    if sinks is not None:
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        out = attention_with_sinks(query, key, value, attention_mask, scale, sinks, _is_causal(module, kwargs))
+        return out, None
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
     return sdpa(
         module, query, key, value, attention_mask,
@@ -139,20 +145,26 @@ def _ring_attention(
         )
     seq = query.shape[-2] * context.cp_size
     _refuse_short_window(module, sliding_window, seq, "ring_flash under context parallelism")
-    out = _run_ring(query, key, value, scaling, context)
+    out = _run_ring(query, key, value, scaling, context, kwargs.get("s_aux"))
     context.ran_ring.add(id(module))
     return out, None
 
 
 def _run_ring(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: Optional[float], context: ForwardContext
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: Optional[float],
+    context: ForwardContext,
+    sinks: Optional[torch.Tensor],
 ) -> torch.Tensor:
-    """transformers' ``(batch, heads, seq_local, dim)`` through the forward's ring plan;
-    returns ``(batch, seq_local, heads, dim)``. No collective but the ring's transfers."""
+    """transformers' ``(batch, heads, seq_local, dim)`` through the forward's ring plan,
+    with the layer's attention sinks (``s_aux``, ``(heads,)``) if it has them; returns
+    ``(batch, seq_local, heads, dim)``. No collective but the ring's transfers."""
     query, key, value = _autocast_inputs(query, key, value)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     plan = context.plan(query, scale)
-    out, _ = ring_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), plan)
+    out, _ = ring_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), plan, sinks)
     return out
 
 
@@ -197,7 +209,7 @@ def _packed_attention(
         out = _packed_without_context(module, query, key, value, scaling, sliding_window, kwargs, what)
         return out, None
     _refuse_short_window(module, sliding_window, max(context.doc_lens), what)
-    out = _run_ring(query, key, value, scaling, context)
+    out = _run_ring(query, key, value, scaling, context, kwargs.get("s_aux"))
     if context.state is not None:
         context.ran_ring.add(id(module))
     return out, None
@@ -223,7 +235,7 @@ def _packed_without_context(module, query, key, value, scaling, sliding_window, 
     # (1, heads, tokens, dim) -> (tokens, heads, dim)
     out = ring_flash_attn_varlen_func(
         query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu_q,
-        causal=True, softmax_scale=scaling,
+        causal=True, softmax_scale=scaling, sinks=kwargs.get("s_aux"),
     )
     return out.unsqueeze(0)
 

@@ -37,7 +37,9 @@ def group_coords(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan) -> tuple[torch.Tensor, torch.Tensor]:
+def ring_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan, sinks: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The ring op on a plan, with local checks only (no communication before the ring).
 
     Args:
@@ -46,13 +48,20 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Ring
         plan: who and what (see :class:`RingPlan`), its backend resolved for q's device
             and dtype; every rank of the ring must pass tensors of the same shapes and
             plans with the same settings.
+        sinks: optional ``(n_heads,)`` float tensor, one extra logit per query head in
+            every row's softmax denominator (GPT-OSS); differentiable.
 
     Returns:
         ``out`` like q (differentiable in q, k, v) and ``lse`` ``(batch, n_heads,
         local_seq)`` float32 (float64 for float64 inputs).
     """
     check_local(q, k, v, plan.layout, plan.causal)
-    return RingAttentionFunction.apply(q, k, v, plan)
+    if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != q.shape[2] or not sinks.dtype.is_floating_point):
+        raise ValueError(
+            f"sinks must be a float tensor of shape (n_heads,) = ({q.shape[2]},), got "
+            f"{tuple(sinks.shape)} {sinks.dtype}"
+        )
+    return RingAttentionFunction.apply(q, k, v, sinks, plan)
 
 
 def _scale(q: torch.Tensor, softmax_scale: Optional[float]) -> float:
@@ -78,6 +87,7 @@ def ring_flash_attn_func(
     return_lse: bool = False,
     check_ranks: bool = True,
     comm_stats: Optional[CommWaitStats] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> Output:
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
@@ -100,6 +110,9 @@ def ring_flash_attn_func(
             when the caller has established that already: a disagreement then hangs or
             corrupts instead of raising.
         comm_stats: a sink for the time the ring waited on transfers.
+        sinks: optional ``(n_heads,)`` float tensor: one extra logit per query head in every
+            row's softmax denominator (attention sinks, GPT-OSS's ``s_aux``), with its
+            gradient; the same on every rank.
 
     Returns:
         ``out`` shaped and typed like q; with ``return_lse``, also ``lse``
@@ -109,10 +122,10 @@ def ring_flash_attn_func(
     rank, world = group_coords(group)
     scale = _scale(q, softmax_scale)
     if world > 1 and check_ranks:
-        check_across_ranks(group, q, k, v, layout, causal, scale)
+        check_across_ranks(group, q, k, v, layout, causal, scale, [("sinks", int(sinks is not None))])
     check_local(q, k, v, layout, causal)
     plan = _plan(q, group, rank, world, causal, scale, layout, backend, comm_stats)
-    out, lse = ring_attention(q, k, v, plan)
+    out, lse = ring_attention(q, k, v, plan, sinks)
     return (out, lse) if return_lse else out
 
 
@@ -136,6 +149,7 @@ def ring_flash_attn_varlen_func(
     return_lse: bool = False,
     check_ranks: bool = True,
     comm_stats: Optional[CommWaitStats] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> Output:
     """Ring attention over a packed row: documents never attend to each other.
 
@@ -149,8 +163,8 @@ def ring_flash_attn_varlen_func(
             sync), the *global* document boundaries over the full packed sequence,
             starting at 0; every document length a multiple of ``2 * cp_size``; identical
             on every rank of the group.
-        group, causal, softmax_scale, backend, return_lse, check_ranks, comm_stats: as in
-            ``ring_flash_attn_func``; ``check_ranks`` also covers the documents.
+        group, causal, softmax_scale, backend, return_lse, check_ranks, comm_stats, sinks:
+            as in ``ring_flash_attn_func``; ``check_ranks`` also covers the documents.
 
     Returns:
         ``out`` ``(total_local, n_heads, head_dim)``; with ``return_lse`` also ``lse``
@@ -161,7 +175,8 @@ def ring_flash_attn_varlen_func(
     bounds = torch.as_tensor(cu_seqlens, device="cpu").reshape(-1).tolist()
     if world > 1 and check_ranks:
         # Agreement first: a rank whose boundaries are invalid must not raise alone.
-        check_across_ranks(group, q, k, v, "zigzag", causal, scale, documents_fields(bounds))
+        check_across_ranks(group, q, k, v, "zigzag", causal, scale,
+                           [*documents_fields(bounds), ("sinks", int(sinks is not None))])
     doc_lens = check_cu_seqlens(torch.as_tensor(cu_seqlens), world)
     if q.dim() != 3:
         raise ValueError(f"varlen q must be (total_local, n_heads, head_dim), got shape {tuple(q.shape)}")
@@ -172,7 +187,7 @@ def ring_flash_attn_varlen_func(
             f"{world} ranks, but q holds {q.shape[0]} local tokens"
         )
     plan = _plan(q, group, rank, world, causal, scale, "zigzag", backend, comm_stats, local_doc_lens)
-    out, lse = ring_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), plan)
+    out, lse = ring_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), plan, sinks)
     out, lse = out.squeeze(0), lse.squeeze(0)
     return (out, lse) if return_lse else out
 

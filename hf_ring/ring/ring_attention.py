@@ -137,11 +137,11 @@ def add_block_dkv(dkv: torch.Tensor, block_dkv: list, length: int, first_step: b
 
 
 def ring_forward(
-    plan: RingPlan, q: torch.Tensor, kv: torch.Tensor
+    plan: RingPlan, q: torch.Tensor, kv: torch.Tensor, sinks: Optional[torch.Tensor] = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q ``(b, s, hq, d)`` and this rank's K/V stacked, ``kv`` ``(2, b, s, hk, d)`` (the one
-    message a step sends; left unchanged) -> out ``(b, s, hq, d)`` in q's dtype and lse
-    ``(b, hq, s)`` float32 (float64 for float64 inputs)."""
+    message a step sends; left unchanged), optionally ``sinks`` ``(hq,)`` -> out ``(b, s,
+    hq, d)`` in q's dtype and lse ``(b, hq, s)`` float32 (float64 for float64 inputs)."""
     s = q.shape[1]
     blocks = BlockStream(kv, plan.world)
     exchange = plan.transport(KV_CHANNEL) if plan.world > 1 else None
@@ -153,7 +153,37 @@ def ring_forward(
         if step + 1 < plan.world:
             blocks.advance(exchange)
     out, lse = acc
+    if sinks is not None:
+        out, lse = apply_sinks(out, lse, sinks.detach())
     return out.to(q.dtype), lse
+
+
+def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention with one more logit per head, the sink, in every row's softmax: its value
+    vector is zero, so it only rescales the rows and raises their lse.
+
+    Args:
+        out: ``(b, s, h, d)``, attention over the real keys, accumulation dtype.
+        lse: ``(b, h, s)``, its log-sum-exp.
+        sinks: ``(h,)``, one logit per query head (GPT-OSS's ``s_aux``).
+
+    Returns:
+        ``out * exp(lse - lse_s)`` and ``lse_s = logaddexp(lse, sink)``: the final out and
+        lse, with which the ring's backward gives exact dq, dk, dv.
+    """
+    lse_s = torch.logaddexp(lse, sinks.to(lse.dtype).view(1, -1, 1))
+    return out * torch.exp(lse - lse_s).transpose(1, 2).unsqueeze(-1), lse_s
+
+
+def sinks_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """d loss / d sinks ``(h,)`` from this rank's rows: the sink's probability is
+    ``p = exp(sink - lse)`` and ``d out / d sink = -p * out``, so the gradient is
+    ``-sum over rows of p * (dout . out)``; the final ``out`` ``(b, s, h, d)`` and ``lse``
+    ``(b, h, s)`` include the sink."""
+    acc = lse.dtype
+    delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2)  # (b, h, s)
+    p_sink = torch.exp(sinks.to(acc).view(1, -1, 1) - lse)
+    return -(p_sink * delta).sum(dim=(0, 2)).to(sinks.dtype)
 
 
 def ring_backward(
@@ -203,19 +233,23 @@ class RingAttentionFunction(torch.autograd.Function):
 
     K and V are stacked once, in the forward, into the buffer the ring sends; that buffer
     (not k and v) is saved for the backward, which sends it again without restacking.
+    With ``sinks`` the final out and lse include the sink logit (see :func:`apply_sinks`)
+    and the sinks get their gradient from this rank's rows.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, plan: RingPlan):
+    def forward(ctx, q, k, v, sinks, plan: RingPlan):
         kv = torch.stack([k, v])  # (2, b, s, hk, d)
-        out, lse = ring_forward(plan, q, kv)
-        ctx.save_for_backward(q, kv, out, lse)
+        out, lse = ring_forward(plan, q, kv, sinks)
+        ctx.save_for_backward(q, kv, out, lse, sinks)
         ctx.plan = plan
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, kv, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(ctx.plan, dout.contiguous(), q, kv, out, lse)
-        return dq, dk, dv, None
+        q, kv, out, lse, sinks = ctx.saved_tensors
+        dout = dout.contiguous()
+        dq, dk, dv = ring_backward(ctx.plan, dout, q, kv, out, lse)
+        dsinks = sinks_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[3] else None
+        return dq, dk, dv, dsinks, None
