@@ -108,7 +108,10 @@ def _subset_forward(rank: int, world: int) -> str:
     ids = torch.randint(3, VOCAB, (1, SEQ // world))
     positions = hf_ring.shard_sequence(torch.arange(SEQ)[None], world, rank)
     if rank != 0:
-        return "did not run"  # as if only the main process ran a sanity forward
+        # As if only the main process ran a sanity forward: this rank is busy elsewhere
+        # (and keeps the group alive) past the timeout.
+        time.sleep(TIMEOUT_S + 10)
+        return "did not run"
     start = time.monotonic()
     message = _error_of(lambda: model(ids, position_ids=positions))
     return f"{message} after {time.monotonic() - start:.1f}s"

@@ -218,11 +218,13 @@ def validate_cp_inputs(inputs: dict[str, Any], state: ContextParallelState) -> O
         rows = check_agreement(state.cp_group, fields, device, "the model's inputs", _HINT,
                                ignore=("refused", "positions_not_global"), values=header)
     except RuntimeError as e:
-        if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+        # gloo says "Timed out ..." when the peers never come, "Connection closed by peer"
+        # when they gave up first (their process left or destroyed the group).
+        if not any(s in str(e).lower() for s in ("timed out", "timeout", "connection closed")):
             raise
         raise RuntimeError(
-            f"CP rank {state.cp_rank} waited {state.timeout} for the other ranks of its context-"
-            "parallel group to run this forward, and they did not: every rank of a CP group must "
+            f"CP rank {state.cp_rank} waited (up to {state.timeout}) for the other ranks of its "
+            "context-parallel group to run this forward, and they did not: every rank of a CP group must "
             "run every forward of a ring_flash model together (a forward on the main process only, "
             "a sanity check or generate() on one rank, or ranks that took different branches hang "
             "or fail like this). The timeout is setup_context_parallel(timeout=...)"
