@@ -1,0 +1,298 @@
+"""hf_ring.hf.model_support: models the ring cannot run exactly are refused by reading the
+model (its modules and config), never run silently wrong (issue 10 items 1-2).
+
+One tiny random model per refused feature (hidden 32, 2 layers, vocab 128), built in this
+process from ``AutoConfig.for_model``; ``check_model_under_cp`` is called directly (no
+process group: it reads only the model and the forward's lengths). Each refusal must
+name the feature (module path and class, or config field) so that a user knows what to
+change; each length-dependent rule is checked on both sides of its bound, because a
+bound off by one either refuses a model that is exact or runs one that is not. Plain
+transformer families (dense, MoE, GPT-2's per-token Conv1D) must not be refused.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from typing import Optional
+
+import pytest
+import torch
+import transformers
+from packaging.version import Version
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from hf_ring.hf import model_support
+from hf_ring.hf.model_support import check_model_supported, check_model_under_cp
+from test_hf_attention import _COMMON
+
+TRANSFORMERS_5 = Version(transformers.__version__) >= Version("5.0.0.dev0")
+CP = 2
+SEQ = 64  # a forward's full row length, far below every default window and RoPE threshold
+
+# test_hf_attention's tiny config (2 layers, 4 heads over 2 KV heads, vocab 128), narrower.
+_TINY = {**_COMMON, "hidden_size": 32, "intermediate_size": 64}
+
+
+def tiny(model_type: str, attn_implementation: Optional[str] = None, **overrides) -> PreTrainedModel:
+    """A tiny random causal LM of ``model_type`` (weights do not matter: nothing runs)."""
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, **{**_TINY, **overrides})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # e.g. "fast path not available" for Mamba kernels
+        return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+
+
+def rope(**parameters) -> dict:
+    """RoPE parameters as the installed transformers takes them (5.x: rope_parameters with
+    rope_theta inside; 4.57: rope_scaling)."""
+    if TRANSFORMERS_5:
+        return {"rope_parameters": {"rope_theta": 10000.0, **parameters}}
+    return {"rope_scaling": parameters}
+
+
+def refusal(model, seq_len: int = SEQ, cp_size: int = CP, doc_lens=None) -> str:
+    """The refusal's message, or "" when the model is accepted."""
+    try:
+        check_model_under_cp(model, cp_size, seq_len, doc_lens=doc_lens)
+    except NotImplementedError as e:
+        return str(e)
+    return ""
+
+
+# --- token mixers other than attention: refused whatever the length -------------------
+
+
+@pytest.mark.parametrize(
+    "model_type, overrides, names",
+    [
+        # LFM2's short convolution layer (layer_types "conv"): a depthwise Conv1d over time.
+        ("lfm2", dict(layer_types=["conv", "full_attention"]), ["layers.0.conv", "Lfm2ShortConv"]),
+        # GraniteMoeHybrid's Mamba-2 layers: A_log / dt_bias parameters and a Conv1d.
+        (
+            "granitemoehybrid",
+            dict(
+                layer_types=["mamba", "attention"],
+                mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8,
+            ),
+            ["layers.0.mamba", "GraniteMoeHybridMambaLayer", "A_log"],
+        ),
+        # Qwen3-Next's gated delta-net (linear attention) layers.
+        ("qwen3_next", dict(head_dim=8), ["linear_attn", "Qwen3NextGatedDeltaNet"]),
+        # RWKV: time mixing through decay and token-shift coefficients, no convolution at all.
+        ("rwkv", dict(), ["blocks.0.attention", "RwkvSelfAttention", "time_decay"]),
+    ],
+)
+def test_token_mixers_other_than_attention_are_refused(model_type, overrides, names):
+    message = refusal(tiny(model_type, **overrides))
+    # Refused even on a short sequence: a shard sees only its own tokens at any length.
+    assert "mix tokens along the sequence without attention" in message, message
+    for name in names:
+        assert name in message, (name, message)
+    assert f"cp_size={CP}" in message, message
+
+
+def test_token_mixers_are_refused_on_packed_rows_without_cp():
+    # Without CP the ring still runs on packed rows, where a convolution would reach across
+    # document boundaries: refused there too, saying where.
+    message = refusal(tiny("lfm2", layer_types=["conv", "full_attention"]), cp_size=1, doc_lens=[32, 32])
+    assert "on packed rows" in message and "Lfm2ShortConv" in message, message
+
+
+def test_layer_types_the_ring_does_not_compute_are_refused():
+    # DeepSeek-V3.2's indexed (top-k sparse) attention: the attention interface is used,
+    # but the indexer would select keys from the local shard; read from config.layer_types.
+    message = refusal(tiny("deepseek_v32"))
+    assert "config.layer_types" in message and "indexed_attention" in message, message
+
+
+# --- RoPE whose frequencies depend on the sequence length ---------------------------
+
+
+def test_dynamic_rope_refused_from_max_position_embeddings_on():
+    # Dynamic NTK recomputes the frequencies once max(position_ids) + 1 reaches
+    # max_position_embeddings (256): below it no rank recomputes, from it on each rank
+    # would pick its own.
+    model = tiny("llama", **rope(rope_type="dynamic", factor=2.0))
+    assert refusal(model, seq_len=255) == ""
+    message = refusal(model, seq_len=256)
+    assert "rope_type='dynamic'" in message and "at most 255 tokens" in message, message
+
+
+def test_longrope_refused_beyond_original_max_position_embeddings():
+    # Phi-3 style longrope switches to the long factors when max(position_ids) + 1 exceeds
+    # original_max_position_embeddings (64): exact up to 64 tokens.
+    factors = dict(short_factor=[1.0] * 4, long_factor=[2.0] * 4, original_max_position_embeddings=64)
+    model = tiny("phi3", original_max_position_embeddings=64, **rope(rope_type="longrope", **factors))
+    assert refusal(model, seq_len=64) == ""
+    message = refusal(model, seq_len=65)
+    assert "rope_type='longrope'" in message and "65" in message, message
+    # Packed rows: positions restart per document, so the longest document counts.
+    assert refusal(model, seq_len=128, doc_lens=[64, 64]) == ""
+    assert "rope_type='longrope'" in refusal(model, seq_len=128, doc_lens=[66, 62])
+
+
+@pytest.mark.skipif(not TRANSFORMERS_5, reason="per-layer-type rope_parameters are transformers 5")
+def test_dynamic_rope_in_a_per_layer_type_dict_is_refused():
+    per_type = {
+        "full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+    }
+    model = tiny("gemma3_text", head_dim=8, rope_parameters=per_type)
+    message = refusal(model, seq_len=256)
+    assert "config.rope_parameters['full_attention']" in message and "'dynamic'" in message, message
+
+
+# --- windows and chunks that live in the config (and the mask) only -----------------
+
+
+@pytest.mark.parametrize(
+    "model_type, overrides",
+    [
+        # Qwen2-MoE applies its window through the mask only (its attention passes none).
+        ("qwen2_moe", dict(use_sliding_window=True, sliding_window=16, max_window_layers=2)),
+        # PhiMoE likewise, on every layer (no layer_types).
+        ("phimoe", dict(sliding_window=16)),
+        # Mistral passes it to the attention function too; the config rule agrees.
+        ("mistral", dict(sliding_window=16)),
+    ],
+)
+def test_sliding_window_shorter_than_the_sequence_is_refused(model_type, overrides):
+    model = tiny(model_type, **overrides)
+    # Key j is visible to query i when 0 <= i - j < 16: over 16 tokens nothing is masked.
+    assert refusal(model, seq_len=16) == ""
+    message = refusal(model, seq_len=17)
+    assert "config.sliding_window=16" in message and "17 tokens" in message, message
+    # Packed rows: documents of at most 16 tokens are exact, one of 17 is not.
+    assert refusal(model, seq_len=48, doc_lens=[16, 16, 16]) == ""
+    assert "config.sliding_window=16" in refusal(model, seq_len=48, doc_lens=[17, 15, 16])
+
+
+def test_llama4_chunked_attention_is_refused_beyond_the_chunk():
+    model = tiny(
+        "llama4_text", head_dim=8, num_local_experts=2, intermediate_size_mlp=64,
+        attention_chunk_size=32, attn_temperature_tuning=False,
+    )
+    # Query i sees key j when both are in the same 32-token chunk.
+    assert refusal(model, seq_len=32) == ""
+    message = refusal(model, seq_len=33)
+    assert "config.attention_chunk_size=32" in message and "chunked attention" in message, message
+
+
+def test_llama4_temperature_tuning_is_refused_where_it_scales():
+    # Layer 1 is a NoPE layer (no_rope_layers[1] == 0): its queries are scaled by
+    # log1p(floor((p + 1) / 32)) * attn_scale + 1 with p the local token index; that is
+    # 1 for every p < 31, so rows of up to 31 tokens are exact.
+    model = tiny(
+        "llama4_text", head_dim=8, num_local_experts=2, intermediate_size_mlp=64,
+        no_rope_layers=[1, 0], floor_scale=32, attention_chunk_size=1024,
+    )
+    assert refusal(model, seq_len=31) == ""
+    message = refusal(model, seq_len=32)
+    assert "temperature tuning" in message and "NoPE layers 1" in message, message
+    # The whole row counts (positions run over the row, not per document).
+    assert "temperature tuning" in refusal(model, seq_len=32, cp_size=1, doc_lens=[16, 16])
+
+
+# --- V head size different from Q/K's -----------------------------------------------
+
+
+_MLA = dict(
+    qk_nope_head_dim=16, qk_rope_head_dim=8, kv_lora_rank=16, q_lora_rank=None,
+    n_routed_experts=2, num_experts_per_tok=1, first_k_dense_replace=2,
+)
+
+
+def test_multi_head_latent_attention_with_a_narrower_v_is_refused():
+    message = refusal(tiny("deepseek_v3", v_head_dim=16, **_MLA))
+    assert "multi-head latent attention" in message and "v_head_dim=16" in message and "24" in message, message
+    # Packed rows without CP run the same ring: refused there too.
+    assert "on packed rows" in refusal(tiny("deepseek_v3", v_head_dim=16, **_MLA), cp_size=1, doc_lens=[32, 32])
+
+
+def test_multi_head_latent_attention_with_equal_head_sizes_is_not_refused():
+    # The rule is about shapes, not the family: V as wide as Q/K (16 + 8) is what the ring carries.
+    assert refusal(tiny("deepseek_v3", v_head_dim=24, **_MLA)) == ""
+
+
+# --- attention that does not go through transformers' attention interface -----------
+
+
+def test_falcon_is_refused_when_it_asks_for_ring_flash(monkeypatch):
+    # Falcon picks its attention class from FALCON_ATTENTION_CLASSES by implementation name
+    # while building its layers (KeyError: 'ring_flash'), before post_init: the check must
+    # run at the end of PreTrainedModel.__init__, as the patch hook wired for it does; this
+    # stands in for that hook.
+    original = PreTrainedModel.__init__
+
+    def init_then_check(self, config, *args, **kwargs):
+        original(self, config, *args, **kwargs)
+        check_model_supported(self)
+
+    monkeypatch.setattr(PreTrainedModel, "__init__", init_then_check)
+    with pytest.raises(NotImplementedError, match="FALCON_ATTENTION_CLASSES") as error:
+        tiny("falcon", attn_implementation="ring_flash")
+    assert "FalconForCausalLM" in str(error.value) and "'sdpa'" in str(error.value), error.value
+    # Other implementations are left alone by the same hook.
+    assert tiny("falcon", attn_implementation="eager").config._attn_implementation == "eager"
+
+
+def test_attention_outside_the_interface_is_refused_and_interface_models_are_not():
+    # Bloom's attention runs its own code (no ALL_ATTENTION_FUNCTIONS): ring_flash would
+    # never be called. The config is switched after creation, as a patched
+    # set_attn_implementation would leave it, so that only this check is exercised.
+    bloom = tiny("bloom", attn_implementation="eager")
+    bloom.config._attn_implementation = "ring_flash"
+    with pytest.raises(NotImplementedError, match=re.escape("h.0.self_attention (BloomAttention)")):
+        check_model_supported(bloom)
+    for model_type in ("llama", "qwen2", "gpt2", "lfm2"):
+        model = tiny(model_type, attn_implementation="eager")
+        model.config._attn_implementation = "ring_flash"
+        check_model_supported(model)  # no error: their attention goes through the interface
+    # A model that does not ask for ring_flash is not checked at all.
+    check_model_supported(tiny("bloom", attn_implementation="eager"))
+
+
+# --- plain transformers are not refused -----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "model_type, overrides",
+    [
+        ("llama", {}),
+        ("qwen2", {}),
+        ("mistral", {}),  # default window 4096 >= the sequence: masks nothing
+        ("gemma", dict(head_dim=8)),
+        ("gemma2", dict(head_dim=8)),  # sliding layers with a 4096 window
+        ("mixtral", dict(num_local_experts=2)),
+        ("qwen2_moe", dict(num_experts=2)),  # use_sliding_window=False (its window is then 0)
+        ("gpt2", {}),  # transformers' Conv1D is a per-token linear layer
+        ("seed_oss", {}),  # "SeedOssModel" must not read as an SSM
+        ("llama4_text", dict(head_dim=8, num_local_experts=2, intermediate_size_mlp=64)),  # chunk 8192, floor 8192
+    ],
+)
+def test_plain_transformers_are_not_refused(model_type, overrides):
+    model = tiny(model_type, **overrides)
+    assert refusal(model) == "", (model_type, refusal(model))
+    assert refusal(model, cp_size=1, doc_lens=[32, 32]) == ""
+
+
+# --- cost: the model is read once -----------------------------------------------------
+
+
+def test_the_model_is_read_once_per_config(monkeypatch):
+    model = tiny("llama")
+    reads = []
+    read = model_support._read_model
+    monkeypatch.setattr(model_support, "_read_model", lambda m: reads.append(1) or read(m))
+    check_model_under_cp(model, CP, 0 + SEQ)  # no refusal, but the model was read
+    check_model_under_cp(model, CP, SEQ * 2)
+    check_model_under_cp(model.model, CP, SEQ)  # the base model, as the guard passes it: its own cache
+    assert len(reads) == 2, reads
+    # Without CP and without packed rows the ring does not run: nothing is read.
+    check_model_under_cp(tiny("qwen2"), 1, SEQ)
+    assert len(reads) == 2, reads
+    # A replaced config is read again.
+    model.config = AutoConfig.for_model("llama", **_TINY, **rope(rope_type="dynamic", factor=2.0))
+    assert "dynamic" in refusal(model, seq_len=256)
+    assert len(reads) == 3, reads
