@@ -128,7 +128,9 @@ def _wrap_method(cls: type, name: str, hook: Callable, version: str) -> None:
     setattr(cls, name, wrapper)
 
 
-def apply(not_flash: Iterable[str], model_hook: Callable, version: str | None = None) -> None:
+def apply(
+    not_flash: Iterable[str], model_hook: Callable, init_hook: Callable | None = None, version: str | None = None
+) -> None:
     """Apply the patches for the installed transformers (or ``version``, for tests of the
     version check only: the patches themselves act on the installed package).
 
@@ -137,6 +139,10 @@ def apply(not_flash: Iterable[str], model_hook: Callable, version: str | None = 
             flash-attention kernels (``{"ring_flash"}``).
         model_hook: called with every ``PreTrainedModel`` after ``post_init`` and after
             ``set_attn_implementation``.
+        init_hook: called with every ``PreTrainedModel`` at the end of
+            ``PreTrainedModel.__init__``: the config's attention implementation is resolved,
+            the subclass has not built its layers yet (a model that picks its attention
+            class by implementation name fails there, e.g. Falcon's ``KeyError``).
         version: defaults to ``transformers.__version__``.
 
     Raises:
@@ -152,6 +158,8 @@ def apply(not_flash: Iterable[str], model_hook: Callable, version: str | None = 
         _patch_flash_name_check(frozenset(not_flash), version)
     _wrap_method(PreTrainedModel, "post_init", model_hook, version)
     _wrap_method(PreTrainedModel, "set_attn_implementation", model_hook, version)
+    if init_hook is not None:
+        _wrap_method(PreTrainedModel, "__init__", init_hook, version)
 
 
 @functools.lru_cache(maxsize=None)

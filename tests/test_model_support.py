@@ -218,18 +218,10 @@ def test_multi_head_latent_attention_with_equal_head_sizes_is_not_refused():
 # --- attention that does not go through transformers' attention interface -----------
 
 
-def test_falcon_is_refused_when_it_asks_for_ring_flash(monkeypatch):
+def test_falcon_is_refused_when_it_asks_for_ring_flash():
     # Falcon picks its attention class from FALCON_ATTENTION_CLASSES by implementation name
-    # while building its layers (KeyError: 'ring_flash'), before post_init: the check must
-    # run at the end of PreTrainedModel.__init__, as the patch hook wired for it does; this
-    # stands in for that hook.
-    original = PreTrainedModel.__init__
-
-    def init_then_check(self, config, *args, **kwargs):
-        original(self, config, *args, **kwargs)
-        check_model_supported(self)
-
-    monkeypatch.setattr(PreTrainedModel, "__init__", init_then_check)
+    # while building its layers (KeyError: 'ring_flash'), before post_init: `import hf_ring`
+    # runs the check at the end of PreTrainedModel.__init__ (patches/transformers.py).
     with pytest.raises(NotImplementedError, match="FALCON_ATTENTION_CLASSES") as error:
         tiny("falcon", attn_implementation="ring_flash")
     assert "FalconForCausalLM" in str(error.value) and "'sdpa'" in str(error.value), error.value

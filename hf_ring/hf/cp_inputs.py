@@ -44,7 +44,8 @@ def _cache_argument(inputs: dict[str, Any]) -> Optional[Any]:
     return None
 
 
-def _rows_and_length(inputs: dict[str, Any]) -> tuple[int, int]:
+def rows_and_length(inputs: dict[str, Any]) -> tuple[int, int]:
+    """``(batch, local_seq)`` of a forward's inputs (``-1, -1`` when none says)."""
     for name in ("input_ids", "inputs_embeds", "position_ids"):
         t = inputs.get(name)
         if t is not None and t.dim() >= 2:
@@ -63,7 +64,7 @@ def packed_document_lengths(inputs: dict[str, Any], cp_size: int) -> Optional[tu
     cu = inputs.get("cu_seq_lens_q")
     if cu is None:
         return None
-    batch, _ = _rows_and_length(inputs)
+    batch, _ = rows_and_length(inputs)
     if batch not in (-1, 1):
         raise ValueError(
             f"packed rows (cu_seq_lens_q given) must come with batch size 1, got {batch}; "
@@ -112,7 +113,7 @@ def _refuse_local(inputs: dict[str, Any], state: ContextParallelState) -> Option
             "shard (shard_sequence(arange(seq_len)[None], cp_size, cp_rank), as RingDataCollator "
             "emits): without them the model numbers the local tokens 0..local_len-1 and RoPE is wrong"
         )
-    batch, seq_local = _rows_and_length(inputs)
+    batch, seq_local = rows_and_length(inputs)
     if positions.shape[-1] != seq_local or (mask is not None and tuple(mask.shape) != (batch, seq_local)):
         raise ValueError(
             f"position_ids {tuple(positions.shape)} and attention_mask "
@@ -192,7 +193,7 @@ def validate_cp_inputs(inputs: dict[str, Any], state: ContextParallelState) -> O
     """
     problem: Optional[Exception] = None
     doc_lens = None
-    batch, seq_local = _rows_and_length(inputs)
+    batch, seq_local = rows_and_length(inputs)
     try:
         doc_lens = _refuse_local(inputs, state)
         index = _global_indices(seq_local, doc_lens, state)

@@ -25,12 +25,12 @@ from typing import Any, Optional
 
 import torch.nn as nn
 
-from hf_ring.hf.cp_inputs import packed_document_lengths, validate_cp_inputs
+from hf_ring.hf.cp_inputs import packed_document_lengths, rows_and_length, validate_cp_inputs
 from hf_ring.hf.forward_context import COMM_STATS_KWARG, CONTEXT_KWARG, ForwardContext
+from hf_ring.hf.model_support import RING_FLASH, check_model_supported, check_model_under_cp
 from hf_ring.patches.transformers import attn_implementation
 from hf_ring.ring.groups import get_context_parallel_state
 
-RING_FLASH = "ring_flash"
 # Flags kept in the modules' own __dict__, so that copies of a model (copy.deepcopy for a
 # reference model, pickling) stay guarded: the hooks are module-level functions.
 _GUARDED_MODEL = "_hf_ring_guarded_model"
@@ -99,11 +99,16 @@ def _pre_forward(model: nn.Module, args: tuple, kwargs: dict):
     state = get_context_parallel_state()
     if state is None or state.cp_size == 1:
         doc_lens = packed_document_lengths(inputs, 1)
+        if doc_lens is not None:
+            # Packed rows run the ring (varlen) even without CP: the same model features apply.
+            check_model_under_cp(model, 1, sum(doc_lens), doc_lens=doc_lens)
         if not takes_kwargs:
             return args, kwargs
         return args, {**kwargs, CONTEXT_KWARG: ForwardContext(None, doc_lens, comm_stats)}
     _check_model_under_cp(model, state.cp_size, takes_kwargs)
     doc_lens = validate_cp_inputs(inputs, state)
+    # After the collective check: every rank has the same lengths, so raises alike.
+    check_model_under_cp(model, state.cp_size, rows_and_length(inputs)[1] * state.cp_size, doc_lens=doc_lens)
     kwargs = {**kwargs, CONTEXT_KWARG: ForwardContext(state, doc_lens, comm_stats)}
     if inputs.get("use_cache") is None and "use_cache" in signature.parameters:
         # A cache filled under CP holds only this rank's shard of K/V: useless to continue
@@ -174,4 +179,5 @@ def guard_if_requested(model: nn.Module) -> None:
     """Guard ``model`` if its config asks for ``ring_flash`` (the transformers patch hook)."""
     config = getattr(model, "config", None)
     if config is not None and attn_implementation(config) == RING_FLASH:
+        check_model_supported(model)
         guard_model(model)

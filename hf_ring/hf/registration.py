@@ -12,7 +12,8 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from hf_ring.hf.attention import ring_flash_attention_forward
-from hf_ring.hf.guard import RING_FLASH, guard_if_requested
+from hf_ring.hf.guard import guard_if_requested
+from hf_ring.hf.model_support import RING_FLASH, check_model_supported
 from hf_ring.hf.mask import ring_flash_mask
 from hf_ring.patches import transformers as transformers_patches
 
@@ -24,6 +25,6 @@ def register() -> None:
         hf_ring.patches.transformers.UnsupportedTransformersVersion: on a transformers
             release the patches were not written for.
     """
-    transformers_patches.apply(not_flash={RING_FLASH}, model_hook=guard_if_requested)
+    transformers_patches.apply(not_flash={RING_FLASH}, model_hook=guard_if_requested, init_hook=check_model_supported)
     AttentionInterface.register(RING_FLASH, ring_flash_attention_forward)
     AttentionMaskInterface.register(RING_FLASH, ring_flash_mask)

@@ -46,7 +46,6 @@ def reference_forward(
         q_len)`` in float32 (float64 for float64 inputs).
     """
     b, sq, hq, d = q.shape
-    hk = k.shape[2]
     s = _scores(q, k, causal, scale)  # (b, hk, g, sq, sk)
     lse = torch.logsumexp(s, dim=-1)  # (b, hk, g, sq)
     p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)  # -inf rows give 0
