@@ -68,7 +68,7 @@ def _bind(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
     return bound
 
 
-def _check_model_under_cp(model: nn.Module, cp_size: int, takes_kwargs: bool) -> None:
+def _check_guarded_model(model: nn.Module, cp_size: int, takes_kwargs: bool) -> None:
     implementation = attn_implementation(model.config)
     if implementation != RING_FLASH:
         raise RuntimeError(
@@ -105,7 +105,7 @@ def _pre_forward(model: nn.Module, args: tuple, kwargs: dict):
         if not takes_kwargs:
             return args, kwargs
         return args, {**kwargs, CONTEXT_KWARG: ForwardContext(None, doc_lens, comm_stats)}
-    _check_model_under_cp(model, state.cp_size, takes_kwargs)
+    _check_guarded_model(model, state.cp_size, takes_kwargs)
     doc_lens = validate_cp_inputs(inputs, state)
     # After the collective check: every rank has the same lengths, so raises alike.
     check_model_under_cp(model, state.cp_size, rows_and_length(inputs)[1] * state.cp_size, doc_lens=doc_lens)
