@@ -25,7 +25,7 @@ import torch
 
 from hf_ring.ring.api import documents_fields
 from hf_ring.ring.groups import ContextParallelState
-from hf_ring.ring.validation import check_agreement, layout_code
+from hf_ring.ring.validation import check_agreement, dtype_code, layout_code
 from hf_ring.sharding.layouts import shard_indices
 from hf_ring.sharding.packed import check_cu_seqlens, packed_shard_indices
 
@@ -77,9 +77,9 @@ def packed_document_lengths(inputs: dict[str, Any], cp_size: int) -> Optional[tu
             "boundaries define the mask; pad documents instead (RingDataCollator does) and pass "
             "attention_mask=None"
         )
-    bounds = cu.reshape(-1).tolist()
+    bounds = torch.as_tensor(cu).reshape(-1).tolist()
     cu_k = inputs.get("cu_seq_lens_k")
-    if cu_k is not None and cu_k.reshape(-1).tolist() != bounds:
+    if cu_k is not None and torch.as_tensor(cu_k).reshape(-1).tolist() != bounds:
         raise ValueError("cu_seq_lens_k must equal cu_seq_lens_q: ring_flash computes self-attention")
     return tuple(check_cu_seqlens(torch.tensor(bounds), cp_size))
 
@@ -113,8 +113,16 @@ def _refuse_local(inputs: dict[str, Any], state: ContextParallelState) -> Option
             "shard (shard_sequence(arange(seq_len)[None], cp_size, cp_rank), as RingDataCollator "
             "emits): without them the model numbers the local tokens 0..local_len-1 and RoPE is wrong"
         )
+    if not isinstance(positions, torch.Tensor) or positions.dim() not in (1, 2) or positions.dtype.is_floating_point:
+        raise ValueError(
+            f"position_ids must be an integer tensor (batch or 1, local_seq), got {type(positions).__name__} "
+            f"{tuple(getattr(positions, 'shape', ()))}"
+        )
     batch, seq_local = rows_and_length(inputs)
-    if positions.shape[-1] != seq_local or (mask is not None and tuple(mask.shape) != (batch, seq_local)):
+    rows = positions.shape[0] if positions.dim() == 2 else 1
+    if rows not in (1, batch) or positions.shape[-1] != seq_local or (
+        mask is not None and tuple(mask.shape) != (batch, seq_local)
+    ):
         raise ValueError(
             f"position_ids {tuple(positions.shape)} and attention_mask "
             f"{None if mask is None else tuple(mask.shape)} must match the inputs' (batch, local_seq) "
@@ -169,7 +177,10 @@ def _check_right_padding(mask: torch.Tensor, index: torch.Tensor, state: Context
         )
 
 
-def validate_cp_inputs(inputs: dict[str, Any], state: ContextParallelState) -> Optional[tuple[int, ...]]:
+def validate_cp_inputs(
+    inputs: dict[str, Any], state: ContextParallelState, compute_dtype: Optional[torch.dtype] = None,
+    autocast: bool = False,
+) -> Optional[tuple[int, ...]]:
     """Validate one forward's inputs under CP (``state.cp_size > 1``); collective over
     ``state.cp_group``: one all-gather of a fixed-length header, plus one of a ``(batch, 2)``
     mask summary when an ``attention_mask`` is given; one host sync for each.
@@ -181,6 +192,9 @@ def validate_cp_inputs(inputs: dict[str, Any], state: ContextParallelState) -> O
             ``cu_seq_lens_q`` / ``cu_seq_lens_k`` int ``(n_docs + 1,)``, ``cache`` /
             ``past_key_values``, ``use_cache``.
         state: the active context-parallel state.
+        compute_dtype: the dtype attention will run in (autocast's, else the model's), which
+            every rank must share: the ring's messages are sized by it.
+        autocast: whether the forward runs under autocast.
 
     Returns:
         The packed row's global document lengths, or None for dense rows.
@@ -194,13 +208,16 @@ def validate_cp_inputs(inputs: dict[str, Any], state: ContextParallelState) -> O
     problem: Optional[Exception] = None
     doc_lens = None
     batch, seq_local = rows_and_length(inputs)
+    device = next((t.device for t in inputs.values() if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    wrong = None
     try:
         doc_lens = _refuse_local(inputs, state)
         index = _global_indices(seq_local, doc_lens, state)
-    except (ValueError, NotImplementedError) as e:
-        # Raised only after the header went round: the other ranks must not wait for us.
+        wrong = _positions_wrong(inputs, index, doc_lens)
+    except Exception as e:  # noqa: BLE001 - re-raised below, after the header went round
+        # Whatever this rank's inputs broke, the other ranks must hear of it rather than
+        # wait for a header that never comes.
         problem = e
-    device = next((t.device for t in inputs.values() if isinstance(t, torch.Tensor)), torch.device("cpu"))
     mask = inputs.get("attention_mask")
     fields = [
         ("refused", int(problem is not None)),
@@ -210,11 +227,13 @@ def validate_cp_inputs(inputs: dict[str, Any], state: ContextParallelState) -> O
         ("attention_mask", int(mask is not None)),
         ("cp_size", state.cp_size),
         ("layout", layout_code(state.layout)),
+        ("autocast", int(autocast)),
+        ("compute_dtype", dtype_code(compute_dtype)),
         *documents_fields([0, *torch.tensor(doc_lens).cumsum(0).tolist()] if doc_lens else []),
     ]
     header = torch.tensor([v for _, v in fields], dtype=torch.int64, device=device)
-    if problem is None:
-        header[1] = _positions_wrong(inputs, index, doc_lens)
+    if wrong is not None:
+        header[1] = wrong
     try:
         rows = check_agreement(state.cp_group, fields, device, "the model's inputs", _HINT,
                                ignore=("refused", "positions_not_global"), values=header)

@@ -42,12 +42,15 @@ class ForwardContext:
         doc_lens: a packed row's global document lengths (validated: each a multiple of
             ``2 * cp_size``), or None for dense rows.
         comm_stats: where the ring adds the time it waited on transfers, or None.
+        made_by_guard: set by the guard, the only place that validates a forward's inputs;
+            a context passed by hand without it is refused.
         ran_ring: ids of the attention modules that ran the ring in this forward.
     """
 
     state: Optional[ContextParallelState]
     doc_lens: Optional[tuple[int, ...]] = None
     comm_stats: Optional[CommWaitStats] = None
+    made_by_guard: bool = False
     ran_ring: set[int] = field(default_factory=set)
     _plans: dict = field(default_factory=dict, repr=False)
 

@@ -23,6 +23,7 @@ import functools
 import inspect
 from typing import Any, Optional
 
+import torch
 import torch.nn as nn
 
 from hf_ring.hf.cp_inputs import packed_document_lengths, rows_and_length, validate_cp_inputs
@@ -90,12 +91,30 @@ def _check_guarded_model(model: nn.Module, cp_size: int, takes_kwargs: bool) -> 
         )
 
 
+def _compute_dtype(model: nn.Module, device: torch.device) -> tuple[Optional[torch.dtype], bool]:
+    """The dtype attention will run in (autocast's, else the first floating parameter's),
+    and whether autocast is on: ranks that differ would send messages of other sizes."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type), True
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None), False
+
+
 def _pre_forward(model: nn.Module, args: tuple, kwargs: dict):
-    if CONTEXT_KWARG in kwargs:
+    context = kwargs.get(CONTEXT_KWARG)
+    if context is not None:
+        if not context.made_by_guard:
+            raise ValueError(
+                f"{CONTEXT_KWARG} was passed to {type(model).__name__} by hand; it is what hf_ring's guard "
+                "hands down after validating a forward's inputs across the ranks, and one made "
+                "elsewhere would skip that validation: drop the argument"
+            )
         return None  # a guarded model run inside another's guarded forward: one context
     signature, takes_kwargs = _forward_signature(type(model))
     comm_stats = kwargs.pop(COMM_STATS_KWARG, None)
-    inputs = _bind(model, args, kwargs)
+    try:
+        inputs = _bind(model, args, kwargs)
+    except TypeError:
+        return None  # arguments the forward does not take: let it raise its own error
     state = get_context_parallel_state()
     if state is None or state.cp_size == 1:
         doc_lens = packed_document_lengths(inputs, 1)
@@ -104,12 +123,13 @@ def _pre_forward(model: nn.Module, args: tuple, kwargs: dict):
             check_model_under_cp(model, 1, sum(doc_lens), doc_lens=doc_lens)
         if not takes_kwargs:
             return args, kwargs
-        return args, {**kwargs, CONTEXT_KWARG: ForwardContext(None, doc_lens, comm_stats)}
+        return args, {**kwargs, CONTEXT_KWARG: ForwardContext(None, doc_lens, comm_stats, made_by_guard=True)}
     _check_guarded_model(model, state.cp_size, takes_kwargs)
-    doc_lens = validate_cp_inputs(inputs, state)
+    device = next((t.device for t in inputs.values() if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    doc_lens = validate_cp_inputs(inputs, state, *_compute_dtype(model, device))
     # After the collective check: every rank has the same lengths, so raises alike.
     check_model_under_cp(model, state.cp_size, rows_and_length(inputs)[1] * state.cp_size, doc_lens=doc_lens)
-    kwargs = {**kwargs, CONTEXT_KWARG: ForwardContext(state, doc_lens, comm_stats)}
+    kwargs = {**kwargs, CONTEXT_KWARG: ForwardContext(state, doc_lens, comm_stats, made_by_guard=True)}
     if inputs.get("use_cache") is None and "use_cache" in signature.parameters:
         # A cache filled under CP holds only this rank's shard of K/V: useless to continue
         # from, so none is built unless asked for (and asking is refused above).
@@ -117,13 +137,32 @@ def _pre_forward(model: nn.Module, args: tuple, kwargs: dict):
     return args, kwargs
 
 
+# Heads that compute one output per token, from that token's hidden state alone: their
+# outputs are simply sharded like the tokens. Any other head (sequence classification
+# pools "the last real token", found from this rank's local indices) is refused under CP.
+_PER_TOKEN_HEADS = ("ForCausalLM", "ForTokenClassification")
+
+
 def _refuse_model_loss(model: nn.Module, args: tuple, kwargs: dict) -> None:
     """Pre-hook of the model around the base model (e.g. ``LlamaForCausalLM``): under CP
-    the loss it computes from ``labels`` would be a mean over this rank's shard."""
+    the loss it computes from ``labels`` would be a mean over this rank's shard, and a
+    head that pools over the sequence would pool over the shard."""
     state = get_context_parallel_state()
     if state is None or state.cp_size == 1:
         return None
-    inputs = _bind(model, args, kwargs)
+    name = type(model).__name__
+    if not name.endswith(_PER_TOKEN_HEADS):
+        raise NotImplementedError(
+            f"{name} puts a head on the base model that is not one output per token (e.g. sequence "
+            "classification pools the last real token of each row); under context parallelism "
+            f"(cp_size={state.cp_size}) each rank would pool over its own shard. hf_ring supports "
+            f"heads ending in {' or '.join(_PER_TOKEN_HEADS)} and the base model "
+            "(model.base_model) under CP; run this model without context parallelism"
+        )
+    try:
+        inputs = _bind(model, args, kwargs)
+    except TypeError:
+        return None  # arguments the forward does not take: let it raise its own error
     given = [name for name in ("labels", "shift_labels") if inputs.get(name) is not None]
     if given:
         raise ValueError(

@@ -129,11 +129,18 @@ def ring_flash_attn_func(
     return (out, lse) if return_lse else out
 
 
+_HASH_PRIME = (1 << 61) - 1  # a Mersenne prime: a polynomial hash over it rarely collides
+
+
 def documents_fields(bounds: Sequence[int]) -> list[tuple[str, int]]:
-    """What ranks must agree on about a packed row's boundaries, as fixed-length fields."""
-    checksum = sum((i + 1) * b for i, b in enumerate(bounds)) % (1 << 40)
+    """What ranks must agree on about a packed row's boundaries, as fixed-length fields:
+    their count, the last one, and a polynomial hash of all of them (order-sensitive; a
+    weighted sum would collide on simple reorderings of document lengths)."""
+    digest = 0
+    for b in bounds:
+        digest = (digest * 1_000_003 + int(b) + 1) % _HASH_PRIME
     return [("cu_seqlens.numel", len(bounds)), ("cu_seqlens[-1]", bounds[-1] if bounds else -1),
-            ("cu_seqlens.checksum", checksum)]
+            ("cu_seqlens.hash", digest)]
 
 
 def ring_flash_attn_varlen_func(

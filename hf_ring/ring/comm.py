@@ -92,9 +92,20 @@ class RingExchange(_Timed):
 
     def wait(self) -> None:
         start = time.perf_counter()
-        for req in self._reqs:
-            req.wait()
-        self._reqs = []
+        try:
+            for req in self._reqs:
+                req.wait()
+        except RuntimeError as e:
+            if not any(s in str(e).lower() for s in ("timed out", "timeout", "connection closed", "connection reset")):
+                raise
+            raise RuntimeError(
+                "a ring transfer between the ranks of a context-parallel group did not complete: the "
+                "neighbouring rank did not run the same ring call (a rank that skipped a backward, ran "
+                "an extra forward alone, or stopped). Every rank of a CP group must run every forward "
+                f"and backward of the model together, in the same order. ({e})"
+            ) from e
+        finally:
+            self._reqs = []
         self._record(start)
 
 

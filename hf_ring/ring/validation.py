@@ -75,6 +75,20 @@ def _bits_float(n: int) -> float:
     return struct.unpack("<d", struct.pack("<q", int(n)))[0]
 
 
+def dtype_code(dtype: Optional[torch.dtype]) -> int:
+    """A float dtype as an int for :func:`check_agreement` (-1: none or another dtype)."""
+    return _DTYPES.index(dtype) if dtype in _DTYPES else -1
+
+
+def _shown(name: str, value: int):
+    """A field's value as the error shows it: scales as floats, dtypes by name."""
+    if name.endswith("_scale"):
+        return _bits_float(value)
+    if name.endswith("dtype"):
+        return str(_DTYPES[value]).removeprefix("torch.") if 0 <= value < len(_DTYPES) else "other"
+    return value
+
+
 def layout_code(layout: str) -> int:
     return LAYOUTS.index(layout) if layout in LAYOUTS else -1
 
@@ -94,7 +108,8 @@ def check_agreement(
 
     Args:
         group: the process group (None: the default group).
-        fields: ``[(name, value)]``; a name ending in ``"_scale"`` holds :func:`float_bits`.
+        fields: ``[(name, value)]``; a name ending in ``"_scale"`` holds :func:`float_bits`,
+            one ending in ``"dtype"`` a :func:`dtype_code`.
         device: where the gathered tensor lives (the group's backend device).
         what: what must agree, for the error ("ring attention inputs").
         hint: what to do, for the error.
@@ -116,7 +131,7 @@ def check_agreement(
             continue
         values = [row[i] for row in rows]
         if len(set(values)) > 1:
-            shown = [_bits_float(x) if name.endswith("_scale") else x for x in values]
+            shown = [_shown(name, x) for x in values]
             diffs.append(f"{name}: " + ", ".join(f"rank {r} {x}" for r, x in enumerate(shown)))
     if diffs:
         raise ValueError(f"{what} differ across the ranks of the context-parallel group ({'; '.join(diffs)}); {hint}")
@@ -125,8 +140,8 @@ def check_agreement(
 
 def _tensor_fields(name: str, t: torch.Tensor) -> list[tuple[str, int]]:
     shape = list(t.shape)[:4] + [-1] * (4 - min(t.dim(), 4))
-    dtype = _DTYPES.index(t.dtype) if t.dtype in _DTYPES else -1
-    return [(f"{name}.dim", t.dim()), *((f"{name}.shape[{i}]", n) for i, n in enumerate(shape)), (f"{name}.dtype", dtype)]
+    return [(f"{name}.dim", t.dim()), *((f"{name}.shape[{i}]", n) for i, n in enumerate(shape)),
+            (f"{name}.dtype", dtype_code(t.dtype))]
 
 
 def check_across_ranks(
