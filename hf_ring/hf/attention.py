@@ -63,6 +63,27 @@ def _refuse_unsupported_features(module: nn.Module, dropout: float, softcap: Opt
         )
 
 
+# Attention-function keywords that change what attention computes and that ring_flash does
+# not compute: refused rather than ignored (ignoring one is a silently different model).
+_UNCOMPUTED_KWARGS = {
+    "indices": "sparse attention over top-k selected keys (a DeepSeek-V3.2-style indexer)",
+    "position_bias": "a relative position bias added to the scores",
+    "attn_bias": "a bias added to the scores",
+    "alibi": "ALiBi position biases",
+    "sinks": "attention sinks passed under another name than s_aux",
+}
+
+
+def _refuse_uncomputed(module: nn.Module, kwargs: dict[str, Any]) -> None:
+    for name, what in _UNCOMPUTED_KWARGS.items():
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(
+                f"{_name(module)} passes {name}= to its attention function: {what}, which ring_flash "
+                "does not compute; use the attention implementation the model documents (e.g. "
+                "'eager') without context parallelism"
+            )
+
+
 def _is_causal(module: nn.Module, kwargs: dict[str, Any]) -> bool:
     is_causal = kwargs.get("is_causal")
     return getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
@@ -273,6 +294,7 @@ def ring_flash_attention_forward(
         query's dtype.
     """
     _refuse_unsupported_features(module, dropout, softcap)
+    _refuse_uncomputed(module, kwargs)
     context: Optional[ForwardContext] = kwargs.pop(CONTEXT_KWARG, None)
     if context is None:
         _refuse_without_context(module)

@@ -156,6 +156,14 @@ def check_model_supported(model: nn.Module) -> None:
     config = getattr(model, "config", None)
     if config is None or attn_implementation(config) != RING_FLASH:
         return
+    variants = _uncomputed_attention_kinds(config)
+    if variants:
+        raise NotImplementedError(
+            f"{type(model).__name__}'s config has attention layers of kinds {variants} (sparse, indexed "
+            f"or compressed attention), which {RING_FLASH!r} does not compute with or without context "
+            "parallelism (it computes dense causal attention); use the attention implementation the "
+            "model documents (e.g. 'eager') without context parallelism"
+        )
     module = sys.modules.get(type(model).__module__)
     tables = vars(module).items() if module is not None else ()
     for name, table in tables:
@@ -294,6 +302,21 @@ def _token_mixers(modules: list[tuple[str, nn.Module]]) -> Iterator[str]:
             "different function without a word. Train this model without context parallelism and "
             "without packed rows, or use a model whose only token-mixing layers are attention"
         )
+
+
+def _uncomputed_attention_kinds(config: Any) -> list[str]:
+    """Layer kinds named as attention that are neither the ring's (full, sliding, chunked)
+    nor token mixers refused only under CP (linear attention runs whole without CP)."""
+    found: set[str] = set()
+    for field in _LAYER_KIND_FIELDS:
+        kinds = _first(config, field)
+        if isinstance(kinds, (list, tuple)):
+            found |= {
+                str(k) for k in kinds
+                if "attention" in str(k).lower() and str(k) not in _RING_LAYER_KINDS
+                and str(k).lower() not in _TOKEN_MIXING_LAYER_KINDS
+            }
+    return sorted(found)
 
 
 def _layer_kinds(config: Any) -> Iterator[str]:
