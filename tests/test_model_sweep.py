@@ -18,14 +18,13 @@ import transformers
 from model_sweep import EXPECTED, Expected, run_sweep, verdict
 from model_sweep_configs import NOT_SWEPT, WRITTEN_FOR, family_names
 
-if transformers.__version__ != WRITTEN_FOR:
-    pytest.skip(
-        f"the sweep's configs and EXPECTED table are written for transformers {WRITTEN_FOR}, not "
-        f"{transformers.__version__}",
-        allow_module_level=True,
-    )
-
-# The issue asks for 40 or more families built from a tiny config; 166 build today.
+# The tiny configs are written for transformers WRITTEN_FOR (5.24). On another supported
+# release (4.57 in CI) a family whose config or reference cannot be built from them is
+# skipped, not failed; every family that runs must still be exact or refused.
+OTHER_RELEASE = transformers.__version__ != WRITTEN_FOR
+NOT_BUILT = "could not build or run the reference"
+# The issue asks for 40 or more families built from a tiny config; 166 build on 5.24, over
+# 100 on 4.57.
 MIN_BUILT = 100
 
 _RESULTS: dict = {}
@@ -40,7 +39,10 @@ def _results() -> dict:
 
 @pytest.mark.parametrize("family", family_names())
 def test_family_is_exact_or_refused(family):
-    kind, message = verdict(_results()[family])
+    result = _results()[family]
+    if OTHER_RELEASE and result["outcome"] == "error" and NOT_BUILT in result["detail"]:
+        pytest.skip(f"tiny config written for transformers {WRITTEN_FOR}: {result['detail'][:200]}")
+    kind, message = verdict(result)
     if kind == "skip":
         pytest.skip(message)
     if kind == "xfail":
@@ -49,10 +51,12 @@ def test_family_is_exact_or_refused(family):
 
 
 def test_enough_families_are_built():
-    built = [name for name, r in _results().items() if r["outcome"] != "skipped"]
+    built = [name for name, r in _results().items()
+             if r["outcome"] != "skipped" and not (r["outcome"] == "error" and NOT_BUILT in r["detail"])]
     assert len(built) >= MIN_BUILT, f"only {len(built)} families built"
 
 
+@pytest.mark.skipif(OTHER_RELEASE, reason="the tables name the families of transformers 5.24")
 def test_tables_name_real_families():
     names = set(family_names())
     assert set(EXPECTED) <= names, sorted(set(EXPECTED) - names)
