@@ -19,6 +19,7 @@ import time
 from datetime import timedelta
 
 import torch
+from transformers import AutoModelForSequenceClassification
 
 import hf_ring
 from collective_counter import count_calls
@@ -88,7 +89,14 @@ def _divergent(rank: int, world: int) -> dict:
         "after": _error_of(lambda: model(same_ids, position_ids=positions[:2])),
         # A model's own loss under CP would be a per-shard mean: refused.
         "labels": _error_of(lambda: model(same_ids, position_ids=positions[:2], labels=same_ids)),
+        # A head that pools over the sequence would pool over the shard: refused.
+        "pooling_head": _error_of(lambda: _classifier()(same_ids, position_ids=positions[:2])),
     }
+
+
+def _classifier():
+    config = tiny_config("llama", num_labels=3)
+    return AutoModelForSequenceClassification.from_config(config, attn_implementation="ring_flash")
 
 
 def test_divergent_inputs_fail_on_every_rank():
@@ -100,6 +108,7 @@ def test_divergent_inputs_fail_on_every_rank():
     assert "CP rank(s) [1] refused" in r0["one_rank_refused"], r0
     for r in (r0, r1):
         assert "ValueError" in r["labels"] and "mean over this rank's shard" in r["labels"], r
+        assert "LlamaForSequenceClassification puts a head" in r["pooling_head"], r
 
 
 def _subset_forward(rank: int, world: int) -> str:

@@ -140,7 +140,7 @@ def _pre_forward(model: nn.Module, args: tuple, kwargs: dict):
 # Heads that compute one output per token, from that token's hidden state alone: their
 # outputs are simply sharded like the tokens. Any other head (sequence classification
 # pools "the last real token", found from this rank's local indices) is refused under CP.
-_PER_TOKEN_HEADS = ("ForCausalLM", "ForTokenClassification")
+_PER_TOKEN_HEADS = ("ForCausalLM", "LMHeadModel", "GenerationDecoder", "ForTokenClassification", "ForQuestionAnswering")
 
 
 def _refuse_model_loss(model: nn.Module, args: tuple, kwargs: dict) -> None:
