@@ -19,9 +19,12 @@ down through the forward's keyword arguments; what this function does depends on
 - Packed rows (``cu_seq_lens_q`` among the kwargs, see the collator contract), with or
   without CP: the varlen ring, documents never attending to each other; batch size 1.
 
-What the ring cannot compute is refused, naming the model feature: logit softcapping
-(Gemma 2), attention dropout, sliding windows shorter than the sequence under CP or in
-packed rows, non-causal attention under CP, KV caches under CP.
+Attention sinks (GPT-OSS's ``s_aux``) are computed, with and without CP. What
+``ring_flash`` cannot compute is refused, naming the model feature: logit softcapping
+(Gemma 2), attention dropout, keywords such as a sparse indexer's ``indices`` or a
+``position_bias``, non-causal attention and KV caches under CP; what is read from the
+model's config and structure once per forward (windows, token mixers, length-dependent
+RoPE, ...) is refused by ``hf_ring.hf.model_support``.
 """
 
 from __future__ import annotations
