@@ -7,7 +7,7 @@ Three sections, each guarded so that a failure in one still lets the others run:
    the same rounded inputs, for MHA and GQA, head_dim 64 and 128, causal (square) and
    non-causal (q_len != k_len, lengths not multiples of the kernels' tiles) blocks; then
    the whole virtual ring (zigzag cp=4 and packed cp=2, from ring_efficiency.py) with each
-   backend against full attention. Tolerances on norm(x - ref) / norm(ref): see TOL.
+   backend against full attention (out, lse, dq). Tolerances on norm(x - ref) / norm(ref): see TOL.
 2. efficiency: ring_efficiency.measure_group with each CUDA backend, bf16, cp 4 and 8,
    4k to 32k tokens per rank, within --budget-s seconds (the rest is skipped, and said so).
 3. overlap: time to move one K/V block (a device-to-device copy, and a copy to a second
