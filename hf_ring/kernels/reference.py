@@ -49,6 +49,7 @@ def reference_forward(
     Args:
         q: ``(batch, q_len, n_heads, head_dim)``; k, v: ``(batch, k_len, n_kv_heads,
             head_dim)``; same floating dtype.
+        mask: optional bool ``(q_len, k_len)``, True = visible, instead of ``causal``.
     Returns:
         out ``(batch, q_len, n_heads, head_dim)`` in q's dtype, and lse ``(batch, n_heads,
         q_len)`` in float32 (float64 for float64 inputs).
@@ -80,7 +81,8 @@ def reference_backward(
 
     Args:
         dout, out: ``(batch, q_len, n_heads, head_dim)``, any floating dtype; q, k, v as in
-            :func:`reference_forward`; lse: ``(batch, n_heads, q_len)`` float32 or float64.
+            :func:`reference_forward`; lse: ``(batch, n_heads, q_len)`` float32 or float64;
+            mask as in :func:`reference_forward`.
     Returns:
         dq, dk, dv in float32 (float64 for float64 inputs), shaped like q, k, v.
     """
