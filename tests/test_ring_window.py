@@ -173,3 +173,33 @@ def test_window_refusals():
     for bad in (0, -2, 2.5, True):
         with pytest.raises(ValueError, match="positive int"):
             _plan(window=bad)
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch_cpu_flash"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_masked_kernel_with_a_row_that_sees_nothing(backend, dtype):
+    """The masked entry point against float64 math, with an arbitrary mask and one row
+    that sees no key: out 0, lse -inf, zero gradients, no nan (also when the row's final
+    lse is -inf, as in the backward of a row no block ever reached)."""
+    kernel = get_backend(backend, torch.device("cpu"), dtype)
+    g = torch.Generator().manual_seed(9)
+    q, dout = (torch.randn(2, 6, HQ, D, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(2, 7, HK, D, generator=g, dtype=torch.float64) for _ in range(2))
+    mask = torch.rand(6, 7, generator=g) > 0.4
+    mask[:, 0] = True
+    mask[2] = False  # row 2 sees nothing
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    qt, kt, vt = (t.transpose(1, 2) for t in leaves)
+    kt, vt = (t.repeat_interleave(HQ // HK, dim=1) for t in (kt, vt))
+    scores = (qt @ kt.transpose(-1, -2) * 0.3).masked_fill(~mask, float("-inf"))
+    want_lse = torch.logsumexp(scores, -1)
+    want_out = (torch.softmax(scores, -1).nan_to_num(0.0) @ vt).transpose(1, 2)
+    want = torch.autograd.grad(want_out, leaves, dout)
+    out, lse = kernel.masked_forward(*(t.to(dtype) for t in (q, k, v)), mask, 0.3)
+    grads = kernel.masked_backward(*(t.to(dtype) for t in (dout, q, k, v)), out, lse, mask, 0.3)
+    tol = 1e-10 if dtype == torch.float64 else 1e-5
+    assert torch.equal(lse.isinf(), want_lse.isinf()) and bool(lse[:, :, 2].eq(float("-inf")).all())
+    assert (lse - want_lse).nan_to_num(0.0, 0.0, 0.0).abs().max() <= tol
+    assert (out.double() - want_out).abs().max() <= tol and bool(out[:, 2].eq(0).all())
+    for got, ref in zip(grads, want):
+        assert not got.isnan().any() and (got.double() - ref).abs().max() <= tol
