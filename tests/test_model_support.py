@@ -159,11 +159,9 @@ def test_dynamic_rope_in_a_per_layer_type_dict_is_refused():
         ("qwen2_moe", dict(use_sliding_window=True, sliding_window=16, max_window_layers=2)),
         # PhiMoE likewise, on every layer (no layer_types).
         ("phimoe", dict(sliding_window=16)),
-        # Mistral passes it to the attention function too; the config rule agrees.
-        ("mistral", dict(sliding_window=16)),
     ],
 )
-def test_sliding_window_shorter_than_the_sequence_is_refused(model_type, overrides):
+def test_mask_only_sliding_window_shorter_than_the_sequence_is_refused(model_type, overrides):
     model = tiny(model_type, **overrides)
     # Key j is visible to query i when 0 <= i - j < 16: over 16 tokens nothing is masked.
     assert refusal(model, seq_len=16) == ""
@@ -172,6 +170,33 @@ def test_sliding_window_shorter_than_the_sequence_is_refused(model_type, overrid
     # Packed rows: documents of at most 16 tokens are exact, one of 17 is not.
     assert refusal(model, seq_len=48, doc_lens=[16, 16, 16]) == ""
     assert "config.sliding_window=16" in refusal(model, seq_len=48, doc_lens=[17, 15, 16])
+
+
+@pytest.mark.parametrize(
+    "model_type, overrides",
+    [
+        # Mistral and Qwen2 pass their window to the attention function, which the ring
+        # computes on dense rows; Qwen2 on its sliding layers only.
+        ("mistral", dict(sliding_window=16)),
+        ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1)),
+    ],
+)
+def test_passed_sliding_window_is_computed_on_dense_rows_refused_on_packed(model_type, overrides):
+    model = tiny(model_type, **overrides)
+    assert model_support._passes_window(list(model.model.named_modules()))
+    assert refusal(model, seq_len=17) == ""
+    assert refusal(model, seq_len=4096) == ""
+    # Packed rows: not computed yet, so documents longer than the window are refused.
+    assert refusal(model, seq_len=48, doc_lens=[16, 16, 16]) == ""
+    message = refusal(model, seq_len=48, doc_lens=[17, 15, 16])
+    assert "config.sliding_window=16" in message and "packed rows" in message, message
+
+
+def test_mask_only_windows_are_told_apart_by_the_call():
+    # Qwen2-MoE sets a sliding_window attribute on its attention but never passes it.
+    model = tiny("qwen2_moe", use_sliding_window=True, sliding_window=16, max_window_layers=2)
+    assert model.model.layers[0].self_attn.sliding_window == 16
+    assert not model_support._passes_window(list(model.model.named_modules()))
 
 
 def test_llama4_chunked_attention_is_refused_beyond_the_chunk():

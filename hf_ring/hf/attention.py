@@ -19,7 +19,10 @@ down through the forward's keyword arguments; what this function does depends on
 - Packed rows (``cu_seq_lens_q`` among the kwargs, see the collator contract), with or
   without CP: the varlen ring, documents never attending to each other; batch size 1.
 
-Attention sinks (GPT-OSS's ``s_aux``) are computed, with and without CP. What
+Attention sinks (GPT-OSS's ``s_aux``) are computed, with and without CP, and so are the
+sliding windows a layer passes as ``sliding_window`` (dense rows under CP: the ring skips
+key blocks outside the window and masks those on its edge, on a backend with a masked
+kernel; windows on packed rows are refused). What
 ``ring_flash`` cannot compute is refused, naming the model feature: logit softcapping
 (Gemma 2), attention dropout, keywords such as a sparse indexer's ``indices`` or a
 ``position_bias``, non-causal attention and KV caches under CP; what is read from the
@@ -168,8 +171,10 @@ def _ring_attention(
             "no mask (right padding is accepted at the model's input and needs none)"
         )
     seq = query.shape[-2] * context.cp_size
-    _refuse_short_window(module, sliding_window, seq, "ring_flash under context parallelism")
-    out = _run_ring(query, key, value, scaling, context, kwargs.get("s_aux"))
+    # transformers' window keeps key j for query i when i - j < window: one of at least the
+    # sequence masks nothing, and the plan runs without it (any backend).
+    window = sliding_window if sliding_window is not None and sliding_window < seq else None
+    out = _run_ring(query, key, value, scaling, context, kwargs.get("s_aux"), window, module)
     context.ran_ring.add(id(module))
     return out, None
 
@@ -181,13 +186,23 @@ def _run_ring(
     scaling: Optional[float],
     context: ForwardContext,
     sinks: Optional[torch.Tensor],
+    window: Optional[int] = None,
+    module: Optional[nn.Module] = None,
 ) -> torch.Tensor:
     """transformers' ``(batch, heads, seq_local, dim)`` through the forward's ring plan,
-    with the layer's attention sinks (``s_aux``, ``(heads,)``) if it has them; returns
-    ``(batch, seq_local, heads, dim)``. No collective but the ring's transfers."""
+    with the layer's attention sinks (``s_aux``, ``(heads,)``) if it has them and its
+    sliding ``window`` (dense rows; None: none); returns ``(batch, seq_local, heads,
+    dim)``. No collective but the ring's transfers."""
     query, key, value = _autocast_inputs(query, key, value)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    plan = context.plan(query, scale)
+    try:
+        plan = context.plan(query, scale, window)
+    except NotImplementedError as e:
+        # The backend has no masked kernel; every rank resolves the same one, so all raise.
+        raise NotImplementedError(
+            f"{_name(module)} uses sliding-window attention (window {window} tokens) over "
+            f"{query.shape[-2] * context.cp_size} tokens under context parallelism: {e}"
+        ) from e
     out, _ = ring_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), plan, sinks)
     return out
 

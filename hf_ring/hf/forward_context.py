@@ -62,10 +62,12 @@ class ForwardContext:
     def cp_size(self) -> int:
         return self.state.cp_size if self.state is not None else 1
 
-    def plan(self, q: torch.Tensor, scale: float) -> RingPlan:
+    def plan(self, q: torch.Tensor, scale: float, window: Optional[int] = None) -> RingPlan:
         """The ring plan for this forward's attention calls on ``q``'s device and dtype
-        with ``scale`` (built on first use, then shared by every layer)."""
-        key = (q.device, q.dtype, scale)
+        with ``scale`` and sliding ``window`` (None: none), built on first use, then shared
+        by every layer with the same settings (a model alternating sliding and full layers
+        gets two plans, each with its own schedule cache)."""
+        key = (q.device, q.dtype, scale, window)
         plan = self._plans.get(key)
         if plan is None:
             s = self.state
@@ -82,6 +84,7 @@ class ForwardContext:
                 backend=get_backend("auto", q.device, q.dtype),
                 local_doc_lens=local_docs,
                 transport=process_group_transport(group, self.comm_stats) if world > 1 else None,
+                window=window,
             )
             self._plans[key] = plan
         return plan

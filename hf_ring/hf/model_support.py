@@ -27,6 +27,7 @@ Two entry points:
 
 from __future__ import annotations
 
+import inspect
 import re
 import sys
 from dataclasses import dataclass
@@ -82,8 +83,8 @@ _CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTra
 @dataclass(frozen=True)
 class _Bound:
     """The model is exact while ``length < bound``, where length is the forward's longest
-    attention span (``span``: the sequence, or the longest packed document) or its whole
-    row (``row``)."""
+    attention span (``span``: the sequence, or the longest packed document; ``packed``:
+    the longest packed document, dense rows unbounded) or its whole row (``row``)."""
 
     bound: int
     measure: str
@@ -130,7 +131,9 @@ def check_model_under_cp(
         raise NotImplementedError(support.refusals[0].format(where=where))
     span = max(doc_lens) if doc_lens else seq_len
     for b in support.bounds:
-        length = span if b.measure == "span" else seq_len
+        if b.measure == "packed" and not doc_lens:
+            continue
+        length = seq_len if b.measure == "row" else span
         if length >= b.bound:
             raise NotImplementedError(b.message.format(length=length, where=where, limit=b.bound - 1))
 
@@ -250,7 +253,7 @@ def _read_model(model: nn.Module) -> _Support:
     config = getattr(model, "config", None)
     modules = list(_text_stack(model).named_modules())
     refusals = [*_token_mixers(modules), *_layer_kinds(config), *_value_head_size(config, modules)]
-    bounds = [*_rope_bounds(config, modules), *_window_bounds(config), *_temperature_bounds(config)]
+    bounds = [*_rope_bounds(config, modules), *_window_bounds(config, modules), *_temperature_bounds(config)]
     return _Support(id(config), tuple(refusals), tuple(bounds))
 
 
@@ -422,16 +425,22 @@ def _rope_message(rope_type: str, where_found: str, threshold: str) -> str:
     )
 
 
-def _window_bounds(config: Any) -> Iterator[_Bound]:
+def _window_bounds(config: Any, modules: list[tuple[str, nn.Module]]) -> Iterator[_Bound]:
     """Sliding windows and attention chunks as the config sets them, whatever the model
     passes to the attention function: Qwen2-MoE, PhiMoE and Llama 4 apply theirs through
-    the mask only, which ring_flash under CP (and on packed rows) does not take."""
+    the mask only, which ring_flash under CP (and on packed rows) does not take.
+
+    The ring computes a sliding window on dense rows when the attention layers pass it as
+    ``sliding_window=`` to the attention function (Mistral, Mixtral, Gemma 2/3, Qwen2,
+    GPT-OSS, Cohere 2, ...): such models are bounded on packed rows only."""
     window = _smallest(config, "sliding_window")
     # Qwen2 / Qwen3-MoE clear the window when use_sliding_window is False, Qwen2-MoE sets it to 0.
     if window is not None and not all(v is False for v in _config_values(config, "use_sliding_window")):
         # Key j is visible to query i when 0 <= i - j < window: a window of at least the
         # span masks nothing.
-        yield from _masked_layers(config, "sliding_window", window, "sliding_attention", "a sliding window")
+        measure = "packed" if _passes_window(modules) else "span"
+        yield from _masked_layers(config, "sliding_window", window, "sliding_attention", "a sliding window",
+                                  measure)
     chunk = _smallest(config, "attention_chunk_size")
     if chunk is not None:
         # Query i sees key j only in the same chunk (i // chunk == j // chunk): a chunk of
@@ -439,22 +448,57 @@ def _window_bounds(config: Any) -> Iterator[_Bound]:
         yield from _masked_layers(config, "attention_chunk_size", chunk, "chunked_attention", "chunked attention")
 
 
-def _masked_layers(config: Any, field: str, size: int, kind: str, what: str) -> Iterator[_Bound]:
+def _passes_window(modules: list[tuple[str, nn.Module]]) -> bool:
+    """Whether every attention layer hands its window to the attention function, read from
+    the source of its class's ``forward``: it passes ``sliding_window=`` (Mistral's
+    ``sliding_window=getattr(self.config, "sliding_window", None)``, Qwen2's
+    ``sliding_window=self.sliding_window``). Qwen2-MoE and PhiMoE do not: their window lives
+    in the mask only (Qwen2-MoE even sets a ``sliding_window`` attribute it never passes,
+    so the attribute cannot tell them apart; the call can). Source that cannot be read
+    counts as not passing: refused, never silently wrong."""
+    classes = {
+        type(m) for path, m in modules
+        if type(m).__name__.endswith("Attention") and not type(m).__module__.startswith("torch.")
+        and not any(_TOWER.search(part) for part in path.split("."))
+    }
+    if not classes:
+        return False
+    for cls in classes:
+        try:
+            source = inspect.getsource(cls.forward)
+        except (OSError, TypeError):
+            return False
+        if not re.search(r"\bsliding_window\s*=(?!=)", source):
+            return False
+    return True
+
+
+def _masked_layers(
+    config: Any, field: str, size: int, kind: str, what: str, measure: str = "span"
+) -> Iterator[_Bound]:
     """The bound of a window or chunk of ``size`` tokens on the layers of ``kind`` (every
-    layer when the config has no layer_types: Mistral, Mixtral, PhiMoE, Starcoder2)."""
+    layer when the config has no layer_types: Mistral, Mixtral, PhiMoE, Starcoder2);
+    ``measure`` ``"packed"`` where the ring computes it on dense rows."""
     kinds = _first(config, "layer_types")
     layers = [i for i, k in enumerate(kinds) if k == kind] if isinstance(kinds, (list, tuple)) else None
     if layers == []:
         return
     on = "every layer" if layers is None else f"layers {_listed([str(i) for i in layers], 8)}"
-    yield _Bound(
-        size + 1,
-        "span",
-        f"config.{field}={size} gives {on} {what} of {size} tokens, which {{where}} ring_flash does "
-        "not compute (it attends to the whole causal past); this forward's longest sequence "
-        "(document) has {length} tokens. Use sequences of at most {limit} tokens, or train "
-        "without context parallelism and without packed rows",
-    )
+    if measure == "packed":
+        message = (
+            f"config.{field}={size} gives {on} {what} of {size} tokens, which ring_flash computes "
+            "on dense rows but not yet {where} (packed rows); this forward's longest document has "
+            "{length} tokens. Use documents of at most {limit} tokens, or dense rows (no packing)"
+        )
+    else:
+        message = (
+            f"config.{field}={size} gives {on} {what} of {size} tokens, which {{where}} ring_flash does "
+            "not compute (the model applies it through its mask only, not by passing it to the "
+            "attention function, so ring_flash attends to the whole causal past); this forward's "
+            "longest sequence (document) has {length} tokens. Use sequences of at most {limit} "
+            "tokens, or train without context parallelism and without packed rows"
+        )
+    yield _Bound(size + 1, measure, message)
 
 
 def _temperature_bounds(config: Any) -> Iterator[_Bound]:

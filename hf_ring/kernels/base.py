@@ -24,6 +24,13 @@ n_kv_heads, head_dim)``, boundaries ``cu_q``/``cu_k`` int32 ``(n_blocks + 1,)`` 
 tensors' device, ``max_q``/``max_k`` Python ints, lse ``(n_heads, total_q)`` float32.
 Packed rows use it to run every document of a ring step in one launch.
 
+A backend may also offer a masked kernel, for blocks on the edge of a sliding window:
+``masked_forward(q, k, v, mask, scale) -> (out, lse)`` and ``masked_backward(dout, q, k,
+v, out, lse, mask, scale) -> (dq, dk, dv)``, shapes as above, ``mask`` bool ``(q_len,
+k_len)`` on the tensors' device, True where the key is visible (it replaces ``causal``).
+A query row with no visible key gets ``out = 0``, ``lse = -inf`` and zero gradients, so
+merging it changes nothing.
+
 Asking for a backend that cannot run on this machine, device or dtype is an error that
 says what to do: a different kernel would be a silent change of numerics and speed.
 """
@@ -44,6 +51,10 @@ BackwardFn = Callable[..., "tuple[torch.Tensor, torch.Tensor, torch.Tensor]"]
 VarlenForwardFn = Callable[..., "tuple[torch.Tensor, torch.Tensor]"]
 # (dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale) -> (dq, dk, dv)
 VarlenBackwardFn = Callable[..., "tuple[torch.Tensor, torch.Tensor, torch.Tensor]"]
+# (q, k, v, mask, scale) -> (out, lse)
+MaskedForwardFn = Callable[..., "tuple[torch.Tensor, torch.Tensor]"]
+# (dout, q, k, v, out, lse, mask, scale) -> (dq, dk, dv)
+MaskedBackwardFn = Callable[..., "tuple[torch.Tensor, torch.Tensor, torch.Tensor]"]
 # Raises ValueError / NotImplementedError, saying why, when the backend cannot run here.
 ProbeFn = Callable[[torch.device, torch.dtype], None]
 
@@ -74,6 +85,8 @@ class AttentionBackend:
         probe: further checks known before any tensor exists (package version, kernel
             signature); raises ValueError / NotImplementedError saying what to do.
         varlen_forward, varlen_backward: the optional variable-length kernel; both or neither.
+        masked_forward, masked_backward: the optional kernel with an explicit boolean mask
+            (sliding windows inside the ring); both or neither.
     """
 
     name: str
@@ -89,11 +102,21 @@ class AttentionBackend:
     probe: Optional[ProbeFn] = None
     varlen_forward: Optional[VarlenForwardFn] = None
     varlen_backward: Optional[VarlenBackwardFn] = None
+    masked_forward: Optional[MaskedForwardFn] = None
+    masked_backward: Optional[MaskedBackwardFn] = None
 
     def __post_init__(self) -> None:
         if (self.varlen_forward is None) != (self.varlen_backward is None):
             raise ValueError(f"attention backend {self.name!r}: give both varlen_forward and "
                              "varlen_backward, or neither")
+        if (self.masked_forward is None) != (self.masked_backward is None):
+            raise ValueError(f"attention backend {self.name!r}: give both masked_forward and "
+                             "masked_backward, or neither")
+
+    @property
+    def masked(self) -> bool:
+        """Whether it has the masked kernel (sliding windows inside the ring)."""
+        return self.masked_forward is not None
 
     def check(self, device: torch.device, dtype: torch.dtype) -> None:
         """Raise ValueError (saying what to do) unless this backend runs on ``device`` for

@@ -8,6 +8,8 @@ merged), which flash kernels also do.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from hf_ring.kernels.base import ALL_FLOATS, AttentionBackend
@@ -17,14 +19,19 @@ def _accum_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+def _scores(
+    q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, mask: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """Scaled, masked scores ``(batch, n_kv_heads, group, q_len, k_len)`` in float32/64
-    from q ``(batch, q_len, n_heads, head_dim)`` and k ``(batch, k_len, n_kv_heads, head_dim)``."""
+    from q ``(batch, q_len, n_heads, head_dim)`` and k ``(batch, k_len, n_kv_heads, head_dim)``;
+    ``mask`` bool ``(q_len, k_len)``, True = visible, replaces ``causal`` when given."""
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     acc = _accum_dtype(q.dtype)
     qg = q.to(acc).view(b, sq, hk, hq // hk, d)  # (b, sq, hk, g, d)
     s = torch.einsum("bqhgd,bkhd->bhgqk", qg, k.to(acc)) * scale
+    if mask is not None:
+        return s.masked_fill(~mask.to(device=q.device, dtype=torch.bool), float("-inf"))
     if causal:
         # Top-left aligned: query i sees keys 0..i. The ring only asks for causal blocks
         # with q_len == k_len, where every alignment convention agrees.
@@ -34,19 +41,21 @@ def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> tor
 
 
 def reference_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+    mask: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one block.
 
     Args:
         q: ``(batch, q_len, n_heads, head_dim)``; k, v: ``(batch, k_len, n_kv_heads,
             head_dim)``; same floating dtype.
+        mask: optional bool ``(q_len, k_len)``, True = visible, instead of ``causal``.
     Returns:
         out ``(batch, q_len, n_heads, head_dim)`` in q's dtype, and lse ``(batch, n_heads,
         q_len)`` in float32 (float64 for float64 inputs).
     """
     b, sq, hq, d = q.shape
-    s = _scores(q, k, causal, scale)  # (b, hk, g, sq, sk)
+    s = _scores(q, k, causal, scale, mask)  # (b, hk, g, sq, sk)
     lse = torch.logsumexp(s, dim=-1)  # (b, hk, g, sq)
     p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)  # -inf rows give 0
     out = torch.einsum("bhgqk,bkhd->bqhgd", p, v.to(s.dtype)).reshape(b, sq, hq, d)
@@ -62,6 +71,7 @@ def reference_backward(
     lse: torch.Tensor,
     causal: bool,
     scale: float,
+    mask: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one block given the *final* ``out`` and ``lse`` of each query row.
 
@@ -71,14 +81,15 @@ def reference_backward(
 
     Args:
         dout, out: ``(batch, q_len, n_heads, head_dim)``, any floating dtype; q, k, v as in
-            :func:`reference_forward`; lse: ``(batch, n_heads, q_len)`` float32 or float64.
+            :func:`reference_forward`; lse: ``(batch, n_heads, q_len)`` float32 or float64;
+            mask as in :func:`reference_forward`.
     Returns:
         dq, dk, dv in float32 (float64 for float64 inputs), shaped like q, k, v.
     """
     b, sq, hq, d = q.shape
     hk = k.shape[2]
     g = hq // hk
-    s = _scores(q, k, causal, scale)  # (b, hk, g, sq, sk)
+    s = _scores(q, k, causal, scale, mask)  # (b, hk, g, sq, sk)
     acc = s.dtype
     p = torch.exp(s - lse.to(acc).view(b, hk, g, sq, 1)).nan_to_num(0.0)
     do = dout.to(acc).view(b, sq, hk, g, d)
@@ -92,6 +103,17 @@ def reference_backward(
     return dq, dk, dv
 
 
+def reference_masked_forward(q, k, v, mask, scale):
+    """:func:`reference_forward` with a bool ``mask`` ``(q_len, k_len)``, True = visible,
+    instead of the causal flag; rows with no visible key give out 0 and lse -inf."""
+    return reference_forward(q, k, v, False, scale, mask)
+
+
+def reference_masked_backward(dout, q, k, v, out, lse, mask, scale):
+    """:func:`reference_backward` with a bool ``mask`` ``(q_len, k_len)`` (see above)."""
+    return reference_backward(dout, q, k, v, out, lse, False, scale, mask)
+
+
 REFERENCE = AttentionBackend(
     name="reference",
     forward=reference_forward,
@@ -99,4 +121,6 @@ REFERENCE = AttentionBackend(
     devices=("cpu", "cuda"),
     dtypes=ALL_FLOATS,
     description="plain math; materialises the score matrix (tests, float64, short blocks)",
+    masked_forward=reference_masked_forward,
+    masked_backward=reference_masked_backward,
 )

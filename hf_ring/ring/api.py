@@ -64,14 +64,23 @@ def ring_attention(
     return RingAttentionFunction.apply(q, k, v, sinks, plan)
 
 
+def _window_code(window: Optional[int]) -> int:
+    """The window as an agreement field: 0 for None (a window is >= 1), -1 for a value that
+    is no int (every rank then fails the plan's own check alike)."""
+    if window is None:
+        return 0
+    return window if isinstance(window, int) and not isinstance(window, bool) else -1
+
+
 def _scale(q: torch.Tensor, softmax_scale: Optional[float]) -> float:
     return softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
 
 
-def _plan(q, group, rank, world, causal, scale, layout, backend, comm_stats, local_doc_lens=None) -> RingPlan:
+def _plan(q, group, rank, world, causal, scale, layout, backend, comm_stats, local_doc_lens=None,
+          window=None) -> RingPlan:
     transport = process_group_transport(group, comm_stats) if world > 1 else None
     return RingPlan(group, rank, world, layout, causal, scale, get_backend(backend, q.device, q.dtype),
-                    local_doc_lens, transport)
+                    local_doc_lens, transport, window)
 
 
 def ring_flash_attn_func(
@@ -88,6 +97,7 @@ def ring_flash_attn_func(
     check_ranks: bool = True,
     comm_stats: Optional[CommWaitStats] = None,
     sinks: Optional[torch.Tensor] = None,
+    window: Optional[int] = None,
 ) -> Output:
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
@@ -113,6 +123,11 @@ def ring_flash_attn_func(
         sinks: optional ``(n_heads,)`` float tensor: one extra logit per query head in every
             row's softmax denominator (attention sinks, GPT-OSS's ``s_aux``), with its
             gradient; the same on every rank.
+        window: sliding window in tokens, as transformers' ``sliding_window``: key j is
+            visible to query i iff ``0 <= i - j < window`` (global positions), on top of
+            causal (``causal=True`` only). Key blocks wholly outside it are skipped, blocks
+            on its edge masked; needs a backend with a masked kernel (``torch_cpu_flash``,
+            ``reference``), else NotImplementedError. None: no window.
 
     Returns:
         ``out`` shaped and typed like q; with ``return_lse``, also ``lse``
@@ -122,9 +137,10 @@ def ring_flash_attn_func(
     rank, world = group_coords(group)
     scale = _scale(q, softmax_scale)
     if world > 1 and check_ranks:
-        check_across_ranks(group, q, k, v, layout, causal, scale, [("sinks", int(sinks is not None))])
+        check_across_ranks(group, q, k, v, layout, causal, scale,
+                           [("sinks", int(sinks is not None)), ("window", _window_code(window))])
     check_local(q, k, v, layout, causal)
-    plan = _plan(q, group, rank, world, causal, scale, layout, backend, comm_stats)
+    plan = _plan(q, group, rank, world, causal, scale, layout, backend, comm_stats, window=window)
     out, lse = ring_attention(q, k, v, plan, sinks)
     return (out, lse) if return_lse else out
 

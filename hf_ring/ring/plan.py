@@ -1,10 +1,11 @@
 """``RingPlan``: everything one ring call needs besides the tensors, validated once.
 
 A plan fixes who we are in the ring (rank, world, group, transport), what we compute
-(layout, causal, scale, documents of a packed row) and with which block kernel. It also
-caches what is the same in the forward and the backward and across layers of one model
-forward: each step's block schedule and, for packed rows on a varlen kernel, each step's
-index tensors on the device. Building a plan does no communication and no host sync.
+(layout, causal, scale, sliding window, documents of a packed row) and with which block
+kernel. It also caches what is the same in the forward and the backward and across layers
+of one model forward: each step's block schedule (cut to the window, see window.py), the
+window masks on the device and, for packed rows on a varlen kernel, each step's index
+tensors on the device. Building a plan does no communication and no host sync.
 """
 
 from __future__ import annotations
@@ -19,7 +20,11 @@ from hf_ring.kernels import AttentionBackend
 from hf_ring.ring.comm import Transport, process_group_transport
 from hf_ring.ring.packed_step import StepBatch, step_batch
 from hf_ring.ring.schedule import Block, step_blocks
-from hf_ring.sharding.layouts import check_layout
+from hf_ring.ring.window import window_blocks
+from hf_ring.sharding.layouts import check_layout, shard_indices
+
+# What to use instead when a backend has no masked kernel for a window.
+_MASKED_BACKENDS = "'torch_cpu_flash' (CPU) or 'reference'"
 
 
 @dataclass(frozen=True, eq=False)
@@ -37,6 +42,9 @@ class RingPlan:
         local_doc_lens: packed rows only, each document's local length (its global length
             over ``world``), summing to the local sequence length.
         transport: how blocks travel (default: P2P over ``group``).
+        window: sliding window in tokens (key j visible to query i iff ``0 <= i - j <
+            window``, global positions), or None; causal dense rows only, and a backend
+            with a masked kernel. Blocks outside it are skipped, blocks on its edge masked.
     """
 
     group: Optional[dist.ProcessGroup]
@@ -48,7 +56,9 @@ class RingPlan:
     backend: AttentionBackend
     local_doc_lens: Optional[tuple[int, ...]] = None
     transport: Optional[Transport] = None
+    window: Optional[int] = None
     _blocks: dict = field(default_factory=dict, repr=False)
+    _masks: dict = field(default_factory=dict, repr=False)
     _varlen_batches: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -61,8 +71,28 @@ class RingPlan:
             if any(n <= 0 for n in self.local_doc_lens):
                 raise ValueError(f"every packed document needs local tokens, got {self.local_doc_lens}")
             object.__setattr__(self, "local_doc_lens", tuple(self.local_doc_lens))
+        if self.window is not None:
+            self._check_window()
         if self.world > 1 and self.transport is None:
             object.__setattr__(self, "transport", process_group_transport(self.group))
+
+    def _check_window(self) -> None:
+        w = self.window
+        if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+            raise ValueError(f"window must be a positive int (tokens), got {w!r}")
+        if not self.causal:
+            raise ValueError("a sliding window is defined on top of causal attention; pass causal=True")
+        if self.local_doc_lens is not None:
+            raise NotImplementedError(
+                "sliding windows on packed rows (several documents per row) are not computed by the "
+                "ring yet; use dense rows, or documents no longer than the window"
+            )
+        if not self.backend.masked:
+            raise NotImplementedError(
+                f"attention backend {self.backend.name!r} has no masked kernel, which a sliding window "
+                f"inside the ring needs (for the blocks on its edge); use backend={_MASKED_BACKENDS}, "
+                "or sequences no longer than the window (window=None)"
+            )
 
     @property
     def varlen(self) -> bool:
@@ -76,8 +106,22 @@ class RingPlan:
         key = (step, local_len)
         if key not in self._blocks:
             src = (self.rank - step) % self.world
-            self._blocks[key] = step_blocks(self.layout, self.causal, local_len, self.rank, src, self.local_doc_lens)
+            blocks = step_blocks(self.layout, self.causal, local_len, self.rank, src, self.local_doc_lens)
+            seq = local_len * self.world
+            if self.window is not None and self.window < seq:  # a window >= seq masks nothing
+                q_pos = shard_indices(seq, self.world, self.rank, self.layout)
+                k_pos = shard_indices(seq, self.world, src, self.layout)
+                blocks = window_blocks(blocks, q_pos, k_pos, self.window)
+            self._blocks[key] = blocks
         return self._blocks[key]
+
+    def mask(self, block: Block, device: torch.device) -> torch.Tensor:
+        """A masked block's mask on ``device``, copied there once per plan (the blocks live
+        in the plan's cache, so their masks' ids are stable keys)."""
+        key = (id(block.mask), device)
+        if key not in self._masks:
+            self._masks[key] = block.mask.to(device)
+        return self._masks[key]
 
     def varlen_batch(self, blocks: list[Block], device: torch.device) -> Optional[StepBatch]:
         """``packed_step.step_batch`` for a step's blocks, built once per plan."""
@@ -91,6 +135,6 @@ class RingPlan:
         fields = {
             "group": self.group, "rank": self.rank, "world": self.world, "layout": self.layout,
             "causal": self.causal, "scale": self.scale, "local_doc_lens": self.local_doc_lens,
-            "transport": self.transport,
+            "transport": self.transport, "window": self.window,
         }
         return RingPlan(backend=backend, **{**fields, **changes})

@@ -42,6 +42,21 @@ def _whole(blocks, length: int) -> bool:
     return len(blocks) == 1 and blocks[0].q_start == 0 and blocks[0].q_end == length
 
 
+def _block_forward(plan: RingPlan, blk, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block's kernel on already sliced q ``(b, nq, hq, d)``, k, v ``(b, nk, hk, d)``:
+    the masked kernel for a block on a window's edge, else the causal / full one."""
+    if blk.mask is None:
+        return plan.backend.forward(q, k, v, blk.causal, plan.scale)
+    return plan.backend.masked_forward(q, k, v, plan.mask(blk, q.device), plan.scale)
+
+
+def _block_backward(plan: RingPlan, blk, dout, q, k, v, out, lse):
+    """As :func:`_block_forward`, for the backward (final ``out`` and ``lse`` of the rows)."""
+    if blk.mask is None:
+        return plan.backend.backward(dout, q, k, v, out, lse, blk.causal, plan.scale)
+    return plan.backend.masked_backward(dout, q, k, v, out, lse, plan.mask(blk, q.device), plan.scale)
+
+
 def forward_blocks(
     plan: RingPlan, blocks, q: torch.Tensor, cur_k: torch.Tensor, cur_v: torch.Tensor,
     acc: Optional[tuple[torch.Tensor, torch.Tensor]],
@@ -52,14 +67,16 @@ def forward_blocks(
 
     ``acc`` is None on the first step. Its blocks (the diagonal) usually cover every query
     row once: their results then become the accumulators, with no merge and, when the
-    kernel returns the accumulator dtype, no copy.
+    kernel returns the accumulator dtype, no copy. That holds for a masked diagonal too
+    (a row with no visible key comes back as out 0, lse -inf, a valid accumulator); a
+    step whose blocks a window dropped, wholly or partly, starts from zeros and -inf.
     """
     s = q.shape[1]
     dtype = accum_dtype(q.dtype)
     if acc is None and _whole(blocks, s) and not plan.varlen:
         blk = blocks[0]
-        block_out, block_lse = plan.backend.forward(q, cur_k[:, blk.k_start:blk.k_end],
-                                                    cur_v[:, blk.k_start:blk.k_end], blk.causal, plan.scale)
+        block_out, block_lse = _block_forward(plan, blk, q, cur_k[:, blk.k_start:blk.k_end],
+                                              cur_v[:, blk.k_start:blk.k_end])
         return block_out.to(dtype), block_lse.to(dtype)
     first = acc is None and _covers([(b.q_start, b.q_end) for b in blocks], s)
     if acc is None:
@@ -75,7 +92,7 @@ def forward_blocks(
         return out, lse
     for blk in blocks:
         qs, ks = slice(blk.q_start, blk.q_end), slice(blk.k_start, blk.k_end)
-        block_out, block_lse = plan.backend.forward(q[:, qs], cur_k[:, ks], cur_v[:, ks], blk.causal, plan.scale)
+        block_out, block_lse = _block_forward(plan, blk, q[:, qs], cur_k[:, ks], cur_v[:, ks])
         if first:
             out[:, qs] = block_out
             lse[:, :, qs] = block_lse
@@ -98,7 +115,7 @@ def backward_blocks(
     if dq is None and _whole(blocks, s) and not plan.varlen:
         blk = blocks[0]
         ks = slice(blk.k_start, blk.k_end)
-        bdq, bdk, bdv = plan.backend.backward(dout, q, cur_k[:, ks], cur_v[:, ks], out, lse, blk.causal, plan.scale)
+        bdq, bdk, bdv = _block_backward(plan, blk, dout, q, cur_k[:, ks], cur_v[:, ks], out, lse)
         return bdq.to(dtype), [(ks, bdk, bdv)]
     first = dq is None and _covers([(b.q_start, b.q_end) for b in blocks], s)
     if dq is None:
@@ -110,8 +127,8 @@ def backward_blocks(
     block_dkv = []
     for blk in blocks:
         qs, ks = slice(blk.q_start, blk.q_end), slice(blk.k_start, blk.k_end)
-        bdq, bdk, bdv = plan.backend.backward(
-            dout[:, qs], q[:, qs], cur_k[:, ks], cur_v[:, ks], out[:, qs], lse[:, :, qs], blk.causal, plan.scale
+        bdq, bdk, bdv = _block_backward(
+            plan, blk, dout[:, qs], q[:, qs], cur_k[:, ks], cur_v[:, ks], out[:, qs], lse[:, :, qs]
         )
         if first:
             dq[:, qs] = bdq

@@ -22,29 +22,39 @@ Without a causal mask every query sees every key at every step.
 
 Packed rows (several documents, each zigzag-sharded on its own) apply the zigzag rule
 per document, offset by where the document starts in the local row.
+
+A sliding window cuts these blocks further (window.py): blocks wholly outside it are
+dropped, the others trimmed, and those on its edge carry an explicit mask.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
 
 
 @dataclass(frozen=True)
 class Block:
-    """Local queries ``[q_start, q_end)`` against received keys ``[k_start, k_end)``."""
+    """Local queries ``[q_start, q_end)`` against received keys ``[k_start, k_end)``.
+
+    ``mask``: None, or (a block on a sliding window's edge) a bool tensor ``(q_end -
+    q_start, k_end - k_start)``, True where the key is visible, which replaces ``causal``.
+    It is left out of equality and hashing: blocks are compared by their rectangle.
+    """
 
     q_start: int
     q_end: int
     k_start: int
     k_end: int
     causal: bool
+    mask: Any = field(default=None, compare=False, repr=False)
 
     @property
     def work(self) -> float:
-        """Query-key pairs computed (half the rectangle on a causal diagonal)."""
+        """Query-key pairs computed (half the rectangle on a causal diagonal; a masked
+        block's kernel still scores its whole rectangle)."""
         nq, nk = self.q_end - self.q_start, self.k_end - self.k_start
-        return nq * (nk + 1) / 2 if self.causal else nq * nk
+        return nq * (nk + 1) / 2 if self.causal and self.mask is None else nq * nk
 
 
 def _zigzag(offset: int, length: int, rank: int, src: int) -> list[Block]:
