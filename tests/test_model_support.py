@@ -195,7 +195,8 @@ def test_passed_sliding_window_is_computed_on_dense_rows_refused_on_packed(model
 def test_mask_only_windows_are_told_apart_by_the_call():
     # Qwen2-MoE sets a sliding_window attribute on its attention but never passes it.
     model = tiny("qwen2_moe", use_sliding_window=True, sliding_window=16, max_window_layers=2)
-    assert model.model.layers[0].self_attn.sliding_window == 16
+    if TRANSFORMERS_5:  # 4.57's Qwen2-MoE attention has no such attribute
+        assert model.model.layers[0].self_attn.sliding_window == 16
     assert not model_support._passes_window(list(model.model.named_modules()))
 
 
