@@ -19,11 +19,13 @@ then dropped; every other mask is refused.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Optional
 
 import torch
 
 from hf_ring.ring.api import documents_fields
+from hf_ring.ring.comm import peer_failed
 from hf_ring.ring.groups import ContextParallelState
 from hf_ring.ring.validation import check_agreement, dtype_code, layout_code
 from hf_ring.sharding.layouts import shard_indices
@@ -131,19 +133,28 @@ def _refuse_local(inputs: dict[str, Any], state: ContextParallelState) -> Option
     return doc_lens
 
 
+def _bounds(doc_lens: tuple[int, ...]) -> list[int]:
+    """Document boundaries ``[0, end_0, end_1, ...]`` from their lengths."""
+    return [0, *itertools.accumulate(doc_lens)]
+
+
+def inputs_device(inputs: dict[str, Any]) -> torch.device:
+    """The device of a forward's tensor inputs (where the check's collective runs)."""
+    return next((t.device for t in inputs.values() if isinstance(t, torch.Tensor)), torch.device("cpu"))
+
+
 def _global_indices(seq_local: int, doc_lens: Optional[tuple[int, ...]], state: ContextParallelState) -> torch.Tensor:
     """Which global token each local one is, ``(seq_local,)`` int64 on the CPU."""
     if doc_lens is None:
         return shard_indices(seq_local * state.cp_size, state.cp_size, state.cp_rank, state.layout)
-    cu = torch.tensor([0, *torch.tensor(doc_lens).cumsum(0).tolist()])
-    return packed_shard_indices(cu, state.cp_size, state.cp_rank)
+    return packed_shard_indices(torch.tensor(_bounds(doc_lens)), state.cp_size, state.cp_rank)
 
 
 def _expected_positions(index: torch.Tensor, doc_lens: Optional[tuple[int, ...]]) -> torch.Tensor:
     """Global position ids of the tokens at ``index``: restarting at 0 in every document."""
     if doc_lens is None:
         return index
-    starts = torch.tensor([0, *torch.tensor(doc_lens).cumsum(0).tolist()])
+    starts = torch.tensor(_bounds(doc_lens))
     return index - starts[torch.searchsorted(starts, index, right=True) - 1]
 
 
@@ -208,7 +219,7 @@ def validate_cp_inputs(
     problem: Optional[Exception] = None
     doc_lens = None
     batch, seq_local = rows_and_length(inputs)
-    device = next((t.device for t in inputs.values() if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    device = inputs_device(inputs)
     wrong = None
     try:
         doc_lens = _refuse_local(inputs, state)
@@ -229,7 +240,7 @@ def validate_cp_inputs(
         ("layout", layout_code(state.layout)),
         ("autocast", int(autocast)),
         ("compute_dtype", dtype_code(compute_dtype)),
-        *documents_fields([0, *torch.tensor(doc_lens).cumsum(0).tolist()] if doc_lens else []),
+        *documents_fields(_bounds(doc_lens) if doc_lens else []),
     ]
     header = torch.tensor([v for _, v in fields], dtype=torch.int64, device=device)
     if wrong is not None:
@@ -238,9 +249,7 @@ def validate_cp_inputs(
         rows = check_agreement(state.cp_group, fields, device, "the model's inputs", _HINT,
                                ignore=("refused", "positions_not_global"), values=header)
     except RuntimeError as e:
-        # gloo says "Timed out ..." when the peers never come, "Connection closed by peer"
-        # when they gave up first (their process left or destroyed the group).
-        if not any(s in str(e).lower() for s in ("timed out", "timeout", "connection closed")):
+        if not peer_failed(e):
             raise
         raise RuntimeError(
             f"CP rank {state.cp_rank} waited (up to {state.timeout}) for the other ranks of its "

@@ -26,7 +26,7 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
-from hf_ring.hf.cp_inputs import packed_document_lengths, rows_and_length, validate_cp_inputs
+from hf_ring.hf.cp_inputs import inputs_device, packed_document_lengths, rows_and_length, validate_cp_inputs
 from hf_ring.hf.forward_context import COMM_STATS_KWARG, CONTEXT_KWARG, ForwardContext
 from hf_ring.hf.model_support import RING_FLASH, check_model_supported, check_model_under_cp
 from hf_ring.patches.transformers import attn_implementation
@@ -125,8 +125,7 @@ def _pre_forward(model: nn.Module, args: tuple, kwargs: dict):
             return args, kwargs
         return args, {**kwargs, CONTEXT_KWARG: ForwardContext(None, doc_lens, comm_stats, made_by_guard=True)}
     _check_guarded_model(model, state.cp_size, takes_kwargs)
-    device = next((t.device for t in inputs.values() if isinstance(t, torch.Tensor)), torch.device("cpu"))
-    doc_lens = validate_cp_inputs(inputs, state, *_compute_dtype(model, device))
+    doc_lens = validate_cp_inputs(inputs, state, *_compute_dtype(model, inputs_device(inputs)))
     # After the collective check: every rank has the same lengths, so raises alike.
     check_model_under_cp(model, state.cp_size, rows_and_length(inputs)[1] * state.cp_size, doc_lens=doc_lens)
     kwargs = {**kwargs, CONTEXT_KWARG: ForwardContext(state, doc_lens, comm_stats, made_by_guard=True)}
@@ -143,7 +142,7 @@ def _pre_forward(model: nn.Module, args: tuple, kwargs: dict):
 _PER_TOKEN_HEADS = ("ForCausalLM", "LMHeadModel", "GenerationDecoder", "ForTokenClassification", "ForQuestionAnswering")
 
 
-def _refuse_model_loss(model: nn.Module, args: tuple, kwargs: dict) -> None:
+def _check_head_under_cp(model: nn.Module, args: tuple, kwargs: dict) -> None:
     """Pre-hook of the model around the base model (e.g. ``LlamaForCausalLM``): under CP
     the loss it computes from ``labels`` would be a mean over this rank's shard, and a
     head that pools over the sequence would pool over the shard."""
@@ -202,7 +201,7 @@ def guard_model(model: nn.Module) -> None:
     """
     base = getattr(model, "base_model", model)
     if base is not model and not model.__dict__.get(_GUARDED_LOSS):
-        model.register_forward_pre_hook(_refuse_model_loss, with_kwargs=True)
+        model.register_forward_pre_hook(_check_head_under_cp, with_kwargs=True)
         model.__dict__[_GUARDED_LOSS] = True
     if base.__dict__.get(_GUARDED_MODEL):
         return

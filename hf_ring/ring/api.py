@@ -139,7 +139,7 @@ def ring_flash_attn_func(
     if world > 1 and check_ranks:
         check_across_ranks(group, q, k, v, layout, causal, scale,
                            [("sinks", int(sinks is not None)), ("window", _window_code(window))])
-    check_local(q, k, v, layout, causal)
+    check_local(q, k, v, layout, causal)  # before the backend is chosen: shape mistakes named as such
     plan = _plan(q, group, rank, world, causal, scale, layout, backend, comm_stats, window=window)
     out, lse = ring_attention(q, k, v, plan, sinks)
     return (out, lse) if return_lse else out

@@ -69,6 +69,14 @@ class _Timed:
             self._stats.waits += 1
 
 
+def peer_failed(error: BaseException) -> bool:
+    """Whether a collective or transfer failed because a peer never took part: gloo says
+    "Timed out ..." when it never came, "Connection closed / reset by peer" when it left
+    (its process ended or destroyed the group) first."""
+    text = str(error).lower()
+    return any(s in text for s in ("timed out", "timeout", "connection closed", "connection reset"))
+
+
 class RingExchange(_Timed):
     """Sends to the next rank of ``group`` and receives from the previous one."""
 
@@ -96,7 +104,7 @@ class RingExchange(_Timed):
             for req in self._reqs:
                 req.wait()
         except RuntimeError as e:
-            if not any(s in str(e).lower() for s in ("timed out", "timeout", "connection closed", "connection reset")):
+            if not peer_failed(e):
                 raise
             raise RuntimeError(
                 "a ring transfer between the ranks of a context-parallel group did not complete: the "

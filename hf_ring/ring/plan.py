@@ -11,7 +11,7 @@ tensors on the device. Building a plan does no communication and no host sync.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -129,12 +129,3 @@ class RingPlan:
         if key not in self._varlen_batches:
             self._varlen_batches[key] = step_batch(blocks, device)
         return self._varlen_batches[key]
-
-    def with_backend(self, backend: AttentionBackend, **changes: Any) -> "RingPlan":
-        """A copy with another kernel (and other fields), with fresh caches."""
-        fields = {
-            "group": self.group, "rank": self.rank, "world": self.world, "layout": self.layout,
-            "causal": self.causal, "scale": self.scale, "local_doc_lens": self.local_doc_lens,
-            "transport": self.transport, "window": self.window,
-        }
-        return RingPlan(backend=backend, **{**fields, **changes})
