@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from hf_ring.kernels import get_backend
-from hf_ring.ring.comm import CommWaitStats, process_group_transport
+from hf_ring.ring.comm import CommWaitStats
 from hf_ring.ring.groups import ContextParallelState
 from hf_ring.ring.plan import RingPlan
 
@@ -71,11 +71,10 @@ class ForwardContext:
         plan = self._plans.get(key)
         if plan is None:
             s = self.state
-            group = s.cp_group if s is not None else None
             world = self.cp_size
             local_docs = tuple(n // world for n in self.doc_lens) if self.doc_lens is not None else None
             plan = RingPlan(
-                group=group,
+                group=s.cp_group if s is not None else None,
                 rank=s.cp_rank if s is not None else 0,
                 world=world,
                 layout="zigzag" if local_docs is not None or s is None else s.layout,
@@ -83,7 +82,7 @@ class ForwardContext:
                 scale=scale,
                 backend=get_backend("auto", q.device, q.dtype),
                 local_doc_lens=local_docs,
-                transport=process_group_transport(group, self.comm_stats) if world > 1 else None,
+                comm_stats=self.comm_stats,
                 window=window,
             )
             self._plans[key] = plan

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from hf_ring.kernels import get_backend
-from hf_ring.ring.comm import CommWaitStats, process_group_transport
+from hf_ring.ring.comm import CommWaitStats
 from hf_ring.ring.plan import RingPlan
 from hf_ring.ring.ring_attention import RingAttentionFunction
 from hf_ring.ring.validation import check_across_ranks, check_local
@@ -78,9 +78,8 @@ def _scale(q: torch.Tensor, softmax_scale: Optional[float]) -> float:
 
 def _plan(q, group, rank, world, causal, scale, layout, backend, comm_stats, local_doc_lens=None,
           window=None) -> RingPlan:
-    transport = process_group_transport(group, comm_stats) if world > 1 else None
     return RingPlan(group, rank, world, layout, causal, scale, get_backend(backend, q.device, q.dtype),
-                    local_doc_lens, transport, window)
+                    local_doc_lens, window=window, comm_stats=comm_stats)
 
 
 def ring_flash_attn_func(

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from hf_ring.kernels import AttentionBackend
-from hf_ring.ring.comm import Transport, process_group_transport
+from hf_ring.ring.comm import CommWaitStats, Transport, process_group_transport
 from hf_ring.ring.packed_step import StepBatch, step_batch
 from hf_ring.ring.schedule import Block, step_blocks
 from hf_ring.ring.window import window_blocks
@@ -41,10 +41,12 @@ class RingPlan:
         backend: the block kernel.
         local_doc_lens: packed rows only, each document's local length (its global length
             over ``world``), summing to the local sequence length.
-        transport: how blocks travel (default: P2P over ``group``).
+        transport: how blocks travel (default: P2P over ``group``, its waits added to
+            ``comm_stats``).
         window: sliding window in tokens (key j visible to query i iff ``0 <= i - j <
             window``, global positions), or None; causal dense rows only, and a backend
             with a masked kernel. Blocks outside it are skipped, blocks on its edge masked.
+        comm_stats: a sink for the time the default transport waited on transfers.
     """
 
     group: Optional[dist.ProcessGroup]
@@ -57,6 +59,7 @@ class RingPlan:
     local_doc_lens: Optional[tuple[int, ...]] = None
     transport: Optional[Transport] = None
     window: Optional[int] = None
+    comm_stats: Optional[CommWaitStats] = None
     _blocks: dict = field(default_factory=dict, repr=False)
     _masks: dict = field(default_factory=dict, repr=False)
     _varlen_batches: dict = field(default_factory=dict, repr=False)
@@ -74,7 +77,7 @@ class RingPlan:
         if self.window is not None:
             self._check_window()
         if self.world > 1 and self.transport is None:
-            object.__setattr__(self, "transport", process_group_transport(self.group))
+            object.__setattr__(self, "transport", process_group_transport(self.group, self.comm_stats))
 
     def _check_window(self) -> None:
         w = self.window
