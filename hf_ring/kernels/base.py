@@ -87,6 +87,9 @@ class AttentionBackend:
         varlen_forward, varlen_backward: the optional variable-length kernel; both or neither.
         masked_forward, masked_backward: the optional kernel with an explicit boolean mask
             (sliding windows inside the ring); both or neither.
+        softcap: whether ``forward`` and ``backward`` take a keyword ``softcap: float``
+            (0 = off) and cap every score at ``softcap * tanh(score / softcap)`` inside the
+            kernel; False: the kernels take no such argument.
     """
 
     name: str
@@ -104,6 +107,7 @@ class AttentionBackend:
     varlen_backward: Optional[VarlenBackwardFn] = None
     masked_forward: Optional[MaskedForwardFn] = None
     masked_backward: Optional[MaskedBackwardFn] = None
+    softcap: bool = False
 
     def __post_init__(self) -> None:
         if (self.varlen_forward is None) != (self.varlen_backward is None):
@@ -132,6 +136,9 @@ class AttentionBackend:
         if dtype not in self.dtypes:
             raise ValueError(f"attention backend {self.name!r} takes {[str(d) for d in self.dtypes]}, "
                              f"got {dtype}; cast the model (e.g. torch_dtype=torch.bfloat16) or {hint}")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"attention backend {self.name!r}: no CUDA device is available here "
+                             f"(PyTorch {torch.__version__}); {hint}")
         if device.type == "cuda" and self.min_capability is not None:
             need = max(self.min_capability, _BF16_MIN_CAPABILITY) if dtype == torch.bfloat16 \
                 else self.min_capability

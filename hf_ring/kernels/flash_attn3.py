@@ -1,6 +1,6 @@
 """flash-attn 3, the hopper build (module ``flash_attn_interface``), dense blocks.
 
-sm90 GPUs, fp16/bf16, head_dim up to 256. The interface has no version of its own to
+sm90 GPUs only (the build targets sm90a), fp16/bf16, head_dim up to 256. The interface has no version of its own to
 check and renamed its arguments across builds (``causal`` -> ``is_causal`` in the
 backward; ``window_size=(l, r)`` -> two ints), so argument names are read from the
 installed functions and bound by :func:`hf_ring.kernels.cuda_glue.bind_kwargs`.
@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from hf_ring.kernels.base import HALF_FLOATS, AttentionBackend
+from hf_ring.kernels.base import HALF_FLOATS, AttentionBackend, gpu_capability
 from hf_ring.kernels.cuda_glue import NEUTRAL, bind_kwargs, check_block, grad_buffers, params_of, pick_out_lse
 
 
@@ -59,6 +59,11 @@ def fa3_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
 
 
 def _probe(device: torch.device, dtype: torch.dtype) -> None:
+    # The hopper build is compiled for sm90a only: Blackwell and later cannot run it.
+    major, minor = gpu_capability(device)
+    if major != 9:
+        raise ValueError(f"backend 'flash_attn_3' (the hopper build) runs on sm90 GPUs only, this one is "
+                         f"{major}.{minor}; pass backend='flash_attn_4' or 'torch_cudnn'")
     _fa3()
 
 
