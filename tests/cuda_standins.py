@@ -240,26 +240,28 @@ _MODULES = {  # backend name -> its module, and that module's names for its kern
 CUDA_NAMES = tuple(_MODULES)
 
 
-def cpu_copy(backend: AttentionBackend) -> AttentionBackend:
-    """``backend``'s record for CPU tensors of any float dtype, with nothing to probe."""
-    return dataclasses.replace(backend, devices=("cpu",), dtypes=ALL_FLOATS, min_capability=None, probe=None,
-                               installed=lambda: True)
+def cpu_copy(backend: AttentionBackend, keep_dtypes: bool = False) -> AttentionBackend:
+    """``backend``'s record for CPU tensors, with nothing to probe; of any float dtype
+    (the tests' float64) unless ``keep_dtypes``."""
+    return dataclasses.replace(backend, devices=("cpu",), dtypes=backend.dtypes if keep_dtypes else ALL_FLOATS,
+                               min_capability=None, probe=None, installed=lambda: True)
 
 
-def install(patch: Patch, names: Optional[tuple[str, ...]] = None) -> dict[str, AttentionBackend]:
+def install(patch: Patch, names: Optional[tuple[str, ...]] = None,
+            keep_dtypes: bool = False) -> dict[str, AttentionBackend]:
     """Route the CUDA backends ``names`` (default all) to the stand-ins on CPU tensors.
 
     Patches each backend module's kernel handles, makes its per-launch check accept CPU
     tensors (head_dim and dtype are still checked, on the CPU copy of its record), and
-    registers the CPU copies under the same names and ``"auto"`` priorities. Returns the
-    copies by name.
+    registers the CPU copies (see :func:`cpu_copy`) under the same names and ``"auto"``
+    priorities. Returns the copies by name.
     """
     copies: dict[str, AttentionBackend] = {}
     table = dict(registry._REGISTERED)
     for name in names or CUDA_NAMES:
         module, handles = _MODULES[name]
         entry = table[name]
-        copies[name] = cpu_copy(entry.backend)
+        copies[name] = cpu_copy(entry.backend, keep_dtypes)
         table[name] = entry._replace(backend=copies[name])
         for attr, value in handles.items():
             patch(module, attr, value)
