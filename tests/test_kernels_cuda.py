@@ -1,5 +1,7 @@
-"""CPU-side checks of the CUDA backends (hf_ring/kernels/flash_attn2.py, flash_attn3.py,
-torch_efficient.py and their shared cuda_glue.py), and of the registry around them.
+"""CPU-side checks of the CUDA backends flash_attn (2.x), flash_attn_3 and torch_efficient
+(hf_ring/kernels/flash_attn2.py, flash_attn3.py, torch_efficient.py and their shared
+cuda_glue.py), and of the registry around all backends; test_kernels_cuda_glue.py checks
+torch_flash, torch_cudnn, flash_attn_4 and the CUDA auto order.
 
 Without a GPU the kernels cannot run, so this file checks what can be checked here:
 - they are never offered or chosen for CPU tensors, and asking for them is a clear error;
@@ -7,11 +9,12 @@ Without a GPU the kernels cannot run, so this file checks what can be checked he
 - the glue around each kernel (argument binding per flash-attn version, lse padding,
   GQA head repetition and gradient summation) against the reference backend, with the
   kernel replaced by a CPU stand-in that follows the kernel's documented contract
-  (signature, return tuple, lse layout). These stand-ins are written from the upstream
-  signatures (flash-attn 2.6 / 2.7+ dense and varlen, the hopper interface, aten's schema), so a wrong
-  argument name or return index in the glue fails here. What the glue returns is compared
-  with attention written independently of hf_ring (``reference_attention.block_attention``),
-  not with the reference backend the stand-ins call, so a wrong reference fails here too.
+  (signature, return tuple, lse layout): tests/cuda_standins.py for the current
+  interfaces, the older ones (flash-attn 2.6, early hopper builds) below. These stand-ins
+  are written from the upstream signatures, so a wrong argument name or return index in
+  the glue fails here. What the glue returns is compared with attention written
+  independently of hf_ring (``reference_attention.block_attention``), not with the
+  reference backend the stand-ins call, so a wrong reference fails here too.
 
 Tolerance: float64 inputs; out within 1e-10 relative error (the glue adds no arithmetic),
 lse and gradients within 1e-6, because the kernels' lse is float32 by contract (~1e-8

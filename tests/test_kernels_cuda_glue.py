@@ -170,7 +170,7 @@ def _cuda_machine(monkeypatch, capability):
     monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91000)
     monkeypatch.setattr(flash_attn2, "_fa2", lambda: (None, Version("2.8.3")))
     monkeypatch.setattr(flash_attn3, "_fa3", lambda: None)
-    monkeypatch.setattr(flash_attn4, "_fa4", lambda: (None, flash_attn4.FA4_MIN))
+    monkeypatch.setattr(flash_attn4, "_fa4", lambda: (fa4_standin, flash_attn4.FA4_MIN))
     table = {n: e._replace(backend=dataclasses.replace(e.backend, installed=lambda: True))
              for n, e in registry._REGISTERED.items()}
     monkeypatch.setattr(registry, "_REGISTERED", table)
@@ -199,3 +199,18 @@ def test_cuda_auto_order(monkeypatch, capability, dtype, expected):
         with pytest.raises(ValueError, match=r"compute capability >= 9\.0"):
             get_backend("flash_attn_4", cuda, dtype)
         assert get_backend("torch_cudnn", cuda, dtype).name == "torch_cudnn"  # by name it runs on sm80
+
+
+def test_flash_attn_4_probe_reads_the_installed_signature(monkeypatch):
+    """get_backend refuses an installed flash-attn 4 whose entry points lost a parameter
+    hf_ring passes, before any tensor exists."""
+    monkeypatch.setattr(flash_attn4, "_fa4", lambda: (fa4_standin, flash_attn4.FA4_MIN))
+    flash_attn4._probe(torch.device("cuda"), torch.bfloat16)
+
+    def no_softcap_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, deterministic=False):
+        raise AssertionError("must not be called")
+
+    module = type("M", (), {"_flash_attn_fwd": fa4_standin._flash_attn_fwd, "_flash_attn_bwd": no_softcap_bwd})
+    monkeypatch.setattr(flash_attn4, "_fa4", lambda: (module, Version("4.0.1")))
+    with pytest.raises(NotImplementedError, match=r"_flash_attn_bwd has an unexpected signature.*\['softcap'\]"):
+        flash_attn4._probe(torch.device("cuda"), torch.bfloat16)

@@ -106,8 +106,16 @@ def fa4_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     return dq, dk, dv
 
 
+# What hf_ring passes each entry point by name (tensors aside): checked against the
+# installed signature before the first launch, so a renamed parameter refuses the backend.
+_FWD_NAMES = ("q", "k", "v", "softmax_scale", "causal", "softcap", "return_lse")
+_BWD_NAMES = ("q", "k", "v", "out", "dout", "lse", "softmax_scale", "causal", "softcap", "deterministic")
+
+
 def _probe(device: torch.device, dtype: torch.dtype) -> None:
-    _fa4()
+    fa, version = _fa4()
+    for entry, names in (("_flash_attn_fwd", _FWD_NAMES), ("_flash_attn_bwd", _BWD_NAMES)):
+        bind_kwargs(getattr(fa, entry), f"flash-attn-4 {version} {entry}", dict.fromkeys(names))
 
 
 FLASH_ATTN_4 = AttentionBackend(

@@ -10,7 +10,7 @@ that is installed and passes its checks here (device, dtype, GPU generation, pac
 version). The built-ins' order, fastest first by published comparisons (README, "Block
 kernels"; not yet measured by this project: ``benchmarks/gpu_check.py`` prints the
 measured order): on CUDA flash_attn_3 (sm90), flash_attn_4 (sm90+), torch_cudnn (auto
-only on sm90+, as PyTorch's own SDPA dispatch), flash_attn, torch_flash, torch_efficient,
+only on sm90+, where PyTorch 2.5 made it the SDPA default), flash_attn, torch_flash, torch_efficient,
 reference; on CPU torch_cpu_flash, reference.
 """
 
@@ -39,7 +39,7 @@ class _Registered(NamedTuple):
 _REGISTERED: dict[str, _Registered] = {}
 
 # GPU generations below which ``"auto"`` passes a backend over although it runs there (by
-# name it still does): PyTorch prefers cuDNN attention over its flash op on sm90+ only.
+# name it still does): PyTorch 2.5 made cuDNN attention its SDPA default on sm90+ only.
 _AUTO_MIN_CAPABILITY = {"torch_cudnn": (9, 0)}
 
 

@@ -17,7 +17,7 @@ PyTorch declares them (schema and meta function):
   the forward's type. ``attn_bias`` and ``cum_seq_q/k`` are None (no bias, dense rows),
   ``max_q`` / ``max_k`` the block's lengths.
 
-sm80+ (``backend="auto"`` takes it on sm90+ only, as PyTorch's own SDPA dispatch does),
+sm80+ (``backend="auto"`` takes it on sm90+ only, where PyTorch 2.5 made it the SDPA default),
 fp16/bf16, head_dim a multiple of 8 up to 128, cuDNN >= 9. No softcap and no
 sliding-window kernel (refused). The positional order is checked against the installed
 PyTorch's schemas before the first call.
