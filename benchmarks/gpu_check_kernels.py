@@ -14,7 +14,10 @@ from typing import Any, Callable
 import torch
 
 import ring_efficiency as bench
-from hf_ring.kernels import get_backend
+from hf_ring.kernels import get_backend, registry
+from hf_ring.ring.schedule import step_blocks
+from hf_ring.ring.window import window_blocks
+from hf_ring.sharding.layouts import shard_indices
 
 # Relative error bounds by input dtype. The kernels round P (and dP) to the input dtype
 # before the second matmul, so out and gradients carry a few units of that dtype's
@@ -27,6 +30,10 @@ TOL = {
 # (q heads, kv heads), head_dim, causal: MHA, GQA, MQA; the first is each backend's core case.
 BLOCK_CASES = [((8, 2), 128, True), ((8, 8), 128, True), ((8, 2), 64, True), ((8, 2), 128, False),
                ((8, 1), 64, False)]
+
+
+def registry_backend(name: str):
+    return registry._REGISTERED[name].backend
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -87,6 +94,38 @@ def check_ring(device: torch.device, name: str, dtype: torch.dtype, layout: str,
     _record(rows, what, errors, TOL[dtype])
 
 
+def window_mask(local: int) -> torch.Tensor:
+    """A window-edge mask of two bands: at cp=3 rank 1 holds zigzag chunks 1 and 4, and its
+    step-1 block (keys: chunk 0) under a window of 1.5 * local + 3 tokens sees all of
+    chunk 0 from chunk 1 and a corner of it from chunk 4, the masked kernels' hardest case."""
+    seq, window = 3 * local, 3 * (local // 2) + 3
+    q_pos, k_pos = shard_indices(seq, 3, 1, "zigzag"), shard_indices(seq, 3, 0, "zigzag")
+    blocks = window_blocks(step_blocks("zigzag", True, local, 1, 0), q_pos, k_pos, window)
+    return next(b.mask for b in blocks if b.mask is not None)
+
+
+def check_window(device: torch.device, name: str, dtype: torch.dtype, local: int, rows: list[dict]) -> None:
+    """The masked kernel (sliding windows inside the ring) on a window-edge block against
+    the float64 reference's masked kernel; rows that see no key included."""
+    mask = window_mask(local).to(device)
+    sq, sk = mask.shape
+    g = torch.Generator(device="cpu").manual_seed(1)
+    q, dout = (torch.randn(2, sq, 8, 128, generator=g).to(device, dtype) for _ in range(2))
+    k, v = (torch.randn(2, sk, 2, 128, generator=g).to(device, dtype) for _ in range(2))
+    kernel, ref = get_backend(name, device, dtype), get_backend("reference", device, torch.float64)
+    q64, k64, v64, do64 = (t.double() for t in (q, k, v, dout))
+    ref_out, ref_lse = ref.masked_forward(q64, k64, v64, mask, 128 ** -0.5)
+    out, lse = kernel.masked_forward(q, k, v, mask, 128 ** -0.5)
+    grads = kernel.masked_backward(dout, q, k, v, ref_out.to(dtype), ref_lse.float(), mask, 128 ** -0.5)
+    ref_grads = ref.masked_backward(do64, q64, k64, v64, ref_out, ref_lse, mask, 128 ** -0.5)
+    seen = mask.any(dim=1)
+    errors = {"out": rel_err(out, ref_out), "lse": rel_err(lse[..., seen], ref_lse[..., seen])}
+    errors |= {n: rel_err(gr, rg) for n, gr, rg in zip(("dq", "dk", "dv"), grads, ref_grads)}
+    unseen_ok = bool((lse[..., ~seen] == float("-inf")).all())
+    what = dict(kind="window", backend=name, dtype=_dtype_name(dtype), q_len=sq, k_len=sk, empty_rows_ok=unseen_ok)
+    _record(rows, what, errors if unseen_ok else {**errors, "lse": float("inf")}, TOL[dtype])
+
+
 def correctness_cases(device: torch.device, names: list[str], dtypes: dict[str, list[torch.dtype]],
                       block_len: int, ring_len: int,
                       block_cases: list = BLOCK_CASES) -> list[tuple[int, str, Callable[[list], None]]]:
@@ -102,6 +141,8 @@ def correctness_cases(device: torch.device, names: list[str], dtypes: dict[str, 
                 for sq, sk in ([(block_len, block_len)] if causal else [(block_len, short), (short // 2, block_len)]):
                     cases.append((0 if primary and i == 0 else 2, name,
                                   lambda rows, a=(name, dtype, hq, hk, d, causal, sq, sk): check_block(device, *a, rows)))
+            if primary and registry_backend(name).masked:
+                cases.append((1, name, lambda rows, a=(name, dtype, ring_len): check_window(device, *a, rows)))
             if primary:
                 for layout, cp in (("zigzag", 4), ("packed", 2)):
                     cases.append((1, name, lambda rows, a=(name, dtype, layout, cp, ring_len): check_ring(device, *a, rows)))

@@ -79,13 +79,15 @@ def flash_forward(*args, **kwargs):
     a = bind_schema(OPS.flash_fwd, args, kwargs)
     q, k, v = a["query"], a["key"], a["value"]
     assert a["dropout_p"] == 0.0 and not a["return_debug_mask"] and a["scale"] is not None
-    assert all(a[n] is None for n in ("window_size_left", "window_size_right", "seqused_k", "alibi_slopes",
-                                      "block_table"))
+    assert all(a[n] is None for n in ("seqused_k", "alibi_slopes", "block_table"))
     assert q.shape[-2] % k.shape[-2] == 0, "the kernel takes GQA natively"
     if a["cum_seq_q"] is None:
         assert q.dim() == 4 and (a["max_q"], a["max_k"]) == (q.shape[1], k.shape[1])
-        out, lse = reference_forward(q, k, v, a["is_causal"], a["scale"])
+        mask = fa4_standin.window_mask(q.shape[1], k.shape[1], a["is_causal"], a["window_size_left"],
+                                       a["window_size_right"])
+        out, lse = reference_forward(q, k, v, a["is_causal"], a["scale"], mask)
     else:
+        assert a["window_size_left"] is None and a["window_size_right"] is None
         out, lse = looped_varlen_forward(q, k, v, a["cum_seq_q"], a["cum_seq_k"], a["max_q"], a["max_k"],
                                          a["is_causal"], a["scale"])
     rng_state, unused = torch.empty(2, dtype=torch.uint64), torch.empty((), dtype=torch.uint64)
@@ -95,15 +97,18 @@ def flash_forward(*args, **kwargs):
 def flash_backward(*args, **kwargs):
     a = bind_schema(OPS.flash_bwd, args, kwargs)
     dout, q, k, v, out, lse = (a[n] for n in ("grad_out", "query", "key", "value", "out", "logsumexp"))
-    assert a["dropout_p"] == 0.0 and a["window_size_left"] is None and a["window_size_right"] is None
+    assert a["dropout_p"] == 0.0
     assert lse.dtype == torch.float32 and lse.is_contiguous() and out.dtype == q.dtype
     rng_state, unused = a["rng_state"], a["unused"]  # the forward's dropout state
     assert rng_state.shape == (2,) and rng_state.dtype == unused.dtype == torch.uint64 and unused.dim() == 0
     if a["cum_seq_q"] is None:
         assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]), "dense lse is (b, h, sq)"
         assert (a["max_q"], a["max_k"]) == (q.shape[1], k.shape[1])
-        grads = reference_backward(dout, q, k, v, out, lse.to(_acc(q.dtype)), a["is_causal"], a["scale"])
+        mask = fa4_standin.window_mask(q.shape[1], k.shape[1], a["is_causal"], a["window_size_left"],
+                                       a["window_size_right"])
+        grads = reference_backward(dout, q, k, v, out, lse.to(_acc(q.dtype)), a["is_causal"], a["scale"], mask)
     else:
+        assert a["window_size_left"] is None and a["window_size_right"] is None
         grads = looped_varlen_backward(dout, q, k, v, out, lse, a["cum_seq_q"], a["cum_seq_k"], a["max_q"],
                                        a["max_k"], a["is_causal"], a["scale"])
     return _like(grads, (q, k, v))

@@ -23,38 +23,58 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _capped_scores(q, k, causal, scale, softcap):
+def window_mask(sq: int, sk: int, causal: bool, left: Optional[int], right: Optional[int]) -> Optional[torch.Tensor]:
+    """FlashAttention's visibility as a bool ``(sq, sk)`` mask, or None for plain ``causal``:
+    query i sees key j iff ``i + sk - sq - left <= j <= i + sk - sq + right`` (bottom-right
+    aligned; None or a negative value is unbounded; ``causal`` sets right to 0)."""
+    if causal:
+        right = 0
+    unbounded = [w is None or w < 0 for w in (left, right)]
+    if all(unbounded) or (causal and unbounded[0] and sq == sk):
+        return None
+    diag = torch.arange(sk)[None, :] - torch.arange(sq)[:, None] - (sk - sq)  # j - i - (sk - sq)
+    visible = torch.ones(sq, sk, dtype=torch.bool)
+    if not unbounded[0]:
+        visible &= diag >= -left
+    if not unbounded[1]:
+        visible &= diag <= right
+    return visible
+
+
+def _capped_scores(q, k, causal, scale, softcap, mask=None):
     """Capped scores ``(b, hq, sq, sk)`` and ``tanh(score / softcap)`` (for the derivative)."""
     g = q.shape[2] // k.shape[2]
     acc = _acc(q.dtype)
     s = torch.einsum("bqhd,bkhd->bhqk", q.to(acc), k.to(acc).repeat_interleave(g, dim=2)) * scale
     t = torch.tanh(s / softcap)
     capped = softcap * t
-    if causal:
-        sq, sk = s.shape[-2:]
-        capped = capped.masked_fill(~torch.ones(sq, sk, dtype=torch.bool).tril(), float("-inf"))
+    if mask is None and causal:
+        mask = torch.ones(s.shape[-2:], dtype=torch.bool).tril()
+    if mask is not None:
+        capped = capped.masked_fill(~mask, float("-inf"))
     return capped, t
 
 
-def softcap_forward(q, k, v, causal, scale, softcap):
-    """Attention of one block with capped scores; out like q, lse ``(b, hq, sq)``."""
+def softcap_forward(q, k, v, causal, scale, softcap, mask=None):
+    """Attention of one block with capped scores (``mask``, True = visible, replaces
+    ``causal``); out like q, lse ``(b, hq, sq)``."""
     if not softcap:
-        return reference_forward(q, k, v, causal, scale)
+        return reference_forward(q, k, v, causal, scale, mask)
     g = q.shape[2] // k.shape[2]
-    capped, _ = _capped_scores(q, k, causal, scale, softcap)
+    capped, _ = _capped_scores(q, k, causal, scale, softcap, mask)
     lse = torch.logsumexp(capped, dim=-1)
     p = torch.exp(capped - lse[..., None])
     out = torch.einsum("bhqk,bkhd->bqhd", p, v.to(p.dtype).repeat_interleave(g, dim=2))
     return out.to(q.dtype), lse
 
 
-def softcap_backward(dout, q, k, v, out, lse, causal, scale, softcap):
+def softcap_backward(dout, q, k, v, out, lse, causal, scale, softcap, mask=None):
     """dq, dk, dv of :func:`softcap_forward`'s block given the final out and lse."""
     if not softcap:
-        return reference_backward(dout, q, k, v, out, lse.to(_acc(q.dtype)), causal, scale)
+        return reference_backward(dout, q, k, v, out, lse.to(_acc(q.dtype)), causal, scale, mask)
     b, sk, hk, d = k.shape
     g = q.shape[2] // hk
-    capped, t = _capped_scores(q, k, causal, scale, softcap)
+    capped, t = _capped_scores(q, k, causal, scale, softcap, mask)
     acc = capped.dtype
     p = torch.exp(capped - lse.to(acc)[..., None])
     do = dout.to(acc)
@@ -84,9 +104,10 @@ def _flash_attn_fwd(
     gather_bwd_recompute_p: bool = False,
 ):
     assert q is not None and k is not None and q.shape[2] % k.shape[2] == 0
-    assert cu_seqlens_q is None and window_size_left is None and window_size_right is None
-    assert learnable_sink is None and score_mod is None and mask_mod is None and softmax_scale is not None
-    o, lse_ = softcap_forward(q, k, v, causal, softmax_scale, softcap or 0.0)
+    assert cu_seqlens_q is None and learnable_sink is None and score_mod is None and mask_mod is None
+    assert softmax_scale is not None
+    mask = window_mask(q.shape[1], k.shape[1], causal, window_size_left, window_size_right)
+    o, lse_ = softcap_forward(q, k, v, causal, softmax_scale, softcap or 0.0, mask)
     needs_lse = return_lse or any(t.requires_grad for t in (q, k, v))
     return o, (lse_.float() if needs_lse else None), None, None, None
 
@@ -106,7 +127,7 @@ def _flash_attn_bwd(
     b, sq, hq, _ = q.shape
     assert lse.shape == (b, hq, sq), "lse must have shape (batch_size, num_head, seqlen_q)"
     assert lse.dtype == torch.float32 and q.dtype == k.dtype == v.dtype == out.dtype == dout.dtype
-    assert window_size_left is None and window_size_right is None and learnable_sink is None
-    assert softmax_scale is not None and hq % k.shape[2] == 0
-    grads = softcap_backward(dout, q, k, v, out, lse, causal, softmax_scale, softcap)
+    assert learnable_sink is None and softmax_scale is not None and hq % k.shape[2] == 0
+    mask = window_mask(sq, k.shape[1], causal, window_size_left, window_size_right)
+    grads = softcap_backward(dout, q, k, v, out, lse, causal, softmax_scale, softcap, mask)
     return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))

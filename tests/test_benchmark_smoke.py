@@ -97,6 +97,8 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     for name in names:  # a block check and both rings (zigzag; packed: the varlen path where there is one)
         kinds = {(r["kind"], r.get("layout")) for r in checks if r["backend"] == name}
         assert {("block", None), ("ring", "zigzag"), ("ring", "packed")} <= kinds, (name, kinds)
+        # The masked kernel (sliding windows), where the backend has one.
+        assert (("window", None) in kinds) == (name in ("torch_flash", "flash_attn_4")), (name, kinds)
     assert set(report["throughput"]["measured_order"]) == set(names)
     assert {r["backend"] for r in report["efficiency"]["rows"]} == set(names)
     lap = report["overlap"]["rows"][0]

@@ -17,9 +17,9 @@ Features: logit softcapping (``softcap``: scores become ``softcap * tanh(scores 
 in the kernel, forward and backward (not on sm100 with head_dim 256, where its backward
 lacks it: refused). Attention sinks need nothing from the kernel: the ring adds the sink
 logit to the final lse once (``hf_ring.ring.ring_attention.apply_sinks``), where passing
-them to every block's kernel would count them once per block. Sliding windows: the kernel
-has ``window_size_left/right`` but hf_ring's masked-block interface is not wired to it yet
-(refused by the ring plan like any backend without a masked kernel).
+them to every block's kernel would count them once per block. Sliding windows: the
+kernel's ``window_size_left/right`` give the masked kernel, each window-edge mask cut into
+bands (:mod:`hf_ring.kernels.window_bands`).
 """
 
 from __future__ import annotations
@@ -27,13 +27,14 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.metadata
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from packaging.version import Version
 
 from hf_ring.kernels.base import HALF_FLOATS, AttentionBackend, gpu_capability
 from hf_ring.kernels.cuda_glue import bind_kwargs, check_block, distribution_installed, pick_out_lse
+from hf_ring.kernels.window_bands import banded_backward, banded_forward
 
 FA4_DIST = "flash-attn-4"
 FA4_MIN, FA4_END = Version("4.0.0b36"), Version("5")
@@ -81,35 +82,60 @@ def _call(entry: str, given: dict[str, Any]) -> Any:
     return fn(**bind_kwargs(fn, f"flash-attn-4 {version} {entry}", given))
 
 
+def _window(window: Optional[tuple[int, int]]) -> dict[str, Any]:
+    return {} if window is None else {"window_size_left": window[0], "window_size_right": window[1]}
+
+
 def fa4_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, *,
-                softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                softcap: float = 0.0, window: Optional[tuple[int, int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q ``(b, sq, hq, d)``, k/v ``(b, sk, hk, d)`` fp16/bf16 -> out like q, lse ``(b, hq, sq)`` f32.
 
     ``softcap``: > 0 caps every score at ``softcap * tanh(score / softcap)``; 0 is off.
+    ``window``: the kernel's ``(left, right)`` (see :mod:`hf_ring.kernels.window_bands`).
     """
     check_fa4_block(q, softcap)
-    given = dict(q=q, k=k, v=v, softmax_scale=scale, causal=causal, softcap=float(softcap), return_lse=True)
+    given = dict(q=q, k=k, v=v, softmax_scale=scale, causal=causal, softcap=float(softcap), return_lse=True,
+                 **_window(window))
     return pick_out_lse(_call("_flash_attn_fwd", given), q, "flash_attn.cute.interface._flash_attn_fwd")
 
 
 def fa4_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor, causal: bool, scale: float, *,
-                 softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 lse: torch.Tensor, causal: bool, scale: float, *, softcap: float = 0.0,
+                 window: Optional[tuple[int, int]] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Block gradients given the final ``out`` ``(b, sq, hq, d)`` (any float dtype) and ``lse``
     ``(b, hq, sq)``; dq, dk, dv shaped like q, k, v in the input dtype. ``softcap`` as in
     :func:`fa4_forward`."""
     check_fa4_block(q, softcap)
     # The kernel checks out's dtype against q's and reads lse as a dense (b, hq, sq) array.
     given = dict(q=q, k=k, v=v, out=out.to(q.dtype), dout=dout.to(q.dtype), lse=lse.float().contiguous(),
-                 softmax_scale=scale, causal=causal, softcap=float(softcap), deterministic=False)
+                 softmax_scale=scale, causal=causal, softcap=float(softcap), deterministic=False, **_window(window))
     dq, dk, dv = _call("_flash_attn_bwd", given)[:3]
     return dq, dk, dv
 
 
+def fa4_masked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, *,
+                       softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`fa4_forward` with a bool ``mask`` ``(sq, sk)`` (True = visible, a sliding
+    window's edge) instead of ``causal``: rows that see no key give out 0 and lse -inf."""
+    return banded_forward(lambda q, k, v, left, right, scale: fa4_forward(
+        q, k, v, False, scale, softcap=softcap, window=(left, right)), q, k, v, mask, scale)
+
+
+def fa4_masked_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                        lse: torch.Tensor, mask: torch.Tensor, scale: float, *,
+                        softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`fa4_masked_forward`'s block given the final out and lse; float32."""
+    return banded_backward(lambda dout, q, k, v, out, lse, left, right, scale: fa4_backward(
+        dout, q, k, v, out, lse, False, scale, softcap=softcap, window=(left, right)),
+        dout, q, k, v, out, lse, mask, scale)
+
+
 # What hf_ring passes each entry point by name (tensors aside): checked against the
 # installed signature before the first launch, so a renamed parameter refuses the backend.
-_FWD_NAMES = ("q", "k", "v", "softmax_scale", "causal", "softcap", "return_lse")
-_BWD_NAMES = ("q", "k", "v", "out", "dout", "lse", "softmax_scale", "causal", "softcap", "deterministic")
+_FWD_NAMES = ("q", "k", "v", "softmax_scale", "causal", "softcap", "return_lse", "window_size_left",
+              "window_size_right")
+_BWD_NAMES = ("q", "k", "v", "out", "dout", "lse", "softmax_scale", "causal", "softcap", "deterministic",
+              "window_size_left", "window_size_right")
 
 
 def _probe(device: torch.device, dtype: torch.dtype) -> None:
@@ -130,5 +156,7 @@ FLASH_ATTN_4 = AttentionBackend(
     min_capability=(9, 0),
     max_head_dim=256,
     probe=_probe,
+    masked_forward=fa4_masked_forward,
+    masked_backward=fa4_masked_backward,
     softcap=True,
 )

@@ -12,9 +12,10 @@ returns the lse; the backward takes any ``out`` and ``lse``, here the ring's fin
 - ``rng_state`` / ``unused`` are the forward's dropout seed and offset; with dropout 0
   the kernel never reads them, so the backward passes tensors of the forward's shape and
   dtype (as the op's meta function declares them) without a value.
+- sliding windows: the op's ``window_size_left/right`` give the masked kernel, each
+  window-edge mask cut into bands (:mod:`hf_ring.kernels.window_bands`).
 - sm80+, fp16/bf16, head_dim a multiple of 8 up to 256. No softcap (the op fixes it at
-  0), no sliding-window kernel in hf_ring yet (the op has ``window_size_left/right``):
-  both are refused.
+  0): refused.
 
 The positional order is checked against the installed PyTorch's schemas before the first
 call (:func:`check_flash_schema`).
@@ -29,6 +30,7 @@ import torch
 
 from hf_ring.kernels.base import HALF_FLOATS, AttentionBackend
 from hf_ring.kernels.cuda_glue import check_block, check_op_schema
+from hf_ring.kernels.window_bands import banded_backward, banded_forward
 
 _FWD = torch.ops.aten._flash_attention_forward.default
 _BWD = torch.ops.aten._flash_attention_backward.default
@@ -43,8 +45,9 @@ _INSTEAD = "backend='torch_efficient' or 'flash_attn'"
 def check_flash_schema() -> None:
     """Raise NotImplementedError unless this PyTorch's flash ops take the positional
     arguments in the order :func:`flash_forward` and :func:`flash_backward` pass them."""
-    check_op_schema(_FWD, FLASH_FWD_ARGS, ("scale",), _INSTEAD)
-    check_op_schema(_BWD, FLASH_BWD_ARGS, ("scale",), _INSTEAD)
+    keywords = ("scale", "window_size_left", "window_size_right")
+    check_op_schema(_FWD, FLASH_FWD_ARGS, keywords, _INSTEAD)
+    check_op_schema(_BWD, FLASH_BWD_ARGS, keywords, _INSTEAD)
 
 
 def _no_dropout_rng() -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,22 +55,27 @@ def _no_dropout_rng() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty(2, dtype=torch.uint64), torch.empty((), dtype=torch.uint64)
 
 
+def _window(window: Optional[tuple[int, int]]) -> dict:
+    return {} if window is None else {"window_size_left": window[0], "window_size_right": window[1]}
+
+
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: Optional[torch.Tensor],
-             cu_k: Optional[torch.Tensor], max_q: int, max_k: int, causal: bool,
-             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+             cu_k: Optional[torch.Tensor], max_q: int, max_k: int, causal: bool, scale: float,
+             window: Optional[tuple[int, int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
     check_block(TORCH_FLASH, q)
-    out, lse = _FWD(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale)[:2]
+    out, lse = _FWD(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale, **_window(window))[:2]
     return out, lse
 
 
 def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
               lse: torch.Tensor, cu_q: Optional[torch.Tensor], cu_k: Optional[torch.Tensor], max_q: int,
-              max_k: int, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              max_k: int, causal: bool, scale: float,
+              window: Optional[tuple[int, int]] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     check_block(TORCH_FLASH, q)
     rng_state, unused = _no_dropout_rng()
     # The kernel indexes lse as a dense array; the ring passes a column slice of a wider one.
     dq, dk, dv = _BWD(dout, q, k, v, out.to(q.dtype), lse.float().contiguous(), cu_q, cu_k, max_q, max_k,
-                      0.0, causal, rng_state, unused, scale=scale)
+                      0.0, causal, rng_state, unused, scale=scale, **_window(window))
     return dq, dk, dv
 
 
@@ -101,6 +109,24 @@ def flash_varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     return _backward(dout, q, k, v, out, lse, cu_q, cu_k, int(max_q), int(max_k), causal, scale)
 
 
+def flash_masked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                         scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`flash_forward` with a bool ``mask`` ``(sq, sk)`` (True = visible, a sliding
+    window's edge) instead of ``causal``: rows that see no key give out 0 and lse -inf."""
+    return banded_forward(lambda q, k, v, left, right, scale: _forward(
+        q, k, v, None, None, q.shape[1], k.shape[1], False, scale, (left, right)), q, k, v, mask, scale)
+
+
+def flash_masked_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                          lse: torch.Tensor, mask: torch.Tensor,
+                          scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`flash_masked_forward`'s block given the final out and lse;
+    float32, shaped like q, k, v."""
+    return banded_backward(lambda dout, q, k, v, out, lse, left, right, scale: _backward(
+        dout, q, k, v, out, lse, None, None, q.shape[1], k.shape[1], False, scale, (left, right)),
+        dout, q, k, v, out, lse, mask, scale)
+
+
 def _probe(device: torch.device, dtype: torch.dtype) -> None:
     if not torch.backends.cuda.is_flash_attention_available():
         raise ValueError("backend 'torch_flash' needs a PyTorch built with flash attention (this one is "
@@ -120,4 +146,6 @@ TORCH_FLASH = AttentionBackend(
     probe=_probe,
     varlen_forward=flash_varlen_forward,
     varlen_backward=flash_varlen_backward,
+    masked_forward=flash_masked_forward,
+    masked_backward=flash_masked_backward,
 )
