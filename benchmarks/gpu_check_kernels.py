@@ -32,10 +32,6 @@ BLOCK_CASES = [((8, 2), 128, True), ((8, 8), 128, True), ((8, 2), 64, True), ((8
                ((8, 1), 64, False)]
 
 
-def registry_backend(name: str):
-    return registry._REGISTERED[name].backend
-
-
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
 
@@ -134,18 +130,20 @@ def correctness_cases(device: torch.device, names: list[str], dtypes: dict[str, 
     cut short still leaves every backend checked."""
     cases = []
     short = max(8, block_len * 17 // 25)  # q_len != k_len, neither a multiple of the kernels' tiles
+    def case(priority: int, name: str, check: Callable, *args) -> None:
+        cases.append((priority, name, lambda rows: check(device, name, *args, rows)))
+
     for name in names:
         for dtype in dtypes[name]:
             primary = dtype == dtypes[name][0]
             for i, ((hq, hk), d, causal) in enumerate(block_cases):
                 for sq, sk in ([(block_len, block_len)] if causal else [(block_len, short), (short // 2, block_len)]):
-                    cases.append((0 if primary and i == 0 else 2, name,
-                                  lambda rows, a=(name, dtype, hq, hk, d, causal, sq, sk): check_block(device, *a, rows)))
-            if primary and registry_backend(name).masked:
-                cases.append((1, name, lambda rows, a=(name, dtype, ring_len): check_window(device, *a, rows)))
+                    case(0 if primary and i == 0 else 2, name, check_block, dtype, hq, hk, d, causal, sq, sk)
+            if primary and registry._REGISTERED[name].backend.masked:
+                case(1, name, check_window, dtype, ring_len)
             if primary:
                 for layout, cp in (("zigzag", 4), ("packed", 2)):
-                    cases.append((1, name, lambda rows, a=(name, dtype, layout, cp, ring_len): check_ring(device, *a, rows)))
+                    case(1, name, check_ring, dtype, layout, cp, ring_len)
     return sorted(cases, key=lambda c: c[0])  # stable: backends keep their order within a priority
 
 

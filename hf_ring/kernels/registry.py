@@ -10,8 +10,8 @@ that is installed and passes its checks here (device, dtype, GPU generation, pac
 version). The built-ins' order, fastest first by published comparisons (README, "Block
 kernels"; not yet measured by this project: ``benchmarks/gpu_check.py`` prints the
 measured order): on CUDA flash_attn_3 (sm90), flash_attn_4 (sm90+), torch_cudnn (auto
-only on sm90+, where PyTorch 2.5 made it the SDPA default), flash_attn, torch_flash, torch_efficient,
-reference; on CPU torch_cpu_flash, reference.
+only on sm90+, where PyTorch 2.5 made it the SDPA default), flash_attn, torch_flash,
+torch_efficient, reference; on CPU torch_cpu_flash, reference.
 """
 
 from __future__ import annotations

@@ -50,6 +50,7 @@ def check_flash_schema() -> None:
     check_op_schema(_BWD, FLASH_BWD_ARGS, keywords, _INSTEAD)
 
 
+@functools.lru_cache(maxsize=None)  # made once: the kernel never writes or reads them
 def _no_dropout_rng() -> tuple[torch.Tensor, torch.Tensor]:
     """rng_state ``(2,)`` and offset ``()`` uint64, the forward's shapes; never read at dropout 0."""
     return torch.empty(2, dtype=torch.uint64), torch.empty((), dtype=torch.uint64)
