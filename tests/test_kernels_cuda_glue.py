@@ -143,8 +143,9 @@ def test_flash_attn_4_refusals(monkeypatch):
     q256 = torch.randn(1, 8, 2, 256, dtype=torch.float64)
     with pytest.raises(NotImplementedError, match="no softcap at head_dim 256"):
         flash_attn4.fa4_backward(q256, q256, q256, q256, q256, torch.zeros(1, 2, 8), True, 0.1, softcap=5.0)
-    with pytest.raises(ValueError, match="softcap must be >= 0"):
-        flash_attn4.fa4_forward(q256, q256, q256, True, 0.1, softcap=-1.0)
+    for bad in (-1.0, 0.0):
+        with pytest.raises(ValueError, match="softcap must be a positive float"):
+            flash_attn4.fa4_forward(q256, q256, q256, True, 0.1, softcap=bad)
 
 
 def test_flash_attn_4_version_and_signature_are_checked(monkeypatch):
@@ -273,7 +274,7 @@ def _masked_attention(q, k, v, mask, scale, softcap=0.0):
     return (torch.softmax(s, -1).nan_to_num(0.0) @ vt).transpose(1, 2), torch.logsumexp(s, -1)
 
 
-@pytest.mark.parametrize("name,softcap", [("torch_flash", 0.0), ("flash_attn_4", 0.0), ("flash_attn_4", 3.0)])
+@pytest.mark.parametrize("name,softcap", [("torch_flash", None), ("flash_attn_4", None), ("flash_attn_4", 3.0)])
 def test_masked_kernel_on_window_edges(monkeypatch, name, softcap):
     backend = cs.install(monkeypatch.setattr, (name,))[name]
     assert backend.masked
@@ -284,7 +285,7 @@ def test_masked_kernel_on_window_edges(monkeypatch, name, softcap):
         q, dout = (torch.randn(1, sq, 4, 8, generator=g, dtype=torch.float64) for _ in range(2))
         k, v = (torch.randn(1, sk, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        want_out, want_lse = _masked_attention(*leaves, mask, 0.3, softcap)
+        want_out, want_lse = _masked_attention(*leaves, mask, 0.3, softcap or 0.0)
         want = torch.autograd.grad(want_out, leaves, dout)
         out, lse = backend.masked_forward(q, k, v, mask, 0.3, **extra)
         assert rel_err(out, want_out.detach()) < 1e-10

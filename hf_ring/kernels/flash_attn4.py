@@ -60,20 +60,20 @@ def _fa4() -> tuple[Any, Version]:
     return module, version
 
 
-def check_fa4_block(q: torch.Tensor, softcap: float) -> None:
+def check_fa4_block(q: torch.Tensor, softcap: Optional[float]) -> None:
     """The generic launch check, then what this kernel adds: head_dim per GPU generation
     and softcap support in its backward."""
     check_block(FLASH_ATTN_4, q)
     d = q.shape[-1]
-    if softcap < 0:
-        raise ValueError(f"softcap must be >= 0 (0 = off), got {softcap}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be a positive float (leave it out for no capping), got {softcap}")
     if gpu_capability(q.device)[0] in (10, 11):
         if not (d <= 128 or d == 256):
             raise ValueError(f"backend 'flash_attn_4' takes head_dim <= 128 or 256 on this GPU generation, got {d}; "
                              f"pass {_INSTEAD}")
         if d == 256 and softcap:
             raise NotImplementedError("flash-attn 4's backward has no softcap at head_dim 256 on sm100; "
-                                      "pass softcap=0 or a model with head_dim <= 128")
+                                      "leave softcap out or use a model with head_dim <= 128")
 
 
 def _call(entry: str, given: dict[str, Any]) -> Any:
@@ -87,20 +87,21 @@ def _window(window: Optional[tuple[int, int]]) -> dict[str, Any]:
 
 
 def fa4_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, *,
-                softcap: float = 0.0, window: Optional[tuple[int, int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                softcap: Optional[float] = None,
+                window: Optional[tuple[int, int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q ``(b, sq, hq, d)``, k/v ``(b, sk, hk, d)`` fp16/bf16 -> out like q, lse ``(b, hq, sq)`` f32.
 
-    ``softcap``: > 0 caps every score at ``softcap * tanh(score / softcap)``; 0 is off.
+    ``softcap``: caps every score at ``softcap * tanh(score / softcap)``; None is off.
     ``window``: the kernel's ``(left, right)`` (see :mod:`hf_ring.kernels.window_bands`).
     """
     check_fa4_block(q, softcap)
-    given = dict(q=q, k=k, v=v, softmax_scale=scale, causal=causal, softcap=float(softcap), return_lse=True,
-                 **_window(window))
+    given = dict(q=q, k=k, v=v, softmax_scale=scale, causal=causal, softcap=float(softcap or 0.0),
+                 return_lse=True, **_window(window))
     return pick_out_lse(_call("_flash_attn_fwd", given), q, "flash_attn.cute.interface._flash_attn_fwd")
 
 
 def fa4_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor, causal: bool, scale: float, *, softcap: float = 0.0,
+                 lse: torch.Tensor, causal: bool, scale: float, *, softcap: Optional[float] = None,
                  window: Optional[tuple[int, int]] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Block gradients given the final ``out`` ``(b, sq, hq, d)`` (any float dtype) and ``lse``
     ``(b, hq, sq)``; dq, dk, dv shaped like q, k, v in the input dtype. ``softcap`` as in
@@ -108,13 +109,14 @@ def fa4_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     check_fa4_block(q, softcap)
     # The kernel checks out's dtype against q's and reads lse as a dense (b, hq, sq) array.
     given = dict(q=q, k=k, v=v, out=out.to(q.dtype), dout=dout.to(q.dtype), lse=lse.float().contiguous(),
-                 softmax_scale=scale, causal=causal, softcap=float(softcap), deterministic=False, **_window(window))
+                 softmax_scale=scale, causal=causal, softcap=float(softcap or 0.0), deterministic=False,
+                 **_window(window))
     dq, dk, dv = _call("_flash_attn_bwd", given)[:3]
     return dq, dk, dv
 
 
 def fa4_masked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, *,
-                       softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                       softcap: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`fa4_forward` with a bool ``mask`` ``(sq, sk)`` (True = visible, a sliding
     window's edge) instead of ``causal``: rows that see no key give out 0 and lse -inf."""
     return banded_forward(lambda q, k, v, left, right, scale: fa4_forward(
@@ -123,7 +125,7 @@ def fa4_masked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
 
 def fa4_masked_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                         lse: torch.Tensor, mask: torch.Tensor, scale: float, *,
-                        softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        softcap: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of :func:`fa4_masked_forward`'s block given the final out and lse; float32."""
     return banded_backward(lambda dout, q, k, v, out, lse, left, right, scale: fa4_backward(
         dout, q, k, v, out, lse, False, scale, softcap=softcap, window=(left, right)),
