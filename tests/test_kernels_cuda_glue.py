@@ -28,6 +28,7 @@ import fa4_standin
 import hf_ring
 from hf_ring.kernels import available_backends, base, cuda_glue, flash_attn2, flash_attn3, flash_attn4, registry
 from hf_ring.kernels import get_backend, torch_cudnn, torch_flash, window_bands
+from hf_ring.ring.plan import RingPlan
 from hf_ring.ring.schedule import step_blocks
 from hf_ring.ring.window import window_blocks
 from hf_ring.sharding.layouts import shard_indices
@@ -314,3 +315,31 @@ def test_window_through_the_ring(monkeypatch, name):
     assert rel_err(out, want_out.detach()) < 1e-10 and rel_err(lse, want_lse.detach()) < 1e-6
     for got, w in zip((ql.grad, kl.grad, vl.grad), want):
         assert rel_err(got, w) < 1e-6
+
+
+def test_plan_hands_the_bands_over_without_a_host_sync(monkeypatch):
+    """A window plan on a non-CPU device cuts each mask from the CPU copy it made it from:
+    the masked kernel then runs the real op on ``meta`` tensors, whose values cannot be
+    read back (a device-to-host copy would raise)."""
+    monkeypatch.setattr(torch_flash, "check_block", lambda *a: None)
+    meta = torch.device("meta")
+    plan = RingPlan(group=None, rank=0, world=1, layout="zigzag", causal=True, scale=0.125,
+                    backend=registry._REGISTERED["torch_flash"].backend, window=5)
+    edge = [b for b in plan.blocks(0, 16) if b.mask is not None]
+    assert edge
+    for blk in edge:
+        mask = plan.mask(blk, meta)
+        nq, nk = blk.q_end - blk.q_start, blk.k_end - blk.k_start
+        q = torch.empty(2, nq, 4, 64, device=meta, dtype=torch.bfloat16)
+        k = torch.empty(2, nk, 2, 64, device=meta, dtype=torch.bfloat16)
+        out, lse = torch_flash.flash_masked_forward(q, k, k, mask, 0.125)
+        grads = torch_flash.flash_masked_backward(torch.empty_like(q), q, k, k, out, lse, mask, 0.125)
+        assert out.shape == q.shape and lse.shape == (2, 4, nq) and [g.shape for g in grads] == [q.shape, k.shape, k.shape]
+    with pytest.raises(NotImplementedError, match="Cannot copy out of meta tensor|meta"):
+        window_bands.bands(torch.ones(3, 3, dtype=torch.bool, device=meta))
+
+
+def test_a_mask_that_is_no_window_is_refused():
+    mask = torch.tensor([[True, False, True], [True, True, True]])
+    with pytest.raises(ValueError, match="more than one run of keys"):
+        window_bands.bands(mask)

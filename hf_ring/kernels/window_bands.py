@@ -10,16 +10,17 @@ each trimmed to the columns it sees, and gives each its ``(left, right)``; rows 
 no key are in none (their out is 0, lse -inf, gradients 0). Every piece's left and right
 are >= 0 (each piece's first and last rows see a key), so no value means "unbounded".
 
-The cut is computed once per mask tensor (one host sync on the first call) and cached for
-as long as the mask lives: the ring plan keeps each window mask on the device for the
-plan's life.
+The cut is computed once per mask tensor and cached for as long as the mask lives (the ring
+plan keeps each window mask on the device for the plan's life, and hands the CPU copy it
+made it from, so no host sync is needed); it reads each row's first and last visible key
+once, O(q_len * k_len) like building the mask itself.
 """
 
 from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -40,54 +41,64 @@ class Band:
 _CACHE: dict[int, list[Band]] = {}
 
 
-def bands(mask: torch.Tensor) -> list[Band]:
-    """The pieces of ``mask`` (bool ``(q_len, k_len)``, True = visible), rows in order."""
+def bands(mask: torch.Tensor, host_mask: Optional[torch.Tensor] = None) -> list[Band]:
+    """The pieces of ``mask`` (bool ``(q_len, k_len)``, True = visible), rows in order.
+
+    ``host_mask``: the same mask on the CPU, when the caller has it: then no device-to-host
+    copy (a host sync) is needed. The ring plan passes it when it copies a window mask to
+    the GPU, so the kernels' calls find the bands cached.
+    """
     key = id(mask)
     if key not in _CACHE:
-        m = mask.cpu()
-        seen = m.any(dim=1).tolist()
-        pieces: list[Band] = []
-        start = None
-        for i, s in enumerate([*seen, False]):  # maximal runs of rows that see a key
-            if s and start is None:
-                start = i
-            elif not s and start is not None:
-                _split(m, start, i, pieces)
-                start = None
-        _CACHE[key] = pieces
+        _CACHE[key] = _cut((host_mask if host_mask is not None else mask).cpu())
         weakref.finalize(mask, _CACHE.pop, key, None)
     return _CACHE[key]
 
 
-def _band(m: torch.Tensor, r0: int, r1: int) -> "Band | None":
-    """Rows ``r0:r1`` (each seeing a key) as one band, trimmed to the columns they see, or
-    None when their mask is not one."""
-    cols = m[r0:r1].any(dim=0).nonzero().flatten()
-    c0, c1 = int(cols[0]), int(cols[-1]) + 1
-    sub = m[r0:r1, c0:c1]
-    nq, nk = sub.shape
-    i, j = sub.nonzero(as_tuple=True)
-    lo, hi = int((j - i).min()), int((j - i).max())
-    diag = torch.arange(nk)[None, :] - torch.arange(nq)[:, None]  # j - i
-    if not torch.equal(sub, (diag >= lo) & (diag <= hi)):
-        return None
-    return Band(slice(r0, r1), slice(c0, c1), left=nk - nq - lo, right=hi - (nk - nq))
-
-
-def _split(m: torch.Tensor, r0: int, r1: int, out: list[Band]) -> None:
-    """Cut rows ``r0:r1`` into the fewest bands, each the longest run of rows that still
-    is one (fewer rows of a band are a band, so a binary search finds it; a single row
-    always is one: its visible keys are one contiguous run, positions being sorted)."""
-    while r0 < r1:
-        lo, hi = r0 + 1, r1  # rows r0:lo form a band; find the largest such end
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if _band(m, r0, mid) is None:
+def _cut(m: torch.Tensor) -> list[Band]:
+    """Every row's first and last visible key, read once (O(q_len * k_len)); then each run
+    of rows that see a key cut into the fewest bands, each the longest run of rows that
+    still is one (fewer rows of a band are a band, so a binary search finds it)."""
+    nq, nk = m.shape
+    as_bytes = m.contiguous().view(torch.uint8)
+    seen = m.any(dim=1)
+    first = as_bytes.argmax(dim=1)
+    last = nk - 1 - as_bytes.flip(1).argmax(dim=1)
+    if not bool((m.sum(dim=1) == last - first + 1)[seen].all()):
+        raise ValueError("a masked block whose rows see more than one run of keys is not a sliding window's; "
+                         "this kernel takes window masks only")
+    pieces: list[Band] = []
+    r0 = 0
+    while r0 < nq:
+        if not seen[r0]:
+            r0 += 1
+            continue
+        end = r0 + 1  # rows r0:end form a band (one row always does); find the largest end
+        hi = r0 + 1
+        while hi < nq and seen[hi]:
+            hi += 1
+        while end < hi:
+            mid = (end + hi + 1) // 2
+            if _band(first, last, r0, mid) is None:
                 hi = mid - 1
             else:
-                lo = mid
-        out.append(_band(m, r0, lo))
-        r0 = lo
+                end = mid
+        pieces.append(_band(first, last, r0, end))
+        r0 = end
+    return pieces
+
+
+def _band(first: torch.Tensor, last: torch.Tensor, r0: int, r1: int) -> Optional[Band]:
+    """Rows ``r0:r1`` (each seeing one run of keys, ``first..last``) as one band trimmed
+    to the columns they see, or None when they are not one."""
+    c0, c1 = int(first[r0:r1].min()), int(last[r0:r1].max()) + 1
+    i = torch.arange(r1 - r0)
+    f, l = first[r0:r1] - c0, last[r0:r1] - c0
+    lo, hi = int((f - i).min()), int((l - i).max())
+    nq, nk = r1 - r0, c1 - c0
+    if not bool(((f == (i + lo).clamp(min=0)) & (l == (i + hi).clamp(max=nk - 1))).all()):
+        return None
+    return Band(slice(r0, r1), slice(c0, c1), left=nk - nq - lo, right=hi - (nk - nq))
 
 
 # (q, k, v, left, right, scale) -> (out, lse)

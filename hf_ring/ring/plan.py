@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from hf_ring.kernels import AttentionBackend
+from hf_ring.kernels.window_bands import bands
 from hf_ring.ring.comm import CommWaitStats, Transport, process_group_transport
 from hf_ring.ring.packed_step import StepBatch, step_batch
 from hf_ring.ring.schedule import Block, step_blocks
@@ -124,6 +125,8 @@ class RingPlan:
         key = (id(block.mask), device)
         if key not in self._masks:
             self._masks[key] = block.mask.to(device)
+            if device.type != "cpu":  # kernels that run windows as bands find them cut, without a host sync
+                bands(self._masks[key], host_mask=block.mask)
         return self._masks[key]
 
     def varlen_batch(self, blocks: list[Block], device: torch.device) -> Optional[StepBatch]:
