@@ -102,7 +102,7 @@ def window_mask(local: int) -> torch.Tensor:
 
 def check_window(device: torch.device, name: str, dtype: torch.dtype, local: int, rows: list[dict]) -> None:
     """The masked kernel (sliding windows inside the ring) on a window-edge block against
-    the float64 reference's masked kernel; rows that see no key included."""
+    the float64 reference's masked kernel."""
     mask = window_mask(local).to(device)
     sq, sk = mask.shape
     g = torch.Generator(device="cpu").manual_seed(1)
