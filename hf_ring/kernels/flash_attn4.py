@@ -34,7 +34,7 @@ from packaging.version import Version
 
 from hf_ring.kernels.base import HALF_FLOATS, AttentionBackend, gpu_capability
 from hf_ring.kernels.cuda_glue import bind_kwargs, check_block, distribution_installed, pick_out_lse
-from hf_ring.kernels.window_bands import banded_backward, banded_forward
+from hf_ring.kernels.window_bands import banded_backward, banded_forward, window_kwargs
 
 FA4_DIST = "flash-attn-4"
 FA4_MIN, FA4_END = Version("4.0.0b36"), Version("5")
@@ -54,7 +54,7 @@ def _fa4() -> tuple[Any, Version]:
                          f"{version}; pip install '{FA4_DIST}>={FA4_MIN}' or pass {_INSTEAD}")
     try:
         module = importlib.import_module("flash_attn.cute.interface")
-    except ImportError as e:
+    except (ImportError, RuntimeError, OSError) as e:  # a missing dependency, or a CUDA toolkit it cannot load
         raise ValueError(f"backend 'flash_attn_4': {FA4_DIST} {version} is installed but flash_attn.cute does "
                          f"not import ({e}); reinstall it or pass {_INSTEAD}") from e
     return module, version
@@ -82,10 +82,6 @@ def _call(entry: str, given: dict[str, Any]) -> Any:
     return fn(**bind_kwargs(fn, f"flash-attn-4 {version} {entry}", given))
 
 
-def _window(window: Optional[tuple[int, int]]) -> dict[str, Any]:
-    return {} if window is None else {"window_size_left": window[0], "window_size_right": window[1]}
-
-
 def fa4_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, *,
                 softcap: Optional[float] = None,
                 window: Optional[tuple[int, int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,7 +92,7 @@ def fa4_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     """
     check_fa4_block(q, softcap)
     given = dict(q=q, k=k, v=v, softmax_scale=scale, causal=causal, softcap=float(softcap or 0.0),
-                 return_lse=True, **_window(window))
+                 return_lse=True, **window_kwargs(window))
     return pick_out_lse(_call("_flash_attn_fwd", given), q, "flash_attn.cute.interface._flash_attn_fwd")
 
 
@@ -110,7 +106,7 @@ def fa4_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     # The kernel checks out's dtype against q's and reads lse as a dense (b, hq, sq) array.
     given = dict(q=q, k=k, v=v, out=out.to(q.dtype), dout=dout.to(q.dtype), lse=lse.float().contiguous(),
                  softmax_scale=scale, causal=causal, softcap=float(softcap or 0.0), deterministic=False,
-                 **_window(window))
+                 **window_kwargs(window))
     dq, dk, dv = _call("_flash_attn_bwd", given)[:3]
     return dq, dk, dv
 

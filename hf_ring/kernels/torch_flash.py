@@ -30,7 +30,7 @@ import torch
 
 from hf_ring.kernels.base import HALF_FLOATS, AttentionBackend
 from hf_ring.kernels.cuda_glue import check_block, check_op_schema
-from hf_ring.kernels.window_bands import banded_backward, banded_forward
+from hf_ring.kernels.window_bands import banded_backward, banded_forward, window_kwargs
 
 _FWD = torch.ops.aten._flash_attention_forward.default
 _BWD = torch.ops.aten._flash_attention_backward.default
@@ -56,15 +56,11 @@ def _no_dropout_rng() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty(2, dtype=torch.uint64), torch.empty((), dtype=torch.uint64)
 
 
-def _window(window: Optional[tuple[int, int]]) -> dict:
-    return {} if window is None else {"window_size_left": window[0], "window_size_right": window[1]}
-
-
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: Optional[torch.Tensor],
              cu_k: Optional[torch.Tensor], max_q: int, max_k: int, causal: bool, scale: float,
              window: Optional[tuple[int, int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
     check_block(TORCH_FLASH, q)
-    out, lse = _FWD(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale, **_window(window))[:2]
+    out, lse = _FWD(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale, **window_kwargs(window))[:2]
     return out, lse
 
 
@@ -76,7 +72,7 @@ def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     rng_state, unused = _no_dropout_rng()
     # The kernel indexes lse as a dense array; the ring passes a column slice of a wider one.
     dq, dk, dv = _BWD(dout, q, k, v, out.to(q.dtype), lse.float().contiguous(), cu_q, cu_k, max_q, max_k,
-                      0.0, causal, rng_state, unused, scale=scale, **_window(window))
+                      0.0, causal, rng_state, unused, scale=scale, **window_kwargs(window))
     return dq, dk, dv
 
 

@@ -101,6 +101,12 @@ def _band(first: torch.Tensor, last: torch.Tensor, r0: int, r1: int) -> Optional
     return Band(slice(r0, r1), slice(c0, c1), left=nk - nq - lo, right=hi - (nk - nq))
 
 
+def window_kwargs(window: Optional[tuple[int, int]]) -> dict[str, int]:
+    """``(left, right)`` as the FlashAttention entry points' ``window_size_left/right``
+    keywords; None (no window) as no keywords."""
+    return {} if window is None else {"window_size_left": window[0], "window_size_right": window[1]}
+
+
 # (q, k, v, left, right, scale) -> (out, lse)
 WindowForward = Callable[..., "tuple[torch.Tensor, torch.Tensor]"]
 # (dout, q, k, v, out, lse, left, right, scale) -> (dq, dk, dv)
