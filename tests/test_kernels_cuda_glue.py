@@ -17,7 +17,6 @@ within 1e-6 (the kernels' lse is float32 by contract).
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import pytest
 import torch
@@ -336,7 +335,8 @@ def test_plan_hands_the_bands_over_without_a_host_sync(monkeypatch):
         k = torch.empty(2, nk, 2, 64, device=meta, dtype=torch.bfloat16)
         out, lse = torch_flash.flash_masked_forward(q, k, k, mask, 0.125)
         grads = torch_flash.flash_masked_backward(torch.empty_like(q), q, k, k, out, lse, mask, 0.125)
-        assert out.shape == q.shape and lse.shape == (2, 4, nq) and [g.shape for g in grads] == [q.shape, k.shape, k.shape]
+        assert out.shape == q.shape and lse.shape == (2, 4, nq)
+        assert [g.shape for g in grads] == [q.shape, k.shape, k.shape]
     with pytest.raises(NotImplementedError, match="Cannot copy out of meta tensor|meta"):
         window_bands.bands(torch.ones(3, 3, dtype=torch.bool, device=meta))
 
