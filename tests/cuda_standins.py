@@ -213,15 +213,17 @@ def fa2_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_
 
 def fa3_forward(q, k, v, k_new=None, v_new=None, qv=None, out_=None, cu_seqlens_q=None, softmax_scale=None,
                 causal=False, window_size_left=-1, window_size_right=-1, num_splits=1, sm_margin=0):
-    out, lse = reference_forward(q, k, v, causal, softmax_scale)
+    mask = fa4_standin.window_mask(q.shape[1], k.shape[1], causal, window_size_left, window_size_right)
+    out, lse = reference_forward(q, k, v, causal, softmax_scale, mask)
     return out, lse.float(), torch.empty(0), torch.empty(0)
 
 
 def fa3_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q=None, dq=None, dk=None, dv=None,
                  softmax_scale=None, is_causal=False, window_size_left=-1, window_size_right=-1,
                  deterministic=False, sm_margin=0):
+    mask = fa4_standin.window_mask(q.shape[1], k.shape[1], is_causal, window_size_left, window_size_right)
     for buf, g in zip((dq, dk, dv), reference_backward(dout, q, k, v, out, softmax_lse.to(_acc(q.dtype)),
-                                                      is_causal, softmax_scale)):
+                                                      is_causal, softmax_scale, mask)):
         buf.copy_(g)
     return torch.empty(0)
 

@@ -35,6 +35,7 @@ from hf_ring.kernels import cuda_glue, flash_attn2, flash_attn3, flash_attn4, to
 from hf_ring.kernels.reference import reference_backward, reference_forward
 
 import cuda_standins as cs
+import fa4_standin
 from reference_attention import block_attention, block_attention_grads, rel_err, segment_attention
 from varlen_standin import looped_varlen_backward, looped_varlen_forward
 
@@ -138,12 +139,15 @@ def test_flash_attn_2_wrong_signature_is_an_error(monkeypatch):
 
 
 def _fa3_old_forward(q, k, v, softmax_scale, causal, window_size, descale_q=None):
-    out, lse = _ref_lse(q, k, v, causal, softmax_scale)
+    mask = fa4_standin.window_mask(q.shape[1], k.shape[1], causal, *window_size)  # (-1, -1): None
+    out, lse = reference_forward(q, k, v, causal, softmax_scale, mask)
     return out, q, k, v, out, lse.float(), None
 
 
 def _fa3_old_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal, window_size, deterministic):
-    for buf, g in zip((dq, dk, dv), reference_backward(dout, q, k, v, out, softmax_lse.double(), causal, softmax_scale)):
+    mask = fa4_standin.window_mask(q.shape[1], k.shape[1], causal, *window_size)
+    for buf, g in zip((dq, dk, dv), reference_backward(dout, q, k, v, out, softmax_lse.double(), causal, softmax_scale,
+                                                      mask)):
         buf.copy_(g)
     return dq, dk, dv, None
 

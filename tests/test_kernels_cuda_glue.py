@@ -274,7 +274,8 @@ def _masked_attention(q, k, v, mask, scale, softcap=0.0):
     return (torch.softmax(s, -1).nan_to_num(0.0) @ vt).transpose(1, 2), torch.logsumexp(s, -1)
 
 
-@pytest.mark.parametrize("name,softcap", [("torch_flash", None), ("flash_attn_4", None), ("flash_attn_4", 3.0)])
+@pytest.mark.parametrize("name,softcap", [("torch_flash", None), ("flash_attn_4", None), ("flash_attn_4", 3.0),
+                                          ("flash_attn_3", None)])
 def test_masked_kernel_on_window_edges(monkeypatch, name, softcap):
     backend = cs.install(monkeypatch.setattr, (name,))[name]
     assert backend.masked
@@ -298,7 +299,28 @@ def test_masked_kernel_on_window_edges(monkeypatch, name, softcap):
             assert got.shape == w.shape and rel_err(got, w) < 1e-6
 
 
-@pytest.mark.parametrize("name", ["torch_flash", "flash_attn_4"])
+def test_flash_attn_3_window_on_the_early_interface(monkeypatch):
+    """Early hopper builds take ``window_size=(left, right)``: the masked kernel there too."""
+    from test_kernels_cuda import _fa3_old_backward, _fa3_old_forward
+
+    backend = cs.install(monkeypatch.setattr, ("flash_attn_3",))["flash_attn_3"]
+    monkeypatch.setattr(flash_attn3, "_fa3", lambda: type("M", (), {"_flash_attn_forward": _fa3_old_forward,
+                                                                    "_flash_attn_backward": _fa3_old_backward}))
+    mask = next(m for m in _window_edge_masks() if len(window_bands.bands(m)) > 1)
+    g = torch.Generator().manual_seed(6)
+    q, dout = (torch.randn(1, mask.shape[0], 4, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(1, mask.shape[1], 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    want_out, want_lse = _masked_attention(*leaves, mask, 0.3)
+    want = torch.autograd.grad(want_out, leaves, dout)
+    out, lse = backend.masked_forward(q, k, v, mask, 0.3)
+    assert rel_err(out, want_out.detach()) < 1e-10 and rel_err(lse, want_lse.detach()) < 1e-6
+    grads = backend.masked_backward(dout, q, k, v, want_out.detach(), want_lse.detach(), mask, 0.3)
+    for got, w in zip(grads, want):
+        assert rel_err(got, w) < 1e-6
+
+
+@pytest.mark.parametrize("name", ["torch_flash", "flash_attn_4", "flash_attn_3"])
 def test_window_through_the_ring(monkeypatch, name):
     """The whole op with a sliding window on a windowed backend (one process: the diagonal
     blocks are the window's edge), against float64 attention over the full sequence."""

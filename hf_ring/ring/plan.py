@@ -25,7 +25,7 @@ from hf_ring.ring.window import window_blocks
 from hf_ring.sharding.layouts import check_layout, shard_indices
 
 # What to use instead when a backend has no masked kernel for a window.
-_MASKED_BACKENDS = "'torch_cpu_flash' (CPU), 'torch_flash' or 'flash_attn_4' (CUDA), or 'reference'"
+_MASKED_BACKENDS = "'torch_cpu_flash' (CPU), 'torch_flash', 'flash_attn_4' or 'flash_attn_3' (CUDA), or 'reference'"
 
 
 @dataclass(frozen=True, eq=False)
