@@ -172,9 +172,9 @@ def verdicts(names: list[str], why: dict[str, str], checks: list[dict]) -> dict[
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="where to write the JSON report")
-    p.add_argument("--correctness-budget-s", type=float, default=200.0)
+    p.add_argument("--correctness-budget-s", type=float, default=180.0)
     p.add_argument("--throughput-budget-s", type=float, default=60.0)
-    p.add_argument("--efficiency-budget-s", type=float, default=150.0)
+    p.add_argument("--efficiency-budget-s", type=float, default=120.0)
     p.add_argument("--cp", type=int, nargs="+", default=[4, 8])
     p.add_argument("--seq-per-rank", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     p.add_argument("--heads", type=int, default=8)
