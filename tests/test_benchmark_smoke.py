@@ -3,7 +3,8 @@ JSON lines: one per (layout, cp, seq_per_rank, pass), whose figures are consiste
 each other (the efficiency is the reference over cp times the slowest rank, the reference
 the fastest exact way without CP, the kernel-only efficiency no lower than the whole);
 the ring it times is exact (its virtual ring reassembles to full attention); and
-benchmarks/gpu_check.py's sections run, pointed at the CPU backend.
+benchmarks/gpu_check.py runs end to end on the CPU (``--dry-run-cpu``, the CUDA kernels
+replaced by their stand-ins).
 
 Tiny blocks are dominated by per-call overhead, so the efficiencies themselves are low
 (~0.1-0.3) and not asserted. One thread and the process clock keep it stable on a machine
@@ -77,19 +78,45 @@ def test_virtual_ring_computes_attention(layout, cp):
         assert rel_err(got[name], want.detach()) < 1e-10, name
 
 
-def test_gpu_check_logic_on_cpu(monkeypatch):
-    """benchmarks/gpu_check.py's sections, pointed at the CPU flash backend: the GPU time
-    it will get is scarce, so its own code must be known to run before it gets there."""
+def test_gpu_check_dry_run_on_cpu(tmp_path):
+    """``benchmarks/gpu_check.py --dry-run-cpu``: every section, every CUDA backend's glue
+    through the CPU stand-ins (tests/cuda_standins.py), one PASS line per backend. The GPU
+    time it will get is scarce, so its own code must be known to run before it gets there."""
+    out = tmp_path / "gpu_check.json"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "gpu_check.py"), "--dry-run-cpu", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    names = ("flash_attn_3", "flash_attn_4", "torch_cudnn", "flash_attn", "torch_flash", "torch_efficient")
+    for name in names:
+        assert sum(line.startswith(f"PASS {name}: ") for line in lines) == 1, name
+    assert any(line.startswith("backend='auto' order here:") for line in lines)
+    report = json.loads(out.read_text())
+    assert not any("error" in report[s] for s in ("correctness", "throughput", "efficiency", "overlap"))
+    checks = report["correctness"]["checks"]
+    for name in names:  # a block check and both rings (zigzag; packed: the varlen path where there is one)
+        kinds = {(r["kind"], r.get("layout")) for r in checks if r["backend"] == name}
+        assert {("block", None), ("ring", "zigzag"), ("ring", "packed")} <= kinds, (name, kinds)
+        # The masked kernel (sliding windows), where the backend has one.
+        assert (("window", None) in kinds) == (name in ("torch_flash", "flash_attn_4", "flash_attn_3")), (name, kinds)
+    assert set(report["throughput"]["measured_order"]) == set(names)
+    assert {r["backend"] for r in report["efficiency"]["rows"]} == set(names)
+    lap = report["overlap"]["rows"][0]
+    assert lap["kv_block_bytes"] == 2 * 32 * 2 * 128 * 2
+    assert lap["fwd_hidden_d2d_s"] == (lap["t_copy_d2d_s"] < lap["t_step_fwd_s"]), lap
+
+
+def test_gpu_check_verdicts(monkeypatch):
+    """A backend with a failed check, one with none run, and one that cannot run here each
+    get their own line."""
     monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
     gpu_check = importlib.import_module("gpu_check")
-    monkeypatch.setattr(gpu_check, "DEVICE", torch.device("cpu"))
-    monkeypatch.setattr(gpu_check, "NAMES", ("torch_cpu_flash",))
-    rows: list[dict] = []
-    gpu_check.check_block("torch_cpu_flash", torch.float32, 4, 2, 64, False, 40, 24, rows)
-    gpu_check.check_ring("torch_cpu_flash", torch.bfloat16, "packed", 2, rows)
-    assert [r["pass"] for r in rows] == [True, True], rows
-    eff = gpu_check.efficiency(60, [2], [32], 2, 1)
-    assert {r["layout"] for r in eff["rows"]} == {"zigzag", "stripe", "contiguous", "packed"}
-    lap = gpu_check.overlap([32], 2, 1)["rows"][0]
-    assert lap["kv_block_bytes"] == 2 * 32 * 1 * 128 * 2
-    assert lap["fwd_hidden_d2d_s"] == (lap["t_copy_d2d_s"] < lap["t_step_fwd_s"]), lap
+    checks = [{"backend": "torch_flash", "pass": True}, {"backend": "torch_flash", "pass": False, "kind": "ring"},
+              {"backend": "torch_efficient", "pass": True}]
+    lines = gpu_check.verdicts(["torch_flash", "torch_efficient", "torch_cudnn"],
+                               {"flash_attn_3": "runs on sm90 GPUs only", "flash_attn": "not installed",
+                                "flash_attn_4": "not installed"}, checks)
+    assert lines["torch_flash"].startswith("FAIL torch_flash: 1/2 checks passed; first failure: ")
+    assert lines["torch_efficient"] == "PASS torch_efficient: 1/1 checks passed"
+    assert lines["torch_cudnn"] == "FAIL torch_cudnn: no check ran within the time budget"
+    assert lines["flash_attn_3"] == "SKIP flash_attn_3: runs on sm90 GPUs only"

@@ -1,5 +1,7 @@
-"""CPU-side checks of the CUDA backends (hf_ring/kernels/flash_attn2.py, flash_attn3.py,
-torch_efficient.py and their shared cuda_glue.py), and of the registry around them.
+"""CPU-side checks of the CUDA backends flash_attn (2.x), flash_attn_3 and torch_efficient
+(hf_ring/kernels/flash_attn2.py, flash_attn3.py, torch_efficient.py and their shared
+cuda_glue.py), and of the registry around all backends; test_kernels_cuda_glue.py checks
+torch_flash, torch_cudnn, flash_attn_4 and the CUDA auto order.
 
 Without a GPU the kernels cannot run, so this file checks what can be checked here:
 - they are never offered or chosen for CPU tensors, and asking for them is a clear error;
@@ -7,11 +9,12 @@ Without a GPU the kernels cannot run, so this file checks what can be checked he
 - the glue around each kernel (argument binding per flash-attn version, lse padding,
   GQA head repetition and gradient summation) against the reference backend, with the
   kernel replaced by a CPU stand-in that follows the kernel's documented contract
-  (signature, return tuple, lse layout). These stand-ins are written from the upstream
-  signatures (flash-attn 2.6 / 2.7+ dense and varlen, the hopper interface, aten's schema), so a wrong
-  argument name or return index in the glue fails here. What the glue returns is compared
-  with attention written independently of hf_ring (``reference_attention.block_attention``),
-  not with the reference backend the stand-ins call, so a wrong reference fails here too.
+  (signature, return tuple, lse layout): tests/cuda_standins.py for the current
+  interfaces, the older ones (flash-attn 2.6, early hopper builds) below. These stand-ins
+  are written from the upstream signatures, so a wrong argument name or return index in
+  the glue fails here. What the glue returns is compared with attention written
+  independently of hf_ring (``reference_attention.block_attention``), not with the
+  reference backend the stand-ins call, so a wrong reference fails here too.
 
 Tolerance: float64 inputs; out within 1e-10 relative error (the glue adds no arithmetic),
 lse and gradients within 1e-6, because the kernels' lse is float32 by contract (~1e-8
@@ -28,12 +31,15 @@ import torch
 from packaging.version import Version
 
 from hf_ring.kernels import AttentionBackend, available_backends, get_backend, register_backend, registry
-from hf_ring.kernels import cuda_glue, flash_attn2, flash_attn3, torch_efficient
+from hf_ring.kernels import cuda_glue, flash_attn2, flash_attn3, flash_attn4, torch_cudnn, torch_efficient, torch_flash
 from hf_ring.kernels.reference import reference_backward, reference_forward
+
+import cuda_standins as cs
+import fa4_standin
 from reference_attention import block_attention, block_attention_grads, rel_err, segment_attention
 from varlen_standin import looped_varlen_backward, looped_varlen_forward
 
-CUDA_NAMES = ("flash_attn", "flash_attn_3", "torch_efficient")
+CUDA_NAMES = cs.CUDA_NAMES
 
 
 def test_not_offered_on_cpu():
@@ -49,7 +55,8 @@ def test_asking_on_cpu_is_a_clear_error(name):
         get_backend(name, torch.device("cpu"), torch.bfloat16)
 
 
-@pytest.mark.parametrize("fn", [flash_attn2.fa2_forward, flash_attn3.fa3_forward, torch_efficient.efficient_forward])
+@pytest.mark.parametrize("fn", [flash_attn2.fa2_forward, flash_attn3.fa3_forward, torch_efficient.efficient_forward,
+                                torch_flash.flash_forward, torch_cudnn.cudnn_forward, flash_attn4.fa4_forward])
 def test_kernels_refuse_cpu_tensors(fn):
     q = torch.randn(1, 4, 2, 8, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="runs on cuda, but the tensors are on cpu"):
@@ -110,26 +117,11 @@ def _fa2_26_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, sof
     return dq, dk, dv, None
 
 
-def _fa2_27_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
-                    alibi_slopes, return_softmax):
-    assert (window_size_left, window_size_right) == (-1, -1)
-    out, lse = _ref_lse(q, k, v, causal, softmax_scale)
-    return out, lse.float(), None, None
-
-
-def _fa2_27_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
-                     window_size_left, window_size_right, softcap, alibi_slopes, deterministic, rng_state=None):
-    assert softmax_lse.is_contiguous() and (window_size_left, window_size_right) == (-1, -1)
-    for buf, g in zip((dq, dk, dv), reference_backward(dout, q, k, v, out, softmax_lse.double(), causal, softmax_scale)):
-        buf.copy_(g)
-    return None
-
-
 @pytest.mark.parametrize("version", ["2.6.3", "2.8.3"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_flash_attn_2_glue(monkeypatch, version, causal):
     if Version(version) >= flash_attn2.FA2_SPLIT_WINDOW:
-        module = SimpleNamespace(_flash_attn_forward=_fa2_27_forward, _flash_attn_backward=_fa2_27_backward)
+        module = SimpleNamespace(_flash_attn_forward=cs.fa2_forward, _flash_attn_backward=cs.fa2_backward)
     else:
         module = SimpleNamespace(_flash_attn_forward=_fa2_26_forward, _flash_attn_backward=_fa2_26_backward)
     _allow_cpu_tensors(monkeypatch, flash_attn2)
@@ -146,27 +138,16 @@ def test_flash_attn_2_wrong_signature_is_an_error(monkeypatch):
         flash_attn2.fa2_forward(q, k, v, True, 0.3)
 
 
-def _fa3_forward(q, k, v, k_new=None, v_new=None, qv=None, out_=None, cu_seqlens_q=None, softmax_scale=None,
-                 causal=False, window_size_left=-1, window_size_right=-1, num_splits=1, sm_margin=0):
-    out, lse = _ref_lse(q, k, v, causal, softmax_scale)
-    return out, lse.float(), torch.empty(0), torch.empty(0)
-
-
-def _fa3_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q=None, dq=None, dk=None, dv=None,
-                  softmax_scale=None, is_causal=False, window_size_left=-1, window_size_right=-1,
-                  deterministic=False, sm_margin=0):
-    for buf, g in zip((dq, dk, dv), reference_backward(dout, q, k, v, out, softmax_lse.double(), is_causal, softmax_scale)):
-        buf.copy_(g)
-    return torch.empty(0)
-
-
 def _fa3_old_forward(q, k, v, softmax_scale, causal, window_size, descale_q=None):
-    out, lse = _ref_lse(q, k, v, causal, softmax_scale)
+    mask = fa4_standin.window_mask(q.shape[1], k.shape[1], causal, *window_size)  # (-1, -1): None
+    out, lse = reference_forward(q, k, v, causal, softmax_scale, mask)
     return out, q, k, v, out, lse.float(), None
 
 
 def _fa3_old_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal, window_size, deterministic):
-    for buf, g in zip((dq, dk, dv), reference_backward(dout, q, k, v, out, softmax_lse.double(), causal, softmax_scale)):
+    mask = fa4_standin.window_mask(q.shape[1], k.shape[1], causal, *window_size)
+    for buf, g in zip((dq, dk, dv), reference_backward(dout, q, k, v, out, softmax_lse.double(), causal, softmax_scale,
+                                                      mask)):
         buf.copy_(g)
     return dq, dk, dv, None
 
@@ -174,7 +155,7 @@ def _fa3_old_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale
 @pytest.mark.parametrize("era", ["current", "old"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_flash_attn_3_glue(monkeypatch, era, causal):
-    fns = (_fa3_forward, _fa3_backward) if era == "current" else (_fa3_old_forward, _fa3_old_backward)
+    fns = (cs.fa3_forward, cs.fa3_backward) if era == "current" else (_fa3_old_forward, _fa3_old_backward)
     _allow_cpu_tensors(monkeypatch, flash_attn3)
     monkeypatch.setattr(flash_attn3, "_fa3", lambda: SimpleNamespace(_flash_attn_forward=fns[0], _flash_attn_backward=fns[1]))
     _check_against_reference(flash_attn3.fa3_forward, flash_attn3.fa3_backward, causal)
@@ -198,31 +179,12 @@ def test_pick_out_lse_refuses_a_wrong_tuple():
         cuda_glue.pick_out_lse((q, torch.zeros(1, 2, 6)), q, "kernel")
 
 
-def _eff_forward(query, key, value, bias, cu_q, cu_k, max_q, max_k, dropout_p, custom_mask_type,
-                 compute_log_sumexp, *, scale=None):
-    assert query.shape[2] == key.shape[2] == value.shape[2], "the op takes equal head counts"
-    assert bias is None and dropout_p == 0.0 and compute_log_sumexp and custom_mask_type in (0, 1)
-    out, lse = reference_forward(query, key, value, custom_mask_type == 1, scale)
-    pad = math.ceil(query.shape[1] / 32) * 32 - query.shape[1]
-    lse = torch.nn.functional.pad(lse.float(), (0, pad), value=float("inf"))
-    return out, lse, torch.empty(()), torch.empty(()), query.shape[1], key.shape[1]
-
-
-def _eff_backward(grad_out, query, key, value, bias, out, cu_q, cu_k, max_q, max_k, logsumexp, dropout_p,
-                  seed, offset, custom_mask_type, bias_requires_grad, *, scale=None):
-    assert query.shape[2] == key.shape[2] and out.is_contiguous() and logsumexp.shape[-1] % 32 == 0
-    assert torch.isinf(logsumexp[:, :, max_q:]).all() and max_q == query.shape[1] and max_k == key.shape[1]
-    lse = logsumexp[:, :, :max_q].double()
-    dq, dk, dv = reference_backward(grad_out, query, key, value, out, lse, custom_mask_type == 1, scale)
-    return dq, dk, dv, None
-
-
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)])
 @pytest.mark.parametrize("causal", [True, False])
 def test_torch_efficient_glue(monkeypatch, heads, causal):
     _allow_cpu_tensors(monkeypatch, torch_efficient)
-    monkeypatch.setattr(torch_efficient, "_EFF_FWD", _eff_forward)
-    monkeypatch.setattr(torch_efficient, "_EFF_BWD", _eff_backward)
+    monkeypatch.setattr(torch_efficient, "_EFF_FWD", cs.efficient_forward)
+    monkeypatch.setattr(torch_efficient, "_EFF_BWD", cs.efficient_backward)
     _check_against_reference(torch_efficient.efficient_forward, torch_efficient.efficient_backward, causal, *heads)
 
 
@@ -262,9 +224,10 @@ def test_auto_takes_the_highest_priority_and_none_means_by_name_only(own_registr
 def test_register_refuses_a_duplicate_or_reserved_name(own_registry):
     with pytest.raises(ValueError, match="registered already; pass replace=True"):
         register_backend(_fake("reference"))
-    for name in ("auto", "torch_flash", "flash_attn_4"):
-        with pytest.raises(ValueError, match="reserved"):
-            register_backend(_fake(name))
+    with pytest.raises(ValueError, match="reserved"):
+        register_backend(_fake("auto"))
+    with pytest.raises(ValueError, match="registered already"):
+        register_backend(_fake("torch_flash"))
     replacement = _fake("reference")
     register_backend(replacement, replace=True)
     assert get_backend("reference", torch.device("cpu"), torch.float32) is replacement
@@ -283,11 +246,6 @@ def test_the_record_takes_keywords_and_both_varlen_kernels_or_neither():
         AttentionBackend("positional", reference_forward, reference_backward, ("cpu",), (torch.float32,), "x")
     with pytest.raises(ValueError, match="both"):
         _fake(varlen_forward=looped_varlen_forward)
-
-
-def test_refused_names_keep_their_guidance():
-    with pytest.raises(NotImplementedError, match="backend='torch_efficient'"):
-        get_backend("torch_flash", torch.device("cuda"), torch.bfloat16)
 
 
 # ------------------------------------------- flash-attn 2 varlen kernel (packed rows)
@@ -316,32 +274,10 @@ def _fa2_26_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seql
     return dq, dk, dv, None
 
 
-def _fa2_27_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                           softmax_scale, causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
-                           alibi_slopes=None, return_softmax=False, block_table=None, leftpad_k=None,
-                           seqused_k=None):
-    assert (window_size_left, window_size_right) == (-1, -1) and isinstance(max_seqlen_q, int)
-    out, lse = looped_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                     causal, softmax_scale)
-    return out, lse, None, None
-
-
-def _fa2_27_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
-                            max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size_left,
-                            window_size_right, softcap, alibi_slopes, deterministic, rng_state=None,
-                            zero_tensors=False):
-    assert softmax_lse.is_contiguous() and (window_size_left, window_size_right) == (-1, -1)
-    grads = looped_varlen_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                   max_seqlen_k, causal, softmax_scale)
-    for buf, g in zip((dq, dk, dv), grads):
-        buf.copy_(g)
-    return None
-
-
 @pytest.mark.parametrize("version", ["2.6.3", "2.8.3"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_flash_attn_2_varlen_glue(monkeypatch, version, causal):
-    fns = (_fa2_27_varlen_forward, _fa2_27_varlen_backward) if Version(version) >= flash_attn2.FA2_SPLIT_WINDOW \
+    fns = (cs.fa2_varlen_forward, cs.fa2_varlen_backward) if Version(version) >= flash_attn2.FA2_SPLIT_WINDOW \
         else (_fa2_26_varlen_forward, _fa2_26_varlen_backward)
     module = SimpleNamespace(_flash_attn_varlen_forward=fns[0], _flash_attn_varlen_backward=fns[1])
     _allow_cpu_tensors(monkeypatch, flash_attn2)

@@ -9,6 +9,11 @@ import torch
 from hf_ring.kernels.reference import reference_backward, reference_forward
 
 
+def _accum(dtype: torch.dtype) -> torch.dtype:
+    """The lse's dtype for hf_ring's reference backward (float64 inputs keep float64)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def segments(cu: torch.Tensor) -> list[tuple[int, int]]:
     assert cu.dtype == torch.int32 and cu.dim() == 1, "varlen kernels take int32 boundaries"
     b = cu.tolist()
@@ -32,6 +37,6 @@ def looped_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, ca
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     for (qa, qb), (ka, kb) in zip(segments(cu_q), segments(cu_k), strict=True):
         g = reference_backward(dout[None, qa:qb], q[None, qa:qb], k[None, ka:kb], v[None, ka:kb],
-                               out[None, qa:qb], lse[None, :, qa:qb].to(q.dtype), causal, scale)
+                               out[None, qa:qb], lse[None, :, qa:qb].to(_accum(q.dtype)), causal, scale)
         dq[qa:qb], dk[ka:kb], dv[ka:kb] = (t[0] for t in g)
     return dq, dk, dv

@@ -5,12 +5,15 @@ backward that takes an externally merged ``out`` and ``lse``. So the CUDA backen
 kernels' internal entry points, whose signatures change between releases. Every call
 therefore binds its arguments by the installed signature (:func:`bind_kwargs`) and reads
 the result by shape (:func:`pick_out_lse`), raising an error naming what it found instead
-of passing arguments to the wrong parameters or taking the wrong tensor as the lse.
+of passing arguments to the wrong parameters or taking the wrong tensor as the lse. The
+PyTorch ops are called positionally, after :func:`check_op_schema` has compared the
+installed op's schema with the order the call was written for.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import inspect
 from typing import Any, Callable, Optional
 
@@ -125,3 +128,57 @@ def grad_buffers(q: torch.Tensor, k: torch.Tensor,
     the gradients they are given."""
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     return dq, dk, dv
+
+
+def check_op_schema(op: "torch._ops.OpOverload", positional: tuple[str, ...], keywords: tuple[str, ...],
+                    instead: str) -> None:
+    """Raise NotImplementedError unless the installed PyTorch's ``op`` takes ``positional``
+    first, in that order, and has the keyword-only parameters ``keywords``.
+
+    The CUDA backends call PyTorch's internal attention ops positionally; a reordered or
+    renamed parameter would otherwise silently bind a value to the wrong one.
+
+    Args:
+        op: e.g. ``torch.ops.aten._flash_attention_forward.default``.
+        positional: the leading positional parameter names the call passes.
+        keywords: keyword-only parameter names the call passes.
+        instead: what to use instead, for the error (e.g. ``"backend='torch_efficient'"``).
+    """
+    schema = op._schema
+    names = tuple(a.name for a in schema.arguments if not a.kwarg_only)[: len(positional)]
+    kw = {a.name for a in schema.arguments if a.kwarg_only}
+    if names != positional or not set(keywords) <= kw:
+        raise NotImplementedError(
+            f"this PyTorch's {schema.name} takes ({', '.join(names)}; keyword {sorted(kw)}), not the "
+            f"({', '.join(positional)}; keyword {list(keywords)}) hf_ring was written for; pass {instead}")
+
+
+def repeat_kv(t: torch.Tensor, group: int) -> torch.Tensor:
+    """``(b, s, hk, d)`` -> ``(b, s, hk * group, d)``: query head h reads KV head h // group.
+
+    For kernels that take equal head counts only; applied to the already-received block,
+    never before communication.
+    """
+    return t if group == 1 else t.repeat_interleave(group, dim=2)
+
+
+def sum_kv_groups(dt: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
+    """The gradient of :func:`repeat_kv`: ``(b, s, hk * group, d)`` -> ``(b, s, hk, d)``,
+    summed over each group in float32 (returned unchanged when there was no repetition)."""
+    b, s, h, d = dt.shape
+    if h == n_kv_heads:
+        return dt
+    return dt.reshape(b, s, n_kv_heads, h // n_kv_heads, d).sum(3, dtype=torch.float32)
+
+
+def distribution_installed(name: str) -> bool:
+    """Whether the package distribution ``name`` (as pip names it) is installed; imports nothing.
+
+    By distribution rather than by module: flash-attn 4 installs into the ``flash_attn``
+    namespace that flash-attn 2 owns, so a module name alone does not say which is there.
+    """
+    try:
+        importlib.metadata.distribution(name)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True

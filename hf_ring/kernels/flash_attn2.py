@@ -11,14 +11,13 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.metadata
-import importlib.util
 from typing import Any
 
 import torch
 from packaging.version import Version
 
 from hf_ring.kernels.base import HALF_FLOATS, AttentionBackend
-from hf_ring.kernels.cuda_glue import bind_kwargs, check_block, grad_buffers, pick_out_lse
+from hf_ring.kernels.cuda_glue import bind_kwargs, check_block, distribution_installed, grad_buffers, pick_out_lse
 
 FA2_MIN, FA2_SPLIT_WINDOW, FA2_END = Version("2.6.0"), Version("2.7.0"), Version("3")
 
@@ -123,7 +122,7 @@ FLASH_ATTN = AttentionBackend(
     devices=("cuda",),
     dtypes=HALF_FLOATS,
     description=f"flash-attn 2 ({FA2_MIN} <= version < {FA2_END}), sm80+",
-    installed=lambda: importlib.util.find_spec("flash_attn") is not None,
+    installed=lambda: distribution_installed("flash_attn"),
     install_hint="pip install flash-attn --no-build-isolation",
     min_capability=(8, 0),
     max_head_dim=256,

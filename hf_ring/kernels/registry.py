@@ -6,9 +6,12 @@ their own kernel with :func:`register_backend`.
 
 ``backend="auto"`` tries the registered backends that run on the tensors' device type,
 highest ``auto_priority`` first (ties: first registered first), and takes the first one
-that is installed and passes its checks here. The built-ins' priorities give, fastest
-first: on CUDA flash_attn_3, flash_attn, torch_efficient, reference; on CPU
-torch_cpu_flash, reference.
+that is installed and passes its checks here (device, dtype, GPU generation, package
+version). The built-ins' order, fastest first by published comparisons (README, "Block
+kernels"; not yet measured by this project: ``benchmarks/gpu_check.py`` prints the
+measured order): on CUDA flash_attn_3 (sm90), flash_attn_4 (sm90+), torch_cudnn (auto
+only on sm90+, where PyTorch 2.5 made it the SDPA default), flash_attn, torch_flash,
+torch_efficient, reference; on CPU torch_cpu_flash, reference.
 """
 
 from __future__ import annotations
@@ -17,12 +20,15 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from hf_ring.kernels.base import AttentionBackend
+from hf_ring.kernels.base import AttentionBackend, gpu_capability
 from hf_ring.kernels.flash_attn2 import FLASH_ATTN
 from hf_ring.kernels.flash_attn3 import FLASH_ATTN_3
+from hf_ring.kernels.flash_attn4 import FLASH_ATTN_4
 from hf_ring.kernels.reference import REFERENCE
 from hf_ring.kernels.torch_cpu import TORCH_CPU_FLASH
+from hf_ring.kernels.torch_cudnn import TORCH_CUDNN
 from hf_ring.kernels.torch_efficient import TORCH_EFFICIENT
+from hf_ring.kernels.torch_flash import TORCH_FLASH
 
 
 class _Registered(NamedTuple):
@@ -32,16 +38,9 @@ class _Registered(NamedTuple):
 
 _REGISTERED: dict[str, _Registered] = {}
 
-# Names we know of but cannot offer, and what to use instead. Listed so that asking for
-# one is a precise error rather than "unknown backend".
-_REFUSED = {
-    "torch_flash": "PyTorch's CUDA flash op cannot be called with an externally merged lse "
-    "from Python; use backend='torch_efficient' or install flash-attn (backend='flash_attn')",
-    "torch_cudnn": "PyTorch's cuDNN attention op is not wired up yet; use "
-    "backend='torch_efficient' or backend='flash_attn'",
-    "flash_attn_4": "flash-attn 4 (CuTe DSL) is not wired up yet; use backend='flash_attn' "
-    "(2.x) or 'flash_attn_3'",
-}
+# GPU generations below which ``"auto"`` passes a backend over although it runs there (by
+# name it still does): PyTorch 2.5 made cuDNN attention its SDPA default on sm90+ only.
+_AUTO_MIN_CAPABILITY = {"torch_cudnn": (9, 0)}
 
 
 def register_backend(backend: AttentionBackend, *, auto_priority: Optional[float] = None,
@@ -51,17 +50,16 @@ def register_backend(backend: AttentionBackend, *, auto_priority: Optional[float
     Args:
         backend: the record; its kernels must follow the contract in :mod:`hf_ring.kernels.base`.
         auto_priority: where ``backend="auto"`` tries it among the backends of the same
-            device type, higher first (built-ins: flash_attn_3 30, flash_attn 20,
-            torch_efficient 10, torch_cpu_flash 10, reference 0). None: never chosen by
-            ``"auto"``, only by name.
+            device type, higher first (built-ins: flash_attn_3 60, flash_attn_4 50,
+            torch_cudnn 40, flash_attn 30, torch_flash 20, torch_efficient 10,
+            torch_cpu_flash 10, reference 0). None: never chosen by ``"auto"``, only by name.
         replace: allow replacing a registered backend of the same name.
 
     Raises:
-        ValueError: the name is registered already (and ``replace`` is False), is one of
-            the names hf_ring refuses, or is ``"auto"``.
+        ValueError: the name is registered already (and ``replace`` is False), or is ``"auto"``.
     """
     name = backend.name
-    if name == "auto" or name in _REFUSED:
+    if name == "auto":
         raise ValueError(f"attention backend name {name!r} is reserved; choose another name")
     if name in _REGISTERED and not replace:
         raise ValueError(f"attention backend {name!r} is registered already; pass replace=True "
@@ -70,23 +68,33 @@ def register_backend(backend: AttentionBackend, *, auto_priority: Optional[float
 
 
 def available_backends(device: torch.device, dtype: torch.dtype) -> list[str]:
-    """Names of the backends that are installed and take tensors on ``device`` of ``dtype``.
+    """Names of the backends that run on ``device`` for ``dtype`` here, in the order
+    ``backend="auto"`` tries them (then those only chosen by name).
 
-    Cheap: reads device types, dtypes and whether packages are installed, not the GPU
-    generation or package versions (``get_backend`` checks those).
+    Runs each backend's full check (package installed and its version, GPU generation,
+    the installed kernel's signature); what is read is cached, so later calls are cheap.
     """
-    return [name for name, (b, _) in _REGISTERED.items()
-            if device.type in b.devices and dtype in b.dtypes and b.installed()]
+    ranked = _auto_order(device)
+    by_name = [b for b, p in _REGISTERED.values() if p is None and device.type in b.devices]
+    return [b.name for b in ranked + by_name if _runs(b, device, dtype)]
 
 
-def _usable(backend: AttentionBackend, device: torch.device, dtype: torch.dtype) -> bool:
-    if not backend.installed():
+def _runs(backend: AttentionBackend, device: torch.device, dtype: torch.dtype) -> bool:
+    if device.type not in backend.devices or dtype not in backend.dtypes or not backend.installed():
         return False
     try:
         backend.check(device, dtype)
     except (ValueError, NotImplementedError):
         return False
     return True
+
+
+def _usable(backend: AttentionBackend, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``"auto"`` may take it: it runs here, on a GPU generation auto takes it on."""
+    floor = _AUTO_MIN_CAPABILITY.get(backend.name)
+    if floor is not None and device.type == "cuda" and gpu_capability(device) < floor:
+        return False
+    return _runs(backend, device, dtype)
 
 
 def _auto_order(device: torch.device) -> list[AttentionBackend]:
@@ -105,24 +113,22 @@ def get_backend(name: str, device: torch.device, dtype: torch.dtype) -> Attentio
 
     Raises:
         ValueError: unknown name, not installed, or it cannot run on this device / dtype /
-            GPU; NotImplementedError: a name hf_ring knows but refuses, or an installed
-            kernel whose interface this code was not written for.
+            GPU; NotImplementedError: an installed kernel whose interface this code was
+            not written for.
     """
     if name == "auto":
         for backend in _auto_order(device):
             if _usable(backend, device, dtype):
                 return backend
         raise ValueError(f"no attention backend runs on {device.type} for {dtype}")
-    if name in _REFUSED:
-        raise NotImplementedError(f"attention backend {name!r}: {_REFUSED[name]}")
     if name not in _REGISTERED:
-        known = sorted(set(_REGISTERED) | set(_REFUSED) | {"auto"})
+        known = sorted(set(_REGISTERED) | {"auto"})
         raise ValueError(f"unknown attention backend {name!r}; choose one of {known}")
     backend = _REGISTERED[name].backend
     if not backend.installed():
         hint = f" ({backend.install_hint})" if backend.install_hint else ""
         raise ValueError(f"attention backend {name!r} is not installed{hint}; "
-                         f"installed here: {available_backends(device, dtype)}")
+                         f"available here: {available_backends(device, dtype)}")
     try:
         backend.check(device, dtype)
     except ValueError as e:
@@ -130,6 +136,6 @@ def get_backend(name: str, device: torch.device, dtype: torch.dtype) -> Attentio
     return backend
 
 
-for _backend, _priority in ((REFERENCE, 0), (TORCH_CPU_FLASH, 10), (FLASH_ATTN, 20), (FLASH_ATTN_3, 30),
-                            (TORCH_EFFICIENT, 10)):
+for _backend, _priority in ((REFERENCE, 0), (TORCH_CPU_FLASH, 10), (FLASH_ATTN_3, 60), (FLASH_ATTN_4, 50),
+                            (TORCH_CUDNN, 40), (FLASH_ATTN, 30), (TORCH_FLASH, 20), (TORCH_EFFICIENT, 10)):
     register_backend(_backend, auto_priority=_priority)

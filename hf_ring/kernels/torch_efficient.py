@@ -15,7 +15,7 @@ import math
 import torch
 
 from hf_ring.kernels.base import HALF_FLOATS, AttentionBackend
-from hf_ring.kernels.cuda_glue import check_block
+from hf_ring.kernels.cuda_glue import check_block, check_op_schema, repeat_kv, sum_kv_groups
 
 _EFF_FWD = torch.ops.aten._efficient_attention_forward.default
 _EFF_BWD = torch.ops.aten._efficient_attention_backward.default
@@ -35,18 +35,7 @@ def check_efficient_schema() -> None:
     """Raise NotImplementedError unless the installed PyTorch's op schemas take the
     positional arguments in the order the calls below pass them."""
     for op, expected in ((_EFF_FWD, EFF_FWD_ARGS), (_EFF_BWD, EFF_BWD_ARGS)):
-        schema = op._schema
-        names = tuple(a.name for a in schema.arguments if not a.kwarg_only)[: len(expected)]
-        kw = {a.name for a in schema.arguments if a.kwarg_only}
-        if names != expected or "scale" not in kw:
-            raise NotImplementedError(f"this PyTorch's {schema.name} takes ({', '.join(names)}; "
-                                      f"kw {sorted(kw)}), not the ({', '.join(expected)}; kw scale) hf_ring was written for; "
-                                      "pass backend='flash_attn' or 'reference'")
-
-
-def _repeat_kv(t: torch.Tensor, group: int) -> torch.Tensor:
-    """``(b, s, hk, d)`` -> ``(b, s, hk * group, d)``: query head h reads KV head h // group."""
-    return t if group == 1 else t.repeat_interleave(group, dim=2)
+        check_op_schema(op, expected, ("scale",), "backend='flash_attn' or 'reference'")
 
 
 def efficient_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -55,7 +44,7 @@ def efficient_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     check_block(TORCH_EFFICIENT, q)
     group = q.shape[2] // k.shape[2]
     mask = _MASK_CAUSAL_TOP_LEFT if causal else _MASK_NONE
-    out, lse = _EFF_FWD(q, _repeat_kv(k, group), _repeat_kv(v, group), None, None, None, None, None,
+    out, lse = _EFF_FWD(q, repeat_kv(k, group), repeat_kv(v, group), None, None, None, None, None,
                         0.0, mask, True, scale=scale)[:2]
     return out, lse[:, :, : q.shape[1]]
 
@@ -67,7 +56,7 @@ def efficient_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     dq in q's dtype, dk/dv in float32 when K/V heads were repeated (summed over each
     group), else in their dtype."""
     check_block(TORCH_EFFICIENT, q)
-    b, sq, hq, d = q.shape
+    b, sq, hq, _ = q.shape
     hk, group = k.shape[2], hq // k.shape[2]
     padded = torch.full((b, hq, math.ceil(sq / _LSE_ALIGN) * _LSE_ALIGN), float("inf"),
                         dtype=torch.float32, device=q.device)
@@ -75,14 +64,10 @@ def efficient_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     empty = torch.empty((), dtype=torch.int64)  # philox seed/offset: unused without dropout
     mask = _MASK_CAUSAL_TOP_LEFT if causal else _MASK_NONE
     # The kernel assumes out's row stride is heads * head_dim, hence the contiguous copy.
-    dq, dk, dv = _EFF_BWD(dout.contiguous(), q, _repeat_kv(k, group), _repeat_kv(v, group), None,
+    dq, dk, dv = _EFF_BWD(dout.contiguous(), q, repeat_kv(k, group), repeat_kv(v, group), None,
                           out.to(q.dtype).contiguous(), None, None, sq, k.shape[1], padded, 0.0,
                           empty, empty, mask, False, scale=scale)[:3]
-    if group > 1:
-        sk = k.shape[1]
-        dk = dk.view(b, sk, hk, group, d).sum(3, dtype=torch.float32)
-        dv = dv.view(b, sk, hk, group, d).sum(3, dtype=torch.float32)
-    return dq, dk, dv
+    return dq, sum_kv_groups(dk, hk), sum_kv_groups(dv, hk)
 
 
 def _probe(device: torch.device, dtype: torch.dtype) -> None:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from hf_ring.kernels import AttentionBackend
+from hf_ring.kernels.window_bands import bands
 from hf_ring.ring.comm import CommWaitStats, Transport, process_group_transport
 from hf_ring.ring.packed_step import StepBatch, step_batch
 from hf_ring.ring.schedule import Block, step_blocks
@@ -24,7 +25,7 @@ from hf_ring.ring.window import window_blocks
 from hf_ring.sharding.layouts import check_layout, shard_indices
 
 # What to use instead when a backend has no masked kernel for a window.
-_MASKED_BACKENDS = "'torch_cpu_flash' (CPU) or 'reference'"
+_MASKED_BACKENDS = "'torch_cpu_flash' (CPU), 'torch_flash', 'flash_attn_4' or 'flash_attn_3' (CUDA), or 'reference'"
 
 
 @dataclass(frozen=True, eq=False)
@@ -124,6 +125,8 @@ class RingPlan:
         key = (id(block.mask), device)
         if key not in self._masks:
             self._masks[key] = block.mask.to(device)
+            if device.type != "cpu":  # kernels that run windows as bands find them cut, without a host sync
+                bands(self._masks[key], host_mask=block.mask)
         return self._masks[key]
 
     def varlen_batch(self, blocks: list[Block], device: torch.device) -> Optional[StepBatch]:
