@@ -1,0 +1,100 @@
+"""Checks of hf_ring.hf.weight_sharding and of the CPU FSDP patch, run on every rank of one
+spawned gloo world of 2 processes (cp_size 2) by tests/test_trainer_fsdp.py.
+
+Each returns what it saw (kinds, multipliers, error messages) for the test to assert on;
+the whole sequence shares one world to keep CI short.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def _tiny_model() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, use_cache=False)
+    return LlamaForCausalLM(config)
+
+
+def _error(fn: Any) -> str:
+    try:
+        fn()
+    except (ValueError, NotImplementedError) as e:
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+def _prepare(fsdp: bool) -> torch.nn.Module:
+    from accelerate import Accelerator
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2) if fsdp else None
+    accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
+    model = _tiny_model()
+    model, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    return model
+
+
+def _reset_accelerate() -> None:
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def world_checks(rank: int, world: int) -> dict:
+    """Run every check in order; return what each saw."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from hf_ring.hf.weight_sharding import gradient_reduction
+    from hf_ring.patches import accelerate as accelerate_patches
+
+    # Accelerate's launcher would set these; the spawned world has only the process group.
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    seen: dict = {}
+
+    # 1. DDP over the world, without FSDP asked for.
+    model = _prepare(fsdp=False)
+    reduction = gradient_reduction(model)
+    seen["ddp"] = (type(model).__name__, reduction.kind, reduction.multiplier)
+    del model
+    _reset_accelerate()
+
+    # 2. accelerate 1.15 unpatched: FSDP asked for, DDP delivered; hf_ring refuses it.
+    model = _prepare(fsdp=True)
+    seen["unpatched_class"] = type(model).__name__
+    seen["unpatched_error"] = _error(lambda: gradient_reduction(model, fsdp_requested=True))
+    del model
+    _reset_accelerate()
+
+    # 3. patched: the model is an FSDP2 module with DTensor shards over both ranks.
+    accelerate_patches.enable_fsdp_on_cpu()
+    model = _prepare(fsdp=True)
+    seen["patched_is_fsdp2"] = isinstance(model, FSDPModule)
+    seen["patched_all_dtensor"] = all(isinstance(p, DTensor) for p in model.parameters())
+    reduction = gradient_reduction(model, fsdp_requested=True)
+    seen["patched"] = (reduction.kind, reduction.multiplier, reduction.mesh_shape)
+    del model
+    _reset_accelerate()
+
+    # 4. An FSDP2 mesh over the data-parallel ranks only (dp_size 1 here: each rank alone),
+    #    DDP over such a subgroup, and a bare model in a world of 2 are refused.
+    dp_group = dist.new_group([0]), dist.new_group([1])
+    mine = dp_group[rank]
+    dp_mesh = DeviceMesh.from_group(mine, "cpu")
+    model = fully_shard(_tiny_model(), mesh=dp_mesh)
+    seen["dp_only_mesh_error"] = _error(lambda: gradient_reduction(model))
+    seen["ddp_subgroup_error"] = _error(
+        lambda: gradient_reduction(torch.nn.parallel.DistributedDataParallel(_tiny_model(), process_group=mine))
+    )
+    seen["bare_error"] = _error(lambda: gradient_reduction(_tiny_model()))
+    return seen
