@@ -91,7 +91,8 @@ class RingTrainer(Trainer):
         self.ring_plugin = ring_plugin if ring_plugin is not None else RingAttentionPlugin(cp_size=1)
         # Before the Trainer builds its Accelerator: on CPU accelerate would drop FSDP silently.
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
-        if weight_sharding.fsdp_requested(training_args, None):
+        on_cpu = training_args is None or training_args.device.type == "cpu"
+        if on_cpu and weight_sharding.fsdp_requested(training_args, None):
             accelerate_patches.enable_fsdp_on_cpu()
         super().__init__(*args, **kwargs)
         self.ring_state = self.ring_plugin.attach(self.accelerator)
