@@ -11,6 +11,9 @@ One process per device; the sequence of every batch is split over ``--cp_size`` 
     # 8 GPUs, 2 data-parallel x 4 context-parallel, a real checkpoint:
     accelerate launch --config_file examples/accelerate_gpu.yaml examples/finetune_llama_long.py \\
         --cp_size 4 --seq_len 65536 --model_name_or_path /path/to/llama --bf16
+    # weights sharded with FSDP2 over every process (or --fsdp hybrid_shard: HSDP), CPU or GPU:
+    accelerate launch --config_file examples/accelerate_fsdp_cpu.yaml examples/finetune_llama_long.py --cp_size 2
+    torchrun --nproc_per_node 4 examples/finetune_llama_long.py --cp_size 2 --fsdp full_shard
 
 Default: a tiny Llama initialised on the spot, a byte-level tokenizer and a synthetic
 passkey-retrieval set (loss on the answer only), so nothing is downloaded.
