@@ -14,7 +14,9 @@ the one place in hf_ring that knows those names:
 - ``prepare_data_loader``: ``Accelerator.prepare_data_loader`` with the process
   coordinates given by the caller instead of the world's;
 - ``register_data_loader`` / ``is_prepared``: ``_dataloaders`` and
-  ``_is_accelerate_prepared``.
+  ``_is_accelerate_prepared``;
+- ``enable_fsdp_on_cpu``: ``AcceleratorState.__init__`` keeps an FSDP request on CPU, which
+  accelerate 1.15 drops silently (its own section below; written for 1.15.0 only).
 
 Written for accelerate 1.10.0 to 1.15.0: the source of ``Accelerator.prepare_data_loader``,
 of ``accelerate.data_loader.prepare_data_loader``'s signature, of ``_dataloaders``'s

@@ -16,7 +16,6 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
 from transformers import TrainerCallback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -88,8 +88,8 @@ def world_checks(rank: int, world: int) -> dict:
 
     # 4. An FSDP2 mesh over the data-parallel ranks only (dp_size 1 here: each rank alone),
     #    DDP over such a subgroup, and a bare model in a world of 2 are refused.
-    dp_group = dist.new_group([0]), dist.new_group([1])
-    mine = dp_group[rank]
+    alone = dist.new_group([0]), dist.new_group([1])  # new_group is collective: both ranks make both
+    mine = alone[rank]
     dp_mesh = DeviceMesh.from_group(mine, "cpu")
     model = fully_shard(_tiny_model(), mesh=dp_mesh)
     seen["dp_only_mesh_error"] = _error(lambda: gradient_reduction(model))

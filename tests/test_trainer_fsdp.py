@@ -121,7 +121,8 @@ def runs(tmp_path_factory):
                                        "--eval_steps", "0", "--num_eval_examples", "0")
             logs = [_run(_torchrun(2, _free_port(), *script))]
         elif name == "fsdp_cp2":
-            script, out, dump = driver(name, "--cp_size", "2", "--per_device_train_batch_size", "2", "--save_steps", "4")
+            script, out, dump = driver(name, "--cp_size", "2", "--per_device_train_batch_size", "2",
+                                       "--save_steps", "4")
             logs = [_run(_accelerate_fsdp(2) + script)]
         elif name == "hsdp":
             script, out, dump = driver(name, "--cp_size", "2", "--per_device_train_batch_size", "1",

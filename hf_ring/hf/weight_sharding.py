@@ -22,11 +22,13 @@ FSDP2's default.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from packaging.version import Version
 
 NONE, DDP, FSDP2, HSDP = "none", "ddp", "fsdp2", "hsdp"
 
@@ -213,10 +215,7 @@ def fsdp_training_arguments(mode: Optional[str], cp_size: int, world_size: Optio
         return {}
     if mode not in FSDP_MODES:
         raise ValueError(f"fsdp mode must be one of {FSDP_MODES} or None, got {mode!r}")
-    import os
-
     import transformers
-    from packaging.version import Version
 
     if Version(transformers.__version__) < Version("5"):
         raise NotImplementedError(
