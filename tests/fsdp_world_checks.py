@@ -1,5 +1,6 @@
 """Checks of hf_ring.hf.weight_sharding and of the CPU FSDP patch, run on every rank of one
-spawned gloo world of 2 processes (cp_size 2) by tests/test_trainer_fsdp.py.
+spawned gloo world of 2 processes (cp_size 2) by tests/test_trainer_fsdp.py; and the
+gradient error that the refused dp-only FSDP mesh would cause.
 
 Each returns what it saw (kinds, multipliers, error messages) for the test to assert on;
 the whole sequence shares one world to keep CI short.
@@ -14,13 +15,52 @@ import torch
 import torch.distributed as dist
 
 
-def _tiny_model() -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _tiny_model(attn_implementation: str = "sdpa") -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, use_cache=False)
-    return LlamaForCausalLM(config)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+
+
+def _loss(model: torch.nn.Module, batch: dict, count: torch.Tensor) -> torch.Tensor:
+    from hf_ring.hf.loss import loss_share, token_loss_sum
+
+    batch = dict(batch)
+    shift_labels = batch.pop("shift_labels")
+    batch.pop("labels")
+    return loss_share(token_loss_sum(model(**batch).logits, shift_labels), count)
+
+
+def _fsdp2_gradient_error(mesh: Any) -> float:
+    """One cp-2 training step of a ring_flash model sharded by FSDP2 over ``mesh``, the share
+    multiplied by the mesh's size (what the wrapper averages over): the relative error of the
+    full gradient against the full sequence's in this process."""
+    from torch.distributed.fsdp import fully_shard
+
+    import hf_ring
+    from hf_ring.hf.loss import all_reduce_sum, count_valid_tokens
+
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 32, (32,), generator=g).tolist()
+    rows = [{"input_ids": ids, "labels": [-100] * 20 + ids[20:]}]
+    full = hf_ring.RingDataCollator(0, cp_size=1)(rows)
+    reference = _tiny_model()
+    _loss(reference, full, count_valid_tokens(full["shift_labels"])).backward()
+
+    state = hf_ring.setup_context_parallel(2)
+    batch = hf_ring.RingDataCollator.for_state(state, 0)(rows)
+    model = fully_shard(_tiny_model("ring_flash"), mesh=mesh)
+    count = all_reduce_sum(count_valid_tokens(batch["shift_labels"]))
+    (_loss(model, batch, count) * mesh.size()).backward()
+    hf_ring.set_context_parallel_state(None)
+    names = [n for n, _ in reference.named_parameters()]
+    got = dict(model.named_parameters())
+    diff = torch.cat([(got[n].grad.full_tensor() - p.grad).flatten() for n, p in reference.named_parameters()])
+    norm = torch.cat([p.grad.flatten() for p in reference.parameters()]).norm()
+    assert sorted(names) == sorted(got)
+    return float(diff.norm() / norm)
 
 
 def _error(fn: Any) -> str:
@@ -97,4 +137,8 @@ def world_checks(rank: int, world: int) -> dict:
         lambda: gradient_reduction(torch.nn.parallel.DistributedDataParallel(_tiny_model(), process_group=mine))
     )
     seen["bare_error"] = _error(lambda: gradient_reduction(_tiny_model()))
+
+    # 5. Why: the same cp-2 step, gradients reduced over the world's mesh or the dp-only one.
+    seen["world_mesh_gradient_error"] = _fsdp2_gradient_error(DeviceMesh("cpu", list(range(world))))
+    seen["dp_only_mesh_gradient_error"] = _fsdp2_gradient_error(dp_mesh)
     return seen
