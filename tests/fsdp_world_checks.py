@@ -92,7 +92,7 @@ def _reset_accelerate() -> None:
 def world_checks(rank: int, world: int) -> dict:
     """Run every check in order; return what each saw."""
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, fully_shard
     from torch.distributed.tensor import DTensor
 
     from hf_ring.hf.weight_sharding import gradient_reduction
@@ -127,7 +127,7 @@ def world_checks(rank: int, world: int) -> dict:
     _reset_accelerate()
 
     # 4. An FSDP2 mesh over the data-parallel ranks only (dp_size 1 here: each rank alone),
-    #    DDP over such a subgroup, and a bare model in a world of 2 are refused.
+    #    DDP over such a subgroup, a bare model in a world of 2, and FSDP1 are refused.
     alone = dist.new_group([0]), dist.new_group([1])  # new_group is collective: both ranks make both
     mine = alone[rank]
     dp_mesh = DeviceMesh.from_group(mine, "cpu")
@@ -137,6 +137,8 @@ def world_checks(rank: int, world: int) -> dict:
         lambda: gradient_reduction(torch.nn.parallel.DistributedDataParallel(_tiny_model(), process_group=mine))
     )
     seen["bare_error"] = _error(lambda: gradient_reduction(_tiny_model()))
+    fsdp1 = FullyShardedDataParallel(_tiny_model(), device_id=torch.device("cpu"))
+    seen["fsdp1_error"] = _error(lambda: gradient_reduction(fsdp1))
 
     # 5. Why: the same cp-2 step, gradients reduced over the world's mesh or the dp-only one.
     seen["world_mesh_gradient_error"] = _fsdp2_gradient_error(DeviceMesh("cpu", list(range(world))))

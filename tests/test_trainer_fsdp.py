@@ -273,6 +273,7 @@ def test_weight_sharding_checks_in_a_real_world():
         assert seen["dp_only_mesh_error"].startswith("ValueError") and "hybrid_shard" in seen["dp_only_mesh_error"]
         assert seen["ddp_subgroup_error"].startswith("ValueError") and "DDP reduces" in seen["ddp_subgroup_error"]
         assert "not wrapped in DDP or FSDP2" in seen["bare_error"]
+        assert seen["fsdp1_error"].startswith("NotImplementedError") and "FSDP2" in seen["fsdp1_error"]
         # What the refusal prevents: one cp-2 step's gradient, reduced over the world's mesh,
         # is exact (float32 sums in another order; measured 6e-8); over the dp-only mesh each
         # CP rank keeps the gradient of its own shard only (measured 0.64 and 0.76).
