@@ -175,7 +175,9 @@ class RingTrainer(Trainer):
     ) -> Any:
         """This rank's share of the token-mean loss, scaled for DDP's average over processes."""
         kwargs, shift_labels = _model_inputs(inputs, getattr(self.model, "config", None))
-        multiplier = self._gradient_multiplier(model)
+        # Without gradients (a subclass evaluating through compute_loss) no wrapper reduces
+        # anything; every multiplier that gradient_reduction accepts equals the world size.
+        multiplier = self._gradient_multiplier(model) if torch.is_grad_enabled() else self.ring_state.world_size
         outputs = model(**kwargs)
         token_sum = token_loss_sum(outputs.logits, shift_labels)
         if num_items_in_batch is None:
