@@ -11,6 +11,9 @@ One process per device; the sequence of every batch is split over ``--cp_size`` 
     # 8 GPUs, 2 data-parallel x 4 context-parallel, a real checkpoint:
     accelerate launch --config_file examples/accelerate_gpu.yaml examples/finetune_llama_long.py \\
         --cp_size 4 --seq_len 65536 --model_name_or_path /path/to/llama --bf16
+    # weights sharded with FSDP2 over every process (or --fsdp hybrid_shard: HSDP), CPU or GPU:
+    accelerate launch --config_file examples/accelerate_fsdp_cpu.yaml examples/finetune_llama_long.py --cp_size 2
+    torchrun --nproc_per_node 4 examples/finetune_llama_long.py --cp_size 2 --fsdp full_shard
 
 Default: a tiny Llama initialised on the spot, a byte-level tokenizer and a synthetic
 passkey-retrieval set (loss on the answer only), so nothing is downloaded.
@@ -30,6 +33,7 @@ from accelerate import PartialState
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, TrainingArguments
 
 import hf_ring
+from hf_ring.hf.weight_sharding import FSDP_MODES, fsdp_training_arguments
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from long_context_data import ByteTokenizer, passkey_dataset  # noqa: E402
@@ -64,6 +68,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--bf16", action="store_true",
                    help="weights and compute in bfloat16 (no float32 master copy, no autocast)")
     p.add_argument("--disable_tqdm", action="store_true")
+    p.add_argument("--fsdp", default=None, choices=list(FSDP_MODES),
+                   help="shard the weights with FSDP2: full_shard over every dp x cp process, or "
+                        "hybrid_shard (HSDP: shard over the CP group, replicate over dp)")
     return p.parse_args(argv)
 
 
@@ -88,6 +95,7 @@ def training_arguments(args: argparse.Namespace) -> TrainingArguments:
         report_to="none",
         ddp_find_unused_parameters=False,  # every parameter is used: spare DDP the graph walk
         disable_tqdm=args.disable_tqdm,
+        **fsdp_training_arguments(args.fsdp, args.cp_size),
     )
 
 
@@ -117,7 +125,8 @@ def build_model(args: argparse.Namespace, tokenizer, attn_implementation: str) -
     return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).to(_dtype(args))
 
 
-def main(argv: Optional[Sequence[str]] = None) -> dict:
+def main(argv: Optional[Sequence[str]] = None, callbacks: Optional[list] = None) -> dict:
+    """Train and evaluate; ``callbacks`` (TrainerCallback) join the Trainer's."""
     args = parse_args(argv)
     if not torch.cuda.is_available():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
@@ -146,6 +155,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         eval_dataset=eval_set if args.num_eval_examples > 0 else None,
         data_collator=plugin.make_collator(pad_token_id=pad_id, packing=args.packing),
         ring_plugin=plugin,
+        callbacks=callbacks,
     )
     result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     metrics = dict(result.metrics)
@@ -156,6 +166,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         metrics.update({k: v for e in trainer.state.log_history if "eval_loss" in e for k, v in e.items()})
     trainer.save_state()  # writes output_dir/trainer_state.json (log_history: loss per step, eval_loss)
     if trainer.is_world_process_zero():
+        if trainer.gradient_reduction is not None:
+            print(f"[hf_ring] {trainer.gradient_reduction.describe()}", flush=True)
         print(f"[hf_ring] done: train_loss {metrics.get('train_loss')}, eval_loss {metrics.get('eval_loss')}; "
               f"log in {os.path.join(args.output_dir, 'trainer_state.json')}", flush=True)
     _shut_down(trainer)
@@ -163,7 +175,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
 
 
 def _shut_down(trainer: hf_ring.RingTrainer) -> None:
-    """Free the DDP model, then destroy the process groups, in that order.
+    """Free the DDP (or FSDP2) model, then destroy the process groups, in that order.
 
     Left to interpreter exit, gloo's worker threads can abort a process after a successful
     run; and if the DDP reducer is the last holder of a gloo group, its destructor joins

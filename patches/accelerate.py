@@ -14,7 +14,9 @@ the one place in hf_ring that knows those names:
 - ``prepare_data_loader``: ``Accelerator.prepare_data_loader`` with the process
   coordinates given by the caller instead of the world's;
 - ``register_data_loader`` / ``is_prepared``: ``_dataloaders`` and
-  ``_is_accelerate_prepared``.
+  ``_is_accelerate_prepared``;
+- ``enable_fsdp_on_cpu``: ``AcceleratorState.__init__`` keeps an FSDP request on CPU, which
+  accelerate 1.15 drops silently (its own section below; written for 1.15.0 only).
 
 Written for accelerate 1.10.0 to 1.15.0: the source of ``Accelerator.prepare_data_loader``,
 of ``accelerate.data_loader.prepare_data_loader``'s signature, of ``_dataloaders``'s
@@ -219,3 +221,78 @@ def install_prepare_data_loader(accelerator: Any, prepare: PrepareDataLoader) ->
         return prepare(data_loader, device_placement, slice_fn_for_dispatch)
 
     accelerator.prepare_data_loader = prepare_data_loader
+
+
+# ---- FSDP on CPU (MULTI_CPU) ----
+#
+# Accelerate 1.15 turns an FSDP request (an FSDP plugin, or ACCELERATE_USE_FSDP=true from
+# `accelerate launch` with an FSDP config) into DistributedType.FSDP only for GPU-like
+# distributed types; on CPU the state stays MULTI_CPU, the plugin is never kept and
+# prepare() wraps the model in plain DDP, with correct-looking losses. PyTorch's FSDP2 runs
+# on CPU with gloo, so the same request is honoured here the way the GPU branch of
+# ``AcceleratorState.__init__`` honours it (that branch's source was read in 1.15.0 only).
+_CPU_FSDP_WRITTEN_FOR = ("1.15.0",)
+_CPU_FSDP_NEXT_UNREAD = Version("1.16.0.dev0")
+_CPU_FSDP_MARK = "_hf_ring_cpu_fsdp"
+
+
+def _check_cpu_fsdp_version(version: str) -> None:
+    if not Version(_CPU_FSDP_WRITTEN_FOR[0]) <= Version(version) < _CPU_FSDP_NEXT_UNREAD:
+        raise UnsupportedAccelerateVersion(
+            f"FSDP on CPU needs hf_ring's patch of AcceleratorState, written for accelerate "
+            f"{', '.join(_CPU_FSDP_WRITTEN_FOR)}; accelerate {version} is not one of them. Install "
+            f'`pip install "accelerate>=1.15,<1.16"`, or train on GPUs (where accelerate builds FSDP itself)'
+        )
+
+
+def fsdp_requested_by_environment() -> bool:
+    """Whether ``accelerate launch`` asked for FSDP (an FSDP config sets ACCELERATE_USE_FSDP)."""
+    import os
+
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
+def enable_fsdp_on_cpu() -> None:
+    """Make ``AcceleratorState`` keep an FSDP request on CPU, as it does on GPUs.
+
+    Idempotent; applies to every Accelerator created afterwards in this process. It changes
+    nothing unless FSDP was requested and the state would otherwise be MULTI_CPU (the case
+    where accelerate silently falls back to DDP).
+
+    Raises:
+        UnsupportedAccelerateVersion: accelerate is not a release whose ``AcceleratorState``
+            this patch was written for.
+    """
+    version = check_version()
+    _check_cpu_fsdp_version(version)
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    original = AcceleratorState.__init__
+    if getattr(original, _CPU_FSDP_MARK, False):
+        return
+    params = inspect.signature(original).parameters
+    if "fsdp_plugin" not in params or not hasattr(AcceleratorState, "_shared_state"):
+        raise _fail("AcceleratorState.__init__ takes no fsdp_plugin", version)
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        shared = type(self)._shared_state
+        already = bool(shared) and shared != PartialState._shared_state
+        original(self, *args, **kwargs)
+        if already or self.distributed_type != DistributedType.MULTI_CPU:
+            return
+        plugin = inspect.signature(original).bind(self, *args, **kwargs).arguments.get("fsdp_plugin")
+        if plugin is None and not fsdp_requested_by_environment():
+            return
+        if plugin is None:
+            raise _fail("FSDP was requested through the environment but no FSDP plugin was built", version)
+        # What the GPU branch does for MULTI_GPU and the like.
+        self.distributed_type = DistributedType.FSDP
+        if self._mixed_precision != "no":
+            plugin.set_mixed_precision(self._mixed_precision)
+        self.fsdp_plugin = plugin
+        PartialState._shared_state["distributed_type"] = self.distributed_type
+
+    setattr(__init__, _CPU_FSDP_MARK, True)
+    AcceleratorState.__init__ = __init__

@@ -12,7 +12,10 @@ token contributes an exact 0 (never NaN).
 Gradients: DDP averages gradients over all ``world_size = dp_size * cp_size`` processes,
 whereas the true gradient is the *sum* of the shares' gradients. The share is therefore
 multiplied by ``world_size`` before ``backward`` (:func:`scale_for_ddp`); the parameters
-then receive exactly the gradient a run without context parallelism computes.
+then receive exactly the gradient a run without context parallelism computes. FSDP2 and
+HSDP average over their whole mesh, which must be the world too:
+:func:`hf_ring.hf.weight_sharding.gradient_reduction` reads the group from the wrapped model
+and gives the multiplier (refusing a group that misses a rank).
 """
 
 from __future__ import annotations

@@ -9,7 +9,9 @@ What changes against the stock Trainer, and why:
   the mean of a shard (NaN for a shard without an answer token). Here each rank computes its
   share ``sum of its token losses / valid tokens of the whole optimizer step over the whole
   dp x cp world`` (``num_items_in_batch``, counted from ``shift_labels`` across gradient
-  accumulation), times ``world_size`` because DDP averages gradients over every process.
+  accumulation), times the number of processes the wrapper (DDP, FSDP2, HSDP) averages
+  gradients over, read from the wrapped model (:mod:`hf_ring.hf.weight_sharding`, which
+  refuses a reduction that misses some dp x cp rank).
   The gradients then equal those of a run without CP, and the Trainer's logged loss (the
   mean over processes of what each returns) is the true token mean;
 - eval loss: the token mean over the whole evaluation set (every token weighs the same),
@@ -30,6 +32,7 @@ from typing import Any, Optional
 import torch
 from transformers import Trainer
 
+from hf_ring.hf import weight_sharding
 from hf_ring.hf.collator import RingDataCollator
 from hf_ring.hf.loss import (
     LossTotals,
@@ -40,6 +43,7 @@ from hf_ring.hf.loss import (
     token_loss_sum,
 )
 from hf_ring.hf.plugin import RingAttentionPlugin
+from hf_ring.patches import accelerate as accelerate_patches
 from hf_ring.patches import transformers as transformers_patches
 
 RING_ATTENTION = "ring_flash"
@@ -85,6 +89,11 @@ class RingTrainer(Trainer):
 
     def __init__(self, *args: Any, ring_plugin: Optional[RingAttentionPlugin] = None, **kwargs: Any):
         self.ring_plugin = ring_plugin if ring_plugin is not None else RingAttentionPlugin(cp_size=1)
+        # Before the Trainer builds its Accelerator: on CPU accelerate would drop FSDP silently.
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        on_cpu = training_args is None or training_args.device.type == "cpu"
+        if on_cpu and weight_sharding.fsdp_requested(training_args, None):
+            accelerate_patches.enable_fsdp_on_cpu()
         super().__init__(*args, **kwargs)
         self.ring_state = self.ring_plugin.attach(self.accelerator)
         self._check_supported()
@@ -92,6 +101,8 @@ class RingTrainer(Trainer):
         # gradient accumulation (it does: num_items_in_batch covers the whole step).
         self.model_accepts_loss_kwargs = True
         self._eval_totals: Optional[LossTotals] = None
+        # How the wrapped model reduces gradients; read from it at the first training step.
+        self.gradient_reduction: Optional[weight_sharding.GradientReduction] = None
 
     def _check_supported(self) -> None:
         state, args = self.ring_state, self.args
@@ -109,13 +120,7 @@ class RingTrainer(Trainer):
                     "compute_metrics sees per-rank shards of the predictions under context parallelism; "
                     "drop compute_metrics (the eval loss is exact) or evaluate with cp_size=1"
                 )
-        accelerate_cp = getattr(getattr(self.accelerator, "parallelism_config", None), "cp_size", 1) or 1
-        if accelerate_cp > 1:
-            raise ValueError(
-                f"the Accelerator's parallelism_config asks for its own context parallelism (cp_size="
-                f"{accelerate_cp}); RingTrainer brings its own: leave parallelism_config's cp_size at 1 "
-                "and give the CP size to RingAttentionPlugin"
-            )
+        weight_sharding.check_accelerate_parallelism(self.accelerator)
         if self.compute_loss_func is not None:
             raise ValueError("RingTrainer computes the loss itself (token mean over dp x cp); drop compute_loss_func")
         if args.label_smoothing_factor != 0:
@@ -170,12 +175,24 @@ class RingTrainer(Trainer):
     ) -> Any:
         """This rank's share of the token-mean loss, scaled for DDP's average over processes."""
         kwargs, shift_labels = _model_inputs(inputs, getattr(self.model, "config", None))
+        # Without gradients (a subclass evaluating through compute_loss) no wrapper reduces
+        # anything; every multiplier that gradient_reduction accepts equals the world size.
+        multiplier = self._gradient_multiplier(model) if torch.is_grad_enabled() else self.ring_state.world_size
         outputs = model(**kwargs)
         token_sum = token_loss_sum(outputs.logits, shift_labels)
         if num_items_in_batch is None:
             num_items_in_batch = self.ring_plugin.global_token_count(count_valid_tokens(shift_labels))
-        loss = scale_for_ddp(loss_share(token_sum, num_items_in_batch), self.ring_state.world_size)
+        loss = scale_for_ddp(loss_share(token_sum, num_items_in_batch), multiplier)
         return (loss, outputs) if return_outputs else loss
+
+    def _gradient_multiplier(self, model: torch.nn.Module) -> int:
+        """The loss multiplier for how ``model`` (wrapped) reduces gradients; checked once,
+        before the first forward (FSDP2 parameters are then sharded)."""
+        if self.gradient_reduction is None:
+            self.gradient_reduction = weight_sharding.gradient_reduction(
+                model, fsdp_requested=weight_sharding.fsdp_requested(self.args, self.accelerator)
+            )
+        return self.gradient_reduction.multiplier
 
     # ---- evaluation ----
 

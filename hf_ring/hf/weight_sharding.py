@@ -1,0 +1,244 @@
+"""How the wrapped model reduces gradients, and the loss multiplier that makes them exact.
+
+Each rank's loss is its *share* of the world's token mean (:mod:`hf_ring.hf.loss`); the
+true gradient is the *sum* of the shares' gradients over every dp x cp rank. Data-parallel
+wrappers average instead of summing, over the ranks of their reduction group, so the share
+is multiplied by that group's size before ``backward``. That is exact only when the group
+is the whole world: a wrapper that reduces over fewer ranks (an FSDP mesh over the
+data-parallel ranks only, DDP over a subgroup) leaves the CP ranks' gradients apart, and
+their weights drift (a gradient error of 0.73 was measured with a dp-only FSDP mesh).
+
+:func:`gradient_reduction` reads the reduction group from the wrapped model itself (DDP's
+process group; FSDP2's device mesh, carried by every sharded parameter as a DTensor),
+refuses a group that is not the whole world, and refuses a model that FSDP was asked to
+shard but that was wrapped otherwise (Accelerate on CPU silently falls back to DDP; see
+:func:`hf_ring.patches.accelerate.enable_fsdp_on_cpu`).
+
+FSDP2 averages over every rank of its mesh: one dimension for a full shard, both for HSDP
+(reduce-scatter over the shard dimension, all-reduce over the replicate one). A divide
+factor of one's own (``FSDPModule.set_gradient_divide_factor``) is not seen here: leave
+FSDP2's default.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from packaging.version import Version
+
+NONE, DDP, FSDP2, HSDP = "none", "ddp", "fsdp2", "hsdp"
+
+
+@dataclass(frozen=True)
+class GradientReduction:
+    """How gradients are reduced: ``kind`` (none, ddp, fsdp2 full shard, hsdp) over
+    ``group_size`` processes, the mesh's shape for FSDP2 (``(world,)`` or ``(replicate, shard)``)."""
+
+    kind: str
+    group_size: int
+    mesh_shape: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kind not in (NONE, DDP, FSDP2, HSDP):
+            raise ValueError(f"unknown gradient reduction kind {self.kind!r}")
+        if self.group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {self.group_size}")
+
+    @property
+    def multiplier(self) -> int:
+        """What each rank's loss share is multiplied by: the wrapper averages over the group."""
+        return self.group_size
+
+    @property
+    def shards_weights(self) -> bool:
+        return self.kind in (FSDP2, HSDP)
+
+    def describe(self) -> str:
+        if self.kind == NONE:
+            return "gradients: one process, no reduction"
+        where = f"mesh {self.mesh_shape} " if self.mesh_shape else ""
+        return f"gradients: {self.kind} {where}over {self.group_size} processes (loss share x{self.multiplier})"
+
+
+def _world() -> tuple[int, list[int]]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1, [0]
+    world = dist.get_world_size()
+    return world, list(range(world))
+
+
+def _fsdp_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def _refuse_fsdp1(model: torch.nn.Module) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        raise NotImplementedError(
+            "the model is wrapped in FSDP1 (FullyShardedDataParallel), which hf_ring does not support under "
+            "context parallelism; use FSDP2: fsdp_config={'version': 2} in TrainingArguments, or "
+            "fsdp_version: 2 in the Accelerate config"
+        )
+
+
+def _fsdp2_reduction(model: torch.nn.Module, world: int, world_ranks: list[int]) -> GradientReduction:
+    from torch.distributed.tensor import DTensor
+
+    meshes = {}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        if not isinstance(param, DTensor):
+            raise ValueError(
+                f"parameter {name!r} of the FSDP2 model is not sharded (not a DTensor): its gradient is not "
+                "reduced across processes; shard every trainable parameter (no ignored_params)"
+            )
+        mesh = param.device_mesh
+        ranks = sorted(mesh.mesh.flatten().tolist())
+        meshes[(tuple(mesh.mesh.shape), tuple(ranks))] = name
+    if len(meshes) != 1:
+        shapes = sorted(shape for shape, _ in meshes)
+        raise ValueError(
+            f"the FSDP2 model's parameters live on {len(meshes)} different device meshes {shapes}; hf_ring needs "
+            "one mesh over every process for all of them"
+        )
+    ((shape, ranks),) = meshes
+    if list(ranks) != world_ranks:
+        raise ValueError(
+            f"the FSDP2 device mesh {shape} covers ranks {list(ranks)} but the world has {world} processes: "
+            "gradients would not be reduced over every data-parallel x context-parallel rank (a mesh over "
+            "the data-parallel ranks only leaves the CP ranks' gradients apart and their weights drift). "
+            "Shard over all processes (fsdp full shard, the default mesh) or use HSDP with the mesh "
+            "(replicate=dp_size, shard=cp_size), e.g. examples/finetune_llama_long.py --fsdp hybrid_shard"
+        )
+    return GradientReduction(HSDP if len(shape) == 2 else FSDP2, world, shape)
+
+
+def gradient_reduction(model: Any, *, fsdp_requested: bool = False) -> GradientReduction:
+    """How ``model`` (as the training step sees it: wrapped) reduces gradients over the world.
+
+    Args:
+        model: the wrapped model: ``DistributedDataParallel``, an FSDP2 module (``fully_shard``),
+            or the bare module in a one-process run.
+        fsdp_requested: FSDP was asked for (TrainingArguments ``fsdp``, an Accelerate FSDP
+            plugin or config); a model not sharded by FSDP2 is then refused.
+
+    Raises:
+        ValueError: the reduction group is not the whole world (a dp-only FSDP mesh, DDP over
+            a subgroup, a multi-process model wrapped in nothing), or FSDP was requested and
+            the model is not an FSDP2 module.
+        NotImplementedError: FSDP1.
+    """
+    world, world_ranks = _world()
+    if isinstance(model, torch.nn.Module):
+        _refuse_fsdp1(model)
+        fsdp_modules = _fsdp_modules(model)
+        if fsdp_modules:
+            # Between a forward and the next reshard, groups that keep their parameters
+            # unsharded expose plain tensors; resharding (a no-op when sharded) shows the meshes.
+            for module in fsdp_modules:
+                module.reshard()
+            return _fsdp2_reduction(model, world, world_ranks)
+    if fsdp_requested:
+        raise ValueError(
+            f"FSDP was requested but the model was wrapped as {type(model).__name__}, not sharded by FSDP2: "
+            "a silent fallback to replicated weights. On CPU, accelerate drops FSDP unless hf_ring's patch is "
+            "installed (RingTrainer installs it; in your own loop call "
+            "hf_ring.patches.accelerate.enable_fsdp_on_cpu() before creating the Accelerator)"
+        )
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        ranks = sorted(dist.get_process_group_ranks(model.process_group))
+        if ranks != world_ranks:
+            raise ValueError(
+                f"DDP reduces gradients over ranks {ranks} but the world has {world} processes; wrap the "
+                "model in DDP over the default group (every data-parallel x context-parallel rank)"
+            )
+        return GradientReduction(DDP, world)
+    if world > 1:
+        raise ValueError(
+            f"the model ({type(model).__name__}) is not wrapped in DDP or FSDP2 in a world of {world} processes: "
+            "nothing would reduce its gradients across ranks; prepare it with accelerator.prepare (the "
+            "Trainer does)"
+        )
+    return GradientReduction(NONE, 1)
+
+
+def fsdp_requested(args: Optional[Any], accelerator: Optional[Any]) -> bool:
+    """Whether FSDP was asked for: TrainingArguments ``fsdp``, an Accelerator whose state keeps
+    an FSDP plugin, or ``accelerate launch`` with an FSDP config (its environment)."""
+    from hf_ring.patches.accelerate import fsdp_requested_by_environment
+
+    if args is not None and getattr(args, "fsdp", None):
+        return True
+    state = getattr(accelerator, "state", None)
+    if getattr(state, "fsdp_plugin", None) is not None:
+        return True
+    return fsdp_requested_by_environment()
+
+
+def check_accelerate_parallelism(accelerator: Any) -> None:
+    """Refuse Accelerate's own context / sequence parallelism next to hf_ring's."""
+    config = getattr(accelerator, "parallelism_config", None)
+    for name, what in (("cp_size", "context parallelism"), ("sp_size", "sequence parallelism (Ulysses)")):
+        size = getattr(config, name, 1) or 1
+        if size > 1:
+            raise ValueError(
+                f"the Accelerator's parallelism_config asks for its own {what} ({name}={size}); hf_ring brings "
+                f"its own: leave parallelism_config's {name} at 1 and give the CP size to RingAttentionPlugin"
+            )
+
+
+FSDP_MODES = ("full_shard", "hybrid_shard")
+
+
+def fsdp_training_arguments(mode: Optional[str], cp_size: int, world_size: Optional[int] = None) -> dict[str, Any]:
+    """``TrainingArguments`` keyword arguments for FSDP2 with context parallelism.
+
+    Args:
+        mode: None (no FSDP: DDP), ``"full_shard"`` (FSDP2 over every process: the default
+            mesh) or ``"hybrid_shard"`` (HSDP: mesh ``(dp_size, cp_size)``, shard over the
+            ranks of one CP group, which are consecutive, replicate over data-parallel ranks).
+        cp_size: processes per context-parallel group.
+        world_size: processes in the world (default: ``WORLD_SIZE`` set by the launcher).
+
+    Checkpoints are sharded (``SHARDED_STATE_DICT``, torch.distributed.checkpoint);
+    ``accelerate merge-weights`` consolidates one for a single process.
+    """
+    if mode is None:
+        return {}
+    if mode not in FSDP_MODES:
+        raise ValueError(f"fsdp mode must be one of {FSDP_MODES} or None, got {mode!r}")
+    import transformers
+
+    if Version(transformers.__version__) < Version("5"):
+        raise NotImplementedError(
+            f"FSDP2 through TrainingArguments needs transformers >= 5 (installed {transformers.__version__}, whose "
+            "fsdp_config has no FSDP version); upgrade transformers"
+        )
+    world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    if world < 2 or world % cp_size != 0:
+        raise ValueError(f"FSDP needs a world of several processes that cp_size={cp_size} divides; got {world}")
+    kwargs: dict[str, Any] = {
+        "fsdp": True,
+        "fsdp_config": {"version": 2, "reshard_after_forward": True, "state_dict_type": "SHARDED_STATE_DICT"},
+    }
+    dp_size = world // cp_size
+    if mode == "hybrid_shard":
+        if cp_size < 2 or dp_size < 2:
+            raise ValueError(
+                f"hybrid_shard shards over the CP group and replicates over dp ranks: it needs cp_size >= 2 and "
+                f"dp_size >= 2 (got cp_size={cp_size}, dp_size={dp_size}); use full_shard"
+            )
+        from accelerate.parallelism_config import ParallelismConfig
+
+        # Accelerate's mesh is (dp_replicate, dp_shard) in row-major rank order: the shard
+        # dimension runs over consecutive ranks, which are one CP group.
+        kwargs["parallelism_config"] = ParallelismConfig(dp_replicate_size=dp_size, dp_shard_size=cp_size)
+    return kwargs
