@@ -30,6 +30,7 @@ from accelerate import PartialState
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, TrainingArguments
 
 import hf_ring
+from hf_ring.hf import deepspeed_support
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from long_context_data import ByteTokenizer, passkey_dataset  # noqa: E402
@@ -64,6 +65,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--bf16", action="store_true",
                    help="weights and compute in bfloat16 (no float32 master copy, no autocast)")
     p.add_argument("--disable_tqdm", action="store_true")
+    p.add_argument("--deepspeed", default=None,
+                   help="a DeepSpeed config (JSON), e.g. examples/ds_zero3.json: ZeRO shards the weights")
     return p.parse_args(argv)
 
 
@@ -88,6 +91,7 @@ def training_arguments(args: argparse.Namespace) -> TrainingArguments:
         report_to="none",
         ddp_find_unused_parameters=False,  # every parameter is used: spare DDP the graph walk
         disable_tqdm=args.disable_tqdm,
+        deepspeed=args.deepspeed,
     )
 
 
@@ -95,7 +99,8 @@ def _dtype(args: argparse.Namespace) -> torch.dtype:
     return torch.bfloat16 if args.bf16 else torch.float32
 
 
-def build_model(args: argparse.Namespace, tokenizer, attn_implementation: str) -> torch.nn.Module:
+def build_model(args: argparse.Namespace, tokenizer, attn_implementation: str,
+                training_args: TrainingArguments) -> torch.nn.Module:
     if args.model_name_or_path:
         return AutoModelForCausalLM.from_pretrained(
             args.model_name_or_path, attn_implementation=attn_implementation, dtype=_dtype(args)
@@ -114,7 +119,9 @@ def build_model(args: argparse.Namespace, tokenizer, attn_implementation: str) -
         eos_token_id=tokenizer.eos_token_id,
         use_cache=False,
     )
-    return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).to(_dtype(args))
+    # Whole even under ZeRO-3 (partitioned when the Trainer wraps it): the same --seed, the same weights.
+    with deepspeed_support.constructed_whole(training_args):
+        return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).to(_dtype(args))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:
@@ -137,7 +144,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
 
     attn = args.attn_implementation or ("ring_flash" if args.cp_size > 1 else "sdpa")
     transformers.set_seed(args.seed)  # the same initial weights on every rank and in every run
-    model = build_model(args, tokenizer, attn)
+    model = build_model(args, tokenizer, attn, training_args)
 
     trainer = hf_ring.RingTrainer(
         model=model,
@@ -149,6 +156,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     )
     result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     metrics = dict(result.metrics)
+    if getattr(trainer, "deepspeed_engine_summary", None) is not None:
+        print(f"[hf_ring] rank {trainer.args.process_index}: {trainer.deepspeed_engine_summary.describe()}", flush=True)
     evaluated_last_step = args.eval_steps > 0 and trainer.state.global_step % args.eval_steps == 0
     if args.num_eval_examples > 0 and not evaluated_last_step:
         metrics.update(trainer.evaluate())

@@ -30,6 +30,7 @@ from typing import Any, Optional
 import torch
 from transformers import Trainer
 
+from hf_ring.hf import deepspeed_support
 from hf_ring.hf.collator import RingDataCollator
 from hf_ring.hf.loss import (
     LossTotals,
@@ -88,6 +89,7 @@ class RingTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self.ring_state = self.ring_plugin.attach(self.accelerator)
         self._check_supported()
+        deepspeed_support.check_trainer(self, self.ring_state)
         # transformers 4.x decides from this whether compute_loss already normalised for
         # gradient accumulation (it does: num_items_in_batch covers the whole step).
         self.model_accepts_loss_kwargs = True

@@ -1,0 +1,148 @@
+"""The private internal of DeepSpeed that hf_ring needs: the world its batch arithmetic counts.
+
+DeepSpeed checks ``train_batch_size == micro_batch * gradient_accumulation * world_size``,
+with ``world_size`` every process of the job (when it was handed no model-parallel unit).
+Under hf_ring's context parallelism the ``cp_size`` ranks of a CP group share one batch, so
+the examples per optimizer step are ``micro_batch * gradient_accumulation * dp_size``: a
+``train_batch_size`` that counts data-parallel ranks only fails that check. DeepSpeed has
+no public way to say "these ranks share batches" without engaging its own sequence
+parallelism (an ``mpu``, or ``sequence_parallel_size`` with ``data_parallel_size``), which
+would also change the groups it reduces gradients over; hf_ring wants ZeRO to partition and
+reduce over the whole dp x cp world, exactly as it does without CP.
+
+``count_data_parallel_ranks(cp_size)`` therefore wraps
+``DeepSpeedConfig._configure_train_batch_size`` (the step that fills and checks the batch
+triple, run from ``DeepSpeedConfig.__init__`` right after ``world_size`` is set) so that it
+divides ``world_size`` by ``cp_size`` for the duration of that step only, and only when
+``world_size`` is the whole world (DeepSpeed was given no other data-parallel group). Nothing
+else of DeepSpeed reads that attribute of the config (the engine and ZeRO compute their own
+world from the process groups); it is restored after the step.
+
+Written for DeepSpeed 0.19.8: ``DeepSpeedConfig.__init__``, ``_configure_train_batch_size``,
+``_set_batch_related_parameters`` and ``_batch_assertion`` were read there. Other versions are
+refused with an error naming the one this was written for. deepspeed is imported only when
+a function runs.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+from packaging.version import Version
+
+WRITTEN_FOR = ("0.19.8",)
+_INSTALL_HINT = 'pip install "deepspeed==0.19.8"'
+# Marks the wrapper installed here, so a second install is a no-op.
+_MARK = "_hf_ring_counts_data_parallel_ranks"
+
+
+class UnsupportedDeepSpeedVersion(RuntimeError):
+    """The installed deepspeed is one this module does not know the internals of."""
+
+
+@functools.lru_cache(maxsize=None)
+def _check_known(version: str) -> str:
+    if Version(version) not in {Version(v) for v in WRITTEN_FOR}:
+        raise UnsupportedDeepSpeedVersion(
+            f"hf_ring's deepspeed patches were written for deepspeed {', '.join(WRITTEN_FOR)} and do not "
+            f"know the internals of deepspeed {version}; install that release (`{_INSTALL_HINT}`)"
+        )
+    return version
+
+
+def check_version(version: Optional[str] = None) -> str:
+    """``version`` (default: the installed deepspeed's) when this module was written for it.
+
+    Raises:
+        UnsupportedDeepSpeedVersion: any other version.
+    """
+    if version is None:
+        import deepspeed
+
+        version = deepspeed.__version__
+    return _check_known(version)
+
+
+def count_data_parallel_ranks(cp_size: int, world_size: int) -> None:
+    """Make every ``DeepSpeedConfig`` built from now on count ``world_size // cp_size`` ranks
+    in its batch arithmetic (``train_batch_size = micro_batch * accumulation * dp_size``).
+
+    Applies only to a config whose ``world_size`` is ``world_size`` (the whole job: no other
+    data-parallel group was given to DeepSpeed). Installing again with the same sizes is a
+    no-op; with other sizes it is refused (one process has one dp x cp grid).
+
+    Raises:
+        UnsupportedDeepSpeedVersion: another deepspeed, or the method is not what it was.
+        ValueError: sizes that do not divide, or that differ from those installed before.
+    """
+    version = check_version()
+    if cp_size < 1 or world_size % cp_size != 0:
+        raise ValueError(f"cp_size={cp_size} does not divide the world of {world_size} processes")
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    current = DeepSpeedConfig.__dict__.get("_configure_train_batch_size")
+    if current is None or not callable(current):
+        raise UnsupportedDeepSpeedVersion(
+            f"deepspeed {version}: DeepSpeedConfig._configure_train_batch_size is missing; hf_ring's "
+            f"deepspeed patches were written for {', '.join(WRITTEN_FOR)} (`{_INSTALL_HINT}`)"
+        )
+    installed = getattr(current, _MARK, None)
+    if installed is not None:
+        if installed != (cp_size, world_size):
+            raise ValueError(
+                f"DeepSpeed already counts batches for cp_size={installed[0]} in a world of {installed[1]}; "
+                f"one process cannot also use cp_size={cp_size} in a world of {world_size}"
+            )
+        return
+    original = current
+
+    @functools.wraps(original)
+    def configure_train_batch_size(self) -> None:
+        whole_world = getattr(self, "world_size", None)
+        if whole_world != world_size:
+            return original(self)
+        self.world_size = world_size // cp_size
+        try:
+            return original(self)
+        finally:
+            self.world_size = whole_world
+
+    setattr(configure_train_batch_size, _MARK, (cp_size, world_size))
+    DeepSpeedConfig._configure_train_batch_size = configure_train_batch_size
+
+
+_SHM_OP = "deepspeed_shm_comm"
+
+
+def skip_cpu_shm_comm_build() -> bool:
+    """Keep DeepSpeed's communication layer from building its CPU shared-memory op.
+
+    On the CPU accelerator, DeepSpeed's ``TorchBackend`` builds the C++ op
+    ``deepspeed_shm_comm`` (torch's JIT extension builder, 1-3 minutes on a small machine,
+    guarded by a lock file that a killed build leaves behind, on which every later start
+    then waits forever) whenever ``deepspeed.ops.__compatible_ops__`` marks it compatible.
+    The op serves only ``inference_all_reduce`` (tensor-parallel inference), which falls back
+    to ``torch.distributed.all_reduce`` without it; training never calls it. Marking it
+    incompatible in that dict (which DeepSpeed keeps as one module-level dict precisely so
+    that edits persist) means no op is built at all. Call before DeepSpeed's communication
+    starts. Returns whether the op was marked (False on other accelerators).
+
+    Raises:
+        UnsupportedDeepSpeedVersion: another deepspeed, or the dict lacks the op.
+    """
+    version = check_version()
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() != "cpu":
+        return False
+    import deepspeed.ops
+
+    compatible = deepspeed.ops.__compatible_ops__
+    if not isinstance(compatible, dict) or _SHM_OP not in compatible:
+        raise UnsupportedDeepSpeedVersion(
+            f"deepspeed {version}: deepspeed.ops.__compatible_ops__ has no {_SHM_OP!r}; hf_ring's deepspeed "
+            f"patches were written for {', '.join(WRITTEN_FOR)} (`{_INSTALL_HINT}`)"
+        )
+    compatible[_SHM_OP] = False
+    return True
