@@ -27,7 +27,7 @@ a function runs.
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Any, Optional
 
 from packaging.version import Version
 
@@ -146,3 +146,34 @@ def skip_cpu_shm_comm_build() -> bool:
         )
     compatible[_SHM_OP] = False
     return True
+
+
+def zero3_model_state(engine: Any) -> dict[str, list]:
+    """The tensors that make up a ZeRO-3 engine's model state on this rank, by kind.
+
+    ``parameters``: each parameter's partition (``ds_tensor``) and its (normally freed)
+    whole tensor; ``gradients``: the flat buffer of gradient partitions and any gradient
+    still attached; ``optimizer``: the fp32 master partitions (the parameters' own storage
+    when those are float32) and every tensor of the wrapped optimizer's state. Read from the
+    stage-3 optimizer's ``fp32_partitioned_groups_flat`` and ``grad_partitions_flat_buffer``.
+
+    Raises:
+        UnsupportedDeepSpeedVersion: another deepspeed, or those attributes are missing.
+    """
+    version = check_version()
+    zero = engine.optimizer
+    missing = [a for a in ("fp32_partitioned_groups_flat", "grad_partitions_flat_buffer", "optimizer")
+               if not hasattr(zero, a)]
+    if missing:
+        raise UnsupportedDeepSpeedVersion(
+            f"deepspeed {version}: the ZeRO-3 optimizer has no {missing}; hf_ring's deepspeed patches were "
+            f"written for {', '.join(WRITTEN_FOR)} (`{_INSTALL_HINT}`)"
+        )
+    params = list(engine.module.parameters())
+    inner_state = [v for s in zero.optimizer.state.values() for v in s.values() if hasattr(v, "untyped_storage")]
+    masters = list(zero.fp32_partitioned_groups_flat)
+    return {
+        "parameters": [p.ds_tensor for p in params] + [p.data for p in params],
+        "gradients": [zero.grad_partitions_flat_buffer] + [p.grad for p in params] + [m.grad for m in masters],
+        "optimizer": masters + inner_state,
+    }
