@@ -35,10 +35,12 @@ buckets, activations) are not model state and are not counted.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
 import tempfile
+import warnings
 from dataclasses import asdict, dataclass
 
 import torch
@@ -57,6 +59,8 @@ BYTES_PER_PARAM = {
     "fsdp2": {"fp32 params": 4, "fp32 grads": 4, "fp32 adam m": 4, "fp32 adam v": 4},
     "zero3": {"bf16 params": 2, "bf16 grads": 2, "fp32 master": 4, "fp32 adam m": 4, "fp32 adam v": 4},
 }
+# hidden_size ** 2, what the HF Trainer's "auto" gives DeepSpeed's reduce bucket.
+REDUCE_BUCKET = 128 * 128
 SHARDED = {"ddp": False, "fsdp2": True, "zero3": True}
 
 
@@ -126,12 +130,42 @@ def _model(shape: ModelShape) -> torch.nn.Module:
     return LlamaForCausalLM(config)
 
 
-def _measure(rank: int, world: int, strategy: str, shape: ModelShape, seq_len: int) -> dict:
-    torch.manual_seed(0)
-    model = _model(shape)
-    batch = torch.randint(0, shape.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(rank))
+def _other_tensor_bytes(seen: set[int]) -> int:
+    """Bytes of every other tensor storage the process's Python objects reach (buffers such as
+    RoPE's, the batch, communication buffers): a check that nothing large went uncounted."""
+    found = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # isinstance on some objects of other libraries warns
+        for obj in gc.get_objects():
+            try:
+                if isinstance(obj, torch.Tensor):
+                    found.append(obj)
+            except ReferenceError:
+                continue
+    return _storage_bytes(found, seen)
+
+
+def _step(strategy: str, model: torch.nn.Module, batch: torch.Tensor, world: int) -> dict:
+    """One AdamW step of ``model`` under ``strategy``; the model-state tensors by kind."""
     if strategy == "zero3":
-        return _measure_zero3(model, batch, world)
+        import deepspeed
+
+        from hf_ring.patches import deepspeed as deepspeed_patches
+
+        # stage3_param_persistence_threshold 0: every parameter is partitioned. DeepSpeed's
+        # default keeps parameters under 1e5 elements whole on every rank, which is all of
+        # this tiny model but only the norms (0.003%) of Llama-3-8B. Buckets as the HF
+        # Trainer's "auto" sizes them (DeepSpeed's default reduce bucket is 5e8 elements:
+        # 2 GB in float32 on every rank, for any model).
+        config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+                  "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                        "reduce_bucket_size": REDUCE_BUCKET, "stage3_prefetch_bucket_size": REDUCE_BUCKET},
+                  "zero_allow_untested_optimizer": True}
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                          config=config)
+        engine.backward(engine(input_ids=batch, labels=batch).loss)
+        engine.step()
+        return deepspeed_patches.zero3_model_state(engine)
     if strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -148,59 +182,62 @@ def _measure(rank: int, world: int, strategy: str, shape: ModelShape, seq_len: i
     wrapped(input_ids=batch, labels=batch).loss.backward()
     optimizer.step()
     params = list(model.parameters())
-    seen: set[int] = set()
-    return {
-        "parameters": _storage_bytes(params, seen),
-        "gradients": _storage_bytes([p.grad for p in params], seen),
-        "optimizer": _storage_bytes(_optimizer_tensors(optimizer), seen),
-        "parameter_elements": sum(p.numel() for p in params),
-    }
+    return {"parameters": params, "gradients": [p.grad for p in params], "optimizer": _optimizer_tensors(optimizer),
+            "_keep": [wrapped, optimizer]}
 
 
-def _measure_zero3(model: torch.nn.Module, batch: torch.Tensor, world: int) -> dict:
-    import deepspeed
+def _measure(rank: int, world: int, strategies: list[str], shape: ModelShape, seq_len: int) -> dict:
+    """Each strategy in turn in this world; only one strategy's objects are alive at a time."""
+    if "zero3" in strategies:
+        import deepspeed
 
-    from hf_ring.patches import deepspeed as deepspeed_patches
+        from hf_ring.patches import deepspeed as deepspeed_patches
 
-    deepspeed_patches.skip_cpu_shm_comm_build()
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
-    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-              "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True}
-    total_elements = sum(p.numel() for p in model.parameters())
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
-                                      config=config)
-    loss = engine(input_ids=batch, labels=batch).loss
-    engine.backward(loss)
-    engine.step()
-    state = deepspeed_patches.zero3_model_state(engine)
-    seen: set[int] = set()
-    return {
-        "parameters": _storage_bytes(state["parameters"], seen),
-        "gradients": _storage_bytes(state["gradients"], seen),
-        "optimizer": _storage_bytes(state["optimizer"], seen),
-        "parameter_elements": total_elements,
-    }
+        deepspeed_patches.skip_cpu_shm_comm_build()  # no C++ op build (see patches/deepspeed.py)
+        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+    results = {}
+    for strategy in strategies:
+        torch.manual_seed(0)
+        model = _model(shape)
+        elements = sum(p.numel() for p in model.parameters())
+        batch = torch.randint(0, shape.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(rank))
+        state = _step(strategy, model, batch, world)
+        seen: set[int] = set()
+        row = {kind: _storage_bytes(state[kind], seen) for kind in ("parameters", "gradients", "optimizer")}
+        row["other_tensors"] = _other_tensor_bytes(seen)
+        row["parameter_elements"] = elements
+        results[strategy] = row
+        del model, state, batch
+        gc.collect()
+        dist.barrier()
+    return results
 
 
-def _entry(rank: int, world: int, init_file: str, strategy: str, shape: ModelShape, seq_len: int, out: str) -> None:
+def _entry(rank: int, world: int, init_file: str, strategies: list[str], shape: ModelShape, seq_len: int,
+           out: str) -> None:
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        torch.save(_measure(rank, world, strategy, shape, seq_len), os.path.join(out, f"rank{rank}.pt"))
+        torch.save(_measure(rank, world, strategies, shape, seq_len), os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-def measure(strategy: str, world: int, shape: ModelShape, seq_len: int = 64) -> list[dict]:
-    """Each rank's model-state bytes after one step of ``strategy`` over ``world`` ranks."""
+def measure(strategies: list[str], world: int, shape: ModelShape, seq_len: int = 64) -> dict[str, list[dict]]:
+    """Each rank's model-state bytes after one step of each strategy over ``world`` ranks (one
+    spawned world for all strategies), by strategy, in rank order."""
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_entry, args=(world, os.path.join(tmp, "rendezvous"), strategy, shape, seq_len, tmp),
+        mp.spawn(_entry, args=(world, os.path.join(tmp, "rendezvous"), list(strategies), shape, seq_len, tmp),
                  nprocs=world, join=True)
         ranks = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(world)]
-    for r in ranks:
-        r["model_state"] = r["parameters"] + r["gradients"] + r["optimizer"]
-    return ranks
+    out = {}
+    for strategy in strategies:
+        rows = [r[strategy] for r in ranks]
+        for row in rows:
+            row["model_state"] = row["parameters"] + row["gradients"] + row["optimizer"]
+        out[strategy] = rows
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -214,19 +251,20 @@ def main(argv: list[str] | None = None) -> dict:
     shape = ModelShape()
     measured = []
     print(f"measured: the example's default model, {shape.num_parameters()} parameters, float32, AdamW")
-    print(f"{'strategy':8} {'ranks':>5} {'params B':>10} {'grads B':>10} {'optim B':>10} {'total B/rank':>13} {'x 1 rank':>9}")
+    print(f"{'strategy':8} {'ranks':>5} {'params B':>10} {'grads B':>10} {'optim B':>10} {'total B/rank':>13} {'x 1 rank':>9} {'other B':>9}")
+    worlds = {n: measure(args.strategies, n, shape) for n in args.ranks}
     for strategy in args.strategies:
         base = None
         for n in args.ranks:
-            ranks = measure(strategy, n, shape)
+            ranks = worlds[n][strategy]
             worst = max(ranks, key=lambda r: r["model_state"])
             base = base or worst["model_state"]
-            row = {"strategy": strategy, "ranks": n, **{k: worst[k] for k in ("parameters", "gradients", "optimizer")},
+            row = {"strategy": strategy, "ranks": n, **{k: worst[k] for k in ("parameters", "gradients", "optimizer", "other_tensors")},
                    "model_state_bytes": worst["model_state"], "per_rank": [r["model_state"] for r in ranks],
                    "fraction_of_one_rank": worst["model_state"] / base}
             measured.append(row)
             print(f"{strategy:8} {n:5d} {row['parameters']:10d} {row['gradients']:10d} {row['optimizer']:10d} "
-                  f"{row['model_state_bytes']:13d} {row['fraction_of_one_rank']:9.3f}")
+                  f"{row['model_state_bytes']:13d} {row['fraction_of_one_rank']:9.3f} {row['other_tensors']:9d}")
     projection = project(ModelShape(**LLAMA3_8B), args.project_ranks)
     print(f"projected: Llama-3-8B shapes, {projection['num_parameters']} parameters, mixed-precision AdamW")
     for row in projection["rows"]:

@@ -151,8 +151,8 @@ def skip_cpu_shm_comm_build() -> bool:
 def zero3_model_state(engine: Any) -> dict[str, list]:
     """The tensors that make up a ZeRO-3 engine's model state on this rank, by kind.
 
-    ``parameters``: each parameter's partition (``ds_tensor``) and its (normally freed)
-    whole tensor; ``gradients``: the flat buffer of gradient partitions and any gradient
+    ``parameters``: each parameter's partition (``ds_tensor``, a view of the flat partition
+    buffers ``fp16_partitioned_groups_flat``) and its (normally freed) whole tensor; ``gradients``: the flat buffer of gradient partitions and any gradient
     still attached; ``optimizer``: the fp32 master partitions (the parameters' own storage
     when those are float32) and every tensor of the wrapped optimizer's state. Read from the
     stage-3 optimizer's ``fp32_partitioned_groups_flat`` and ``grad_partitions_flat_buffer``.
@@ -162,7 +162,8 @@ def zero3_model_state(engine: Any) -> dict[str, list]:
     """
     version = check_version()
     zero = engine.optimizer
-    missing = [a for a in ("fp32_partitioned_groups_flat", "grad_partitions_flat_buffer", "optimizer")
+    missing = [a for a in ("fp16_partitioned_groups_flat", "fp32_partitioned_groups_flat", "grad_partitions_flat_buffer",
+                           "optimizer")
                if not hasattr(zero, a)]
     if missing:
         raise UnsupportedDeepSpeedVersion(
@@ -173,7 +174,23 @@ def zero3_model_state(engine: Any) -> dict[str, list]:
     inner_state = [v for s in zero.optimizer.state.values() for v in s.values() if hasattr(v, "untyped_storage")]
     masters = list(zero.fp32_partitioned_groups_flat)
     return {
-        "parameters": [p.ds_tensor for p in params] + [p.data for p in params],
+        "parameters": [p.ds_tensor for p in params] + [p.data for p in params] + list(zero.fp16_partitioned_groups_flat),
         "gradients": [zero.grad_partitions_flat_buffer] + [p.grad for p in params] + [m.grad for m in masters],
         "optimizer": masters + inner_state,
     }
+
+
+def zero_reduction_group(engine: Any) -> Any:
+    """The process group a ZeRO engine partitions and reduces gradients over (its ZeRO
+    optimizer's ``dp_process_group``, stages 1-3).
+
+    Raises:
+        UnsupportedDeepSpeedVersion: another deepspeed, or the optimizer has no such group.
+    """
+    version = check_version()
+    if not hasattr(engine.optimizer, "dp_process_group"):
+        raise UnsupportedDeepSpeedVersion(
+            f"deepspeed {version}: the ZeRO optimizer {type(engine.optimizer).__name__} has no dp_process_group; "
+            f"hf_ring's deepspeed patches were written for {', '.join(WRITTEN_FOR)} (`{_INSTALL_HINT}`)"
+        )
+    return engine.optimizer.dp_process_group

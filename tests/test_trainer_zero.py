@@ -43,11 +43,15 @@ EXAMPLE = os.path.join(ROOT, "examples", "finetune_llama_long.py")
 RUNNER = os.path.join(ROOT, "tests", "zero_trainer_run.py")
 ZERO3 = os.path.join(ROOT, "examples", "ds_zero3.json")
 ZERO2 = os.path.join(ROOT, "examples", "ds_zero2.json")
+ACCELERATE_DEEPSPEED = os.path.join(ROOT, "examples", "accelerate_deepspeed.yaml")
 
 
 def _command(nproc: int, launcher: str, script: list[str]) -> list[str]:
     if nproc == 1:
         return [sys.executable, *script]
+    if launcher == "accelerate_deepspeed":  # the DeepSpeed settings from accelerate's config file
+        return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", ACCELERATE_DEEPSPEED,
+                "--num_processes", str(nproc), "--main_process_port", str(_free_port()), *script]
     if launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                 "--master_port", str(_free_port()), *script]
@@ -74,7 +78,7 @@ def _launch(nproc: int, out_dir: str, args: list[str], launcher: str = "accelera
         state = json.load(f)
     engines = re.findall(
         r"\[hf_ring\] rank (\d+): DeepSpeed engine, ZeRO stage (\d+): (\d+)/(\d+) parameters partitioned, "
-        r"this rank holds (\d+) of (\d+) parameter elements", log)
+        r"this rank holds (\d+) of (\d+) parameter elements; train_batch_size (\d+)", log)
     return {
         "state": state,
         "dump": torch.load(dump, weights_only=True),
@@ -120,8 +124,10 @@ def _assert_deepspeed(run: dict, nproc: int, stage: int) -> None:
     """Every rank ran a DeepSpeed engine at ``stage``; ZeRO-3 partitions every parameter
     over all ``nproc`` processes; no C++ op was built."""
     assert sorted(run["engines"]) == list(range(nproc)), run["log"][-3000:]
-    for rank, (got_stage, partitioned, params, local, total) in run["engines"].items():
+    for rank, (got_stage, partitioned, params, local, total, batch) in run["engines"].items():
         assert got_stage == stage, (rank, got_stage)
+        # 4 examples per optimizer step in every configuration: DeepSpeed counts dp ranks only.
+        assert batch == 4, (rank, batch)
         if stage == 3:
             assert partitioned == params > 0
             # Each rank holds its 1/nproc share (each parameter padded to a multiple of nproc).
@@ -163,9 +169,7 @@ def test_zero_same_as_one_process(runs, name, nproc, stage):
     _assert_same_run(got, ref, name)
     _assert_same_tensors(got["dump"]["params"], ref["dump"]["params"], name, "initial weights")
     _assert_same_tensors(got["dump"]["grads"], ref["dump"]["grads"], name, "gradient")
-    # DeepSpeed's batch bookkeeping and the Trainer's count data-parallel ranks only.
-    dp = nproc // 2
-    assert got["state"]["train_batch_size"] == ref["state"]["train_batch_size"] // dp
+    # The Trainer's epoch bookkeeping counts data-parallel ranks only.
     assert [e["epoch"] for e in got["state"]["log_history"] if "loss" in e] == pytest.approx(
         [e["epoch"] for e in ref["state"]["log_history"] if "loss" in e])
 
@@ -173,9 +177,44 @@ def test_zero_same_as_one_process(runs, name, nproc, stage):
 def test_zero3_resume_from_checkpoint(runs, tmp_path):
     full = runs("zero3_cp2")
     checkpoint = os.path.join(full["output_dir"], "checkpoint-4")
+    # Launched from accelerate's DeepSpeed config file (ZeRO-3 from examples/ds_zero3.json).
     resumed = _launch(2, str(tmp_path / "resumed"), [
-        "--deepspeed", ZERO3, "--cp_size", "2", "--per_device_train_batch_size", "2",
-        "--resume_from_checkpoint", checkpoint,
-    ], launcher="accelerate")
+        "--cp_size", "2", "--per_device_train_batch_size", "2", "--resume_from_checkpoint", checkpoint,
+    ], launcher="accelerate_deepspeed")
     _assert_deepspeed(resumed, 2, 3)
     _assert_same_run(resumed, full, "zero3_cp2 resumed at step 4", steps=STEPS - 4)
+
+
+def test_zero3_checkpoint_loads_into_one_process_model(runs):
+    """The step-4 checkpoint of the ZeRO-3 cp 2 run holds the whole weights
+    (stage3_gather_16bit_weights_on_model_save; float32 here, as trained): loaded into a plain
+    model in this one process, its eval loss is the run's eval loss at step 4."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_ring.hf.collator import RingDataCollator
+    from hf_ring.hf.loss import count_valid_tokens, token_loss_sum
+
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    from long_context_data import ByteTokenizer, passkey_dataset
+
+    run = runs("zero3_cp2")
+    checkpoint = os.path.join(run["output_dir"], "checkpoint-4")
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="sdpa", dtype=torch.float32)
+    assert sum(p.numel() for p in model.parameters()) == run["engines"][0][4]  # every element, none partitioned
+    tokenizer = ByteTokenizer()
+    args = dict(zip(COMMON[::2], COMMON[1::2]))
+    # The example's eval set: --num_eval_examples examples, seed + 1.
+    eval_set = passkey_dataset(tokenizer, int(args["--num_eval_examples"]), int(args["--seq_len"]),
+                               seed=int(args["--seed"]) + 1)
+    collate = RingDataCollator(tokenizer.pad_token_id, cp_size=1)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for example in eval_set:  # per_device_eval_batch_size 1, as the run
+            batch = collate([example])
+            logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+            total += float(token_loss_sum(logits, batch["shift_labels"]))
+            count += int(count_valid_tokens(batch["shift_labels"]))
+    logged = _by_step(run["state"], "eval_loss")[4]
+    print(f"zero3_cp2 checkpoint-4 in one process: eval loss {total / count} vs logged {logged}, "
+          f"relative |difference| {abs(total / count - logged) / logged:.2e}")
+    assert abs(total / count - logged) <= REL_TOL * logged

@@ -202,6 +202,7 @@ class EngineSummary:
         local_elements: parameter elements this rank holds (its ZeRO-3 shards, or whole
             parameters below stage 3).
         total_elements: parameter elements of the whole model.
+        train_batch_size: the examples per optimizer step DeepSpeed counts.
     """
 
     zero_stage: int
@@ -209,11 +210,13 @@ class EngineSummary:
     parameters: int
     local_elements: int
     total_elements: int
+    train_batch_size: int
 
     def describe(self) -> str:
         return (
             f"DeepSpeed engine, ZeRO stage {self.zero_stage}: {self.partitioned}/{self.parameters} parameters "
-            f"partitioned, this rank holds {self.local_elements} of {self.total_elements} parameter elements"
+            f"partitioned, this rank holds {self.local_elements} of {self.total_elements} parameter elements; "
+            f"train_batch_size {self.train_batch_size}"
         )
 
 
@@ -230,7 +233,10 @@ def check_engine(model: Any, state: ContextParallelState) -> EngineSummary:
             f"DeepSpeed is configured but the model is a {type(model).__name__}, not a DeepSpeed engine: "
             "its weights are not sharded (a silent downgrade)"
         )
-    dp_world = dist.get_world_size(model.optimizer.dp_process_group) if model.zero_optimization() else None
+    from hf_ring.patches import deepspeed as deepspeed_patches
+
+    zero = model.zero_optimization()
+    dp_world = dist.get_world_size(deepspeed_patches.zero_reduction_group(model)) if zero else None
     if dp_world is not None and dp_world != state.world_size:
         raise ValueError(
             f"ZeRO reduces gradients over {dp_world} ranks but the dp x cp world has {state.world_size}: the "
@@ -247,6 +253,7 @@ def check_engine(model: Any, state: ContextParallelState) -> EngineSummary:
         parameters=len(params),
         local_elements=local,
         total_elements=total,
+        train_batch_size=int(model.train_batch_size()),
     )
 
 
