@@ -87,3 +87,18 @@ def test_constructed_whole_is_a_no_op_without_zero3():
     with deepspeed_support.constructed_whole(types.SimpleNamespace(hf_deepspeed_config=None)):
         model = torch.nn.Linear(2, 2)
     assert not hasattr(model.weight, "ds_tensor")
+
+
+def test_every_patch_refuses_an_installed_version_it_does_not_know(monkeypatch):
+    import deepspeed
+
+    monkeypatch.setattr(deepspeed, "__version__", "0.20.0")
+    calls = [
+        lambda: deepspeed_patches.count_data_parallel_ranks(2, 4),
+        deepspeed_patches.skip_cpu_shm_comm_build,
+        lambda: deepspeed_patches.zero3_model_state(object()),
+        lambda: deepspeed_patches.zero_reduction_group(object()),
+    ]
+    for call in calls:
+        with pytest.raises(deepspeed_patches.UnsupportedDeepSpeedVersion, match="0.20.0"):
+            call()
