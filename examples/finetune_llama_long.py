@@ -8,6 +8,8 @@ One process per device; the sequence of every batch is split over ``--cp_size`` 
     accelerate launch --multi_gpu --num_processes 2 examples/finetune_llama_long.py --cp_size 2
     # or with the config beside this file:
     accelerate launch --config_file examples/accelerate_cpu.yaml examples/finetune_llama_long.py --cp_size 2
+    # the same with the weights sharded by DeepSpeed ZeRO-3 (examples/ds_zero2.json: ZeRO-2):
+    torchrun --nproc_per_node 2 examples/finetune_llama_long.py --cp_size 2 --deepspeed examples/ds_zero3.json
     # 8 GPUs, 2 data-parallel x 4 context-parallel, a real checkpoint:
     accelerate launch --config_file examples/accelerate_gpu.yaml examples/finetune_llama_long.py \\
         --cp_size 4 --seq_len 65536 --model_name_or_path /path/to/llama --bf16

@@ -1,27 +1,30 @@
-"""The private internal of DeepSpeed that hf_ring needs: the world its batch arithmetic counts.
+"""The private internals of DeepSpeed that hf_ring relies on, in one place.
 
-DeepSpeed checks ``train_batch_size == micro_batch * gradient_accumulation * world_size``,
-with ``world_size`` every process of the job (when it was handed no model-parallel unit).
-Under hf_ring's context parallelism the ``cp_size`` ranks of a CP group share one batch, so
-the examples per optimizer step are ``micro_batch * gradient_accumulation * dp_size``: a
-``train_batch_size`` that counts data-parallel ranks only fails that check. DeepSpeed has
-no public way to say "these ranks share batches" without engaging its own sequence
-parallelism (an ``mpu``, or ``sequence_parallel_size`` with ``data_parallel_size``), which
-would also change the groups it reduces gradients over; hf_ring wants ZeRO to partition and
-reduce over the whole dp x cp world, exactly as it does without CP.
-
-``count_data_parallel_ranks(cp_size)`` therefore wraps
-``DeepSpeedConfig._configure_train_batch_size`` (the step that fills and checks the batch
-triple, run from ``DeepSpeedConfig.__init__`` right after ``world_size`` is set) so that it
-divides ``world_size`` by ``cp_size`` for the duration of that step only, and only when
-``world_size`` is the whole world (DeepSpeed was given no other data-parallel group). Nothing
-else of DeepSpeed reads that attribute of the config (the engine and ZeRO compute their own
-world from the process groups); it is restored after the step.
+- ``count_data_parallel_ranks``: the world DeepSpeed's batch arithmetic counts. DeepSpeed
+  checks ``train_batch_size == micro_batch * gradient_accumulation * world_size``, with
+  ``world_size`` every process of the job (when it was handed no model-parallel unit).
+  Under hf_ring's context parallelism the ``cp_size`` ranks of a CP group share one batch,
+  so the examples per optimizer step are ``micro_batch * gradient_accumulation * dp_size``,
+  which fails that check. DeepSpeed has no public way to say "these ranks share batches"
+  without engaging its own sequence parallelism (an ``mpu``, or ``sequence_parallel_size``
+  with ``data_parallel_size``), which would also change the groups it reduces gradients
+  over; hf_ring wants ZeRO to partition and reduce over the whole dp x cp world, exactly as
+  without CP. So ``DeepSpeedConfig._configure_train_batch_size`` (the step that fills and
+  checks the batch triple, run from ``DeepSpeedConfig.__init__`` right after ``world_size``
+  is set) is wrapped to divide ``world_size`` by ``cp_size`` for that step only, and only
+  when ``world_size`` is the whole world. Nothing else of DeepSpeed reads that attribute of
+  the config (the engine and ZeRO take their world from the process groups).
+- ``skip_cpu_shm_comm_build``: no C++ op build when DeepSpeed's communication starts on CPU
+  (``deepspeed.ops.__compatible_ops__``).
+- ``zero3_model_state`` / ``zero_reduction_group``: what a ZeRO engine holds and the group
+  it reduces over (attributes of its ZeRO optimizer), for the memory benchmark and for the
+  check that ZeRO reduces over every process.
 
 Written for DeepSpeed 0.19.8: ``DeepSpeedConfig.__init__``, ``_configure_train_batch_size``,
-``_set_batch_related_parameters`` and ``_batch_assertion`` were read there. Other versions are
-refused with an error naming the one this was written for. deepspeed is imported only when
-a function runs.
+``_set_batch_related_parameters``, ``_batch_assertion``, ``comm.torch.TorchBackend``,
+``ops.__init__`` and the stage-1/2 and stage-3 optimizers' constructors were read there.
+Other versions are refused with an error naming the one this was written for. deepspeed is
+imported only when a function runs.
 """
 
 from __future__ import annotations
