@@ -8,6 +8,8 @@ One process per device; the sequence of every batch is split over ``--cp_size`` 
     accelerate launch --multi_gpu --num_processes 2 examples/finetune_llama_long.py --cp_size 2
     # or with the config beside this file:
     accelerate launch --config_file examples/accelerate_cpu.yaml examples/finetune_llama_long.py --cp_size 2
+    # the same with the weights sharded by DeepSpeed ZeRO-3 (examples/ds_zero2.json: ZeRO-2):
+    torchrun --nproc_per_node 2 examples/finetune_llama_long.py --cp_size 2 --deepspeed examples/ds_zero3.json
     # 8 GPUs, 2 data-parallel x 4 context-parallel, a real checkpoint:
     accelerate launch --config_file examples/accelerate_gpu.yaml examples/finetune_llama_long.py \\
         --cp_size 4 --seq_len 65536 --model_name_or_path /path/to/llama --bf16
@@ -33,6 +35,7 @@ from accelerate import PartialState
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, TrainingArguments
 
 import hf_ring
+from hf_ring.hf import deepspeed_support
 from hf_ring.hf.weight_sharding import FSDP_MODES, fsdp_training_arguments
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -71,7 +74,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--fsdp", default=None, choices=list(FSDP_MODES),
                    help="shard the weights with FSDP2: full_shard over every dp x cp process, or "
                         "hybrid_shard (HSDP: shard over the CP group, replicate over dp)")
-    return p.parse_args(argv)
+    p.add_argument("--deepspeed", default=None,
+                   help="a DeepSpeed config (JSON), e.g. examples/ds_zero3.json: ZeRO shards the weights")
+    args = p.parse_args(argv)
+    if args.fsdp and args.deepspeed:
+        p.error("--fsdp and --deepspeed both shard the weights: choose one")
+    return args
 
 
 def training_arguments(args: argparse.Namespace) -> TrainingArguments:
@@ -96,6 +104,7 @@ def training_arguments(args: argparse.Namespace) -> TrainingArguments:
         ddp_find_unused_parameters=False,  # every parameter is used: spare DDP the graph walk
         disable_tqdm=args.disable_tqdm,
         **fsdp_training_arguments(args.fsdp, args.cp_size),
+        deepspeed=args.deepspeed,
     )
 
 
@@ -103,7 +112,8 @@ def _dtype(args: argparse.Namespace) -> torch.dtype:
     return torch.bfloat16 if args.bf16 else torch.float32
 
 
-def build_model(args: argparse.Namespace, tokenizer, attn_implementation: str) -> torch.nn.Module:
+def build_model(args: argparse.Namespace, tokenizer, attn_implementation: str,
+                training_args: TrainingArguments) -> torch.nn.Module:
     if args.model_name_or_path:
         return AutoModelForCausalLM.from_pretrained(
             args.model_name_or_path, attn_implementation=attn_implementation, dtype=_dtype(args)
@@ -122,7 +132,9 @@ def build_model(args: argparse.Namespace, tokenizer, attn_implementation: str) -
         eos_token_id=tokenizer.eos_token_id,
         use_cache=False,
     )
-    return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).to(_dtype(args))
+    # Whole even under ZeRO-3 (partitioned when the Trainer wraps it): the same --seed, the same weights.
+    with deepspeed_support.constructed_whole(training_args):
+        return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).to(_dtype(args))
 
 
 def main(argv: Optional[Sequence[str]] = None, callbacks: Optional[list] = None) -> dict:
@@ -146,7 +158,7 @@ def main(argv: Optional[Sequence[str]] = None, callbacks: Optional[list] = None)
 
     attn = args.attn_implementation or ("ring_flash" if args.cp_size > 1 else "sdpa")
     transformers.set_seed(args.seed)  # the same initial weights on every rank and in every run
-    model = build_model(args, tokenizer, attn)
+    model = build_model(args, tokenizer, attn, training_args)
 
     trainer = hf_ring.RingTrainer(
         model=model,
@@ -159,6 +171,8 @@ def main(argv: Optional[Sequence[str]] = None, callbacks: Optional[list] = None)
     )
     result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     metrics = dict(result.metrics)
+    if getattr(trainer, "deepspeed_engine_summary", None) is not None:
+        print(f"[hf_ring] rank {trainer.args.process_index}: {trainer.deepspeed_engine_summary.describe()}", flush=True)
     evaluated_last_step = args.eval_steps > 0 and trainer.state.global_step % args.eval_steps == 0
     if args.num_eval_examples > 0 and not evaluated_last_step:
         metrics.update(trainer.evaluate())

@@ -21,6 +21,12 @@ if ! "$VENV/bin/python" -c "import hf_ring, pytest, matplotlib" 2>/dev/null; the
   echo "[setup] installing hf_ring[test] (editable)"
   "$VENV/bin/python" -m pip install -q -e ".[test]"
 fi
+if ! "$VENV/bin/python" -c "import deepspeed" 2>/dev/null; then
+  # DeepSpeed ZeRO tests (tests/test_trainer_zero.py); DS_BUILD_OPS=0: no C++ op is prebuilt
+  # (and hf_ring's DeepSpeed path builds none at run time either).
+  echo "[setup] installing deepspeed==0.19.8"
+  DS_BUILD_OPS=0 "$VENV/bin/python" -m pip install -q "deepspeed==0.19.8"
+fi
 "$VENV/bin/python" - <<'PY'
 import torch, transformers, accelerate
 print(f"[setup] torch {torch.__version__}, transformers {transformers.__version__}, accelerate {accelerate.__version__}")

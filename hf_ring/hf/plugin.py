@@ -30,6 +30,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from hf_ring.hf import deepspeed_support
 from hf_ring.hf.collator import RingDataCollator
 from hf_ring.hf.loss import all_reduce_sum
 from hf_ring.patches import accelerate as accelerate_patches
@@ -93,6 +94,8 @@ class RingAttentionPlugin:
             )
         # ring_flash shards in the state's layout; make_collator cuts sequences the same way.
         self._state = setup_context_parallel(self.cp_size, layout=self.layout)
+        # Before the model exists: ZeRO-3 partitions it as it is created, over DeepSpeed's world.
+        deepspeed_support.configure(self._state)
         return self._state
 
     @property

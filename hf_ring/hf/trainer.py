@@ -33,6 +33,7 @@ import torch
 from transformers import Trainer
 
 from hf_ring.hf import weight_sharding
+from hf_ring.hf import deepspeed_support
 from hf_ring.hf.collator import RingDataCollator
 from hf_ring.hf.loss import (
     LossTotals,
@@ -97,6 +98,7 @@ class RingTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self.ring_state = self.ring_plugin.attach(self.accelerator)
         self._check_supported()
+        deepspeed_support.check_trainer(self, self.ring_state)
         # transformers 4.x decides from this whether compute_loss already normalised for
         # gradient accumulation (it does: num_items_in_batch covers the whole step).
         self.model_accepts_loss_kwargs = True
@@ -188,6 +190,8 @@ class RingTrainer(Trainer):
     def _gradient_multiplier(self, model: torch.nn.Module) -> int:
         """The loss multiplier for how ``model`` (wrapped) reduces gradients; checked once,
         before the first forward (FSDP2 parameters are then sharded)."""
+        if self.gradient_reduction is None and getattr(self, "is_deepspeed_enabled", False):
+            self.gradient_reduction = deepspeed_support.gradient_reduction(model, self.ring_state)
         if self.gradient_reduction is None:
             self.gradient_reduction = weight_sharding.gradient_reduction(
                 model, fsdp_requested=weight_sharding.fsdp_requested(self.args, self.accelerator)

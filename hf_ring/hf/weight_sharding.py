@@ -30,12 +30,12 @@ import torch
 import torch.distributed as dist
 from packaging.version import Version
 
-NONE, DDP, FSDP2, HSDP = "none", "ddp", "fsdp2", "hsdp"
+NONE, DDP, FSDP2, HSDP, ZERO = "none", "ddp", "fsdp2", "hsdp", "zero"
 
 
 @dataclass(frozen=True)
 class GradientReduction:
-    """How gradients are reduced: ``kind`` (none, ddp, fsdp2 full shard, hsdp) over
+    """How gradients are reduced: ``kind`` (none, ddp, fsdp2 full shard, hsdp, DeepSpeed zero) over
     ``group_size`` processes, the mesh's shape for FSDP2 (``(world,)`` or ``(replicate, shard)``)."""
 
     kind: str
@@ -43,7 +43,7 @@ class GradientReduction:
     mesh_shape: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.kind not in (NONE, DDP, FSDP2, HSDP):
+        if self.kind not in (NONE, DDP, FSDP2, HSDP, ZERO):
             raise ValueError(f"unknown gradient reduction kind {self.kind!r}")
         if self.group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {self.group_size}")
@@ -55,7 +55,7 @@ class GradientReduction:
 
     @property
     def shards_weights(self) -> bool:
-        return self.kind in (FSDP2, HSDP)
+        return self.kind in (FSDP2, HSDP, ZERO)
 
     def describe(self) -> str:
         if self.kind == NONE:
