@@ -35,8 +35,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from long_context_data import ByteTokenizer, passkey_dataset  # noqa: E402
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser(description: Optional[str] = __doc__) -> argparse.ArgumentParser:
+    """The example's flags (the TRL examples add theirs to the same parser)."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cp_size", type=int, default=1, help="processes per context-parallel group")
     p.add_argument("--layout", default="zigzag", choices=["zigzag", "stripe", "contiguous"],
                    help="how each sequence is split over a CP group (packing needs zigzag)")
@@ -64,7 +65,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--bf16", action="store_true",
                    help="weights and compute in bfloat16 (no float32 master copy, no autocast)")
     p.add_argument("--disable_tqdm", action="store_true")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def training_arguments(args: argparse.Namespace) -> TrainingArguments:
@@ -117,14 +122,25 @@ def build_model(args: argparse.Namespace, tokenizer, attn_implementation: str) -
     return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).to(_dtype(args))
 
 
-def main(argv: Optional[Sequence[str]] = None) -> dict:
-    args = parse_args(argv)
+def share_cores() -> None:
+    """On CPU, give each of this machine's processes its share of the cores."""
     if not torch.cuda.is_available():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-    training_args = training_arguments(args)  # initialises the process group (gloo on CPU, NCCL on GPU)
+
+
+def start_plugin(args: argparse.Namespace) -> hf_ring.RingAttentionPlugin:
+    """The plugin with its dp x cp groups built (after the process group is up); prints this rank's place."""
     plugin = hf_ring.RingAttentionPlugin(cp_size=args.cp_size, layout=args.layout)
     state = plugin.setup()
     print(f"[hf_ring] {plugin.describe()} (dp_size {state.dp_size} x cp_size {state.cp_size})", flush=True)
+    return plugin
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict:
+    args = parse_args(argv)
+    share_cores()
+    training_args = training_arguments(args)  # initialises the process group (gloo on CPU, NCCL on GPU)
+    plugin = start_plugin(args)
 
     if args.model_name_or_path:
         tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
@@ -147,6 +163,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         data_collator=plugin.make_collator(pad_token_id=pad_id, packing=args.packing),
         ring_plugin=plugin,
     )
+    return train_and_report(trainer, args)
+
+
+def train_and_report(trainer: hf_ring.RingTrainer, args: argparse.Namespace) -> dict:
+    """Train, evaluate at the end unless the last step just did, write trainer_state.json, shut down."""
     result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     metrics = dict(result.metrics)
     evaluated_last_step = args.eval_steps > 0 and trainer.state.global_step % args.eval_steps == 0

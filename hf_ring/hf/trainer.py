@@ -172,10 +172,18 @@ class RingTrainer(Trainer):
         kwargs, shift_labels = _model_inputs(inputs, getattr(self.model, "config", None))
         outputs = model(**kwargs)
         token_sum = token_loss_sum(outputs.logits, shift_labels)
-        if num_items_in_batch is None:
-            num_items_in_batch = self.ring_plugin.global_token_count(count_valid_tokens(shift_labels))
-        loss = scale_for_ddp(loss_share(token_sum, num_items_in_batch), self.ring_state.world_size)
+        loss = self._loss_for_backward(token_sum, count_valid_tokens(shift_labels), num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
+
+    def _loss_for_backward(
+        self, token_sum: torch.Tensor, count: torch.Tensor, num_items_in_batch: Optional[torch.Tensor]
+    ) -> torch.Tensor:
+        """This rank's share ``token_sum / valid tokens of the world`` (scalars), scaled for DDP.
+        ``num_items_in_batch``: that count for the whole optimizer step; None: this micro-batch's
+        (``count``, this rank's valid tokens, summed over the world: collective)."""
+        if num_items_in_batch is None:
+            num_items_in_batch = self.ring_plugin.global_token_count(count)
+        return scale_for_ddp(loss_share(token_sum, num_items_in_batch), self.ring_state.world_size)
 
     # ---- evaluation ----
 
@@ -197,13 +205,18 @@ class RingTrainer(Trainer):
             outputs = model(**kwargs)
             token_sum = token_loss_sum(outputs.logits, shift_labels)
             count = count_valid_tokens(shift_labels)
-        if self._eval_totals is not None:
-            self._eval_totals.add(token_sum, count)
-        group_totals = all_reduce_sum(torch.stack([token_sum.double(), count.double()]), self.ring_state.cp_group)
-        loss = (group_totals[0] / group_totals[1].clamp(min=1)).float()
+        loss = self._record_eval_batch(token_sum, count)
         if prediction_loss_only:
             return loss, None, None
         return loss, outputs.logits.detach(), shift_labels
+
+    def _record_eval_batch(self, token_sum: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        """Add this rank's ``(token loss sum, valid count)`` (scalars) to the eval totals; return the
+        CP group's token-mean loss of the batch (float32 scalar; collective over the CP group)."""
+        if self._eval_totals is not None:
+            self._eval_totals.add(token_sum, count)
+        group_totals = all_reduce_sum(torch.stack([token_sum.double(), count.double()]), self.ring_state.cp_group)
+        return (group_totals[0] / group_totals[1].clamp(min=1)).float()
 
     def predict(self, *args: Any, **kwargs: Any) -> Any:
         """The stock ``predict`` without context parallelism; refused under it."""
