@@ -113,8 +113,8 @@ class RingSFTTrainer(RingTrainer, SFTTrainer):
         metrics = trl_patches.metrics(self, mode)
         metrics["entropy"].append(entropy / valid if valid > 0 else 0.0)
         metrics["mean_token_accuracy"].append(correct / valid if valid > 0 else 0.0)
-        total = trl_patches.add_train_tokens(self, int(tokens)) if mode == "train" else self._total_train_tokens
-        metrics["num_tokens"] = [total]
+        # TRL logs the running count of training tokens, in eval too.
+        metrics["num_tokens"] = [trl_patches.add_train_tokens(self, int(tokens) if mode == "train" else 0)]
 
     def compute_loss(
         self,
