@@ -10,6 +10,8 @@ one process at cp_size 1 on the same global batches (batch 2 x accumulation 2):
         which hf_ring turns into per-document zigzag packing
     DPO: conversational preference pairs, sigmoid loss, a reference model
 
+(the packed SFT and the DPO CP runs with gradient checkpointing, TRL's default).
+
 Compared: loss, grad_norm, eval_loss and every metric TRL logs (SFT: entropy,
 mean_token_accuracy, num_tokens; DPO: rewards/chosen, rewards/rejected,
 rewards/accuracies, rewards/margins, logps/*, logits/*, entropy, mean_token_accuracy,
@@ -47,6 +49,8 @@ CONFIGS = {
     "sft_packed": ("sft_long.py", ["--dataset_format", "prompt_completion", "--packing"]),
     "dpo": ("dpo_long.py", []),
 }
+# Gradient checkpointing (TRL's default) in the CP run only: it recomputes the ring in the backward.
+CP_ONLY = {"sft_packed": ["--gradient_checkpointing"], "dpo": ["--gradient_checkpointing"]}
 # Figures that measure time or padded work (total_flos counts padding), not training.
 _NOT_COMPARED = ("runtime", "per_second", "total_flos")
 
@@ -91,6 +95,7 @@ def runs(tmp_path_factory):
     def get(name: str, cp_size: int) -> dict:
         if (name, cp_size) not in cache:
             script, args = CONFIGS[name]
+            args = args + (CP_ONLY.get(name, []) if cp_size > 1 else [])
             cache[(name, cp_size)] = _launch(script, cp_size, str(tmp_path_factory.mktemp(f"{name}_cp{cp_size}")), args)
         return cache[(name, cp_size)]
 

@@ -64,8 +64,12 @@ class RingSFTTrainer(RingTrainer, SFTTrainer):
             )
 
     def _ring_collator(self, collator: Any) -> Any:
-        if isinstance(collator, (RingSFTCollator, RingDataCollator)):
-            return collator  # RingTrainer checked it shards as this process's state says
+        if isinstance(collator, RingSFTCollator):
+            if not collator.matches(self.ring_state):
+                raise ValueError("the RingSFTCollator shards for another CP rank or layout; leave data_collator unset")
+            return collator
+        if isinstance(collator, RingDataCollator):
+            return RingSFTCollator(collator)  # RingTrainer checked it shards as this process's state says
         if type(collator) is not DataCollatorForLanguageModeling:
             raise ValueError(
                 f"RingSFTTrainer builds its collator from TRL's settings; got data_collator of type "
