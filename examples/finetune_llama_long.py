@@ -42,8 +42,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from long_context_data import ByteTokenizer, passkey_dataset  # noqa: E402
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser(description: Optional[str] = __doc__) -> argparse.ArgumentParser:
+    """The example's flags (the TRL examples add theirs to the same parser)."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cp_size", type=int, default=1, help="processes per context-parallel group")
     p.add_argument("--layout", default="zigzag", choices=["zigzag", "stripe", "contiguous"],
                    help="how each sequence is split over a CP group (packing needs zigzag)")
@@ -76,9 +77,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "hybrid_shard (HSDP: shard over the CP group, replicate over dp)")
     p.add_argument("--deepspeed", default=None,
                    help="a DeepSpeed config (JSON), e.g. examples/ds_zero3.json: ZeRO shards the weights")
-    args = p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: Optional[Sequence[str]] = None, parser: Optional[argparse.ArgumentParser] = None) -> argparse.Namespace:
+    """The flags of ``parser`` (default: :func:`build_parser`), checked together."""
+    parser = parser if parser is not None else build_parser()
+    args = parser.parse_args(argv)
     if args.fsdp and args.deepspeed:
-        p.error("--fsdp and --deepspeed both shard the weights: choose one")
+        parser.error("--fsdp and --deepspeed both shard the weights: choose one")
     return args
 
 
@@ -137,15 +144,26 @@ def build_model(args: argparse.Namespace, tokenizer, attn_implementation: str,
         return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).to(_dtype(args))
 
 
-def main(argv: Optional[Sequence[str]] = None, callbacks: Optional[list] = None) -> dict:
-    """Train and evaluate; ``callbacks`` (TrainerCallback) join the Trainer's."""
-    args = parse_args(argv)
+def share_cores() -> None:
+    """On CPU, give each of this machine's processes its share of the cores."""
     if not torch.cuda.is_available():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-    training_args = training_arguments(args)  # initialises the process group (gloo on CPU, NCCL on GPU)
+
+
+def start_plugin(args: argparse.Namespace) -> hf_ring.RingAttentionPlugin:
+    """The plugin with its dp x cp groups built (after the process group is up); prints this rank's place."""
     plugin = hf_ring.RingAttentionPlugin(cp_size=args.cp_size, layout=args.layout)
     state = plugin.setup()
     print(f"[hf_ring] {plugin.describe()} (dp_size {state.dp_size} x cp_size {state.cp_size})", flush=True)
+    return plugin
+
+
+def main(argv: Optional[Sequence[str]] = None, callbacks: Optional[list] = None) -> dict:
+    """Train and evaluate; ``callbacks`` (TrainerCallback) join the Trainer's."""
+    args = parse_args(argv)
+    share_cores()
+    training_args = training_arguments(args)  # initialises the process group (gloo on CPU, NCCL on GPU)
+    plugin = start_plugin(args)
 
     if args.model_name_or_path:
         tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
@@ -169,6 +187,11 @@ def main(argv: Optional[Sequence[str]] = None, callbacks: Optional[list] = None)
         ring_plugin=plugin,
         callbacks=callbacks,
     )
+    return train_and_report(trainer, args)
+
+
+def train_and_report(trainer: hf_ring.RingTrainer, args: argparse.Namespace) -> dict:
+    """Train, evaluate at the end unless the last step just did, write trainer_state.json, shut down."""
     result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     metrics = dict(result.metrics)
     if getattr(trainer, "deepspeed_engine_summary", None) is not None:

@@ -17,9 +17,9 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   echo "[setup] installing torch==2.13.0"
   "$VENV/bin/python" -m pip install -q "torch==2.13.0"
 fi
-if ! "$VENV/bin/python" -c "import hf_ring, pytest, matplotlib" 2>/dev/null; then
-  echo "[setup] installing hf_ring[test] (editable)"
-  "$VENV/bin/python" -m pip install -q -e ".[test]"
+if ! "$VENV/bin/python" -c "import hf_ring, pytest, matplotlib, trl" 2>/dev/null; then
+  echo "[setup] installing hf_ring[test,trl] (editable)"
+  "$VENV/bin/python" -m pip install -q -e ".[test,trl]"
 fi
 if ! "$VENV/bin/python" -c "import deepspeed" 2>/dev/null; then
   # DeepSpeed ZeRO tests (tests/test_trainer_zero.py); DS_BUILD_OPS=0: no C++ op is prebuilt

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Optional
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -37,6 +39,23 @@ from hf_ring.ring.groups import get_context_parallel_state
 _GUARDED_MODEL = "_hf_ring_guarded_model"
 _GUARDED_LAYER = "_hf_ring_guarded_layer"
 _GUARDED_LOSS = "_hf_ring_guarded_loss"
+# Set while a caller that reads only per-token outputs passes labels (see per_token_labels).
+_PER_TOKEN_LABELS: ContextVar[bool] = ContextVar("hf_ring_per_token_labels", default=False)
+
+
+@contextmanager
+def per_token_labels() -> Iterator[None]:
+    """Accept ``labels`` / ``shift_labels`` under CP inside this block.
+
+    For callers that read only per-token outputs computed from them (TRL's fused LM head:
+    the log-probability of each token's label, sharded like the tokens) and never the
+    model's own ``loss``, which would be a mean over this rank's shard (``hf_ring.trl``).
+    """
+    token = _PER_TOKEN_LABELS.set(True)
+    try:
+        yield
+    finally:
+        _PER_TOKEN_LABELS.reset(token)
 
 
 def _is_attention_module(module: nn.Module) -> bool:
@@ -163,7 +182,7 @@ def _check_head_under_cp(model: nn.Module, args: tuple, kwargs: dict) -> None:
     except TypeError:
         return None  # arguments the forward does not take: let it raise its own error
     given = [name for name in ("labels", "shift_labels") if inputs.get(name) is not None]
-    if given:
+    if given and not _PER_TOKEN_LABELS.get():
         raise ValueError(
             f"{type(model).__name__} got {' and '.join(given)} under context parallelism "
             f"(cp_size={state.cp_size}): the loss it would compute is a mean over this rank's shard "

@@ -177,19 +177,22 @@ class RingTrainer(Trainer):
     ) -> Any:
         """This rank's share of the token-mean loss, scaled for DDP's average over processes."""
         kwargs, shift_labels = _model_inputs(inputs, getattr(self.model, "config", None))
-        # Without gradients (a subclass evaluating through compute_loss) no wrapper reduces
-        # anything; every multiplier that gradient_reduction accepts equals the world size.
-        multiplier = self._gradient_multiplier(model) if torch.is_grad_enabled() else self.ring_state.world_size
+        multiplier = self._loss_multiplier(model)
         outputs = model(**kwargs)
         token_sum = token_loss_sum(outputs.logits, shift_labels)
-        if num_items_in_batch is None:
-            num_items_in_batch = self.ring_plugin.global_token_count(count_valid_tokens(shift_labels))
-        loss = scale_for_ddp(loss_share(token_sum, num_items_in_batch), multiplier)
+        loss = self._loss_for_backward(token_sum, count_valid_tokens(shift_labels), num_items_in_batch, multiplier)
         return (loss, outputs) if return_outputs else loss
 
+    def _loss_multiplier(self, model: torch.nn.Module) -> int:
+        """What this rank's loss share is multiplied by: the number of processes the wrapped
+        ``model`` averages gradients over. Call it before the forward (FSDP2's parameters
+        are sharded then). Without gradients (a subclass evaluating through compute_loss) no
+        wrapper reduces anything; every multiplier that gradient_reduction accepts equals the
+        world size."""
+        return self._gradient_multiplier(model) if torch.is_grad_enabled() else self.ring_state.world_size
+
     def _gradient_multiplier(self, model: torch.nn.Module) -> int:
-        """The loss multiplier for how ``model`` (wrapped) reduces gradients; checked once,
-        before the first forward (FSDP2 parameters are then sharded)."""
+        """The loss multiplier for how ``model`` (wrapped) reduces gradients; checked once."""
         if self.gradient_reduction is None and getattr(self, "is_deepspeed_enabled", False):
             self.gradient_reduction = deepspeed_support.gradient_reduction(model, self.ring_state)
         if self.gradient_reduction is None:
@@ -197,6 +200,17 @@ class RingTrainer(Trainer):
                 model, fsdp_requested=weight_sharding.fsdp_requested(self.args, self.accelerator)
             )
         return self.gradient_reduction.multiplier
+
+    def _loss_for_backward(
+        self, token_sum: torch.Tensor, count: torch.Tensor, num_items_in_batch: Optional[torch.Tensor], multiplier: int
+    ) -> torch.Tensor:
+        """This rank's share ``token_sum / valid tokens of the world`` (scalars), times
+        ``multiplier`` (:meth:`_loss_multiplier`). ``num_items_in_batch``: that count for the
+        whole optimizer step; None: this micro-batch's (``count``, this rank's valid tokens,
+        summed over the world: collective)."""
+        if num_items_in_batch is None:
+            num_items_in_batch = self.ring_plugin.global_token_count(count)
+        return scale_for_ddp(loss_share(token_sum, num_items_in_batch), multiplier)
 
     # ---- evaluation ----
 
@@ -218,13 +232,18 @@ class RingTrainer(Trainer):
             outputs = model(**kwargs)
             token_sum = token_loss_sum(outputs.logits, shift_labels)
             count = count_valid_tokens(shift_labels)
-        if self._eval_totals is not None:
-            self._eval_totals.add(token_sum, count)
-        group_totals = all_reduce_sum(torch.stack([token_sum.double(), count.double()]), self.ring_state.cp_group)
-        loss = (group_totals[0] / group_totals[1].clamp(min=1)).float()
+        loss = self._record_eval_batch(token_sum, count)
         if prediction_loss_only:
             return loss, None, None
         return loss, outputs.logits.detach(), shift_labels
+
+    def _record_eval_batch(self, token_sum: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        """Add this rank's ``(token loss sum, valid count)`` (scalars) to the eval totals; return the
+        CP group's token-mean loss of the batch (float32 scalar; collective over the CP group)."""
+        if self._eval_totals is not None:
+            self._eval_totals.add(token_sum, count)
+        group_totals = all_reduce_sum(torch.stack([token_sum.double(), count.double()]), self.ring_state.cp_group)
+        return (group_totals[0] / group_totals[1].clamp(min=1)).float()
 
     def predict(self, *args: Any, **kwargs: Any) -> Any:
         """The stock ``predict`` without context parallelism; refused under it."""

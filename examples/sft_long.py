@@ -1,0 +1,104 @@
+"""Supervised fine-tuning at long context with TRL's SFTTrainer and context parallelism.
+
+    # CPU, 2 processes, one CP group of 2, conversations with assistant-only loss:
+    accelerate launch --config_file examples/accelerate_cpu.yaml examples/sft_long.py --cp_size 2
+    # TRL's best-fit packing, each document zigzag-sharded on its own:
+    accelerate launch --config_file examples/accelerate_cpu.yaml examples/sft_long.py --cp_size 2 --packing
+    # 8 GPUs, 2 data-parallel x 4 context-parallel, a real checkpoint:
+    accelerate launch --config_file examples/accelerate_gpu.yaml examples/sft_long.py \\
+        --cp_size 4 --seq_len 65536 --model_name_or_path /path/to/llama --bf16
+
+Default: a tiny Llama initialised on the spot, a byte-level Hugging Face tokenizer with a
+chat template (examples/trl_data.py) and synthetic passkey-retrieval conversations, so
+nothing is downloaded. TRL prepares the data (chat template, loss masks, packing);
+hf_ring.trl.RingSFTTrainer trains on it with the sequence split over --cp_size processes.
+The fine-tune example's flags apply (see finetune_llama_long.py), plus those below.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Optional, Sequence
+
+import transformers
+from transformers import AutoTokenizer
+from trl import SFTConfig
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from finetune_llama_long import build_model, build_parser, parse_args as parse_shared_args, share_cores, start_plugin, train_and_report  # noqa: E402
+from finetune_llama_long import training_arguments  # noqa: E402
+from trl_data import CHAT_TEMPLATE, FORMATS, chat_tokenizer, sft_dataset  # noqa: E402
+
+from hf_ring.trl import RingSFTTrainer  # noqa: E402
+
+# Room for the chat template's tokens around a --seq_len example.
+TEMPLATE_ROOM = 64
+
+
+def parse_args(argv: Optional[Sequence[str]] = None):
+    p = build_parser(__doc__)
+    p.set_defaults(output_dir="output/sft_long")
+    p.add_argument("--dataset_format", default="messages", choices=FORMATS,
+                   help="messages: conversations, assistant-only loss; prompt_completion: completion-only "
+                        "loss; text: the whole text")
+    p.add_argument("--packing_strategy", default="bfd", choices=["bfd", "bfd_split", "wrapped"],
+                   help="TRL's packing strategy with --packing (bfd: documents kept whole and apart)")
+    p.add_argument("--packed_length", type=int, default=0,
+                   help="with --packing: tokens per packed row (default: room for two examples)")
+    p.add_argument("--gradient_checkpointing", action="store_true")
+    return parse_shared_args(argv, p)
+
+
+def sft_config(args) -> SFTConfig:
+    """The fine-tune example's training arguments as an SFTConfig, plus TRL's data options.
+
+    Each example (at most --seq_len tokens, plus the chat template's) is a row of its own, or
+    with --packing a document that TRL packs with others into rows of --packed_length tokens.
+    """
+    max_length = args.seq_len + TEMPLATE_ROOM
+    if args.packing:
+        max_length = args.packed_length or 2 * max_length
+    settings = training_arguments(args).to_dict()  # initialises the process group
+    settings.update(
+        max_length=max_length,
+        packing=args.packing,
+        packing_strategy=args.packing_strategy,
+        assistant_only_loss=args.dataset_format == "messages",
+        gradient_checkpointing=args.gradient_checkpointing,
+        dataset_num_proc=None,
+    )
+    return SFTConfig(**settings)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict:
+    args = parse_args(argv)
+    share_cores()
+    config = sft_config(args)
+    plugin = start_plugin(args)
+
+    if args.model_name_or_path:
+        tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
+        tokenizer.chat_template = tokenizer.chat_template or CHAT_TEMPLATE
+    else:
+        tokenizer = chat_tokenizer()
+    train_set = sft_dataset(args.dataset_format, args.num_train_examples, args.seq_len, seed=args.seed)
+    eval_set = sft_dataset(args.dataset_format, args.num_eval_examples, args.seq_len, seed=args.seed + 1)
+
+    attn = args.attn_implementation or ("ring_flash" if args.cp_size > 1 else "sdpa")
+    transformers.set_seed(args.seed)  # the same initial weights on every rank and in every run
+    model = build_model(args, tokenizer, attn, config)
+
+    trainer = RingSFTTrainer(
+        model=model,
+        args=config,
+        train_dataset=train_set,
+        eval_dataset=eval_set if args.num_eval_examples > 0 else None,
+        processing_class=tokenizer,
+        ring_plugin=plugin,
+    )
+    return train_and_report(trainer, args)
+
+
+if __name__ == "__main__":
+    main()

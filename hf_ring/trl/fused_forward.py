@@ -1,0 +1,151 @@
+"""TRL's fused-LM-head forward on whole sequences, run as a ring over the CP group.
+
+TRL's preference trainers call ``model(input_ids, attention_mask, labels=...,
+fused_lm_head=True)`` on whole, right-padded rows and get per-token fields back
+(``log_probs``, ``entropy``, ``is_top1``, ...; shape ``(batch, seq - 1)``), which they sum
+per sequence into log-probabilities and turn into the loss and every metric. A sequence's
+log-probability is a sum over *all* of its tokens, which under context parallelism live
+on ``cp_size`` ranks, and the loss is a nonlinear function of it: a per-rank loss would
+be wrong, not just scaled.
+
+:class:`RingFusedForward` stands in for the model in that call: it pads the rows to what
+the layout needs, shifts the labels on the full row, keeps this rank's shard (with global
+position ids), runs the model's fused head on it (the ring attends over the whole CP
+group), then all-gathers every per-token field back into whole rows. TRL's own loss and
+metric code then runs, unchanged, on exactly the tensors it sees without CP, and every
+rank of a CP group computes the same loss.
+
+Gradients: the gathered ``log_probs`` is differentiable. Its backward sums each rank's
+gradient of the full row over the CP group and keeps this rank's shard: every rank's
+parameters then receive ``cp_size`` times their share, which DDP's average over all
+``dp_size * cp_size`` processes turns into exactly the gradient of a run without CP, and
+the loss each rank returns (and the Trainer logs) is the true per-batch loss.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from hf_ring.hf.guard import per_token_labels
+from hf_ring.ring.groups import ContextParallelState
+from hf_ring.sharding import required_multiple, shard_sequence, unshard_sequence
+
+IGNORE_INDEX = -100
+# What TRL's preference trainers pass; anything else (pixel values, router logits) is refused under CP.
+_ACCEPTED = frozenset({"input_ids", "attention_mask", "labels", "fused_lm_head", "use_cache"})
+_PER_TOKEN_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")
+
+
+def _gather_rows(local: torch.Tensor, state: ContextParallelState) -> torch.Tensor:
+    """Every rank's shard ``(batch, local_seq)`` back into whole rows ``(batch, seq)``."""
+    dtype = local.dtype
+    send = local.to(torch.int32) if dtype == torch.bool else local
+    pieces = [torch.empty_like(send) for _ in range(state.cp_size)]
+    dist.all_gather(pieces, send.contiguous(), group=state.cp_group)
+    return unshard_sequence(pieces, dim=1, layout=state.layout).to(dtype)
+
+
+class _GatherRows(torch.autograd.Function):
+    """All-gather of sequence shards; backward: the CP group's summed gradient, this rank's shard."""
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, state: ContextParallelState) -> torch.Tensor:
+        ctx.state = state
+        return _gather_rows(local, state)
+
+    @staticmethod
+    def backward(ctx: Any, grad_rows: torch.Tensor) -> tuple[torch.Tensor, None]:
+        state = ctx.state
+        total = grad_rows.contiguous().clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=state.cp_group)
+        return shard_sequence(total, state.cp_size, state.cp_rank, dim=1, layout=state.layout), None
+
+
+def gather_rows(local: torch.Tensor, state: ContextParallelState) -> torch.Tensor:
+    """Whole rows from this rank's shard ``(batch, local_seq)`` (any dtype); differentiable in
+    ``local`` when it requires grad (see the module docstring for the backward)."""
+    if local.requires_grad:
+        return _GatherRows.apply(local, state)
+    return _gather_rows(local, state)
+
+
+def _check_right_padded(attention_mask: torch.Tensor) -> None:
+    lengths = attention_mask.long().sum(dim=1, keepdim=True)
+    expected = torch.arange(attention_mask.shape[1], device=attention_mask.device) < lengths
+    if not torch.equal(attention_mask.bool(), expected):
+        raise ValueError(
+            "under context parallelism the rows must be right-padded (attention_mask ones, then zeros); "
+            "TRL's DataCollatorForPreference pads on the right: keep it"
+        )
+
+
+class RingFusedForward:
+    """Calls ``model`` like TRL does, but on this rank's shard of every row (see the module docstring).
+
+    Args:
+        model: the (possibly DDP-wrapped) causal LM that TRL gave a fused LM head
+            (``trl.trainer.utils.add_fused_lm_head``), loaded with ``attn_implementation="ring_flash"``.
+        state: the context-parallel state (group, rank, size, layout).
+        pad_token_id: id written into the padding this wrapper adds (never attended to, never learned).
+    """
+
+    def __init__(self, model: Any, state: ContextParallelState, pad_token_id: int = 0):
+        self.model = model
+        self.state = state
+        self.pad_token_id = pad_token_id
+
+    def __call__(
+        self,
+        *args: Any,
+        input_ids: Optional[torch.Tensor] = None,
+        labels: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        fused_lm_head: bool = False,
+        **kwargs: Any,
+    ) -> Any:
+        """``input_ids`` and ``labels``: int64 ``(batch, seq)``, labels ``-100`` where nothing is
+        scored; ``attention_mask`` ``(batch, seq)`` right padding. Returns TRL's
+        ``FusedCausalLMOutput`` with per-token fields ``(batch, seq - 1)``, ``loss`` None."""
+        from trl.trainer.utils import FusedCausalLMOutput
+
+        unknown = sorted(set(kwargs) - _ACCEPTED)
+        if args or unknown or not fused_lm_head or input_ids is None or labels is None:
+            raise NotImplementedError(
+                "under context parallelism hf_ring.trl runs the model only as TRL's preference loss does: "
+                "model(input_ids=..., attention_mask=..., labels=..., fused_lm_head=True); got "
+                f"{len(args)} positional arguments, fused_lm_head={fused_lm_head}, other arguments {unknown} "
+                "(multimodal inputs and MoE router losses are not supported under CP)"
+            )
+        if attention_mask is not None:
+            _check_right_padded(attention_mask)
+        state = self.state
+        batch, seq = input_ids.shape
+        multiple = required_multiple(state.cp_size, state.layout)
+        padded = -(-seq // multiple) * multiple
+        ids = input_ids.new_full((batch, padded), self.pad_token_id)
+        ids[:, :seq] = input_ids
+        # Labels shifted on the whole row: position t scores token t + 1, which may sit on another rank.
+        shift_labels = labels.new_full((batch, padded), IGNORE_INDEX)
+        shift_labels[:, : seq - 1] = labels[:, 1:]
+        positions = torch.arange(padded, device=input_ids.device).expand(batch, padded)
+
+        def shard(t: torch.Tensor) -> torch.Tensor:
+            return shard_sequence(t, state.cp_size, state.cp_rank, dim=1, layout=state.layout)
+
+        with per_token_labels():  # only the per-token fields are read, never out.loss
+            out = self.model(
+                input_ids=shard(ids),
+                position_ids=shard(positions),
+                shift_labels=shard(shift_labels),
+                fused_lm_head=True,
+                use_cache=False,
+            )
+        fields = {}
+        for name in _PER_TOKEN_FIELDS:
+            local = getattr(out, name, None)
+            if local is not None:
+                fields[name] = gather_rows(local, state)[:, : seq - 1]
+        return FusedCausalLMOutput(loss=None, **fields)

@@ -1,0 +1,157 @@
+"""``RingSFTTrainer``: TRL's ``SFTTrainer`` with context parallelism.
+
+TRL prepares the data (chat templates, completion-only and assistant-only loss masks,
+packing) exactly as it does without CP; :class:`~hf_ring.trl.sft_collator.RingSFTCollator`
+collates it from TRL's own settings into this rank's shard; :class:`~hf_ring.RingTrainer`
+brings the dp x cp groups, the data-parallel sharding of batches, the token-mean loss
+over the whole dp x cp world and the exact eval loss. The loss is computed with TRL's
+fused LM head (no ``(tokens, vocab)`` logits), fed the collator's ``shift_labels``, and
+TRL's metrics (``entropy``, ``mean_token_accuracy``, ``num_tokens``) are summed over every
+rank, so they too are those of a run without CP.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from trl import SFTTrainer
+from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+from hf_ring.hf.collator import RingDataCollator
+from hf_ring.hf.guard import per_token_labels
+from hf_ring.hf.loss import all_reduce_sum, count_valid_tokens
+from hf_ring.hf.plugin import RingAttentionPlugin
+from hf_ring.hf.trainer import RingTrainer, _model_inputs
+from hf_ring.patches import transformers as transformers_patches
+from hf_ring.patches import trl as trl_patches
+from hf_ring.trl.sft_collator import NUM_TOKENS_KEY, RingSFTCollator
+
+
+class RingSFTTrainer(RingTrainer, SFTTrainer):
+    """``trl.SFTTrainer`` for context-parallel training.
+
+    Args:
+        ring_plugin: the :class:`~hf_ring.RingAttentionPlugin` (``cp_size``, layout); default
+            ``cp_size=1``.
+        *args, **kwargs: as for ``trl.SFTTrainer``. Leave ``data_collator`` unset: the
+            collator is built from TRL's settings (``padding_free``, ``packing`` and
+            ``packing_strategy``, ``pad_to_multiple_of``); padding-free batches (TRL's
+            best-fit packing) become hf_ring's per-document zigzag packing.
+
+    Refused (besides what :class:`~hf_ring.RingTrainer` refuses): a data collator other than
+    TRL's language-modeling one or hf_ring's, vision datasets, an MoE router auxiliary loss,
+    Accelerate's sequence parallelism.
+    """
+
+    def __init__(self, *args: Any, ring_plugin: Optional[RingAttentionPlugin] = None, **kwargs: Any):
+        trl_patches.check_version()
+        super().__init__(*args, ring_plugin=ring_plugin, **kwargs)
+        self.data_collator = self._ring_collator(self.data_collator)
+
+    def _check_supported(self) -> None:
+        super()._check_supported()
+        if self.aux_loss_enabled:
+            raise NotImplementedError(
+                "RingSFTTrainer does not compute the MoE router auxiliary loss; set router_aux_loss_coef=0.0 "
+                "in the SFTConfig"
+            )
+        parallelism = getattr(self.accelerator, "parallelism_config", None)
+        if parallelism is not None and getattr(parallelism, "sp_enabled", False):
+            raise ValueError(
+                "Accelerate's sequence parallelism splits sequences its own way; RingSFTTrainer brings context "
+                "parallelism: leave parallelism_config's sp_size at 1 and give the CP size to RingAttentionPlugin"
+            )
+
+    def _ring_collator(self, collator: Any) -> Any:
+        if isinstance(collator, RingSFTCollator):
+            if not collator.matches(self.ring_state):
+                raise ValueError("the RingSFTCollator shards for another CP rank or layout; leave data_collator unset")
+            return collator
+        if isinstance(collator, RingDataCollator):
+            return RingSFTCollator(collator)  # RingTrainer checked it shards as this process's state says
+        if type(collator) is not DataCollatorForLanguageModeling:
+            raise ValueError(
+                f"RingSFTTrainer builds its collator from TRL's settings; got data_collator of type "
+                f"{type(collator).__name__}. Leave data_collator unset (vision datasets are not supported), "
+                "or pass ring_plugin.make_collator(...)"
+            )
+        return RingSFTCollator.for_trl(
+            self.ring_state,
+            pad_token_id=collator.pad_token_id,
+            padding_free=collator.padding_free,
+            pad_to_multiple_of=collator.pad_to_multiple_of,
+        )
+
+    # ---- the loss and TRL's metrics ----
+
+    def _token_losses(self, model: torch.nn.Module, inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """Sum of this rank's token losses (float32 scalar), its valid-token count and the fused outputs."""
+        inputs = dict(inputs)
+        num_tokens = int(inputs.pop(NUM_TOKENS_KEY, 0))
+        kwargs, shift_labels = _model_inputs(inputs, getattr(self.model, "config", None))
+        with per_token_labels():  # only the per-token log_probs are read, never outputs.loss
+            outputs = model(**kwargs, shift_labels=shift_labels, fused_lm_head=True)
+        log_probs = outputs.log_probs.float()  # zero where the label is -100
+        per_token = -log_probs
+        if self.args.loss_type == "dft":  # https://huggingface.co/papers/2508.05629: weighted by p (no gradient)
+            per_token = per_token * log_probs.exp().detach()
+        count = count_valid_tokens(shift_labels)
+        self._record_metrics(outputs, count, num_tokens)
+        return per_token.sum(), count, outputs
+
+    def _record_metrics(self, outputs: Any, count: torch.Tensor, num_tokens: int) -> None:
+        """TRL's entropy, token accuracy and token count, summed over every rank (collective)."""
+        mode = "train" if self.model.training else "eval"
+        # Every rank of a CP group holds the same batch's count: only CP rank 0 adds it.
+        tokens = num_tokens if self.ring_state.cp_rank == 0 else 0
+        local = torch.stack(
+            [
+                outputs.entropy.detach().double().sum(),
+                outputs.is_top1.double().sum(),
+                count.double(),
+                torch.tensor(float(tokens), dtype=torch.float64, device=count.device),
+            ]
+        )
+        entropy, correct, valid, tokens = all_reduce_sum(local).tolist()
+        metrics = trl_patches.metrics(self, mode)
+        metrics["entropy"].append(entropy / valid if valid > 0 else 0.0)
+        metrics["mean_token_accuracy"].append(correct / valid if valid > 0 else 0.0)
+        # TRL logs the running count of training tokens, in eval too.
+        metrics["num_tokens"] = [trl_patches.add_train_tokens(self, int(tokens) if mode == "train" else 0)]
+
+    def compute_loss(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: Optional[torch.Tensor] = None,
+    ) -> Any:
+        """This rank's share of the token-mean loss over the whole dp x cp world, scaled for DDP."""
+        multiplier = self._loss_multiplier(model)
+        token_sum, count, outputs = self._token_losses(model, inputs)
+        loss = self._loss_for_backward(token_sum, count, num_items_in_batch, multiplier)
+        return (loss, outputs) if return_outputs else loss
+
+    def prediction_step(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, Any],
+        prediction_loss_only: bool,
+        ignore_keys: Optional[list[str]] = None,
+    ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """The CP group's token-mean loss of the batch; adds this rank's totals for eval_loss.
+
+        Logits (a second forward, as TRL does) only when ``prediction_loss_only`` is False, which
+        ``RingTrainer`` allows only without CP (``compute_metrics`` is refused under it).
+        """
+        inputs = transformers_patches.prepare_inputs(self, inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            token_sum, count, _ = self._token_losses(model, inputs)
+        loss = self._record_eval_batch(token_sum, count)
+        if prediction_loss_only:
+            return loss, None, None
+        kwargs, shift_labels = _model_inputs({k: v for k, v in inputs.items() if k != NUM_TOKENS_KEY}, self.model.config)
+        with torch.no_grad():
+            logits = model(**kwargs).logits.detach()
+        return loss, logits, shift_labels

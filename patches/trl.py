@@ -1,0 +1,98 @@
+"""The private internals of TRL that ``hf_ring.trl`` relies on.
+
+``RingSFTTrainer`` computes its loss itself (each rank's share of the token mean over the
+whole dp x cp world), so it also keeps the metrics TRL's own ``compute_loss`` would have
+logged; and ``RingDPOTrainer`` gives every rank of a CP group the same whole batch, so
+TRL's token count, gathered over all processes, repeats each token once per CP rank.
+TRL keeps both in private attributes, read and written only here:
+
+- ``metrics(trainer)``: ``SFTTrainer._metrics`` / ``DPOTrainer._metrics``, the per-mode
+  lists that ``log`` averages (``{"train": defaultdict(list), "eval": ...}``);
+- ``add_train_tokens(trainer, n)``: ``_total_train_tokens``, the running token count
+  logged as ``num_tokens``;
+- ``set_batch_replicas(trainer, n)``: ``_tp_size``, the number of processes that share
+  one batch (TRL's name is for tensor parallelism; DPO divides its token count by it).
+
+Written for TRL 1.16.0 (the source of ``SFTTrainer`` and ``DPOTrainer`` was read for
+it); any other version is refused with an error naming the supported ones. Each accessor
+also checks the attribute has the shape it was written for.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import defaultdict
+from typing import Any, Optional
+
+from packaging.version import Version
+
+WRITTEN_FOR = ("1.16.0",)
+_SUPPORTED = tuple(Version(v) for v in WRITTEN_FOR)
+_INSTALL_HINT = 'pip install "hf_ring[trl]" (trl==1.16.0)'
+
+
+class UnsupportedTRLVersion(RuntimeError):
+    """The installed TRL is one this module does not know the internals of."""
+
+
+@functools.lru_cache(maxsize=None)
+def _check_known(version: str) -> str:
+    if Version(version) not in _SUPPORTED:
+        raise UnsupportedTRLVersion(
+            f"hf_ring.trl was written for TRL {', '.join(WRITTEN_FOR)} and does not know TRL {version}; "
+            f"install a supported release: `{_INSTALL_HINT}`"
+        )
+    return version
+
+
+def check_version(version: Optional[str] = None) -> str:
+    """``version`` (default: the installed TRL's) when this module was written for it.
+
+    Raises:
+        UnsupportedTRLVersion: any version other than those in ``WRITTEN_FOR``.
+    """
+    if version is None:
+        import trl
+
+        version = trl.__version__
+    return _check_known(version)
+
+
+def _fail(what: str) -> UnsupportedTRLVersion:
+    return UnsupportedTRLVersion(
+        f"cannot use this TRL: {what}. hf_ring.trl was written for TRL {', '.join(WRITTEN_FOR)}; "
+        f"install one of those (`{_INSTALL_HINT}`)"
+    )
+
+
+def metrics(trainer: Any, mode: str) -> defaultdict:
+    """The list-of-values dict TRL's ``log`` averages for ``mode`` ("train" or "eval")."""
+    check_version()
+    table = getattr(trainer, "_metrics", None)
+    if not isinstance(table, dict) or not isinstance(table.get(mode), defaultdict):
+        raise _fail(f"{type(trainer).__name__}._metrics is not {{'train': defaultdict, 'eval': defaultdict}}")
+    return table[mode]
+
+
+def add_train_tokens(trainer: Any, count: int) -> int:
+    """Add ``count`` to TRL's running token count; return the new total."""
+    check_version()
+    total = getattr(trainer, "_total_train_tokens", None)
+    if not isinstance(total, int):
+        raise _fail(f"{type(trainer).__name__}._total_train_tokens is {total!r}, not an int")
+    trainer._total_train_tokens = total + int(count)
+    return trainer._total_train_tokens
+
+
+def set_batch_replicas(trainer: Any, replicas: int) -> None:
+    """Tell TRL that ``replicas`` processes share each batch (its token count divides by it)."""
+    check_version()
+    current = getattr(trainer, "_tp_size", None)
+    if not isinstance(current, int):
+        raise _fail(f"{type(trainer).__name__}._tp_size is {current!r}, not an int")
+    if current != 1 and replicas != 1:
+        raise ValueError(
+            f"tensor parallelism (tp_size={current}) together with context parallelism is not supported; "
+            "use one of them"
+        )
+    trainer._tp_size = current * replicas
