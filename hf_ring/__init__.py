@@ -15,11 +15,13 @@ from hf_ring.ring import (
     set_context_parallel_state,
     setup_context_parallel,
 )
+from hf_ring.ring.wrap import ContextParallel
 from hf_ring.sharding import shard_sequence, unshard_sequence
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ContextParallel",
     "ContextParallelState",
     "get_context_parallel_state",
     "ring_flash_attn_func",

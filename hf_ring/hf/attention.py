@@ -43,6 +43,7 @@ from hf_ring.hf.forward_context import CONTEXT_KWARG, ForwardContext
 from hf_ring.hf.guard import RING_FLASH, guard_model
 from hf_ring.hf.local_sinks import attention_with_sinks
 from hf_ring.ring.api import ring_attention, ring_flash_attn_varlen_func
+from hf_ring.ring.autocast import one_dtype
 from hf_ring.ring.groups import get_context_parallel_state
 
 # guard_model is re-exported: models loaded with "ring_flash" are guarded automatically,
@@ -193,7 +194,7 @@ def _run_ring(
     with the layer's attention sinks (``s_aux``, ``(heads,)``) if it has them and its
     sliding ``window`` (dense rows; None: none); returns ``(batch, seq_local, heads,
     dim)``. No collective but the ring's transfers."""
-    query, key, value = _autocast_inputs(query, key, value)
+    query, key, value = one_dtype(query, key, value)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     try:
         plan = context.plan(query, scale, window)
@@ -205,24 +206,6 @@ def _run_ring(
         ) from e
     out, _ = ring_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), plan, sinks)
     return out
-
-
-def _autocast_inputs(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One dtype for q, k, v. Under autocast the projections come out in mixed dtypes (q and
-    k in float32 after RoPE, v in the autocast dtype), while a kernel takes one: cast all
-    three to autocast's dtype, as transformers' flash-attention path does."""
-    device_type = query.device.type
-    if torch.is_autocast_enabled(device_type):
-        target = torch.get_autocast_dtype(device_type)
-        return query.to(target), key.to(target), value.to(target)
-    if not query.dtype == key.dtype == value.dtype:
-        raise ValueError(
-            f"ring_flash got q, k, v in {query.dtype}, {key.dtype}, {value.dtype} outside autocast; "
-            "cast the model to one dtype (model.to(dtype)) or train under torch.autocast"
-        )
-    return query, key, value
 
 
 def _packed_attention(
@@ -270,7 +253,7 @@ def _packed_without_context(module, query, key, value, scaling, sliding_window, 
     if cu_k is not None and not torch.equal(cu_k.to(cu_q.device), cu_q):
         raise ValueError("cu_seq_lens_k must equal cu_seq_lens_q: ring_flash computes self-attention")
     _refuse_short_window(module, sliding_window, int((cu_q[1:] - cu_q[:-1]).max()), what)
-    query, key, value = _autocast_inputs(query, key, value)
+    query, key, value = one_dtype(query, key, value)
     # (1, heads, tokens, dim) -> (tokens, heads, dim)
     out = ring_flash_attn_varlen_func(
         query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu_q,
