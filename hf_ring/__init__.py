@@ -9,6 +9,7 @@ import importlib.util
 
 from hf_ring.ring import (
     ContextParallelState,
+    context_parallel_attn_func,
     get_context_parallel_state,
     ring_flash_attn_func,
     ring_flash_attn_varlen_func,
@@ -23,6 +24,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ContextParallel",
     "ContextParallelState",
+    "context_parallel_attn_func",
     "get_context_parallel_state",
     "ring_flash_attn_func",
     "ring_flash_attn_varlen_func",

@@ -1,0 +1,103 @@
+"""``hf_ring.context_parallel_attn_func``: every pattern x feature against float64 attention
+over the full sequence (tests/reference_attention.py's ``feature_attention``), forward
+and gradients of q, k, v and the sinks, on spawned gloo worlds.
+
+One spawned world runs many cases (one function looping over them) to keep the CI time
+small. Inputs are float32; the outputs and gradients must be within 1e-5 (relative, in
+norm) of the float64 reference: float32 accumulation over 16-32 keys of unit-variance
+scores is off by ~1e-7, so 1e-5 leaves room for the merges and still fails on any
+masking, scaling or gradient mistake (those are off by > 1e-2).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_ring
+from distributed import run_world
+from reference_attention import feature_attention, rel_err
+
+B, S, HQ, HK, D = 2, 16, 4, 2, 8
+TOL = 1e-5
+
+
+def _inputs(hk: int = HK, seq: int = S):
+    g = torch.Generator().manual_seed(11)
+    q, dout = (torch.randn(B, seq, HQ, D, generator=g) for _ in range(2))
+    k, v = (torch.randn(B, seq, hk, D, generator=g) for _ in range(2))
+    sinks = torch.randn(HQ, generator=g)
+    return q, k, v, dout, sinks
+
+
+def _attend(rank: int, world: int, case: dict) -> dict:
+    """This rank's shard through the op; out, lse and the local gradients."""
+    q, k, v, dout, sinks = _inputs(case.get("hk", HK), case.get("seq", S))
+    layout = case["layout"]
+    shard = lambda t: hf_ring.shard_sequence(t, world, rank, layout=layout)  # noqa: E731
+    q, k, v = (shard(t).requires_grad_() for t in (q, k, v))
+    sinks = sinks.clone().requires_grad_() if case.get("sinks") else None
+    out, lse = hf_ring.context_parallel_attn_func(
+        q, k, v, pattern=case["pattern"], layout=layout, window=case.get("window"),
+        softcap=case.get("softcap"), sinks=sinks, ulysses_size=case.get("ulysses_size"),
+        backend=case.get("backend", "reference"), return_lse=True,
+    )
+    out.backward(shard(dout))
+    res = {"out": out.detach(), "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    if sinks is not None:
+        res["dsinks"] = sinks.grad
+    return res
+
+
+def _run_cases(rank: int, world: int, cases: list) -> list:
+    return [_attend(rank, world, case) for case in cases]
+
+
+def _check(case: dict, per_rank: list) -> None:
+    q, k, v, dout, sinks = _inputs(case.get("hk", HK), case.get("seq", S))
+    want = feature_attention(q, k, v, dout, window=case.get("window"), softcap=case.get("softcap"),
+                             sinks=sinks if case.get("sinks") else None)
+    join = lambda name, dim: hf_ring.unshard_sequence([r[name] for r in per_rank], dim=dim,  # noqa: E731
+                                                      layout=case["layout"])
+    for name in ("out", "dq", "dk", "dv"):
+        assert rel_err(join(name, 1), want[name]) < TOL, (case, name)
+    assert rel_err(join("lse", 2), want["lse"]) < TOL, (case, "lse")
+    if case.get("sinks"):
+        # Each rank's sinks gradient is its part (its rows / heads); the sum is the whole.
+        assert rel_err(sum(r["dsinks"] for r in per_rank), want["dsinks"]) < TOL, (case, "dsinks")
+
+
+def _cases(pattern: str, layouts=("zigzag", "stripe", "contiguous"), **extra) -> list[dict]:
+    features = [{}, {"window": 5}, {"sinks": True}, {"window": 3, "sinks": True}]
+    cases = [{"pattern": pattern, "layout": layout, **f, **extra} for layout in layouts for f in features]
+    cases.append({"pattern": pattern, "layout": "zigzag", "window": 5, "backend": "torch_cpu_flash", **extra})
+    return cases
+
+
+WORLD2_CASES = _cases("ring")
+
+
+def test_patterns_world_2():
+    results = run_world(2, _run_cases, WORLD2_CASES)
+    for i, case in enumerate(WORLD2_CASES):
+        _check(case, [results[r][i] for r in range(2)])
+
+
+def test_one_process_is_exact_for_every_implemented_pattern():
+    for case in _cases("ring", layouts=("zigzag",)):
+        _check(case, [_attend(0, 1, case)])
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"pattern": "spiral"}, ValueError, "unknown context-parallel pattern 'spiral'"),
+    ({"window": 0}, ValueError, "window must be a positive int"),
+    ({"window": 4, "causal": False}, ValueError, "on top of causal attention"),
+    ({"softcap": -1.0}, ValueError, "softcap must be a positive finite float"),
+    ({"pattern": "hybrid"}, ValueError, "needs ulysses_size"),
+    ({"ulysses_size": 2}, ValueError, "for pattern='hybrid' only"),
+    ({"sinks": torch.zeros(HK)}, ValueError, r"sinks must be a float tensor of shape \(n_heads,\)"),
+])
+def test_bad_arguments_are_refused(kwargs, error, match):
+    q, k, v, _, _ = _inputs()
+    with pytest.raises(error, match=match):
+        hf_ring.context_parallel_attn_func(q, k, v, **kwargs)
