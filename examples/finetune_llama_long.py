@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import logging
 import os
 import sys
 from typing import Optional, Sequence
@@ -27,7 +28,7 @@ from typing import Optional, Sequence
 import torch
 import transformers
 from accelerate import PartialState
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, TrainingArguments
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, TrainingArguments
 
 import hf_ring
 
@@ -40,11 +41,17 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--cp_size", type=int, default=1, help="processes per context-parallel group")
     p.add_argument("--layout", default="zigzag", choices=["zigzag", "stripe", "contiguous"],
                    help="how each sequence is split over a CP group (packing needs zigzag)")
+    p.add_argument("--cp_pattern", default="ring", choices=["ring", "allgather", "ulysses", "hybrid", "auto"],
+                   help="how attention is split across a CP group ('auto': picked per model, logged)")
+    p.add_argument("--ulysses_size", type=int, default=None, help="--cp_pattern hybrid: ranks per Ulysses group")
     p.add_argument("--seq_len", type=int, default=8192, help="longest example, in tokens")
     p.add_argument("--packing", action="store_true", help="pack each batch's examples into one row")
     p.add_argument("--max_steps", type=int, default=60)
     p.add_argument("--output_dir", default="output/finetune_llama_long")
     p.add_argument("--model_name_or_path", default=None, help="a real checkpoint instead of the tiny default model")
+    p.add_argument("--config_name", default=None,
+                   help="a model config (file or folder) to build from scratch instead of the tiny Llama; "
+                        "its vocabulary is set to the byte tokenizer's")
     p.add_argument("--attn_implementation", default=None,
                    help="default: ring_flash when cp_size > 1, else sdpa")
     p.add_argument("--hidden_size", type=int, default=128, help="default model only")
@@ -100,6 +107,13 @@ def build_model(args: argparse.Namespace, tokenizer, attn_implementation: str) -
         return AutoModelForCausalLM.from_pretrained(
             args.model_name_or_path, attn_implementation=attn_implementation, dtype=_dtype(args)
         )
+    if args.config_name:
+        config = AutoConfig.from_pretrained(args.config_name)
+        config.vocab_size = len(tokenizer)
+        config.pad_token_id, config.bos_token_id, config.eos_token_id = (
+            tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id)
+        config.use_cache = False
+        return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).to(_dtype(args))
     heads = max(2, args.hidden_size // 16)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
@@ -122,7 +136,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     if not torch.cuda.is_available():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     training_args = training_arguments(args)  # initialises the process group (gloo on CPU, NCCL on GPU)
-    plugin = hf_ring.RingAttentionPlugin(cp_size=args.cp_size, layout=args.layout)
+    logging.getLogger("hf_ring").setLevel(logging.INFO)  # --cp_pattern auto says what it picked
+    logging.getLogger("hf_ring").addHandler(logging.StreamHandler(sys.stdout))
+    plugin = hf_ring.RingAttentionPlugin(cp_size=args.cp_size, layout=args.layout, pattern=args.cp_pattern,
+                                         ulysses_size=args.ulysses_size)
     state = plugin.setup()
     print(f"[hf_ring] {plugin.describe()} (dp_size {state.dp_size} x cp_size {state.cp_size})", flush=True)
 

@@ -44,7 +44,10 @@ class ForwardContext:
         comm_stats: where the ring adds the time it waited on transfers, or None.
         made_by_guard: set by the guard, the only place that validates a forward's inputs;
             a context passed by hand without it is refused.
-        ran_ring: ids of the attention modules that ran the ring in this forward.
+        ran_ring: ids of the attention modules that ran across the CP group (any
+            pattern) in this forward.
+        choices: ``pattern="auto"``'s choice per kind of attention call in this forward
+            (cp_attention.py).
     """
 
     state: Optional[ContextParallelState]
@@ -52,6 +55,7 @@ class ForwardContext:
     comm_stats: Optional[CommWaitStats] = None
     made_by_guard: bool = False
     ran_ring: set[int] = field(default_factory=set)
+    choices: dict = field(default_factory=dict)
     _plans: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
