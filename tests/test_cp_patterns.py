@@ -68,7 +68,8 @@ def _check(case: dict, per_rank: list) -> None:
 
 
 def _cases(pattern: str, layouts=("zigzag", "stripe", "contiguous"), **extra) -> list[dict]:
-    features = [{}, {"window": 5}, {"sinks": True}, {"window": 3, "sinks": True}]
+    features = [{}, {"window": 5}, {"sinks": True}, {"softcap": 1.5}, {"window": 3, "sinks": True},
+                {"window": 5, "softcap": 2.0}, {"window": 7, "softcap": 1.5, "sinks": True}]
     cases = [{"pattern": pattern, "layout": layout, **f, **extra} for layout in layouts for f in features]
     cases.append({"pattern": pattern, "layout": "zigzag", "window": 5, "backend": "torch_cpu_flash", **extra})
     return cases
@@ -84,7 +85,8 @@ def test_patterns_world_2():
 
 
 def test_one_process_is_exact_for_every_implemented_pattern():
-    for case in _cases("ring", layouts=("zigzag",)):
+    auto = {"pattern": "ring", "layout": "zigzag", "softcap": 2.0, "backend": "auto"}  # auto: a softcap kernel
+    for case in _cases("ring", layouts=("zigzag",)) + [auto]:
         _check(case, [_attend(0, 1, case)])
 
 
@@ -96,6 +98,8 @@ def test_one_process_is_exact_for_every_implemented_pattern():
     ({"pattern": "hybrid"}, ValueError, "needs ulysses_size"),
     ({"ulysses_size": 2}, ValueError, "for pattern='hybrid' only"),
     ({"sinks": torch.zeros(HK)}, ValueError, r"sinks must be a float tensor of shape \(n_heads,\)"),
+    ({"softcap": 2.0, "backend": "torch_cpu_flash"}, NotImplementedError,
+     "'torch_cpu_flash' cannot compute logit softcapping; use backend='reference'"),
 ])
 def test_bad_arguments_are_refused(kwargs, error, match):
     q, k, v, _, _ = _inputs()

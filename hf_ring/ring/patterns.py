@@ -69,7 +69,7 @@ class PatternCall:
 
 def _ring_op(q, k, v, sinks, call: PatternCall):
     plan = RingPlan(call.group, call.rank, call.world, call.layout, call.causal, call.scale, call.backend,
-                    window=call.window, comm_stats=call.comm_stats)
+                    window=call.window, comm_stats=call.comm_stats, softcap=call.softcap)
     return ring_attention(q, k, v, plan, sinks)
 
 
@@ -157,7 +157,9 @@ def context_parallel_attn_func(
         layout: ``"zigzag"``, ``"stripe"`` or ``"contiguous"``; must match the sharding.
         window: sliding window in tokens, as transformers' ``sliding_window``: key j is
             visible to query i iff ``0 <= i - j < window`` (global positions); causal only.
-        softcap: logit softcapping (Gemma 2): scores become ``softcap * tanh(scores / softcap)``.
+        softcap: logit softcapping (Gemma 2): scores become ``softcap * tanh(scores / softcap)``;
+            needs a backend whose kernels take it (``"auto"`` picks one: ``reference`` on
+            CPU, ``flash_attn`` on CUDA when installed).
         sinks: optional float ``(n_heads,)``: one extra logit per query head in every row's
             softmax denominator (GPT-OSS), the same on every rank. Differentiable: each rank
             gets the part of the gradient from its own rows and heads; summed over the
@@ -190,11 +192,8 @@ def context_parallel_attn_func(
     _check_sinks(sinks, q.shape[2])
     if pattern not in _OPS:
         raise NotImplementedError(f"pattern {pattern!r} is not implemented yet; use pattern='ring'")
-    if softcap is not None:
-        raise NotImplementedError(f"softcap is not computed by pattern {pattern!r} yet; no pattern computes "
-                                  "it in this version")
-    call = PatternCall(group, rank, world, layout, causal, scale, get_backend(backend, q.device, q.dtype),
-                       window, softcap, ulysses_size, comm_stats)
+    kernel = get_backend(backend, q.device, q.dtype, softcap=softcap is not None)
+    call = PatternCall(group, rank, world, layout, causal, scale, kernel, window, softcap, ulysses_size, comm_stats)
     out, lse = _OPS[pattern](q, k, v, sinks, call)
     return (out, lse) if return_lse else out
 
