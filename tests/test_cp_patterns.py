@@ -75,7 +75,9 @@ def _cases(pattern: str, layouts=("zigzag", "stripe", "contiguous"), **extra) ->
     return cases
 
 
-WORLD2_CASES = _cases("ring")
+WORLD2_CASES = _cases("ring") + _cases("allgather") + [
+    {"pattern": "allgather", "layout": "stripe", "hk": 1, "window": 5, "softcap": 2.0, "sinks": True},
+]
 
 
 def test_patterns_world_2():
@@ -86,7 +88,7 @@ def test_patterns_world_2():
 
 def test_one_process_is_exact_for_every_implemented_pattern():
     auto = {"pattern": "ring", "layout": "zigzag", "softcap": 2.0, "backend": "auto"}  # auto: a softcap kernel
-    for case in _cases("ring", layouts=("zigzag",)) + [auto]:
+    for case in _cases("allgather", layouts=("zigzag",)) + [auto]:
         _check(case, [_attend(0, 1, case)])
 
 

@@ -26,7 +26,9 @@ import torch
 import torch.distributed as dist
 
 from hf_ring.kernels import AttentionBackend, get_backend
+from hf_ring.ring.allgather import allgather_attention
 from hf_ring.ring.api import group_coords, ring_attention
+from hf_ring.ring.collectives import GroupCollectives
 from hf_ring.ring.comm import CommWaitStats
 from hf_ring.ring.plan import RingPlan
 from hf_ring.ring.validation import check_across_ranks, check_local, float_bits
@@ -67,14 +69,22 @@ class PatternCall:
     comm_stats: Optional[CommWaitStats] = None
 
 
-def _ring_op(q, k, v, sinks, call: PatternCall):
-    plan = RingPlan(call.group, call.rank, call.world, call.layout, call.causal, call.scale, call.backend,
+def ring_plan(call: PatternCall) -> RingPlan:
+    """The call as a :class:`RingPlan` over its whole group."""
+    return RingPlan(call.group, call.rank, call.world, call.layout, call.causal, call.scale, call.backend,
                     window=call.window, comm_stats=call.comm_stats, softcap=call.softcap)
-    return ring_attention(q, k, v, plan, sinks)
+
+
+def _ring_op(q, k, v, sinks, call: PatternCall):
+    return ring_attention(q, k, v, ring_plan(call), sinks)
+
+
+def _allgather_op(q, k, v, sinks, call: PatternCall):
+    return allgather_attention(q, k, v, ring_plan(call), GroupCollectives(call.group, call.comm_stats), sinks)
 
 
 # pattern -> op(q, k, v, sinks, call) -> (out, lse); the others are filled in as they land.
-_OPS: dict[str, Callable] = {"ring": _ring_op}
+_OPS: dict[str, Callable] = {"ring": _ring_op, "allgather": _allgather_op}
 
 
 def _check_settings(pattern: str, causal: bool, window, softcap, ulysses_size, world: int) -> None:
@@ -194,7 +204,8 @@ def context_parallel_attn_func(
         raise NotImplementedError(f"pattern {pattern!r} is not implemented yet; use pattern='ring'")
     kernel = get_backend(backend, q.device, q.dtype, softcap=softcap is not None)
     call = PatternCall(group, rank, world, layout, causal, scale, kernel, window, softcap, ulysses_size, comm_stats)
-    out, lse = _OPS[pattern](q, k, v, sinks, call)
+    # One process: every pattern is the ring's single step (local attention), no collective.
+    out, lse = _OPS["ring" if world == 1 else pattern](q, k, v, sinks, call)
     return (out, lse) if return_lse else out
 
 
