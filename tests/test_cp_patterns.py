@@ -22,17 +22,28 @@ B, S, HQ, HK, D = 2, 16, 4, 2, 8
 TOL = 1e-5
 
 
-def _inputs(hk: int = HK, seq: int = S):
+def _inputs(hk: int = HK, seq: int = S, hq: int = HQ):
     g = torch.Generator().manual_seed(11)
-    q, dout = (torch.randn(B, seq, HQ, D, generator=g) for _ in range(2))
+    q, dout = (torch.randn(B, seq, hq, D, generator=g) for _ in range(2))
     k, v = (torch.randn(B, seq, hk, D, generator=g) for _ in range(2))
-    sinks = torch.randn(HQ, generator=g)
+    sinks = torch.randn(hq, generator=g)
     return q, k, v, dout, sinks
 
 
+def _case_inputs(case: dict):
+    return _inputs(case.get("hk", HK), case.get("seq", S), case.get("hq", HQ))
+
+
 def _attend(rank: int, world: int, case: dict) -> dict:
-    """This rank's shard through the op; out, lse and the local gradients."""
-    q, k, v, dout, sinks = _inputs(case.get("hk", HK), case.get("seq", S))
+    """This rank's shard through the op; out, lse and the local gradients (or, for a case
+    with ``"refused"``, the error's type and message)."""
+    if "refused" in case:
+        try:
+            _attend(rank, world, {k: v for k, v in case.items() if k != "refused"})
+        except (ValueError, NotImplementedError) as e:
+            return {"error": (type(e).__name__, str(e))}
+        return {"error": None}
+    q, k, v, dout, sinks = _case_inputs(case)
     layout = case["layout"]
     shard = lambda t: hf_ring.shard_sequence(t, world, rank, layout=layout)  # noqa: E731
     q, k, v = (shard(t).requires_grad_() for t in (q, k, v))
@@ -54,7 +65,12 @@ def _run_cases(rank: int, world: int, cases: list) -> list:
 
 
 def _check(case: dict, per_rank: list) -> None:
-    q, k, v, dout, sinks = _inputs(case.get("hk", HK), case.get("seq", S))
+    if "refused" in case:
+        for r in per_rank:  # every rank raises the same error: none is left waiting in a collective
+            assert r["error"] is not None and r["error"][0] == "NotImplementedError", (case, r)
+            assert case["refused"] in r["error"][1], (case, r)
+        return
+    q, k, v, dout, sinks = _case_inputs(case)
     want = feature_attention(q, k, v, dout, window=case.get("window"), softcap=case.get("softcap"),
                              sinks=sinks if case.get("sinks") else None)
     join = lambda name, dim: hf_ring.unshard_sequence([r[name] for r in per_rank], dim=dim,  # noqa: E731
@@ -75,8 +91,15 @@ def _cases(pattern: str, layouts=("zigzag", "stripe", "contiguous"), **extra) ->
     return cases
 
 
-WORLD2_CASES = _cases("ring") + _cases("allgather") + [
+WORLD2_CASES = _cases("ring") + _cases("allgather") + _cases("ulysses") + [
     {"pattern": "allgather", "layout": "stripe", "hk": 1, "window": 5, "softcap": 2.0, "sinks": True},
+    # One K/V head over two ranks: Ulysses repeats it once, so each rank gets a copy.
+    {"pattern": "ulysses", "layout": "zigzag", "hk": 1, "window": 5, "softcap": 2.0, "sinks": True},
+    {"pattern": "ulysses", "layout": "stripe", "hk": 1},
+    {"pattern": "ulysses", "layout": "zigzag", "hq": 3, "hk": 1,
+     "refused": "n_heads to be a multiple of 2; use pattern='allgather' or 'ring'"},
+    {"pattern": "ulysses", "layout": "zigzag", "hq": 6, "hk": 3,
+     "refused": "cannot split 3 K/V heads over 2 ranks (neither divides the other); use pattern='allgather'"},
 ]
 
 

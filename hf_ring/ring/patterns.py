@@ -31,6 +31,7 @@ from hf_ring.ring.api import group_coords, ring_attention
 from hf_ring.ring.collectives import GroupCollectives
 from hf_ring.ring.comm import CommWaitStats
 from hf_ring.ring.plan import RingPlan
+from hf_ring.ring.ulysses import kv_repeat, ulysses_attention
 from hf_ring.ring.validation import check_across_ranks, check_local, float_bits
 
 PATTERNS = ("ring", "allgather", "ulysses", "hybrid")
@@ -83,8 +84,16 @@ def _allgather_op(q, k, v, sinks, call: PatternCall):
     return allgather_attention(q, k, v, ring_plan(call), GroupCollectives(call.group, call.comm_stats), sinks)
 
 
+def _ulysses_op(q, k, v, sinks, call: PatternCall):
+    # Every rank attends the whole sequence (in its global order) for its heads: one process's plan.
+    local = RingPlan(None, 0, 1, "contiguous", call.causal, call.scale, call.backend, window=call.window,
+                     softcap=call.softcap)
+    coll = GroupCollectives(call.group, call.comm_stats)
+    return ulysses_attention(q, k, v, local, coll, call.layout, 0, call.world, sinks)
+
+
 # pattern -> op(q, k, v, sinks, call) -> (out, lse); the others are filled in as they land.
-_OPS: dict[str, Callable] = {"ring": _ring_op, "allgather": _allgather_op}
+_OPS: dict[str, Callable] = {"ring": _ring_op, "allgather": _allgather_op, "ulysses": _ulysses_op}
 
 
 def _check_settings(pattern: str, causal: bool, window, softcap, ulysses_size, world: int) -> None:
@@ -202,6 +211,8 @@ def context_parallel_attn_func(
     _check_sinks(sinks, q.shape[2])
     if pattern not in _OPS:
         raise NotImplementedError(f"pattern {pattern!r} is not implemented yet; use pattern='ring'")
+    if pattern in ("ulysses", "hybrid"):
+        kv_repeat(q.shape[2], k.shape[2], world if pattern == "ulysses" else ulysses_size, pattern)
     kernel = get_backend(backend, q.device, q.dtype, softcap=softcap is not None)
     call = PatternCall(group, rank, world, layout, causal, scale, kernel, window, softcap, ulysses_size, comm_stats)
     # One process: every pattern is the ring's single step (local attention), no collective.
