@@ -109,6 +109,25 @@ def test_patterns_world_2():
         _check(case, [results[r][i] for r in range(2)])
 
 
+# 2 Ulysses groups of 2 ranks, the ring across them.
+WORLD4_CASES = _cases("hybrid", layouts=("zigzag", "contiguous"), ulysses_size=2, seq=32) + [
+    {"pattern": "hybrid", "layout": "zigzag", "ulysses_size": 2, "hk": 1, "window": 9, "softcap": 2.0,
+     "sinks": True, "seq": 32},
+    {"pattern": "hybrid", "layout": "stripe", "ulysses_size": 4, "window": 9, "sinks": True, "seq": 32},
+    {"pattern": "hybrid", "layout": "stripe", "ulysses_size": 1, "softcap": 2.0, "seq": 32},
+    {"pattern": "hybrid", "layout": "stripe", "ulysses_size": 2, "seq": 32,
+     "refused": "use pattern='ulysses' or 'allgather' for layout='stripe'"},
+    {"pattern": "hybrid", "layout": "zigzag", "ulysses_size": 2, "hq": 6, "hk": 3, "seq": 32,
+     "refused": "cannot split 3 K/V heads over 2 ranks"},
+]
+
+
+def test_hybrid_world_4():
+    results = run_world(4, _run_cases, WORLD4_CASES)
+    for i, case in enumerate(WORLD4_CASES):
+        _check(case, [results[r][i] for r in range(4)])
+
+
 def test_one_process_is_exact_for_every_implemented_pattern():
     auto = {"pattern": "ring", "layout": "zigzag", "softcap": 2.0, "backend": "auto"}  # auto: a softcap kernel
     for case in _cases("allgather", layouts=("zigzag",)) + [auto]:

@@ -30,6 +30,7 @@ from hf_ring.ring.allgather import allgather_attention
 from hf_ring.ring.api import group_coords, ring_attention
 from hf_ring.ring.collectives import GroupCollectives
 from hf_ring.ring.comm import CommWaitStats
+from hf_ring.ring.hybrid import check_hybrid_layout, hybrid_attention, hybrid_groups
 from hf_ring.ring.plan import RingPlan
 from hf_ring.ring.ulysses import kv_repeat, ulysses_attention
 from hf_ring.ring.validation import check_across_ranks, check_local, float_bits
@@ -92,8 +93,20 @@ def _ulysses_op(q, k, v, sinks, call: PatternCall):
     return ulysses_attention(q, k, v, local, coll, call.layout, 0, call.world, sinks)
 
 
-# pattern -> op(q, k, v, sinks, call) -> (out, lse); the others are filled in as they land.
-_OPS: dict[str, Callable] = {"ring": _ring_op, "allgather": _allgather_op, "ulysses": _ulysses_op}
+def _hybrid_op(q, k, v, sinks, call: PatternCall):
+    if call.ulysses_size == 1:  # Ulysses groups of one rank: the ring over all of them
+        return _ring_op(q, k, v, sinks, call)
+    if call.ulysses_size == call.world:  # one Ulysses group: no ring
+        return _ulysses_op(q, k, v, sinks, call)
+    check_hybrid_layout(call.layout)  # before the subgroups are built: every rank refuses alike
+    groups = hybrid_groups(call.group, call.ulysses_size)
+    return hybrid_attention(q, k, v, groups, call.layout, call.causal, call.scale, call.backend, call.window,
+                            call.softcap, sinks, call.comm_stats)
+
+
+# pattern -> op(q, k, v, sinks, call) -> (out, lse)
+_OPS: dict[str, Callable] = {"ring": _ring_op, "allgather": _allgather_op, "ulysses": _ulysses_op,
+                             "hybrid": _hybrid_op}
 
 
 def _check_settings(pattern: str, causal: bool, window, softcap, ulysses_size, world: int) -> None:
@@ -209,8 +222,6 @@ def context_parallel_attn_func(
     _check_settings(pattern, causal, window, softcap, ulysses_size, world)
     check_local(q, k, v, layout, causal)
     _check_sinks(sinks, q.shape[2])
-    if pattern not in _OPS:
-        raise NotImplementedError(f"pattern {pattern!r} is not implemented yet; use pattern='ring'")
     if pattern in ("ulysses", "hybrid"):
         kv_repeat(q.shape[2], k.shape[2], world if pattern == "ulysses" else ulysses_size, pattern)
     kernel = get_backend(backend, q.device, q.dtype, softcap=softcap is not None)
