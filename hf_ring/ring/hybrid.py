@@ -89,8 +89,8 @@ def hybrid_groups(group: Optional[dist.ProcessGroup], ulysses_size: int) -> Hybr
 def hybrid_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: HybridGroups, layout: str, causal: bool,
     scale: float, backend, window: Optional[int] = None, softcap: Optional[float] = None,
-    sinks: Optional[torch.Tensor] = None, comm_stats: Optional[CommWaitStats] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    sinks: Optional[torch.Tensor] = None, comm_stats: Optional[CommWaitStats] = None, need_lse: bool = True,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Hybrid attention of this rank's shard (no checks across ranks).
 
     Args:
@@ -101,10 +101,11 @@ def hybrid_attention(
         causal, scale, backend, window, softcap: as in ``context_parallel_attn_func``
             (backend resolved).
         sinks: optional float ``(n_heads,)``, differentiable.
+        need_lse: also return the lse (else None).
 
     Returns:
         ``out`` like q (differentiable in q, k, v, sinks) and ``lse`` ``(batch, n_heads,
-        local_seq)`` float32 (float64 for float64 inputs).
+        local_seq)`` float32 (float64 for float64 inputs), or None.
     """
     check_hybrid_layout(layout)
     ring = RingPlan(groups.ring, groups.group_index, groups.ring_size, layout, causal, scale, backend,
@@ -112,7 +113,7 @@ def hybrid_attention(
     coll = GroupCollectives(groups.ulysses, comm_stats)
     first = groups.group_index * groups.ulysses_size
     return ulysses_attention(q, k, v, ring, coll, layout, first, groups.ulysses_size * groups.ring_size,
-                             sinks, pattern="hybrid")
+                             sinks, pattern="hybrid", need_lse=need_lse)
 
 
 __all__ = ["HYBRID_LAYOUTS", "check_hybrid_layout", "HybridGroups", "hybrid_attention", "hybrid_groups"]

@@ -56,6 +56,7 @@ class PatternCall:
         softcap: scores become ``softcap * tanh(scores / softcap)``; None: no capping.
         ulysses_size: hybrid only: ranks per Ulysses group.
         comm_stats: optional sink for the time transfers were waited on.
+        need_lse: whether the caller wants the lse (Ulysses then sends it back too).
     """
 
     group: Optional[dist.ProcessGroup]
@@ -69,6 +70,7 @@ class PatternCall:
     softcap: Optional[float] = None
     ulysses_size: Optional[int] = None
     comm_stats: Optional[CommWaitStats] = None
+    need_lse: bool = True
 
 
 def ring_plan(call: PatternCall) -> RingPlan:
@@ -90,7 +92,7 @@ def _ulysses_op(q, k, v, sinks, call: PatternCall):
     local = RingPlan(None, 0, 1, "contiguous", call.causal, call.scale, call.backend, window=call.window,
                      softcap=call.softcap)
     coll = GroupCollectives(call.group, call.comm_stats)
-    return ulysses_attention(q, k, v, local, coll, call.layout, 0, call.world, sinks)
+    return ulysses_attention(q, k, v, local, coll, call.layout, 0, call.world, sinks, need_lse=call.need_lse)
 
 
 def _hybrid_op(q, k, v, sinks, call: PatternCall):
@@ -101,7 +103,7 @@ def _hybrid_op(q, k, v, sinks, call: PatternCall):
     check_hybrid_layout(call.layout)  # before the subgroups are built: every rank refuses alike
     groups = hybrid_groups(call.group, call.ulysses_size)
     return hybrid_attention(q, k, v, groups, call.layout, call.causal, call.scale, call.backend, call.window,
-                            call.softcap, sinks, call.comm_stats)
+                            call.softcap, sinks, call.comm_stats, call.need_lse)
 
 
 # pattern -> op(q, k, v, sinks, call) -> (out, lse)
@@ -225,7 +227,8 @@ def context_parallel_attn_func(
     if pattern in ("ulysses", "hybrid"):
         kv_repeat(q.shape[2], k.shape[2], world if pattern == "ulysses" else ulysses_size, pattern)
     kernel = get_backend(backend, q.device, q.dtype, softcap=softcap is not None)
-    call = PatternCall(group, rank, world, layout, causal, scale, kernel, window, softcap, ulysses_size, comm_stats)
+    call = PatternCall(group, rank, world, layout, causal, scale, kernel, window, softcap, ulysses_size, comm_stats,
+                       return_lse)
     # One process: every pattern is the ring's single step (local attention), no collective.
     out, lse = _OPS["ring" if world == 1 else pattern](q, k, v, sinks, call)
     return (out, lse) if return_lse else out

@@ -130,7 +130,8 @@ def exchange_inputs(
 def ulysses_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan, coll: Collectives,
     layout: str, first_rank: int, world: int, sinks: Optional[torch.Tensor] = None, pattern: str = "ulysses",
-) -> tuple[torch.Tensor, torch.Tensor]:
+    need_lse: bool = True,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Ulysses over the group ``coll`` (ranks ``first_rank .. first_rank + U - 1`` of a
     context-parallel group of ``world`` ranks sharded by ``layout``), attention by ``plan``.
 
@@ -141,17 +142,18 @@ def ulysses_attention(
             (``world=1``, contiguous: pure Ulysses), or the ring across Ulysses groups
             (hybrid), whose layout fixes the order the group's tokens are taken in.
         sinks: optional float ``(n_heads,)``, differentiable.
+        need_lse: send the lse back too (one more, small, all-to-all); else lse is None.
 
     Returns:
         ``out`` like q (differentiable in q, k, v, sinks) and ``lse`` ``(batch, n_heads,
-        local_seq)`` float32 (float64 for float64 inputs).
+        local_seq)`` float32 (float64 for float64 inputs), or None.
     """
     seq = q.shape[1] * world
     ranks = tuple(range(first_rank, first_rank + coll.world))
     perm, inverse = orders(seq, world, ranks, layout, (plan.world, plan.rank, plan.layout), q.device)
     qh, kh, vh, local_sinks = exchange_inputs(q, k, v, sinks, coll, perm, pattern)
     out, lse = ring_attention(qh, kh, vh, plan, local_sinks)  # (b, U*s, hq/U, d), (b, hq/U, U*s)
-    return heads_to_seq(out, coll, inverse), lse_to_seq(lse, coll, inverse)
+    return heads_to_seq(out, coll, inverse), lse_to_seq(lse, coll, inverse) if need_lse else None
 
 
 __all__ = ["exchange_inputs", "heads_to_seq", "kv_repeat", "lse_to_seq", "orders", "seq_to_heads",
