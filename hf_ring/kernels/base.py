@@ -31,6 +31,11 @@ k_len)`` on the tensors' device, True where the key is visible (it replaces ``ca
 A query row with no visible key gets ``out = 0``, ``lse = -inf`` and zero gradients, so
 merging it changes nothing.
 
+A backend may also take logit softcapping (Gemma 2): then its forward, backward and
+masked kernels accept a keyword ``softcap`` (a positive float), with which the scores
+become ``softcap * tanh(scores / softcap)`` before the mask and the softmax, and the
+backward differentiates through the tanh. Callers pass the keyword only when capping.
+
 Asking for a backend that cannot run on this machine, device or dtype is an error that
 says what to do: a different kernel would be a silent change of numerics and speed.
 """
@@ -87,6 +92,7 @@ class AttentionBackend:
         varlen_forward, varlen_backward: the optional variable-length kernel; both or neither.
         masked_forward, masked_backward: the optional kernel with an explicit boolean mask
             (sliding windows inside the ring); both or neither.
+        softcap: whether its kernels take the ``softcap=`` keyword (see the module docstring).
     """
 
     name: str
@@ -104,6 +110,7 @@ class AttentionBackend:
     varlen_backward: Optional[VarlenBackwardFn] = None
     masked_forward: Optional[MaskedForwardFn] = None
     masked_backward: Optional[MaskedBackwardFn] = None
+    softcap: bool = False
 
     def __post_init__(self) -> None:
         if (self.varlen_forward is None) != (self.varlen_backward is None):

@@ -26,9 +26,13 @@ import torch
 import torch.distributed as dist
 
 from hf_ring.kernels import AttentionBackend, get_backend
+from hf_ring.ring.allgather import allgather_attention
 from hf_ring.ring.api import group_coords, ring_attention
+from hf_ring.ring.collectives import GroupCollectives
 from hf_ring.ring.comm import CommWaitStats
+from hf_ring.ring.hybrid import check_hybrid_layout, hybrid_attention, hybrid_groups
 from hf_ring.ring.plan import RingPlan
+from hf_ring.ring.ulysses import kv_repeat, ulysses_attention
 from hf_ring.ring.validation import check_across_ranks, check_local, float_bits
 
 PATTERNS = ("ring", "allgather", "ulysses", "hybrid")
@@ -52,6 +56,7 @@ class PatternCall:
         softcap: scores become ``softcap * tanh(scores / softcap)``; None: no capping.
         ulysses_size: hybrid only: ranks per Ulysses group.
         comm_stats: optional sink for the time transfers were waited on.
+        need_lse: whether the caller wants the lse (Ulysses then sends it back too).
     """
 
     group: Optional[dist.ProcessGroup]
@@ -65,16 +70,45 @@ class PatternCall:
     softcap: Optional[float] = None
     ulysses_size: Optional[int] = None
     comm_stats: Optional[CommWaitStats] = None
+    need_lse: bool = True
+
+
+def ring_plan(call: PatternCall) -> RingPlan:
+    """The call as a :class:`RingPlan` over its whole group."""
+    return RingPlan(call.group, call.rank, call.world, call.layout, call.causal, call.scale, call.backend,
+                    window=call.window, comm_stats=call.comm_stats, softcap=call.softcap)
 
 
 def _ring_op(q, k, v, sinks, call: PatternCall):
-    plan = RingPlan(call.group, call.rank, call.world, call.layout, call.causal, call.scale, call.backend,
-                    window=call.window, comm_stats=call.comm_stats)
-    return ring_attention(q, k, v, plan, sinks)
+    return ring_attention(q, k, v, ring_plan(call), sinks)
 
 
-# pattern -> op(q, k, v, sinks, call) -> (out, lse); the others are filled in as they land.
-_OPS: dict[str, Callable] = {"ring": _ring_op}
+def _allgather_op(q, k, v, sinks, call: PatternCall):
+    return allgather_attention(q, k, v, ring_plan(call), GroupCollectives(call.group, call.comm_stats), sinks)
+
+
+def _ulysses_op(q, k, v, sinks, call: PatternCall):
+    # Every rank attends the whole sequence (in its global order) for its heads: one process's plan.
+    local = RingPlan(None, 0, 1, "contiguous", call.causal, call.scale, call.backend, window=call.window,
+                     softcap=call.softcap)
+    coll = GroupCollectives(call.group, call.comm_stats)
+    return ulysses_attention(q, k, v, local, coll, call.layout, 0, call.world, sinks, need_lse=call.need_lse)
+
+
+def _hybrid_op(q, k, v, sinks, call: PatternCall):
+    if call.ulysses_size == 1:  # Ulysses groups of one rank: the ring over all of them
+        return _ring_op(q, k, v, sinks, call)
+    if call.ulysses_size == call.world:  # one Ulysses group: no ring
+        return _ulysses_op(q, k, v, sinks, call)
+    check_hybrid_layout(call.layout)  # before the subgroups are built: every rank refuses alike
+    groups = hybrid_groups(call.group, call.ulysses_size)
+    return hybrid_attention(q, k, v, groups, call.layout, call.causal, call.scale, call.backend, call.window,
+                            call.softcap, sinks, call.comm_stats, call.need_lse)
+
+
+# pattern -> op(q, k, v, sinks, call) -> (out, lse)
+_OPS: dict[str, Callable] = {"ring": _ring_op, "allgather": _allgather_op, "ulysses": _ulysses_op,
+                             "hybrid": _hybrid_op}
 
 
 def _check_settings(pattern: str, causal: bool, window, softcap, ulysses_size, world: int) -> None:
@@ -157,7 +191,9 @@ def context_parallel_attn_func(
         layout: ``"zigzag"``, ``"stripe"`` or ``"contiguous"``; must match the sharding.
         window: sliding window in tokens, as transformers' ``sliding_window``: key j is
             visible to query i iff ``0 <= i - j < window`` (global positions); causal only.
-        softcap: logit softcapping (Gemma 2): scores become ``softcap * tanh(scores / softcap)``.
+        softcap: logit softcapping (Gemma 2): scores become ``softcap * tanh(scores / softcap)``;
+            needs a backend whose kernels take it (``"auto"`` picks one: ``reference`` on
+            CPU, ``flash_attn`` on CUDA when installed).
         sinks: optional float ``(n_heads,)``: one extra logit per query head in every row's
             softmax denominator (GPT-OSS), the same on every rank. Differentiable: each rank
             gets the part of the gradient from its own rows and heads; summed over the
@@ -188,14 +224,13 @@ def context_parallel_attn_func(
     _check_settings(pattern, causal, window, softcap, ulysses_size, world)
     check_local(q, k, v, layout, causal)
     _check_sinks(sinks, q.shape[2])
-    if pattern not in _OPS:
-        raise NotImplementedError(f"pattern {pattern!r} is not implemented yet; use pattern='ring'")
-    if softcap is not None:
-        raise NotImplementedError(f"softcap is not computed by pattern {pattern!r} yet; no pattern computes "
-                                  "it in this version")
-    call = PatternCall(group, rank, world, layout, causal, scale, get_backend(backend, q.device, q.dtype),
-                       window, softcap, ulysses_size, comm_stats)
-    out, lse = _OPS[pattern](q, k, v, sinks, call)
+    if pattern in ("ulysses", "hybrid"):
+        kv_repeat(q.shape[2], k.shape[2], world if pattern == "ulysses" else ulysses_size, pattern)
+    kernel = get_backend(backend, q.device, q.dtype, softcap=softcap is not None)
+    call = PatternCall(group, rank, world, layout, causal, scale, kernel, window, softcap, ulysses_size, comm_stats,
+                       return_lse)
+    # One process: every pattern is the ring's single step (local attention), no collective.
+    out, lse = _OPS["ring" if world == 1 else pattern](q, k, v, sinks, call)
     return (out, lse) if return_lse else out
 
 

@@ -23,8 +23,9 @@ from hf_ring.ring.schedule import Block, step_blocks
 from hf_ring.ring.window import window_blocks
 from hf_ring.sharding.layouts import check_layout, shard_indices
 
-# What to use instead when a backend has no masked kernel for a window.
+# What to use instead when a backend has no masked kernel for a window, or no softcap.
 _MASKED_BACKENDS = "'torch_cpu_flash' (CPU) or 'reference'"
+SOFTCAP_BACKENDS = "'reference' (CPU; materialises each block's scores) or 'flash_attn' (CUDA, flash-attn 2)"
 
 
 @dataclass(frozen=True, eq=False)
@@ -46,6 +47,8 @@ class RingPlan:
         window: sliding window in tokens (key j visible to query i iff ``0 <= i - j <
             window``, global positions), or None; causal dense rows only, and a backend
             with a masked kernel. Blocks outside it are skipped, blocks on its edge masked.
+        softcap: logit softcapping (scores become ``softcap * tanh(scores / softcap)``), or
+            None; dense rows, and a backend whose kernels take it (``backend.softcap``).
         comm_stats: a sink for the time the default transport waited on transfers.
     """
 
@@ -60,6 +63,7 @@ class RingPlan:
     transport: Optional[Transport] = None
     window: Optional[int] = None
     comm_stats: Optional[CommWaitStats] = None
+    softcap: Optional[float] = None
     _blocks: dict = field(default_factory=dict, repr=False)
     _masks: dict = field(default_factory=dict, repr=False)
     _varlen_batches: dict = field(default_factory=dict, repr=False)
@@ -76,6 +80,8 @@ class RingPlan:
             object.__setattr__(self, "local_doc_lens", tuple(self.local_doc_lens))
         if self.window is not None:
             self._check_window()
+        if self.softcap is not None:
+            self._check_softcap()
         if self.world > 1 and self.transport is None:
             object.__setattr__(self, "transport", process_group_transport(self.group, self.comm_stats))
 
@@ -96,6 +102,23 @@ class RingPlan:
                 f"inside the ring needs (for the blocks on its edge); use backend={_MASKED_BACKENDS}, "
                 "or sequences no longer than the window (window=None)"
             )
+
+    def _check_softcap(self) -> None:
+        if not (isinstance(self.softcap, (int, float)) and not isinstance(self.softcap, bool) and self.softcap > 0):
+            raise ValueError(f"softcap must be a positive float, got {self.softcap!r}")
+        if self.local_doc_lens is not None:
+            raise NotImplementedError("logit softcapping on packed rows (several documents per row) is not "
+                                      "computed yet; use dense rows")
+        if not self.backend.softcap:
+            raise NotImplementedError(
+                f"attention backend {self.backend.name!r} cannot compute logit softcapping; use "
+                f"backend={SOFTCAP_BACKENDS}"
+            )
+
+    @property
+    def kernel_kwargs(self) -> dict:
+        """Keywords every block kernel call gets: the softcap when there is one."""
+        return {} if self.softcap is None else {"softcap": float(self.softcap)}
 
     @property
     def varlen(self) -> bool:
