@@ -11,12 +11,14 @@ gradients) and prints the errors.
 Run on CPU with two processes::
 
     torchrun --nproc_per_node 2 examples/context_parallel_wrap.py
-    torchrun --nproc_per_node 2 examples/context_parallel_wrap.py --pattern ring --layout stripe --seq_len 512
+    torchrun --nproc_per_node 2 examples/context_parallel_wrap.py --pattern ulysses --layout stripe --seq_len 512
+    torchrun --nproc_per_node 4 examples/context_parallel_wrap.py --pattern hybrid --ulysses_size 2
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 
 import torch
 import torch.distributed as dist
@@ -74,7 +76,8 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pattern", default="ring")
+    parser.add_argument("--pattern", default="ring", choices=["ring", "allgather", "ulysses", "hybrid", "auto"])
+    parser.add_argument("--ulysses_size", type=int, default=None, help="--pattern hybrid: ranks per Ulysses group")
     parser.add_argument("--layout", default="zigzag", choices=["zigzag", "stripe", "contiguous"])
     parser.add_argument("--seq_len", type=int, default=256)
     parser.add_argument("--batch", type=int, default=2)
@@ -83,6 +86,8 @@ def main() -> None:
     parser.add_argument("--kv_heads", type=int, default=2)
     args = parser.parse_args()
 
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("hf_ring").setLevel(logging.INFO)  # --pattern auto says what it picked and why
     dist.init_process_group("gloo")  # one CP group over the whole world
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)  # the same weights and inputs on every rank
@@ -99,7 +104,7 @@ def main() -> None:
 
     # Context parallel: this rank's shard of the hidden states and its global positions.
     wrapped = hf_ring.ContextParallel.wrap(block, cp_group=None, pattern=args.pattern, causal=True,
-                                           layout=args.layout)
+                                           layout=args.layout, ulysses_size=args.ulysses_size)
     x = wrapped.shard(x_full).requires_grad_()
     out = wrapped(x, wrapped.positions(args.seq_len))
     out.backward(wrapped.shard(grad_out))

@@ -9,8 +9,10 @@ ranks must match the full-sequence ones, within 1e-5 relative (norm of the diffe
 over the norm of the reference): both sides are float32 attention, the CP side sums the
 softmax in another order (measured ~4e-7). Covered: K/V with their own head count
 (``enable_gqa``) and repeated to the query heads, zigzag / stripe / contiguous, causal and
-not. Refusals (a mask, dropout, ``is_causal`` against ``causal=``, cross-attention, a
-forward that never calls SDPA) raise on every rank; SDPA calls outside the wrapped forward
+not; every pattern (hybrid with one Ulysses group of 2: its ring across groups needs a
+world of 4, which tests/test_cp_patterns.py runs on the op) and ``"auto"``. Refusals (a
+mask, dropout, ``is_causal`` against ``causal=``, cross-attention, a forward that never
+calls SDPA) raise on every rank; SDPA calls outside the wrapped forward
 or on another thread during it are not routed; a wrapper nested in another routes once.
 """
 
@@ -34,8 +36,9 @@ from context_parallel_wrap import GQAttention  # noqa: E402
 
 TOL = 1e-5
 SEQ, BATCH, HIDDEN = 16, 2, 32
-# (layout, causal, repeat_kv)
-CASES = [("zigzag", True, False), ("stripe", True, True), ("contiguous", False, False)]
+# (pattern, layout, causal, repeat_kv)
+CASES = [("ring", "zigzag", True, False), ("allgather", "stripe", True, True), ("ulysses", "contiguous", False, False),
+         ("hybrid", "zigzag", True, True), ("auto", "zigzag", True, False)]
 
 
 def _block(causal: bool, repeat_kv: bool) -> GQAttention:
@@ -58,12 +61,13 @@ def _run(block: nn.Module, x: torch.Tensor, positions: torch.Tensor, grad_out: t
 def _exactness(rank: int, world: int) -> dict:
     x, grad_out = _inputs()
     results = {}
-    for layout, causal, repeat_kv in CASES:
-        wrapped = hf_ring.ContextParallel.wrap(_block(causal, repeat_kv), causal=causal, layout=layout)
+    for pattern, layout, causal, repeat_kv in CASES:
+        wrapped = hf_ring.ContextParallel.wrap(_block(causal, repeat_kv), pattern=pattern, causal=causal, layout=layout,
+                                               ulysses_size=world if pattern == "hybrid" else None)
         got = _run(wrapped, wrapped.shard(x), wrapped.positions(SEQ), wrapped.shard(grad_out))
         for g in got["grads"].values():
             torch.distributed.all_reduce(g)
-        results[(layout, causal, repeat_kv)] = got
+        results[(pattern, layout, causal, repeat_kv)] = got
     return results
 
 
@@ -157,13 +161,13 @@ def results():
     return run_world(2, _world)
 
 
-@pytest.mark.parametrize("layout,causal,repeat_kv", CASES)
-def test_wrapped_block_matches_full_sequence(results, layout, causal, repeat_kv):
+@pytest.mark.parametrize("pattern,layout,causal,repeat_kv", CASES)
+def test_wrapped_block_matches_full_sequence(results, pattern, layout, causal, repeat_kv):
     x, grad_out = _inputs()
     block = _block(causal, repeat_kv)
     want = _run(block, x, torch.arange(SEQ), grad_out)
     for rank, r in enumerate(results):
-        got = r["exactness"][(layout, causal, repeat_kv)]
+        got = r["exactness"][(pattern, layout, causal, repeat_kv)]
         shard = lambda t: hf_ring.shard_sequence(t, 2, rank, dim=1, layout=layout)  # noqa: E731
         assert rel_err(got["out"], shard(want["out"])) <= TOL
         assert rel_err(got["dx"], shard(want["dx"])) <= TOL

@@ -4,7 +4,7 @@ Why a file of its own: ``ring_flash`` (attention.py) decides *whether* a layer r
 the CP group; this decides *how*: the ring on the forward's cached plan (the hot path: no
 collective but the ring's transfers, one schedule shared by every layer), or
 ``hf_ring.context_parallel_attn_func`` for the other patterns (all-gather, Ulysses,
-hybrid) and for what the plan does not take (logit softcapping). The forward's inputs
+hybrid). The forward's inputs
 were validated across the ranks once by the guard, so no call here checks them again
 (``check_ranks=False``).
 
@@ -15,26 +15,14 @@ process: one line, what was picked and why.
 
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import torch
 
 from hf_ring.hf.forward_context import ForwardContext
 from hf_ring.ring.api import ring_attention
-from hf_ring.ring.auto import PatternChoice, first_that_runs, pattern_candidates
+from hf_ring.ring.auto import first_that_runs, log_choice_once, pattern_candidates
 from hf_ring.ring.patterns import context_parallel_attn_func
-
-logger = logging.getLogger("hf_ring")
-_LOGGED: set[str] = set()  # auto's decisions already logged by this process
-
-
-def _log_once(choice: PatternChoice, what: str) -> None:
-    line = f"[hf_ring] {what}: {choice.describe()}"
-    if line not in _LOGGED:
-        _LOGGED.add(line)
-        logger.info(line)
-
 
 def _attend(
     q: torch.Tensor,
@@ -48,8 +36,8 @@ def _attend(
     window: Optional[int],
     softcap: Optional[float],
 ) -> torch.Tensor:
-    if pattern == "ring" and softcap is None:
-        out, _ = ring_attention(q, k, v, context.plan(q, scale, window), sinks)
+    if pattern == "ring":
+        out, _ = ring_attention(q, k, v, context.plan(q, scale, window, softcap), sinks)
         return out
     s = context.state
     return context_parallel_attn_func(
@@ -97,7 +85,7 @@ def cp_attention(
     )
     context.choices[key] = choice
     features = [f for f, on in (("window", window), ("softcap", softcap), ("sinks", sinks)) if on is not None]
-    _log_once(choice, f"{q.shape[1] * state.cp_size} tokens over cp={state.cp_size}, {q.shape[2]}/{k.shape[2]} "
+    log_choice_once(choice, f"{q.shape[1] * state.cp_size} tokens over cp={state.cp_size}, {q.shape[2]}/{k.shape[2]} "
                       f"heads{', ' + ', '.join(features) if features else ''}")
     return out
 

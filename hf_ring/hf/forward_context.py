@@ -66,12 +66,14 @@ class ForwardContext:
     def cp_size(self) -> int:
         return self.state.cp_size if self.state is not None else 1
 
-    def plan(self, q: torch.Tensor, scale: float, window: Optional[int] = None) -> RingPlan:
+    def plan(
+        self, q: torch.Tensor, scale: float, window: Optional[int] = None, softcap: Optional[float] = None
+    ) -> RingPlan:
         """The ring plan for this forward's attention calls on ``q``'s device and dtype
-        with ``scale`` and sliding ``window`` (None: none), built on first use, then shared
-        by every layer with the same settings (a model alternating sliding and full layers
-        gets two plans, each with its own schedule cache)."""
-        key = (q.device, q.dtype, scale, window)
+        with ``scale``, sliding ``window`` and logit ``softcap`` (None: none), built on
+        first use, then shared by every layer with the same settings (a model alternating
+        sliding and full layers gets two plans, each with its own schedule cache)."""
+        key = (q.device, q.dtype, scale, window, softcap)
         plan = self._plans.get(key)
         if plan is None:
             s = self.state
@@ -84,10 +86,11 @@ class ForwardContext:
                 layout="zigzag" if local_docs is not None or s is None else s.layout,
                 causal=True,
                 scale=scale,
-                backend=get_backend("auto", q.device, q.dtype),
+                backend=get_backend("auto", q.device, q.dtype, softcap=softcap is not None),
                 local_doc_lens=local_docs,
                 comm_stats=self.comm_stats,
                 window=window,
+                softcap=softcap,
             )
             self._plans[key] = plan
         return plan

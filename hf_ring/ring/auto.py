@@ -31,6 +31,7 @@ the ranks skip together. The choice and its reason are logged once per process.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable, Optional, TypeVar
 
@@ -40,6 +41,9 @@ T = TypeVar("T")
 # (on an H100-class GPU a 1K x 1K block of 128-dim heads is ~10 us of compute, about a
 # transfer's latency).
 ALLGATHER_BELOW = 1024
+
+logger = logging.getLogger("hf_ring")
+_LOGGED: set[str] = set()  # decisions already logged by this process
 
 
 @dataclass(frozen=True)
@@ -124,4 +128,13 @@ def first_that_runs(candidates: list[PatternChoice], attempt: Callable[[PatternC
     raise NotImplementedError("pattern 'auto': no context-parallel pattern computes this call: " + "; ".join(skipped))
 
 
-__all__ = ["ALLGATHER_BELOW", "PatternChoice", "first_that_runs", "pattern_candidates"]
+def log_choice_once(choice: PatternChoice, what: str) -> None:
+    """Log (INFO, logger ``"hf_ring"``) one line saying what ``auto`` picked for ``what``
+    and why, once per process and distinct line."""
+    line = f"[hf_ring] {what}: {choice.describe()}"
+    if line not in _LOGGED:
+        _LOGGED.add(line)
+        logger.info(line)
+
+
+__all__ = ["ALLGATHER_BELOW", "PatternChoice", "first_that_runs", "log_choice_once", "pattern_candidates"]

@@ -89,7 +89,7 @@ def check_pattern(pattern: str, ulysses_size: Optional[int], cp_size: int) -> No
         raise ValueError(f"ulysses_size is for pattern='hybrid' only (got pattern={pattern!r}); 'auto' picks its own")
 
 
-def _local_world_size(world: int) -> int:
+def local_world_size(world: int) -> int:
     """Processes per node as the launcher says (torchrun and accelerate set LOCAL_WORLD_SIZE);
     without it, one node."""
     value = os.environ.get("LOCAL_WORLD_SIZE", "")
@@ -191,7 +191,7 @@ def setup_context_parallel(
         timeout=timeout,
         pattern=pattern,
         ulysses_size=ulysses_size,
-        local_world_size=_local_world_size(world),
+        local_world_size=local_world_size(world),
     )
     if activate:
         _ACTIVE = state

@@ -29,8 +29,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from hf_ring.ring.api import group_coords, ring_flash_attn_func
+from hf_ring.ring.api import group_coords
+from hf_ring.ring.auto import first_that_runs, log_choice_once, pattern_candidates
 from hf_ring.ring.autocast import one_dtype
+from hf_ring.ring.groups import check_pattern, local_world_size
+from hf_ring.ring.patterns import context_parallel_attn_func
 from hf_ring.sharding.layouts import check_layout, shard_indices, shard_sequence
 
 _SDPA_PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -82,7 +85,10 @@ class ContextParallel(nn.Module):
             ``module.``).
         cp_group: the context-parallel process group (None: the default group).
         pattern: how attention is split across the group, as in
-            :func:`hf_ring.context_parallel_attn_func`.
+            :func:`hf_ring.context_parallel_attn_func`, or ``"auto"`` (picked per call from
+            the head counts, the length and the group's size and placement,
+            hf_ring/ring/auto.py).
+        ulysses_size: ``pattern="hybrid"`` only: ranks per Ulysses group.
         causal: whether the module's attention is causal (its SDPA calls must say
             ``is_causal=causal``).
         layout: how the caller sharded the sequence (``hf_ring.shard_sequence``).
@@ -98,23 +104,22 @@ class ContextParallel(nn.Module):
         causal: bool = True,
         layout: str = "zigzag",
         backend: str = "auto",
+        ulysses_size: Optional[int] = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"ContextParallel.wrap needs an nn.Module, got {type(module).__name__}")
         if not isinstance(causal, bool):
             raise TypeError(f"causal must be a bool, got {causal!r}")
-        if pattern != "ring":
-            raise NotImplementedError(
-                f"pattern {pattern!r} is not available to ContextParallel yet; use pattern='ring'"
-            )
         check_layout(layout)
+        check_pattern(pattern, ulysses_size, group_coords(cp_group)[1])
         self.module = module
         self.cp_group = cp_group
         self.pattern = pattern
         self.causal = causal
         self.layout = layout
         self.backend = backend
+        self.ulysses_size = ulysses_size
 
     @classmethod
     def wrap(
@@ -126,6 +131,7 @@ class ContextParallel(nn.Module):
         *,
         layout: str = "zigzag",
         backend: str = "auto",
+        ulysses_size: Optional[int] = None,
     ) -> "ContextParallel":
         """Wrap ``inner_attention``, whose forward calls ``scaled_dot_product_attention``
         on ``(batch, heads, seq, head_dim)`` tensors, for context parallelism over
@@ -135,7 +141,7 @@ class ContextParallel(nn.Module):
         returns this rank's shard of what ``inner_attention`` returns on the full sequence,
         with the same gradients. Every rank of the group must call it together, with
         tensors of the same shapes."""
-        return cls(inner_attention, cp_group, pattern, causal, layout, backend)
+        return cls(inner_attention, cp_group, pattern, causal, layout, backend, ulysses_size)
 
     @property
     def cp_rank_and_size(self) -> tuple[int, int]:
@@ -207,12 +213,23 @@ class ContextParallel(nn.Module):
     def _attend(self, a: dict[str, Any]) -> torch.Tensor:
         """One SDPA call, ``(batch, heads, seq_local, head_dim)`` in and out, over the group."""
         self._refuse(a)
-        q, k, v = one_dtype(a["query"], a["key"], a["value"])
-        out = ring_flash_attn_func(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            group=self.cp_group, causal=self.causal, softmax_scale=a["scale"], layout=self.layout,
-            backend=self.backend,
-        )
+        q, k, v = (t.transpose(1, 2) for t in one_dtype(a["query"], a["key"], a["value"]))
+
+        def attend(pattern: str, ulysses_size: Optional[int]) -> torch.Tensor:
+            return context_parallel_attn_func(
+                q, k, v, group=self.cp_group, pattern=pattern, causal=self.causal, softmax_scale=a["scale"],
+                layout=self.layout, ulysses_size=ulysses_size, backend=self.backend,
+            )
+
+        if self.pattern != "auto":
+            return attend(self.pattern, self.ulysses_size).transpose(1, 2)
+        rank, world = self.cp_rank_and_size
+        first = dist.get_global_rank(self.cp_group, 0) if self.cp_group is not None else 0
+        candidates = pattern_candidates(q.shape[2], k.shape[2], q.shape[1] * world, world,
+                                        local_world_size(world), first)
+        out, choice = first_that_runs(candidates, lambda c: attend(c.pattern, c.ulysses_size))
+        log_choice_once(choice, f"{type(self.module).__name__}, {q.shape[1] * world} tokens over cp={world}, "
+                                f"{q.shape[2]}/{k.shape[2]} heads")
         return out.transpose(1, 2)
 
 
