@@ -16,7 +16,7 @@ both ranks, and compute the same.
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import logging
 
 import pytest
@@ -101,6 +101,17 @@ def _rank_main(rank: int, world: int, cases: dict) -> dict:
                 out = {"refused": str(e)}
             out["log"] = lines.lines[before:]
             results[(pattern, name)] = out
+    # Ranks that see other node sizes would let auto pick apart: refused on every rank.
+    state = hf_ring.setup_context_parallel(world, pattern="auto")
+    hf_ring.set_context_parallel_state(dataclasses.replace(state, local_world_size=1 + rank))
+    try:
+        _run(_model("mistral", "ring_flash", cases["mistral"]["state_dict"]), shard(cases["mistral"]["ids"]),
+             positions, shard(cases["mistral"]["weights"]))
+        results["node_sizes_differ"] = None
+    except ValueError as e:
+        results["node_sizes_differ"] = str(e)
+    finally:
+        hf_ring.set_context_parallel_state(state)
     return results
 
 
@@ -137,3 +148,8 @@ def test_auto_logs_its_choice_once_alike_on_every_rank(results):
         assert results[0][("auto", name)]["log"] == results[1][("auto", name)]["log"], name
     lines = [line for name in MODELS for line in results[0][("auto", name)]["log"]]
     assert lines and all("pattern 'auto' picked" in line for line in lines), lines
+
+
+def test_ranks_that_see_other_node_sizes_are_refused(results):
+    for r in results:
+        assert r["node_sizes_differ"] is not None and "local_world_size" in r["node_sizes_differ"]

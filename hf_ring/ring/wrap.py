@@ -223,10 +223,13 @@ class ContextParallel(nn.Module):
 
         if self.pattern != "auto":
             return attend(self.pattern, self.ulysses_size).transpose(1, 2)
-        rank, world = self.cp_rank_and_size
+        world = self.cp_rank_and_size[1]
         first = dist.get_global_rank(self.cp_group, 0) if self.cp_group is not None else 0
+        everyone = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        # Placement read per rank; the op's agreement check (pattern included) catches ranks
+        # that read it differently.
         candidates = pattern_candidates(q.shape[2], k.shape[2], q.shape[1] * world, world,
-                                        local_world_size(world), first)
+                                        local_world_size(everyone), first)
         out, choice = first_that_runs(candidates, lambda c: attend(c.pattern, c.ulysses_size))
         log_choice_once(choice, f"{type(self.module).__name__}, {q.shape[1] * world} tokens over cp={world}, "
                                 f"{q.shape[2]}/{k.shape[2]} heads")
