@@ -7,7 +7,7 @@ Mistral (an 8-token window), GPT-OSS (sinks and a window). Each rank feeds its s
 the global positions; its logits, put back in order, and every parameter's gradient,
 summed over the ranks, must match one process running transformers' eager attention on
 the full 32-token sequence within 1e-4 relative (float32; the patterns only reorder the
-softmax sums, measured ~1e-6), or the pattern refuses on every rank with an error that
+softmax sums; measured < 4.3e-7 logits, < 8.1e-7 gradients), or the pattern refuses on every rank with an error that
 names the feature. Gemma 2's q/k projections are sharpened and its softcap set to 1 so
 that the capping matters (without it the logits move by ~1e-2); GPT-OSS's sinks are drawn
 large for the same reason. ``"auto"`` must log one line per kind of layer, the same on

@@ -85,8 +85,9 @@ def cp_attention(
     )
     context.choices[key] = choice
     features = [f for f, on in (("window", window), ("softcap", softcap), ("sinks", sinks)) if on is not None]
-    log_choice_once(choice, f"{q.shape[1] * state.cp_size} tokens over cp={state.cp_size}, {q.shape[2]}/{k.shape[2]} "
-                      f"heads{', ' + ', '.join(features) if features else ''}")
+    log_choice_once(choice, (q.shape[2], k.shape[2], *features),
+                    f"{q.shape[1] * state.cp_size} tokens over cp={state.cp_size}, {q.shape[2]}/{k.shape[2]} "
+                    f"heads{', ' + ', '.join(features) if features else ''}")
     return out
 
 

@@ -43,7 +43,7 @@ T = TypeVar("T")
 ALLGATHER_BELOW = 1024
 
 logger = logging.getLogger("hf_ring")
-_LOGGED: set[str] = set()  # decisions already logged by this process
+_LOGGED: set[tuple] = set()  # decisions already logged by this process
 
 
 @dataclass(frozen=True)
@@ -128,13 +128,15 @@ def first_that_runs(candidates: list[PatternChoice], attempt: Callable[[PatternC
     raise NotImplementedError("pattern 'auto': no context-parallel pattern computes this call: " + "; ".join(skipped))
 
 
-def log_choice_once(choice: PatternChoice, what: str) -> None:
-    """Log (INFO, logger ``"hf_ring"``) one line saying what ``auto`` picked for ``what``
-    and why, once per process and distinct line."""
-    line = f"[hf_ring] {what}: {choice.describe()}"
-    if line not in _LOGGED:
-        _LOGGED.add(line)
-        logger.info(line)
+def log_choice_once(choice: PatternChoice, kind: tuple, what: str) -> None:
+    """Log (INFO, logger ``"hf_ring"``) one line saying what ``auto`` picked for a call
+    described by ``what`` and why: once per process for each kind of call (``kind``: heads
+    and features, not the length, which varies from batch to batch) and pattern, so again
+    only when a length moves the choice."""
+    key = (kind, choice.pattern, choice.ulysses_size)
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        logger.info(f"[hf_ring] {what}: {choice.describe()}")
 
 
 __all__ = ["ALLGATHER_BELOW", "PatternChoice", "first_that_runs", "log_choice_once", "pattern_candidates"]

@@ -231,8 +231,9 @@ class ContextParallel(nn.Module):
         candidates = pattern_candidates(q.shape[2], k.shape[2], q.shape[1] * world, world,
                                         local_world_size(everyone), first)
         out, choice = first_that_runs(candidates, lambda c: attend(c.pattern, c.ulysses_size))
-        log_choice_once(choice, f"{type(self.module).__name__}, {q.shape[1] * world} tokens over cp={world}, "
-                                f"{q.shape[2]}/{k.shape[2]} heads")
+        log_choice_once(choice, (type(self.module).__name__, q.shape[2], k.shape[2]),
+                        f"{type(self.module).__name__}, {q.shape[1] * world} tokens over cp={world}, "
+                        f"{q.shape[2]}/{k.shape[2]} heads")
         return out.transpose(1, 2)
 
 
