@@ -7,10 +7,14 @@ Three sections, each guarded so that a failure in one still lets the others run:
    the same rounded inputs, for MHA and GQA, head_dim 64 and 128, causal (square) and
    non-causal (q_len != k_len, lengths not multiples of the kernels' tiles) blocks; then
    the whole virtual ring (zigzag cp=4 and packed cp=2, from ring_efficiency.py) with each
-   backend against full attention (out, lse, dq). Tolerances on norm(x - ref) / norm(ref): see TOL.
+   backend against full attention (out, lse, dq); logit softcapping on the backends that
+   take it, and the virtual all-gather pattern (gpu_patterns.py). Tolerances on
+   norm(x - ref) / norm(ref): see TOL.
 2. efficiency: ring_efficiency.measure_group with each CUDA backend, bf16, cp 4 and 8,
    4k to 32k tokens per rank, within --budget-s seconds (the rest is skipped, and said so).
-3. overlap: time to move one K/V block (a device-to-device copy, and a copy to a second
+3. patterns: every context-parallel pattern's virtual efficiency and bytes sent per rank
+   (pattern_efficiency.py), bf16, zigzag, within --budget-s seconds.
+4. overlap: time to move one K/V block (a device-to-device copy, and a copy to a second
    GPU when there is one) against the time to compute one ring step on it, forward and
    backward. The ring hides the transfer when transfer < compute.
 
@@ -37,6 +41,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 # The sibling script, and hf_ring itself from this checkout: a GPU machine may have only
 # torch installed, not this package.
 sys.path[:0] = [_HERE, os.path.dirname(_HERE)]
+import gpu_patterns  # noqa: E402
 import ring_efficiency as bench  # noqa: E402
 
 from hf_ring.kernels import available_backends, get_backend  # noqa: E402
@@ -147,6 +152,13 @@ def correctness() -> dict:
                 for layout, cp in (("zigzag", 4), ("packed", 2)):
                     _run_one(rows, lambda: check_ring(name, dtype, layout, cp, rows),
                              dict(kind="ring", backend=name, dtype=str(dtype), layout=layout))
+    for dtype in (torch.bfloat16, torch.float16):
+        check = lambda what, errors, dtype=dtype: _check(rows, what, errors, TOL[dtype])  # noqa: E731
+        _run_one(rows, lambda: gpu_patterns.softcap_blocks(DEVICE, backends_for(dtype), dtype, check),
+                 dict(kind="softcap block", dtype=str(dtype)))
+        for name in backends_for(dtype)[:1]:
+            _run_one(rows, lambda: gpu_patterns.patterns_virtual(DEVICE, name, dtype, check),
+                     dict(kind="allgather pattern", backend=name, dtype=str(dtype)))
     failed = [r for r in rows if not r["pass"]]
     print(f"correctness: {len(rows) - len(failed)} passed, {len(failed)} failed", flush=True)
     return {"checks": rows, "failed": len(failed), "backends": {str(d): backends_for(d) for d in TOL}}
@@ -270,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-per-rank", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--skip", nargs="*", default=[], choices=["correctness", "efficiency", "overlap"])
+    p.add_argument("--skip", nargs="*", default=[], choices=["correctness", "efficiency", "patterns", "overlap"])
     p.add_argument("--dry-run-cpu", action="store_true",
                    help="run this script's logic on the CPU flash backend (no GPU needed; numbers are not CUDA's)")
     a = p.parse_args(argv)
@@ -293,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     sections = {
         "correctness": correctness,
         "efficiency": lambda: efficiency(a.budget_s, a.cp, a.seq_per_rank, a.heads, a.kv_heads),
+        "patterns": lambda: gpu_patterns.patterns_efficiency(DEVICE, backends_for(torch.bfloat16), a.budget_s,
+                                                             a.cp, a.seq_per_rank, a.heads, a.kv_heads),
         "overlap": lambda: overlap(a.seq_per_rank, a.heads, a.kv_heads),
     }
     for section, fn in sections.items():
