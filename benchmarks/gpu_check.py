@@ -175,7 +175,19 @@ def _run_one(rows: list[dict], fn: Callable[[], None], what: dict) -> None:
 # -------------------------------------------------------------------------- efficiency
 
 
-def efficiency(budget_s: float, cps: list[int], lengths: list[int], heads: int, kv_heads: int) -> dict:
+def _measure_layouts(cp: int, spr: int, cfg) -> list[dict]:
+    return bench.measure_group(cp, spr, list(bench.LAYOUTS), cfg)
+
+
+def _describe_layout(r: dict) -> str:
+    return f"{r['layout']:11} cp={r['cp']} seq/rank={r['seq_per_rank']:6} {r['pass']:17} eff={r['efficiency']:.3f} " \
+           f"full={r['t_full_s'] * 1e3:8.2f}ms slowest rank={r['t_slowest_rank_s'] * 1e3:8.2f}ms"
+
+
+def efficiency(budget_s: float, cps: list[int], lengths: list[int], heads: int, kv_heads: int,
+               measure: Callable = _measure_layouts, describe: Callable = _describe_layout) -> dict:
+    """``measure(cp, seq_per_rank, cfg) -> rows`` for each CUDA backend (bf16), cp and length
+    until ``budget_s`` is spent; every row printed by ``describe``."""
     rows, skipped = [], []
     start = time.perf_counter()
     for name in backends_for(torch.bfloat16):
@@ -187,16 +199,14 @@ def efficiency(budget_s: float, cps: list[int], lengths: list[int], heads: int, 
                     skipped.append({"backend": name, "cp": cp, "seq_per_rank": spr})
                     continue
                 try:
-                    new = bench.measure_group(cp, spr, list(bench.LAYOUTS), cfg)
+                    new = measure(cp, spr, cfg)
                 except torch.cuda.OutOfMemoryError as e:
                     skipped.append({"backend": name, "cp": cp, "seq_per_rank": spr, "error": str(e)[:200]})
                     torch.cuda.empty_cache()
                     continue
                 rows += new
                 for r in new:
-                    print(f"{name:16} {r['layout']:11} cp={cp} seq/rank={spr:6} {r['pass']:17} "
-                          f"eff={r['efficiency']:.3f} full={r['t_full_s'] * 1e3:8.2f}ms "
-                          f"slowest rank={r['t_slowest_rank_s'] * 1e3:8.2f}ms", flush=True)
+                    print(f"{name:16} {describe(r)}", flush=True)
     if skipped:
         print(f"efficiency: skipped {len(skipped)} configurations (time budget or memory): {skipped}", flush=True)
     return {"rows": rows, "skipped": skipped}
@@ -305,8 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     sections = {
         "correctness": correctness,
         "efficiency": lambda: efficiency(a.budget_s, a.cp, a.seq_per_rank, a.heads, a.kv_heads),
-        "patterns": lambda: gpu_patterns.patterns_efficiency(DEVICE, backends_for(torch.bfloat16), a.budget_s,
-                                                             a.cp, a.seq_per_rank, a.heads, a.kv_heads),
+        "patterns": lambda: efficiency(a.budget_s, a.cp, a.seq_per_rank, a.heads, a.kv_heads,
+                                       gpu_patterns.measure_patterns, gpu_patterns.describe_pattern),
         "overlap": lambda: overlap(a.seq_per_rank, a.heads, a.kv_heads),
     }
     for section, fn in sections.items():

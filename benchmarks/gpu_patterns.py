@@ -7,8 +7,8 @@
   device, K/V gathered by in-process copies) against full attention: out, lse, dq (the
   parts a virtual run computes exactly; every pattern's dK/dV and Ulysses / hybrid are
   tested over gloo in tests/test_cp_patterns.py).
-- :func:`patterns_efficiency`: pattern_efficiency.measure on the device, bf16, within a
-  time budget.
+- :func:`measure_patterns` / :func:`describe_pattern`: pattern_efficiency.measure for
+  gpu_check's budgeted efficiency sweep (bf16, zigzag), and one printed line per row.
 
 Kept apart from gpu_check.py, which calls them with its device and backends.
 """
@@ -16,7 +16,6 @@ Kept apart from gpu_check.py, which calls them with its device and backends.
 from __future__ import annotations
 
 import math
-import time
 from typing import Callable
 
 import torch
@@ -86,32 +85,16 @@ def patterns_virtual(device: torch.device, name: str, dtype: torch.dtype, check:
               errors)
 
 
-def patterns_efficiency(device: torch.device, names: list[str], budget_s: float, cps: list[int],
-                        lengths: list[int], heads: int, kv_heads: int) -> dict:
-    """Virtual efficiency and bytes of every pattern (zigzag, bf16) per backend, cp and length."""
-    rows, skipped = [], []
-    start = time.perf_counter()
-    for name in names:
-        cfg = bench.BenchConfig(heads=heads, kv_heads=kv_heads, head_dim=128, dtype="bfloat16",
-                                device=device.type, backend=name, repeats=3, warmup=1)
-        for cp in cps:
-            for spr in lengths:
-                if time.perf_counter() - start > budget_s:
-                    skipped.append({"backend": name, "cp": cp, "seq_per_rank": spr})
-                    continue
-                try:
-                    new = patterns.measure(cp, spr, ["zigzag"], list(patterns.PATTERNS), cfg, None)
-                except torch.cuda.OutOfMemoryError as e:
-                    skipped.append({"backend": name, "cp": cp, "seq_per_rank": spr, "error": str(e)[:200]})
-                    torch.cuda.empty_cache()
-                    continue
-                rows += new
-                for r in new:
-                    if "skipped" not in r:
-                        print(f"{name:16} {r['pattern']:10} cp={cp} seq/rank={spr:6} {r['pass']:17} "
-                              f"eff={r['efficiency']:.3f} sent/rank={r['bytes_sent_per_rank'] / 2**20:8.1f} MiB",
-                              flush=True)
-    return {"rows": rows, "skipped": skipped}
+def measure_patterns(cp: int, spr: int, cfg: bench.BenchConfig) -> list[dict]:
+    """Every pattern's virtual efficiency and bytes (zigzag) at one cp and length."""
+    return patterns.measure(cp, spr, ["zigzag"], list(patterns.PATTERNS), cfg, None)
 
 
-__all__ = ["patterns_efficiency", "patterns_virtual", "softcap_blocks"]
+def describe_pattern(r: dict) -> str:
+    if "skipped" in r:
+        return f"{r['pattern']:10} cp={r['cp']} skipped: {r['skipped']}"
+    return (f"{r['pattern']:10} cp={r['cp']} seq/rank={r['seq_per_rank']:6} {r['pass']:17} "
+            f"eff={r['efficiency']:.3f} sent/rank={r['bytes_sent_per_rank'] / 2**20:8.1f} MiB")
+
+
+__all__ = ["describe_pattern", "measure_patterns", "patterns_virtual", "softcap_blocks"]

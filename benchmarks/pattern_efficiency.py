@@ -33,7 +33,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 import tempfile
 from typing import Optional
