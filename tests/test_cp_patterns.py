@@ -113,13 +113,11 @@ def test_patterns_world_2():
 
 
 # 2 Ulysses groups of 2 ranks, the ring across them.
-WORLD4_CASES = _cases("hybrid", layouts=("zigzag", "contiguous"), ulysses_size=2, seq=32) + [
+WORLD4_CASES = _cases("hybrid", ulysses_size=2, seq=32) + [
     {"pattern": "hybrid", "layout": "zigzag", "ulysses_size": 2, "hk": 1, "window": 9, "softcap": 2.0,
      "sinks": True, "seq": 32},
     {"pattern": "hybrid", "layout": "stripe", "ulysses_size": 4, "window": 9, "sinks": True, "seq": 32},
     {"pattern": "hybrid", "layout": "stripe", "ulysses_size": 1, "softcap": 2.0, "seq": 32},
-    {"pattern": "hybrid", "layout": "stripe", "ulysses_size": 2, "seq": 32,
-     "refused": "use pattern='ulysses' or 'allgather' for layout='stripe'"},
     {"pattern": "hybrid", "layout": "zigzag", "ulysses_size": 2, "hq": 6, "hk": 3, "seq": 32,
      "refused": "cannot split 3 K/V heads over 2 ranks"},
 ]
@@ -152,3 +150,15 @@ def test_bad_arguments_are_refused(kwargs, error, match):
     q, k, v, _, _ = _inputs()
     with pytest.raises(error, match=match):
         hf_ring.context_parallel_attn_func(q, k, v, **kwargs)
+
+
+def test_a_ring_over_explicit_positions_needs_a_masked_kernel():
+    from hf_ring.kernels import AttentionBackend
+    from hf_ring.kernels.reference import reference_backward, reference_forward
+    from hf_ring.ring.plan import RingPlan
+
+    unmasked = AttentionBackend(name="unmasked", description="no masked kernel", forward=reference_forward,
+                                backward=reference_backward, devices=("cpu",), dtypes=(torch.float32,))
+    positions = (torch.tensor([0, 3]), torch.tensor([1, 2]))
+    with pytest.raises(NotImplementedError, match="has no masked kernel"):
+        RingPlan(None, 0, 2, "stripe", True, 1.0, unmasked, positions=positions)
