@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import hf_ring
+from hf_ring.ring import PATTERNS
 from distributed import run_world
 from reference_attention import feature_attention, rel_err
 
@@ -52,7 +53,7 @@ def _attend(rank: int, world: int, case: dict) -> dict:
     result = hf_ring.context_parallel_attn_func(
         q, k, v, pattern=case["pattern"], layout=layout, window=case.get("window"),
         softcap=case.get("softcap"), sinks=sinks, ulysses_size=case.get("ulysses_size"),
-        backend=case.get("backend", "reference"), return_lse=want_lse,
+        backend=case.get("backend", "reference"), return_lse=want_lse, group=case.get("group"),
     )
     out, lse = result if want_lse else (result, None)
     out.backward(shard(dout))
@@ -63,7 +64,17 @@ def _attend(rank: int, world: int, case: dict) -> dict:
 
 
 def _run_cases(rank: int, world: int, cases: list) -> list:
-    return [_attend(rank, world, case) for case in cases]
+    results, states = [], {}
+    for case in cases:
+        if "cp" in case:  # a dp x cp grid: the pattern runs on this rank's CP subgroup
+            if case["cp"] not in states:
+                states[case["cp"]] = hf_ring.setup_context_parallel(case["cp"], activate=False)
+            state = states[case["cp"]]
+            case = {**case, "group": state.cp_group}
+            results.append(_attend(state.cp_rank, state.cp_size, case))
+        else:
+            results.append(_attend(rank, world, case))
+    return results
 
 
 def _check(case: dict, per_rank: list) -> None:
@@ -120,13 +131,16 @@ WORLD4_CASES = _cases("hybrid", ulysses_size=2, seq=32) + [
     {"pattern": "hybrid", "layout": "stripe", "ulysses_size": 1, "softcap": 2.0, "seq": 32},
     {"pattern": "hybrid", "layout": "zigzag", "ulysses_size": 2, "hq": 6, "hk": 3, "seq": 32,
      "refused": "cannot split 3 K/V heads over 2 ranks"},
+    # dp 2 x cp 2: each pattern on the CP subgroups (ranks 0-1 and 2-3), global ranks mapped.
+    *({"pattern": p, "layout": "zigzag", "cp": 2, "window": 5, "sinks": True} for p in PATTERNS[:3]),
 ]
 
 
 def test_hybrid_world_4():
     results = run_world(4, _run_cases, WORLD4_CASES)
     for i, case in enumerate(WORLD4_CASES):
-        _check(case, [results[r][i] for r in range(4)])
+        for ranks in ([0, 1], [2, 3]) if "cp" in case else ([0, 1, 2, 3],):
+            _check(case, [results[r][i] for r in ranks])
 
 
 def test_one_process_is_exact_for_every_implemented_pattern():
