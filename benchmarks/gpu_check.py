@@ -7,10 +7,14 @@ Three sections, each guarded so that a failure in one still lets the others run:
    the same rounded inputs, for MHA and GQA, head_dim 64 and 128, causal (square) and
    non-causal (q_len != k_len, lengths not multiples of the kernels' tiles) blocks; then
    the whole virtual ring (zigzag cp=4 and packed cp=2, from ring_efficiency.py) with each
-   backend against full attention (out, lse, dq). Tolerances on norm(x - ref) / norm(ref): see TOL.
+   backend against full attention (out, lse, dq); logit softcapping on the backends that
+   take it, and the virtual all-gather pattern (gpu_patterns.py). Tolerances on
+   norm(x - ref) / norm(ref): see TOL.
 2. efficiency: ring_efficiency.measure_group with each CUDA backend, bf16, cp 4 and 8,
    4k to 32k tokens per rank, within --budget-s seconds (the rest is skipped, and said so).
-3. overlap: time to move one K/V block (a device-to-device copy, and a copy to a second
+3. patterns: every context-parallel pattern's virtual efficiency and bytes sent per rank
+   (pattern_efficiency.py), bf16, zigzag, within --budget-s seconds.
+4. overlap: time to move one K/V block (a device-to-device copy, and a copy to a second
    GPU when there is one) against the time to compute one ring step on it, forward and
    backward. The ring hides the transfer when transfer < compute.
 
@@ -37,6 +41,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 # The sibling script, and hf_ring itself from this checkout: a GPU machine may have only
 # torch installed, not this package.
 sys.path[:0] = [_HERE, os.path.dirname(_HERE)]
+import gpu_patterns  # noqa: E402
 import ring_efficiency as bench  # noqa: E402
 
 from hf_ring.kernels import available_backends, get_backend  # noqa: E402
@@ -147,6 +152,13 @@ def correctness() -> dict:
                 for layout, cp in (("zigzag", 4), ("packed", 2)):
                     _run_one(rows, lambda: check_ring(name, dtype, layout, cp, rows),
                              dict(kind="ring", backend=name, dtype=str(dtype), layout=layout))
+    for dtype in (torch.bfloat16, torch.float16):
+        check = lambda what, errors, dtype=dtype: _check(rows, what, errors, TOL[dtype])  # noqa: E731
+        _run_one(rows, lambda: gpu_patterns.softcap_blocks(DEVICE, backends_for(dtype), dtype, check),
+                 dict(kind="softcap block", dtype=str(dtype)))
+        for name in backends_for(dtype)[:1]:
+            _run_one(rows, lambda: gpu_patterns.patterns_virtual(DEVICE, name, dtype, check),
+                     dict(kind="allgather pattern", backend=name, dtype=str(dtype)))
     failed = [r for r in rows if not r["pass"]]
     print(f"correctness: {len(rows) - len(failed)} passed, {len(failed)} failed", flush=True)
     return {"checks": rows, "failed": len(failed), "backends": {str(d): backends_for(d) for d in TOL}}
@@ -163,7 +175,19 @@ def _run_one(rows: list[dict], fn: Callable[[], None], what: dict) -> None:
 # -------------------------------------------------------------------------- efficiency
 
 
-def efficiency(budget_s: float, cps: list[int], lengths: list[int], heads: int, kv_heads: int) -> dict:
+def _measure_layouts(cp: int, spr: int, cfg) -> list[dict]:
+    return bench.measure_group(cp, spr, list(bench.LAYOUTS), cfg)
+
+
+def _describe_layout(r: dict) -> str:
+    return f"{r['layout']:11} cp={r['cp']} seq/rank={r['seq_per_rank']:6} {r['pass']:17} eff={r['efficiency']:.3f} " \
+           f"full={r['t_full_s'] * 1e3:8.2f}ms slowest rank={r['t_slowest_rank_s'] * 1e3:8.2f}ms"
+
+
+def efficiency(budget_s: float, cps: list[int], lengths: list[int], heads: int, kv_heads: int,
+               measure: Callable = _measure_layouts, describe: Callable = _describe_layout) -> dict:
+    """``measure(cp, seq_per_rank, cfg) -> rows`` for each CUDA backend (bf16), cp and length
+    until ``budget_s`` is spent; every row printed by ``describe``."""
     rows, skipped = [], []
     start = time.perf_counter()
     for name in backends_for(torch.bfloat16):
@@ -175,16 +199,14 @@ def efficiency(budget_s: float, cps: list[int], lengths: list[int], heads: int, 
                     skipped.append({"backend": name, "cp": cp, "seq_per_rank": spr})
                     continue
                 try:
-                    new = bench.measure_group(cp, spr, list(bench.LAYOUTS), cfg)
+                    new = measure(cp, spr, cfg)
                 except torch.cuda.OutOfMemoryError as e:
                     skipped.append({"backend": name, "cp": cp, "seq_per_rank": spr, "error": str(e)[:200]})
                     torch.cuda.empty_cache()
                     continue
                 rows += new
                 for r in new:
-                    print(f"{name:16} {r['layout']:11} cp={cp} seq/rank={spr:6} {r['pass']:17} "
-                          f"eff={r['efficiency']:.3f} full={r['t_full_s'] * 1e3:8.2f}ms "
-                          f"slowest rank={r['t_slowest_rank_s'] * 1e3:8.2f}ms", flush=True)
+                    print(f"{name:16} {describe(r)}", flush=True)
     if skipped:
         print(f"efficiency: skipped {len(skipped)} configurations (time budget or memory): {skipped}", flush=True)
     return {"rows": rows, "skipped": skipped}
@@ -270,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-per-rank", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--skip", nargs="*", default=[], choices=["correctness", "efficiency", "overlap"])
+    p.add_argument("--skip", nargs="*", default=[], choices=["correctness", "efficiency", "patterns", "overlap"])
     p.add_argument("--dry-run-cpu", action="store_true",
                    help="run this script's logic on the CPU flash backend (no GPU needed; numbers are not CUDA's)")
     a = p.parse_args(argv)
@@ -293,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     sections = {
         "correctness": correctness,
         "efficiency": lambda: efficiency(a.budget_s, a.cp, a.seq_per_rank, a.heads, a.kv_heads),
+        "patterns": lambda: efficiency(a.budget_s, a.cp, a.seq_per_rank, a.heads, a.kv_heads,
+                                       gpu_patterns.measure_patterns, gpu_patterns.describe_pattern),
         "overlap": lambda: overlap(a.seq_per_rank, a.heads, a.kv_heads),
     }
     for section, fn in sections.items():

@@ -33,7 +33,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 import tempfile
 from typing import Optional
@@ -47,6 +46,7 @@ import ring_efficiency as bench  # noqa: E402
 from hf_ring.ring import RingPlan, VirtualRing, ring_attention  # noqa: E402
 from hf_ring.ring.allgather import allgather_attention  # noqa: E402
 from hf_ring.ring.collectives import VirtualCollectives  # noqa: E402
+from hf_ring.ring.hybrid import RING_SHARD_LAYOUTS, group_positions  # noqa: E402
 from hf_ring.ring.ulysses import kv_repeat, ulysses_attention  # noqa: E402
 
 PATTERNS = ("ring", "allgather", "ulysses", "hybrid")
@@ -120,7 +120,8 @@ def rank_op(pattern: str, pb: bench.Problem, rank: int, kernel, scale: float, co
     _, _, s, hk, d = pb.kv_by_rank[0].shape
     hk_local = max(hk, u) // u  # K/V heads per rank after the Ulysses exchange
     blocks = [torch.randn(2, 1, u * s, hk_local, d, dtype=pb.q.dtype, device=pb.q.device) for _ in range(cp // u)]
-    ring = RingPlan(None, g, cp // u, layout, True, scale, kernel,
+    positions = None if layout in RING_SHARD_LAYOUTS else group_positions(cp * s, cp, u, layout)
+    ring = RingPlan(None, g, cp // u, layout, True, scale, kernel, positions=positions,
                     transport=counting_transport(VirtualRing(g, blocks), counter))
     coll = CountingCollectives(VirtualCollectives(member, world=u), counter)
     return lambda q, k, v: ulysses_attention(q, k, v, ring, coll, layout, g * u, cp, pattern="hybrid",
@@ -131,8 +132,6 @@ def runs(pattern: str, cp: int, layout: str, cfg: bench.BenchConfig, ulysses_siz
     """Why ``pattern`` is not run for this setting, or None."""
     if pattern == "hybrid" and (cp < 4 or ulysses_size in (1, cp) or cp % ulysses_size):
         return f"hybrid needs 1 < ulysses_size < cp dividing cp (cp {cp}, ulysses_size {ulysses_size})"
-    if pattern == "hybrid" and layout == "stripe":
-        return "hybrid refuses the stripe layout"
     degree = cp if pattern == "ulysses" else ulysses_size
     if pattern in ("ulysses", "hybrid"):
         try:

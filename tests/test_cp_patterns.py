@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import hf_ring
+from hf_ring.ring import PATTERNS
 from distributed import run_world
 from reference_attention import feature_attention, rel_err
 
@@ -52,7 +53,7 @@ def _attend(rank: int, world: int, case: dict) -> dict:
     result = hf_ring.context_parallel_attn_func(
         q, k, v, pattern=case["pattern"], layout=layout, window=case.get("window"),
         softcap=case.get("softcap"), sinks=sinks, ulysses_size=case.get("ulysses_size"),
-        backend=case.get("backend", "reference"), return_lse=want_lse,
+        backend=case.get("backend", "reference"), return_lse=want_lse, group=case.get("group"),
     )
     out, lse = result if want_lse else (result, None)
     out.backward(shard(dout))
@@ -63,7 +64,17 @@ def _attend(rank: int, world: int, case: dict) -> dict:
 
 
 def _run_cases(rank: int, world: int, cases: list) -> list:
-    return [_attend(rank, world, case) for case in cases]
+    results, states = [], {}
+    for case in cases:
+        if "cp" in case:  # a dp x cp grid: the pattern runs on this rank's CP subgroup
+            if case["cp"] not in states:
+                states[case["cp"]] = hf_ring.setup_context_parallel(case["cp"], activate=False)
+            state = states[case["cp"]]
+            case = {**case, "group": state.cp_group}
+            results.append(_attend(state.cp_rank, state.cp_size, case))
+        else:
+            results.append(_attend(rank, world, case))
+    return results
 
 
 def _check(case: dict, per_rank: list) -> None:
@@ -113,22 +124,23 @@ def test_patterns_world_2():
 
 
 # 2 Ulysses groups of 2 ranks, the ring across them.
-WORLD4_CASES = _cases("hybrid", layouts=("zigzag", "contiguous"), ulysses_size=2, seq=32) + [
+WORLD4_CASES = _cases("hybrid", ulysses_size=2, seq=32) + [
     {"pattern": "hybrid", "layout": "zigzag", "ulysses_size": 2, "hk": 1, "window": 9, "softcap": 2.0,
      "sinks": True, "seq": 32},
     {"pattern": "hybrid", "layout": "stripe", "ulysses_size": 4, "window": 9, "sinks": True, "seq": 32},
     {"pattern": "hybrid", "layout": "stripe", "ulysses_size": 1, "softcap": 2.0, "seq": 32},
-    {"pattern": "hybrid", "layout": "stripe", "ulysses_size": 2, "seq": 32,
-     "refused": "use pattern='ulysses' or 'allgather' for layout='stripe'"},
     {"pattern": "hybrid", "layout": "zigzag", "ulysses_size": 2, "hq": 6, "hk": 3, "seq": 32,
      "refused": "cannot split 3 K/V heads over 2 ranks"},
+    # dp 2 x cp 2: each pattern on the CP subgroups (ranks 0-1 and 2-3), global ranks mapped.
+    *({"pattern": p, "layout": "zigzag", "cp": 2, "window": 5, "sinks": True} for p in PATTERNS[:3]),
 ]
 
 
 def test_hybrid_world_4():
     results = run_world(4, _run_cases, WORLD4_CASES)
     for i, case in enumerate(WORLD4_CASES):
-        _check(case, [results[r][i] for r in range(4)])
+        for ranks in ([0, 1], [2, 3]) if "cp" in case else ([0, 1, 2, 3],):
+            _check(case, [results[r][i] for r in ranks])
 
 
 def test_one_process_is_exact_for_every_implemented_pattern():
@@ -152,3 +164,15 @@ def test_bad_arguments_are_refused(kwargs, error, match):
     q, k, v, _, _ = _inputs()
     with pytest.raises(error, match=match):
         hf_ring.context_parallel_attn_func(q, k, v, **kwargs)
+
+
+def test_a_ring_over_explicit_positions_needs_a_masked_kernel():
+    from hf_ring.kernels import AttentionBackend
+    from hf_ring.kernels.reference import reference_backward, reference_forward
+    from hf_ring.ring.plan import RingPlan
+
+    unmasked = AttentionBackend(name="unmasked", description="no masked kernel", forward=reference_forward,
+                                backward=reference_backward, devices=("cpu",), dtypes=(torch.float32,))
+    positions = (torch.tensor([0, 3]), torch.tensor([1, 2]))
+    with pytest.raises(NotImplementedError, match="has no masked kernel"):
+        RingPlan(None, 0, 2, "stripe", True, 1.0, unmasked, positions=positions)

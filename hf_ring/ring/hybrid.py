@@ -11,8 +11,10 @@ tokens for ``1/U`` of the heads. With the zigzag or contiguous layout those toke
 exactly what rank ``g`` of an ``R``-rank ring holds in the same layout (for zigzag: the
 group's first chunks form chunk ``g`` of ``2R``, its second chunks chunk ``2R - 1 - g``),
 so the ring runs on them unchanged, with its block schedule, windows, softcap and sinks,
-and the all-to-all turns the result back. The stripe layout's group tokens are no
-layout's shard of ``R`` ranks, so hybrid refuses it (Ulysses and all-gather take it).
+and the all-to-all turns the result back. Under the stripe layout a group's tokens (those
+whose position mod N falls in the group's ranks) are no layout's shard of ``R`` ranks:
+the ring then runs on their explicit positions (``RingPlan.positions``), each step one
+block masked by position, which needs a backend with a masked kernel.
 
 The subgroups are built once per (group, ``ulysses_size``) by the ranks that belong to
 them (``use_local_synchronization``), and reused.
@@ -20,6 +22,7 @@ them (``use_local_synchronization``), and reused.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -30,18 +33,19 @@ from hf_ring.ring.collectives import GroupCollectives
 from hf_ring.ring.comm import CommWaitStats
 from hf_ring.ring.plan import RingPlan
 from hf_ring.ring.ulysses import ulysses_attention
+from hf_ring.sharding.layouts import shard_indices
 
-HYBRID_LAYOUTS = ("zigzag", "contiguous")
+# Layouts under which a Ulysses group's tokens are a ring shard of the same layout.
+RING_SHARD_LAYOUTS = ("zigzag", "contiguous")
 
 
-def check_hybrid_layout(layout: str) -> None:
-    """Refuse (before any collective) a layout whose Ulysses groups hold no ring shard."""
-    if layout not in HYBRID_LAYOUTS:
-        raise NotImplementedError(
-            f"pattern='hybrid' takes the layouts {HYBRID_LAYOUTS} (a Ulysses group's tokens under "
-            f"{layout!r} are not one ring rank's shard); use pattern='ulysses' or 'allgather' for "
-            f"layout={layout!r}, or shard with layout='zigzag'"
-        )
+@functools.lru_cache(maxsize=64)
+def group_positions(seq: int, world: int, ulysses_size: int, layout: str) -> tuple[torch.Tensor, ...]:
+    """Each Ulysses group's global token positions, its ranks' shards one after another:
+    int64 ``(ulysses_size * seq / world,)`` CPU tensors, one per group."""
+    u = ulysses_size
+    return tuple(torch.cat([shard_indices(seq, world, g * u + i, layout) for i in range(u)])
+                 for g in range(world // u))
 
 
 @dataclass(frozen=True)
@@ -97,7 +101,7 @@ def hybrid_attention(
         q: ``(batch, local_seq, n_heads, head_dim)``; k, v ``(batch, local_seq, n_kv_heads,
             head_dim)``; one float dtype and device, sharded by ``layout`` over ``U * R`` ranks.
         groups: from :func:`hybrid_groups`.
-        layout: ``"zigzag"`` or ``"contiguous"``.
+        layout: ``"zigzag"``, ``"contiguous"`` or ``"stripe"`` (stripe: masked kernel needed).
         causal, scale, backend, window, softcap: as in ``context_parallel_attn_func``
             (backend resolved).
         sinks: optional float ``(n_heads,)``, differentiable.
@@ -107,13 +111,15 @@ def hybrid_attention(
         ``out`` like q (differentiable in q, k, v, sinks) and ``lse`` ``(batch, n_heads,
         local_seq)`` float32 (float64 for float64 inputs), or None.
     """
-    check_hybrid_layout(layout)
+    world = groups.ulysses_size * groups.ring_size
+    positions = None
+    if layout not in RING_SHARD_LAYOUTS:
+        positions = group_positions(q.shape[1] * world, world, groups.ulysses_size, layout)
     ring = RingPlan(groups.ring, groups.group_index, groups.ring_size, layout, causal, scale, backend,
-                    window=window, comm_stats=comm_stats, softcap=softcap)
+                    window=window, comm_stats=comm_stats, softcap=softcap, positions=positions)
     coll = GroupCollectives(groups.ulysses, comm_stats)
     first = groups.group_index * groups.ulysses_size
-    return ulysses_attention(q, k, v, ring, coll, layout, first, groups.ulysses_size * groups.ring_size,
-                             sinks, pattern="hybrid", need_lse=need_lse)
+    return ulysses_attention(q, k, v, ring, coll, layout, first, world, sinks, pattern="hybrid", need_lse=need_lse)
 
 
-__all__ = ["HYBRID_LAYOUTS", "check_hybrid_layout", "HybridGroups", "hybrid_attention", "hybrid_groups"]
+__all__ = ["RING_SHARD_LAYOUTS", "group_positions", "HybridGroups", "hybrid_attention", "hybrid_groups"]

@@ -30,7 +30,7 @@ from hf_ring.ring.allgather import allgather_attention
 from hf_ring.ring.api import group_coords, ring_attention
 from hf_ring.ring.collectives import GroupCollectives
 from hf_ring.ring.comm import CommWaitStats
-from hf_ring.ring.hybrid import check_hybrid_layout, hybrid_attention, hybrid_groups
+from hf_ring.ring.hybrid import hybrid_attention, hybrid_groups
 from hf_ring.ring.plan import RingPlan
 from hf_ring.ring.ulysses import kv_repeat, ulysses_attention
 from hf_ring.ring.validation import check_across_ranks, check_local, float_bits
@@ -100,7 +100,6 @@ def _hybrid_op(q, k, v, sinks, call: PatternCall):
         return _ring_op(q, k, v, sinks, call)
     if call.ulysses_size == call.world:  # one Ulysses group: no ring
         return _ulysses_op(q, k, v, sinks, call)
-    check_hybrid_layout(call.layout)  # before the subgroups are built: every rank refuses alike
     groups = hybrid_groups(call.group, call.ulysses_size)
     return hybrid_attention(q, k, v, groups, call.layout, call.causal, call.scale, call.backend, call.window,
                             call.softcap, sinks, call.comm_stats, call.need_lse)

@@ -81,37 +81,42 @@ def orders(seq: int, world: int, ranks: tuple[int, ...], layout: str, target: tu
     return _DEVICE_ORDERS[key]
 
 
-def seq_to_heads(x: torch.Tensor, coll: Collectives, perm: torch.Tensor) -> torch.Tensor:
+def _take(x: torch.Tensor, dim: int, order: Optional[torch.Tensor]) -> torch.Tensor:
+    return x if order is None else x.index_select(dim, order)
+
+
+def seq_to_heads(x: torch.Tensor, coll: Collectives, perm: Optional[torch.Tensor]) -> torch.Tensor:
     """x ``(b, s, h, d)`` (this rank's tokens, every head) -> ``(b, U * s, h / U, d)``: the
-    group's tokens, taken in ``perm`` order, for this rank's heads; differentiable."""
+    group's tokens, taken in ``perm`` order (None: as received, rank after rank), for this
+    rank's heads; differentiable."""
     b, s, h, d = x.shape
     u = coll.world
     x = x.view(b, s, u, h // u, d).permute(2, 0, 1, 3, 4)  # (U, b, s, h/U, d): head slice j to rank j
     x = all_to_all(x, coll)  # entry j: rank j's tokens, my heads
-    return x.permute(1, 0, 2, 3, 4).reshape(b, u * s, h // u, d).index_select(1, perm)
+    return _take(x.permute(1, 0, 2, 3, 4).reshape(b, u * s, h // u, d), 1, perm)
 
 
-def heads_to_seq(y: torch.Tensor, coll: Collectives, inverse: torch.Tensor) -> torch.Tensor:
+def heads_to_seq(y: torch.Tensor, coll: Collectives, inverse: Optional[torch.Tensor]) -> torch.Tensor:
     """Inverse of :func:`seq_to_heads`: y ``(b, U * s, h / U, d)`` -> ``(b, s, h, d)``."""
     b, n, hl, d = y.shape
     u = coll.world
-    y = y.index_select(1, inverse).view(b, u, n // u, hl, d).permute(1, 0, 2, 3, 4)  # to rank j: its tokens
+    y = _take(y, 1, inverse).view(b, u, n // u, hl, d).permute(1, 0, 2, 3, 4)  # to rank j: its tokens
     y = all_to_all(y, coll)  # entry j: my tokens, rank j's heads
     return y.permute(1, 2, 0, 3, 4).reshape(b, n // u, u * hl, d)
 
 
-def lse_to_seq(lse: torch.Tensor, coll: Collectives, inverse: torch.Tensor) -> torch.Tensor:
+def lse_to_seq(lse: torch.Tensor, coll: Collectives, inverse: Optional[torch.Tensor]) -> torch.Tensor:
     """lse ``(b, h / U, U * s)`` of this rank's heads -> ``(b, h, s)`` of its tokens (no grad)."""
     b, hl, n = lse.shape
     u = coll.world
     with torch.no_grad():
-        lse = lse.index_select(2, inverse).view(b, hl, u, n // u).permute(2, 0, 1, 3)
+        lse = _take(lse, 2, inverse).view(b, hl, u, n // u).permute(2, 0, 1, 3)
         return coll.all_to_all(lse).permute(1, 0, 2, 3).reshape(b, u * hl, n // u)
 
 
 def exchange_inputs(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor], coll: Collectives,
-    perm: torch.Tensor, pattern: str,
+    perm: Optional[torch.Tensor], pattern: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """q ``(b, s, hq, d)``, k/v ``(b, s, hk, d)``, sinks ``(hq,)`` -> the group's tokens in
     ``perm`` order for this rank's heads: q ``(b, U*s, hq/U, d)``, k/v ``(b, U*s, hk', d)``
@@ -140,7 +145,8 @@ def ulysses_attention(
             head_dim)``; one float dtype and device.
         plan: the attention over the group's tokens: one process over the whole sequence
             (``world=1``, contiguous: pure Ulysses), or the ring across Ulysses groups
-            (hybrid), whose layout fixes the order the group's tokens are taken in.
+            (hybrid), whose layout fixes the order the group's tokens are taken in; a plan
+            with explicit ``positions`` takes them as received (rank after rank).
         sinks: optional float ``(n_heads,)``, differentiable.
         need_lse: send the lse back too (one more, small, all-to-all); else lse is None.
 
@@ -150,7 +156,9 @@ def ulysses_attention(
     """
     seq = q.shape[1] * world
     ranks = tuple(range(first_rank, first_rank + coll.world))
-    perm, inverse = orders(seq, world, ranks, layout, (plan.world, plan.rank, plan.layout), q.device)
+    perm = inverse = None
+    if plan.positions is None:
+        perm, inverse = orders(seq, world, ranks, layout, (plan.world, plan.rank, plan.layout), q.device)
     qh, kh, vh, local_sinks = exchange_inputs(q, k, v, sinks, coll, perm, pattern)
     out, lse = ring_attention(qh, kh, vh, plan, local_sinks)  # (b, U*s, hq/U, d), (b, hq/U, U*s)
     return heads_to_seq(out, coll, inverse), lse_to_seq(lse, coll, inverse) if need_lse else None
