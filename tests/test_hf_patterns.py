@@ -125,12 +125,18 @@ def results(cases):
     return run_world(2, _rank_main, cases)
 
 
+@pytest.fixture(scope="module")
+def references(cases):
+    """One process, eager attention, the full sequence: each model once."""
+    positions = torch.arange(SEQ).expand(BATCH, -1)
+    return {name: _run(_model(name, "eager", c["state_dict"]), c["ids"], positions, c["weights"])
+            for name, c in cases.items()}
+
+
 @pytest.mark.parametrize("pattern", PATTERNS)
 @pytest.mark.parametrize("name", MODELS)
-def test_pattern_matches_one_process(cases, results, pattern, name):
-    case = cases[name]
-    want = _run(_model(name, "eager", case["state_dict"]), case["ids"], torch.arange(SEQ).expand(BATCH, -1),
-                case["weights"])
+def test_pattern_matches_one_process(references, results, pattern, name):
+    want = references[name]
     got = [r[(pattern, name)] for r in results]
     assert all("refused" not in g for g in got), got[0].get("refused")
     logits = hf_ring.unshard_sequence([g["logits"] for g in got], dim=1)
