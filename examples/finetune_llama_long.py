@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import logging
 import os
 import sys
 from typing import Optional, Sequence
@@ -32,7 +33,7 @@ from typing import Optional, Sequence
 import torch
 import transformers
 from accelerate import PartialState
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, TrainingArguments
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, TrainingArguments
 
 import hf_ring
 from hf_ring.hf import deepspeed_support
@@ -48,11 +49,17 @@ def build_parser(description: Optional[str] = __doc__) -> argparse.ArgumentParse
     p.add_argument("--cp_size", type=int, default=1, help="processes per context-parallel group")
     p.add_argument("--layout", default="zigzag", choices=["zigzag", "stripe", "contiguous"],
                    help="how each sequence is split over a CP group (packing needs zigzag)")
+    p.add_argument("--cp_pattern", default="ring", choices=["ring", "allgather", "ulysses", "hybrid", "auto"],
+                   help="how attention is split across a CP group ('auto': picked per model, logged)")
+    p.add_argument("--ulysses_size", type=int, default=None, help="--cp_pattern hybrid: ranks per Ulysses group")
     p.add_argument("--seq_len", type=int, default=8192, help="longest example, in tokens")
     p.add_argument("--packing", action="store_true", help="pack each batch's examples into one row")
     p.add_argument("--max_steps", type=int, default=60)
     p.add_argument("--output_dir", default="output/finetune_llama_long")
     p.add_argument("--model_name_or_path", default=None, help="a real checkpoint instead of the tiny default model")
+    p.add_argument("--config_name", default=None,
+                   help="a model config (file or folder) to build from scratch instead of the tiny Llama; "
+                        "its vocabulary is set to the byte tokenizer's")
     p.add_argument("--attn_implementation", default=None,
                    help="default: ring_flash when cp_size > 1, else sdpa")
     p.add_argument("--hidden_size", type=int, default=128, help="default model only")
@@ -125,8 +132,23 @@ def build_model(args: argparse.Namespace, tokenizer, attn_implementation: str,
         return AutoModelForCausalLM.from_pretrained(
             args.model_name_or_path, attn_implementation=attn_implementation, dtype=_dtype(args)
         )
+    if args.config_name:
+        config = AutoConfig.from_pretrained(args.config_name)
+        config.vocab_size = len(tokenizer)
+        config.pad_token_id, config.bos_token_id, config.eos_token_id = (
+            tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id)
+        config.use_cache = False
+    else:
+        config = _default_config(args, tokenizer)
+    # Whole even under ZeRO-3 (partitioned when the Trainer wraps it): the same --seed, the same weights.
+    with deepspeed_support.constructed_whole(training_args):
+        return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).to(_dtype(args))
+
+
+def _default_config(args: argparse.Namespace, tokenizer) -> LlamaConfig:
+    """The embedded default: a small Llama sized by --hidden_size and --num_layers."""
     heads = max(2, args.hidden_size // 16)
-    config = LlamaConfig(
+    return LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=args.hidden_size,
         intermediate_size=2 * args.hidden_size,
@@ -139,9 +161,6 @@ def build_model(args: argparse.Namespace, tokenizer, attn_implementation: str,
         eos_token_id=tokenizer.eos_token_id,
         use_cache=False,
     )
-    # Whole even under ZeRO-3 (partitioned when the Trainer wraps it): the same --seed, the same weights.
-    with deepspeed_support.constructed_whole(training_args):
-        return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).to(_dtype(args))
 
 
 def share_cores() -> None:
@@ -152,7 +171,10 @@ def share_cores() -> None:
 
 def start_plugin(args: argparse.Namespace) -> hf_ring.RingAttentionPlugin:
     """The plugin with its dp x cp groups built (after the process group is up); prints this rank's place."""
-    plugin = hf_ring.RingAttentionPlugin(cp_size=args.cp_size, layout=args.layout)
+    logging.getLogger("hf_ring").setLevel(logging.INFO)  # --cp_pattern auto says what it picked
+    logging.getLogger("hf_ring").addHandler(logging.StreamHandler(sys.stdout))
+    plugin = hf_ring.RingAttentionPlugin(cp_size=args.cp_size, layout=args.layout, pattern=args.cp_pattern,
+                                         ulysses_size=args.ulysses_size)
     state = plugin.setup()
     print(f"[hf_ring] {plugin.describe()} (dp_size {state.dp_size} x cp_size {state.cp_size})", flush=True)
     return plugin

@@ -9,18 +9,22 @@ import importlib.util
 
 from hf_ring.ring import (
     ContextParallelState,
+    context_parallel_attn_func,
     get_context_parallel_state,
     ring_flash_attn_func,
     ring_flash_attn_varlen_func,
     set_context_parallel_state,
     setup_context_parallel,
 )
+from hf_ring.ring.wrap import ContextParallel
 from hf_ring.sharding import shard_sequence, unshard_sequence
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ContextParallel",
     "ContextParallelState",
+    "context_parallel_attn_func",
     "get_context_parallel_state",
     "ring_flash_attn_func",
     "ring_flash_attn_varlen_func",

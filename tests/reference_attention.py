@@ -100,3 +100,42 @@ def segment_attention(
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     """norm(x - ref) / norm(ref), in float64."""
     return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def feature_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *, causal: bool = True,
+    scale: Optional[float] = None, window: Optional[int] = None, softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+) -> dict[str, torch.Tensor]:
+    """Float64 attention over the full sequence with every feature written out, and its
+    gradients from autograd.
+
+    q, dout ``(b, s, hq, d)``, k/v ``(b, s, hk, d)``; ``window``: key j visible to query i
+    iff ``0 <= i - j < window``; ``softcap``: scores -> ``softcap * tanh(scores / softcap)``
+    (after the scale, before the mask); ``sinks`` ``(hq,)``: a column of per-head logits
+    appended to the scores, dropped after the softmax. Returns float64 ``out``, ``lse``
+    ``(b, hq, s)`` (sink included), ``dq``, ``dk``, ``dv`` and, with sinks, ``dsinks``.
+    """
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    if sinks is not None:
+        leaves.append(sinks.detach().double().requires_grad_())
+    qt, kt, vt = (t.transpose(1, 2) for t in leaves[:3])  # (b, h, s, d)
+    group = q.shape[2] // k.shape[2]
+    kt, vt = (t.repeat_interleave(group, dim=1) for t in (kt, vt))  # GQA, reference only
+    scores = qt @ kt.transpose(-1, -2) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    n = q.shape[1]
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    visible = (i >= j) if causal else torch.ones(n, n, dtype=torch.bool)
+    if window is not None:
+        visible = visible & (i - j < window)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        b, h = scores.shape[:2]
+        scores = torch.cat([scores, leaves[3].view(1, h, 1, 1).expand(b, h, n, 1)], dim=-1)
+    probs = torch.softmax(scores, dim=-1)
+    out = (probs[..., :n] @ vt).transpose(1, 2)
+    grads = torch.autograd.grad(out, leaves, dout.double())
+    names = ("dq", "dk", "dv", "dsinks")
+    return {"out": out.detach(), "lse": torch.logsumexp(scores, -1).detach(), **dict(zip(names, grads))}

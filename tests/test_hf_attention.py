@@ -76,6 +76,16 @@ def tiny_model(config, attn_implementation: str, state_dict=None, seed: int = 0)
     return model.float().eval()
 
 
+def sharpen_attention(model, factor: float = 6.0):
+    """Scale every layer's q and k projections by ``factor``: a tiny random model's scores
+    are so small that softcapping (tanh) would barely change them."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(factor)
+            layer.self_attn.k_proj.weight.mul_(factor)
+    return model
+
+
 def _pair(family: str, **overrides):
     config = tiny_config(family, **overrides)
     ring = tiny_model(config, "ring_flash")
@@ -188,10 +198,30 @@ def test_packed_rows_refuse_batches_and_padding_masks():
         ring(ids, attention_mask=mask, position_ids=positions, cu_seq_lens_q=cu)
 
 
-def test_softcapping_is_refused():
+def test_softcapping_without_cp_matches_eager():
+    # Gemma 2: softcap on every layer and a 4-token window on its sliding layers, with a
+    # right-padded row; transformers runs it eagerly, ring_flash writes the same math out
+    # (local_eager.py). float32 in another order: 1e-5 (measured ~1e-7). Sharpened scores
+    # and softcap 1 make the capping matter: dropping it moves the logits by ~2e-2.
+    config = tiny_config("gemma2", sliding_window=4, attn_logit_softcapping=1.0)
+    ring = sharpen_attention(tiny_model(config, "ring_flash").train())
+    eager = tiny_model(config, "eager", ring.state_dict()).train()
+    ids = _ids(2, 12)
+    mask = torch.ones_like(ids)
+    mask[0, -3:] = 0
+    got, want = ring(ids, attention_mask=mask).logits, eager(ids, attention_mask=mask).logits
+    assert rel_err(got, want) <= 1e-5
+    got.sum().backward()
+    want.sum().backward()
+    for (name, a), (_, b) in zip(ring.named_parameters(), eager.named_parameters()):
+        assert rel_err(a.grad, b.grad) <= 1e-5, name
+
+
+def test_softcapping_on_packed_rows_is_refused():
     model = tiny_model(tiny_config("gemma2"), "ring_flash")
-    with pytest.raises(NotImplementedError, match="softcapping"):
-        model(_ids(1, 8))
+    ids, cu, positions = _packed_batch([6, 10])
+    with pytest.raises(NotImplementedError, match="softcapping.*packed rows"):
+        model(ids, position_ids=positions, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
 
 
 def test_attention_dropout_in_training_is_refused():

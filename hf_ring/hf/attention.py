@@ -10,9 +10,10 @@ down through the forward's keyword arguments; what this function does depends on
   mask transformers built for SDPA (``hf_ring.hf.mask``), so padding masks, sliding
   windows, KV caches and ``generate()`` behave exactly as with ``attn_implementation="sdpa"``.
 - ``cp_size > 1``: each rank holds a shard of the sequence; q, k, v are moved to the
-  flash layout and run through the ring on the context's plan (group, layout, backend
-  and schedule built once per forward), with no collective but the ring's own transfers
-  and no host sync. Inputs were validated by the guard: global position_ids, right
+  flash layout and run across the CP group by the state's pattern (cp_attention.py: the
+  ring on the context's plan, built once per forward, or all-gather / Ulysses / hybrid;
+  ``"auto"`` picks per kind of layer), with no collective but the pattern's own
+  transfers and no host sync. Inputs were validated by the guard: global position_ids, right
   padding only (which a causal mask makes harmless, so the mask is dropped), no cache.
   Without a context under CP (an unguarded model, or one that does not hand its keyword
   arguments to its attention layers) it refuses rather than attend within the shard.
@@ -20,11 +21,11 @@ down through the forward's keyword arguments; what this function does depends on
   without CP: the varlen ring, documents never attending to each other; batch size 1.
 
 Attention sinks (GPT-OSS's ``s_aux``) are computed, with and without CP, and so are the
-sliding windows a layer passes as ``sliding_window`` (dense rows under CP: the ring skips
-key blocks outside the window and masks those on its edge, on a backend with a masked
-kernel; windows on packed rows are refused). What
-``ring_flash`` cannot compute is refused, naming the model feature: logit softcapping
-(Gemma 2), attention dropout, keywords such as a sparse indexer's ``indices`` or a
+sliding windows a layer passes as ``sliding_window`` and logit softcapping (Gemma 2's
+``softcap``) on dense rows (without CP: sinks and softcapping eagerly, local_eager.py;
+under CP: by the pattern, which refuses, naming one that computes it, what it or its
+kernel does not; windows and softcapping on packed rows are refused). What
+``ring_flash`` cannot compute is refused, naming the model feature: attention dropout, keywords such as a sparse indexer's ``indices`` or a
 ``position_bias``, non-causal attention and KV caches under CP; what is read from the
 model's config and structure once per forward (windows, token mixers, length-dependent
 RoPE, ...) is refused by ``hf_ring.hf.model_support``.
@@ -41,8 +42,10 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from hf_ring.hf.forward_context import CONTEXT_KWARG, ForwardContext
 from hf_ring.hf.guard import RING_FLASH, guard_model
-from hf_ring.hf.local_sinks import attention_with_sinks
+from hf_ring.hf.cp_attention import cp_attention
+from hf_ring.hf.local_eager import eager_attention
 from hf_ring.ring.api import ring_attention, ring_flash_attn_varlen_func
+from hf_ring.ring.autocast import one_dtype
 from hf_ring.ring.groups import get_context_parallel_state
 
 # guard_model is re-exported: models loaded with "ring_flash" are guarded automatically,
@@ -55,17 +58,20 @@ def _name(module: nn.Module) -> str:
     return type(module).__name__ + (f" (layer {layer})" if layer is not None else "")
 
 
-def _refuse_unsupported_features(module: nn.Module, dropout: float, softcap: Optional[float]) -> None:
-    if softcap is not None:
-        raise NotImplementedError(
-            f"{_name(module)} uses attention logit softcapping (softcap={softcap}, e.g. Gemma 2's "
-            "attn_logit_softcapping), which ring_flash does not compute; use attn_implementation="
-            "'eager' or a model without softcapping"
-        )
+def _refuse_dropout(module: nn.Module, dropout: float) -> None:
     if dropout > 0:
         raise NotImplementedError(
             f"{_name(module)} asks for attention dropout {dropout} in training, which ring_flash does "
             "not compute; set the config's attention_dropout to 0.0"
+        )
+
+
+def _refuse_softcap_on_packed(module: nn.Module, softcap: Optional[float]) -> None:
+    if softcap is not None:
+        raise NotImplementedError(
+            f"{_name(module)} uses attention logit softcapping (softcap={softcap}, e.g. Gemma 2's "
+            "attn_logit_softcapping), which ring_flash computes on dense rows (with and without "
+            "context parallelism) but not on packed rows; use dense rows (no packing)"
         )
 
 
@@ -132,6 +138,7 @@ def _local_attention(
     dropout: float,
     scaling: Optional[float],
     sliding_window: Optional[int],
+    softcap: Optional[float],
     kwargs: dict[str, Any],
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     if attention_mask is not None and attention_mask.dim() != 4:
@@ -141,9 +148,9 @@ def _local_attention(
             "takes the 4-D masks transformers builds for SDPA; the model is not supported"
         )
     sinks = kwargs.pop("s_aux", None)
-    if sinks is not None:
+    if sinks is not None or softcap is not None:
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        out = attention_with_sinks(query, key, value, attention_mask, scale, sinks, _is_causal(module, kwargs))
+        out = eager_attention(query, key, value, attention_mask, scale, _is_causal(module, kwargs), sinks, softcap)
         return out, None
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
     return sdpa(
@@ -160,6 +167,7 @@ def _ring_attention(
     attention_mask: Optional[torch.Tensor],
     scaling: Optional[float],
     sliding_window: Optional[int],
+    softcap: Optional[float],
     context: ForwardContext,
     kwargs: dict[str, Any],
 ) -> tuple[torch.Tensor, None]:
@@ -174,55 +182,39 @@ def _ring_attention(
     # transformers' window keeps key j for query i when i - j < window: one of at least the
     # sequence masks nothing, and the plan runs without it (any backend).
     window = sliding_window if sliding_window is not None and sliding_window < seq else None
-    out = _run_ring(query, key, value, scaling, context, kwargs.get("s_aux"), window, module)
+    query, key, value = one_dtype(query, key, value)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    try:
+        out = cp_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scale, context,
+                           kwargs.get("s_aux"), window, softcap)
+    except NotImplementedError as e:
+        # A feature the pattern or its kernel does not compute; every rank resolves the same
+        # pattern and kernel, so all raise alike.
+        features = ", ".join(f"{n}={v}" for n, v in (("sliding_window", window), ("softcap", softcap)) if v is not None)
+        raise NotImplementedError(
+            f"{_name(module)} under context parallelism (pattern {context.state.pattern!r}, "
+            f"{seq} tokens{', ' + features if features else ''}): {e}"
+        ) from e
     context.ran_ring.add(id(module))
     return out, None
 
 
-def _run_ring(
+def _run_packed(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     scaling: Optional[float],
     context: ForwardContext,
     sinks: Optional[torch.Tensor],
-    window: Optional[int] = None,
-    module: Optional[nn.Module] = None,
 ) -> torch.Tensor:
-    """transformers' ``(batch, heads, seq_local, dim)`` through the forward's ring plan,
-    with the layer's attention sinks (``s_aux``, ``(heads,)``) if it has them and its
-    sliding ``window`` (dense rows; None: none); returns ``(batch, seq_local, heads,
-    dim)``. No collective but the ring's transfers."""
-    query, key, value = _autocast_inputs(query, key, value)
+    """transformers' ``(batch, heads, seq_local, dim)`` through the forward's (varlen) ring
+    plan, with the layer's attention sinks (``s_aux``, ``(heads,)``) if it has them;
+    returns ``(batch, seq_local, heads, dim)``. No collective but the ring's transfers."""
+    query, key, value = one_dtype(query, key, value)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    try:
-        plan = context.plan(query, scale, window)
-    except NotImplementedError as e:
-        # The backend has no masked kernel; every rank resolves the same one, so all raise.
-        raise NotImplementedError(
-            f"{_name(module)} uses sliding-window attention (window {window} tokens) over "
-            f"{query.shape[-2] * context.cp_size} tokens under context parallelism: {e}"
-        ) from e
+    plan = context.plan(query, scale)
     out, _ = ring_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), plan, sinks)
     return out
-
-
-def _autocast_inputs(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One dtype for q, k, v. Under autocast the projections come out in mixed dtypes (q and
-    k in float32 after RoPE, v in the autocast dtype), while a kernel takes one: cast all
-    three to autocast's dtype, as transformers' flash-attention path does."""
-    device_type = query.device.type
-    if torch.is_autocast_enabled(device_type):
-        target = torch.get_autocast_dtype(device_type)
-        return query.to(target), key.to(target), value.to(target)
-    if not query.dtype == key.dtype == value.dtype:
-        raise ValueError(
-            f"ring_flash got q, k, v in {query.dtype}, {key.dtype}, {value.dtype} outside autocast; "
-            "cast the model to one dtype (model.to(dtype)) or train under torch.autocast"
-        )
-    return query, key, value
 
 
 def _packed_attention(
@@ -248,7 +240,12 @@ def _packed_attention(
         out = _packed_without_context(module, query, key, value, scaling, sliding_window, kwargs, what)
         return out, None
     _refuse_short_window(module, sliding_window, max(context.doc_lens), what)
-    out = _run_ring(query, key, value, scaling, context, kwargs.get("s_aux"))
+    if context.state is not None and context.state.pattern not in ("ring", "auto"):
+        raise NotImplementedError(
+            f"packed rows run the ring pattern only (its varlen schedule), but the context-parallel state "
+            f"says pattern={context.state.pattern!r}; use pattern='ring' or 'auto' with packing"
+        )
+    out = _run_packed(query, key, value, scaling, context, kwargs.get("s_aux"))
     if context.state is not None:
         context.ran_ring.add(id(module))
     return out, None
@@ -270,7 +267,7 @@ def _packed_without_context(module, query, key, value, scaling, sliding_window, 
     if cu_k is not None and not torch.equal(cu_k.to(cu_q.device), cu_q):
         raise ValueError("cu_seq_lens_k must equal cu_seq_lens_q: ring_flash computes self-attention")
     _refuse_short_window(module, sliding_window, int((cu_q[1:] - cu_q[:-1]).max()), what)
-    query, key, value = _autocast_inputs(query, key, value)
+    query, key, value = one_dtype(query, key, value)
     # (1, heads, tokens, dim) -> (tokens, heads, dim)
     out = ring_flash_attn_varlen_func(
         query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu_q,
@@ -303,7 +300,8 @@ def ring_flash_attention_forward(
         dropout: attention dropout probability (must be 0).
         scaling: softmax scale (default ``1 / sqrt(head_dim)``).
         sliding_window: the layer's window in tokens, or None.
-        softcap: logit softcapping (must be None).
+        softcap: logit softcapping (scores become ``softcap * tanh(scores / softcap)``), or None;
+            dense rows only.
         kwargs: the model's remaining kwargs; ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (int32
             ``(n_docs + 1,)``, global document boundaries) select the packed path.
 
@@ -311,16 +309,19 @@ def ring_flash_attention_forward(
         ``(attn_output, None)``, attn_output ``(batch, seq_local, n_heads, head_dim)`` in the
         query's dtype.
     """
-    _refuse_unsupported_features(module, dropout, softcap)
+    _refuse_dropout(module, dropout)
     _refuse_uncomputed(module, kwargs)
     context: Optional[ForwardContext] = kwargs.pop(CONTEXT_KWARG, None)
     if context is None:
         _refuse_without_context(module)
     if kwargs.get("cu_seq_lens_q") is not None:
+        _refuse_softcap_on_packed(module, softcap)
         return _packed_attention(module, query, key, value, scaling, sliding_window, context, kwargs)
     if context is None or context.state is None:
-        return _local_attention(module, query, key, value, attention_mask, dropout, scaling, sliding_window, kwargs)
-    return _ring_attention(module, query, key, value, attention_mask, scaling, sliding_window, context, kwargs)
+        return _local_attention(module, query, key, value, attention_mask, dropout, scaling, sliding_window,
+                                softcap, kwargs)
+    return _ring_attention(module, query, key, value, attention_mask, scaling, sliding_window, softcap, context,
+                           kwargs)
 
 
 def _refuse_without_context(module: nn.Module) -> None:

@@ -3,7 +3,7 @@
 Why here and not in every attention layer: these properties belong to the batch (shapes,
 padding, positions, documents, cache), so one check per forward is enough. Under context
 parallelism it is collective: one all-gather of a fixed-length header over the CP group
-(batch, local length, documents, layout, and whether this rank found a problem), plus,
+(batch, local length, documents, layout, pattern, and whether this rank found a problem), plus,
 only when a padding mask is given, one all-gather of a ``(batch, 2)`` summary of it. So
 ranks that disagree, or a rank whose inputs are refused, raise an error on *every* rank
 instead of leaving the others waiting in the ring (or, with different shapes, aborting
@@ -27,10 +27,12 @@ import torch
 from hf_ring.ring.api import documents_fields
 from hf_ring.ring.comm import peer_failed
 from hf_ring.ring.groups import ContextParallelState
+from hf_ring.ring.patterns import PATTERNS
 from hf_ring.ring.validation import check_agreement, dtype_code, layout_code
 from hf_ring.sharding.layouts import shard_indices
 from hf_ring.sharding.packed import check_cu_seqlens, packed_shard_indices
 
+_PATTERN_CODES = (*PATTERNS, "auto")
 _HINT = (
     "every rank of a CP group must run the same forward on its shard of the same batch: "
     "build batches with RingDataCollator and feed them through RingAttentionPlugin (or "
@@ -238,6 +240,10 @@ def validate_cp_inputs(
         ("attention_mask", int(mask is not None)),
         ("cp_size", state.cp_size),
         ("layout", layout_code(state.layout)),
+        # pattern="auto" picks from these on every rank: ranks that differ would pick apart.
+        ("pattern", _PATTERN_CODES.index(state.pattern)),
+        ("ulysses_size", state.ulysses_size or 0),
+        ("local_world_size", state.local_world_size),
         ("autocast", int(autocast)),
         ("compute_dtype", dtype_code(compute_dtype)),
         *documents_fields(_bounds(doc_lens) if doc_lens else []),

@@ -44,7 +44,10 @@ class ForwardContext:
         comm_stats: where the ring adds the time it waited on transfers, or None.
         made_by_guard: set by the guard, the only place that validates a forward's inputs;
             a context passed by hand without it is refused.
-        ran_ring: ids of the attention modules that ran the ring in this forward.
+        ran_ring: ids of the attention modules that ran across the CP group (any
+            pattern) in this forward.
+        choices: ``pattern="auto"``'s choice per kind of attention call in this forward
+            (cp_attention.py).
     """
 
     state: Optional[ContextParallelState]
@@ -52,6 +55,7 @@ class ForwardContext:
     comm_stats: Optional[CommWaitStats] = None
     made_by_guard: bool = False
     ran_ring: set[int] = field(default_factory=set)
+    choices: dict = field(default_factory=dict)
     _plans: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -62,12 +66,14 @@ class ForwardContext:
     def cp_size(self) -> int:
         return self.state.cp_size if self.state is not None else 1
 
-    def plan(self, q: torch.Tensor, scale: float, window: Optional[int] = None) -> RingPlan:
+    def plan(
+        self, q: torch.Tensor, scale: float, window: Optional[int] = None, softcap: Optional[float] = None
+    ) -> RingPlan:
         """The ring plan for this forward's attention calls on ``q``'s device and dtype
-        with ``scale`` and sliding ``window`` (None: none), built on first use, then shared
-        by every layer with the same settings (a model alternating sliding and full layers
-        gets two plans, each with its own schedule cache)."""
-        key = (q.device, q.dtype, scale, window)
+        with ``scale``, sliding ``window`` and logit ``softcap`` (None: none), built on
+        first use, then shared by every layer with the same settings (a model alternating
+        sliding and full layers gets two plans, each with its own schedule cache)."""
+        key = (q.device, q.dtype, scale, window, softcap)
         plan = self._plans.get(key)
         if plan is None:
             s = self.state
@@ -80,10 +86,11 @@ class ForwardContext:
                 layout="zigzag" if local_docs is not None or s is None else s.layout,
                 causal=True,
                 scale=scale,
-                backend=get_backend("auto", q.device, q.dtype),
+                backend=get_backend("auto", q.device, q.dtype, softcap=softcap is not None),
                 local_doc_lens=local_docs,
                 comm_stats=self.comm_stats,
                 window=window,
+                softcap=softcap,
             )
             self._plans[key] = plan
         return plan

@@ -34,7 +34,7 @@ from hf_ring.hf import deepspeed_support
 from hf_ring.hf.collator import RingDataCollator
 from hf_ring.hf.loss import all_reduce_sum
 from hf_ring.patches import accelerate as accelerate_patches
-from hf_ring.ring.groups import ContextParallelState, setup_context_parallel
+from hf_ring.ring.groups import ContextParallelState, check_pattern, setup_context_parallel
 from hf_ring.sharding.layouts import check_layout
 
 
@@ -56,15 +56,22 @@ class RingAttentionPlugin:
             ways); must divide the number of processes. Groups are consecutive global ranks.
         layout: the sequence layout, ``"zigzag"`` (default), ``"stripe"`` or ``"contiguous"``;
             the collator and the attention must use the same.
+        pattern: how attention is split across a CP group: ``"ring"`` (default),
+            ``"allgather"``, ``"ulysses"``, ``"hybrid"`` or ``"auto"`` (picked per model
+            and sequence, logged); see ``hf_ring.context_parallel_attn_func``.
+        ulysses_size: ``pattern="hybrid"`` only: ranks per Ulysses group.
     """
 
     cp_size: int = 1
     layout: str = "zigzag"
+    pattern: str = "ring"
+    ulysses_size: Optional[int] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.cp_size, int) or isinstance(self.cp_size, bool) or self.cp_size < 1:
             raise ValueError(f"cp_size must be a positive int, got {self.cp_size!r}")
         check_layout(self.layout)
+        check_pattern(self.pattern, self.ulysses_size, self.cp_size)
         self._state: Optional[ContextParallelState] = None
 
     # ---- groups ----
@@ -93,7 +100,8 @@ class RingAttentionPlugin:
                 f"has {world}.{hint}"
             )
         # ring_flash shards in the state's layout; make_collator cuts sequences the same way.
-        self._state = setup_context_parallel(self.cp_size, layout=self.layout)
+        self._state = setup_context_parallel(self.cp_size, layout=self.layout, pattern=self.pattern,
+                                             ulysses_size=self.ulysses_size)
         # Before the model exists: ZeRO-3 partitions it as it is created, over DeepSpeed's world.
         deepspeed_support.configure(self._state)
         return self._state
@@ -116,7 +124,8 @@ class RingAttentionPlugin:
         backend = dist.get_backend() if dist.is_initialized() else "none"
         return (
             f"rank {rank}/{s.world_size} (backend {backend}): dp_rank {s.dp_rank}/{s.dp_size}, "
-            f"cp_rank {s.cp_rank}/{s.cp_size}, layout {s.layout}"
+            f"cp_rank {s.cp_rank}/{s.cp_size}, layout {s.layout}, pattern {s.pattern}"
+            + (f" (ulysses_size {s.ulysses_size})" if s.ulysses_size else "")
         )
 
     # ---- data ----

@@ -11,7 +11,8 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.metadata
-from typing import Any
+import importlib.util
+from typing import Any, Optional
 
 import torch
 from packaging.version import Version
@@ -46,31 +47,37 @@ def fa2_window(version: Version) -> dict[str, Any]:
 
 def _fa2_call(entry: str, given: dict[str, Any]) -> tuple[Any, str]:
     """Call flash-attn 2's ``entry`` with ``given`` plus the options hf_ring switches off
-    (no dropout, softcap, alibi or window), bound by the installed signature."""
+    (no dropout, alibi or window; no softcap unless ``given`` sets one), bound by the
+    installed signature."""
     fa, version = _fa2()
     fn, what = getattr(fa, entry), f"flash-attn {version} {entry}"
-    given = {**given, "dropout_p": 0.0, "softcap": 0.0, "alibi_slopes": None, **fa2_window(version)}
+    given = {"softcap": 0.0, **given, "dropout_p": 0.0, "alibi_slopes": None, **fa2_window(version)}
     return fn(**bind_kwargs(fn, what, given)), what
 
 
 def fa2_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """q ``(b, sq, hq, d)``, k/v ``(b, sk, hk, d)`` fp16/bf16 -> out like q, lse ``(b, hq, sq)`` f32."""
+                scale: float, *, softcap: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q ``(b, sq, hq, d)``, k/v ``(b, sk, hk, d)`` fp16/bf16 -> out like q, lse ``(b, hq, sq)`` f32;
+    ``softcap``: the kernel's own logit capping (flash-attn >= 2.6)."""
     check_block(FLASH_ATTN, q)
-    given = dict(q=q, k=k, v=v, softmax_scale=scale, causal=causal, return_softmax=False)
+    given = dict(q=q, k=k, v=v, softmax_scale=scale, causal=causal, return_softmax=False,
+                 softcap=softcap or 0.0)
     result, what = _fa2_call("_flash_attn_forward", given)
     return pick_out_lse(result, q, what)
 
 
 def fa2_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 lse: torch.Tensor, causal: bool, scale: float, *,
+                 softcap: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Block gradients given the final ``out`` ``(b, sq, hq, d)`` (any float dtype) and
-    ``lse`` ``(b, hq, sq)``; dq, dk, dv in the input dtype, shaped like q, k, v."""
+    ``lse`` ``(b, hq, sq)``; dq, dk, dv in the input dtype, shaped like q, k, v; ``softcap``
+    as in :func:`fa2_forward` (the kernel differentiates through its tanh)."""
     check_block(FLASH_ATTN, q)
     dq, dk, dv = grad_buffers(q, k, v)
     # The kernel indexes lse as a dense (b, h, sq) array; the ring passes a column slice.
     given = dict(dout=dout, q=q, k=k, v=v, out=out.to(q.dtype), softmax_lse=lse.float().contiguous(),
-                 dq=dq, dk=dk, dv=dv, softmax_scale=scale, causal=causal, deterministic=False)
+                 dq=dq, dk=dk, dv=dv, softmax_scale=scale, causal=causal, deterministic=False,
+                 softcap=softcap or 0.0)
     _fa2_call("_flash_attn_backward", given)
     return dq, dk, dv
 
@@ -129,4 +136,5 @@ FLASH_ATTN = AttentionBackend(
     probe=_probe,
     varlen_forward=fa2_varlen_forward,
     varlen_backward=fa2_varlen_backward,
+    softcap=True,
 )

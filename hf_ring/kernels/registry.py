@@ -104,12 +104,13 @@ def _auto_order(device: torch.device) -> list[AttentionBackend]:
     return [b for _, b in sorted(ranked, key=lambda pb: -pb[0])]
 
 
-def get_backend(name: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+def get_backend(name: str, device: torch.device, dtype: torch.dtype, *, softcap: bool = False) -> AttentionBackend:
     """Resolve ``name`` (or ``"auto"``) to a backend that runs on ``device`` for ``dtype``.
 
     ``"auto"`` takes the first backend of the preference order (see the module docstring)
-    that is installed and usable here (package version, GPU generation); a name asks for
-    exactly that backend and is an error when it cannot run.
+    that is installed and usable here (package version, GPU generation) and, with
+    ``softcap=True``, whose kernels take logit softcapping; a name asks for exactly that
+    backend and is an error when it cannot run (the caller refuses a missing softcap).
 
     Raises:
         ValueError: unknown name, not installed, or it cannot run on this device / dtype /
@@ -118,9 +119,10 @@ def get_backend(name: str, device: torch.device, dtype: torch.dtype) -> Attentio
     """
     if name == "auto":
         for backend in _auto_order(device):
-            if _usable(backend, device, dtype):
+            if (backend.softcap or not softcap) and _usable(backend, device, dtype):
                 return backend
-        raise ValueError(f"no attention backend runs on {device.type} for {dtype}")
+        raise ValueError(f"no attention backend runs on {device.type} for {dtype}"
+                         + (" with logit softcapping" if softcap else ""))
     if name not in _REGISTERED:
         known = sorted(set(_REGISTERED) | {"auto"})
         raise ValueError(f"unknown attention backend {name!r}; choose one of {known}")

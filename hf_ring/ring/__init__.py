@@ -12,13 +12,16 @@ from hf_ring.ring.groups import (
     set_context_parallel_state,
     setup_context_parallel,
 )
+from hf_ring.ring.patterns import PATTERNS, context_parallel_attn_func
 from hf_ring.ring.plan import RingPlan
 
 __all__ = [
     "CommWaitStats",
+    "PATTERNS",
     "ContextParallelState",
     "RingPlan",
     "VirtualRing",
+    "context_parallel_attn_func",
     "get_context_parallel_state",
     "ring_attention",
     "ring_flash_attn_func",

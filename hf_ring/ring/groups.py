@@ -11,12 +11,14 @@ reads it. There is one active state per process, set once at start-up, never per
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Optional
 
 import torch.distributed as dist
 
+from hf_ring.ring.patterns import PATTERNS
 from hf_ring.sharding.layouts import check_layout
 
 _ACTIVE: Optional["ContextParallelState"] = None
@@ -41,9 +43,20 @@ class ContextParallelState:
     world_group: Optional[dist.ProcessGroup] = field(default=None, compare=False, repr=False)
     # How long a collective of the CP group may wait for a peer before it fails.
     timeout: Optional[timedelta] = field(default=None, compare=False)
+    # How attention is split across the CP group (hf_ring.context_parallel_attn_func's
+    # patterns, or "auto": chosen per model and sequence, see hf_ring/ring/auto.py), and
+    # the Ulysses group size of the hybrid pattern.
+    pattern: str = "ring"
+    ulysses_size: Optional[int] = None
+    # Processes per node (LOCAL_WORLD_SIZE when launched by torchrun / accelerate): where
+    # "auto" reads whether the CP group stays inside a node.
+    local_world_size: int = 1
 
     def __post_init__(self) -> None:
         check_layout(self.layout)
+        check_pattern(self.pattern, self.ulysses_size, self.cp_size)
+        if self.local_world_size < 1:
+            raise ValueError(f"local_world_size must be >= 1, got {self.local_world_size}")
         if self.cp_size < 1 or self.dp_size < 1:
             raise ValueError(f"cp_size and dp_size must be >= 1, got {self.cp_size}, {self.dp_size}")
         if not 0 <= self.cp_rank < self.cp_size:
@@ -55,6 +68,33 @@ class ContextParallelState:
     def world_size(self) -> int:
         return self.cp_size * self.dp_size
 
+    @property
+    def first_rank(self) -> int:
+        """The global rank of this CP group's first rank (CP groups are consecutive ranks)."""
+        return self.dp_rank * self.cp_size
+
+
+def check_pattern(pattern: str, ulysses_size: Optional[int], cp_size: int) -> None:
+    """Refuse a pattern name or hybrid group size that cannot be used with ``cp_size``."""
+    if pattern not in (*PATTERNS, "auto"):
+        raise ValueError(f"unknown context-parallel pattern {pattern!r}; choose one of {', '.join(PATTERNS)} or 'auto'")
+    if pattern == "hybrid":
+        if isinstance(ulysses_size, bool) or not isinstance(ulysses_size, int) or ulysses_size < 1 or (
+                cp_size % ulysses_size):
+            raise ValueError(
+                f"pattern='hybrid' needs ulysses_size, a positive int dividing cp_size={cp_size} (Ulysses inside "
+                f"groups of ulysses_size consecutive ranks, the ring across them), got {ulysses_size!r}"
+            )
+    elif ulysses_size is not None:
+        raise ValueError(f"ulysses_size is for pattern='hybrid' only (got pattern={pattern!r}); 'auto' picks its own")
+
+
+def local_world_size(world: int) -> int:
+    """Processes per node as the launcher says (torchrun and accelerate set LOCAL_WORLD_SIZE);
+    without it, one node."""
+    value = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(value) if value.isdigit() and int(value) > 0 else world
+
 
 def setup_context_parallel(
     cp_size: int,
@@ -63,6 +103,8 @@ def setup_context_parallel(
     backend: Optional[str] = None,
     activate: bool = True,
     timeout: timedelta = DEFAULT_CP_TIMEOUT,
+    pattern: str = "ring",
+    ulysses_size: Optional[int] = None,
 ) -> ContextParallelState:
     """Build (or reuse) the dp x cp groups over the initialised default process group.
 
@@ -75,6 +117,11 @@ def setup_context_parallel(
         timeout: how long a collective of the new groups waits for a peer before it fails
             (gloo raises; NCCL's watchdog aborts). A CP group's ranks must run every forward
             together; one that does not is then an error within ``timeout``.
+        pattern: how ``ring_flash`` splits attention across the CP group: ``"ring"``,
+            ``"allgather"``, ``"ulysses"``, ``"hybrid"`` (see
+            ``hf_ring.context_parallel_attn_func``) or ``"auto"`` (picked per model from
+            head counts, sequence length, group size and placement, and features; logged).
+        ulysses_size: ``pattern="hybrid"`` only: ranks per Ulysses group.
 
     Every process of the world must call this with the same arguments (group creation is
     collective). Calling it again with the same ``cp_size`` over the same default group
@@ -87,9 +134,10 @@ def setup_context_parallel(
     if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
         raise ValueError(f"timeout must be a positive datetime.timedelta, got {timeout!r}")
     check_layout(layout)
+    check_pattern(pattern, ulysses_size, cp_size)
     if not dist.is_available() or not dist.is_initialized():
         if cp_size == 1:
-            state = ContextParallelState(None, 0, 1, None, 0, 1, layout)
+            state = ContextParallelState(None, 0, 1, None, 0, 1, layout, pattern=pattern, ulysses_size=ulysses_size)
             if activate:
                 _ACTIVE = state
             return state
@@ -105,9 +153,9 @@ def setup_context_parallel(
         and active.world_group is dist.group.WORLD
         and active.world_size == dist.get_world_size()
     ):
-        if active.layout != layout:
-            # Same groups, another layout: no collective needed.
-            active = replace(active, layout=layout)
+        if (active.layout, active.pattern, active.ulysses_size) != (layout, pattern, ulysses_size):
+            # Same groups, another layout or pattern: no collective needed.
+            active = replace(active, layout=layout, pattern=pattern, ulysses_size=ulysses_size)
             if activate:
                 _ACTIVE = active
         return active
@@ -141,6 +189,9 @@ def setup_context_parallel(
         layout=layout,
         world_group=dist.group.WORLD,
         timeout=timeout,
+        pattern=pattern,
+        ulysses_size=ulysses_size,
+        local_world_size=local_world_size(world),
     )
     if activate:
         _ACTIVE = state

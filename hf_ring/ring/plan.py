@@ -24,8 +24,9 @@ from hf_ring.ring.schedule import Block, step_blocks
 from hf_ring.ring.window import window_blocks
 from hf_ring.sharding.layouts import check_layout, shard_indices
 
-# What to use instead when a backend has no masked kernel for a window.
+# What to use instead when a backend has no masked kernel for a window, or no softcap.
 _MASKED_BACKENDS = "'torch_cpu_flash' (CPU), 'torch_flash', 'flash_attn_4' or 'flash_attn_3' (CUDA), or 'reference'"
+SOFTCAP_BACKENDS = "'reference' (CPU; materialises each block's scores), 'flash_attn' (flash-attn 2) or 'flash_attn_4' (CUDA)"
 
 
 @dataclass(frozen=True, eq=False)
@@ -47,6 +48,13 @@ class RingPlan:
         window: sliding window in tokens (key j visible to query i iff ``0 <= i - j <
             window``, global positions), or None; causal dense rows only, and a backend
             with a masked kernel. Blocks outside it are skipped, blocks on its edge masked.
+        softcap: logit softcapping (scores become ``softcap * tanh(scores / softcap)``), or
+            None; dense rows, and a backend whose kernels take it (``backend.softcap``).
+        positions: instead of the layout's shards, each ring rank's global token positions
+            (int64 ``(local_len,)`` CPU tensors, in the order the rank holds its tokens;
+            ``layout`` is then ignored), for token sets no layout describes (the hybrid
+            pattern's stripe groups). Each step is then one block cut to what the causal
+            mask (and window) keep, so causal plans need a masked kernel.
         comm_stats: a sink for the time the default transport waited on transfers.
     """
 
@@ -61,6 +69,8 @@ class RingPlan:
     transport: Optional[Transport] = None
     window: Optional[int] = None
     comm_stats: Optional[CommWaitStats] = None
+    softcap: Optional[float] = None
+    positions: Optional[tuple[torch.Tensor, ...]] = None
     _blocks: dict = field(default_factory=dict, repr=False)
     _masks: dict = field(default_factory=dict, repr=False)
     _varlen_batches: dict = field(default_factory=dict, repr=False)
@@ -77,6 +87,10 @@ class RingPlan:
             object.__setattr__(self, "local_doc_lens", tuple(self.local_doc_lens))
         if self.window is not None:
             self._check_window()
+        if self.softcap is not None:
+            self._check_softcap()
+        if self.positions is not None:
+            self._check_positions()
         if self.world > 1 and self.transport is None:
             object.__setattr__(self, "transport", process_group_transport(self.group, self.comm_stats))
 
@@ -98,6 +112,32 @@ class RingPlan:
                 "or sequences no longer than the window (window=None)"
             )
 
+    def _check_softcap(self) -> None:
+        if not (isinstance(self.softcap, (int, float)) and not isinstance(self.softcap, bool) and self.softcap > 0):
+            raise ValueError(f"softcap must be a positive float, got {self.softcap!r}")
+        if self.local_doc_lens is not None:
+            raise NotImplementedError("logit softcapping on packed rows (several documents per row) is not "
+                                      "computed yet; use dense rows")
+        if not self.backend.softcap:
+            raise NotImplementedError(
+                f"attention backend {self.backend.name!r} cannot compute logit softcapping; use "
+                f"backend={SOFTCAP_BACKENDS}"
+            )
+
+    def _check_positions(self) -> None:
+        if len(self.positions) != self.world or self.local_doc_lens is not None:
+            raise ValueError(f"positions must give each of the {self.world} ranks' tokens (dense rows only)")
+        if self.causal and not self.backend.masked:
+            raise NotImplementedError(
+                f"attention backend {self.backend.name!r} has no masked kernel, which a ring over tokens no "
+                f"layout describes needs; use backend={_MASKED_BACKENDS}"
+            )
+
+    @property
+    def kernel_kwargs(self) -> dict:
+        """Keywords every block kernel call gets: the softcap when there is one."""
+        return {} if self.softcap is None else {"softcap": float(self.softcap)}
+
     @property
     def varlen(self) -> bool:
         """Packed rows on a backend with a varlen kernel: one kernel call per ring step
@@ -110,14 +150,29 @@ class RingPlan:
         key = (step, local_len)
         if key not in self._blocks:
             src = (self.rank - step) % self.world
-            blocks = step_blocks(self.layout, self.causal, local_len, self.rank, src, self.local_doc_lens)
-            seq = local_len * self.world
-            if self.window is not None and self.window < seq:  # a window >= seq masks nothing
-                q_pos = shard_indices(seq, self.world, self.rank, self.layout)
-                k_pos = shard_indices(seq, self.world, src, self.layout)
-                blocks = window_blocks(blocks, q_pos, k_pos, self.window)
-            self._blocks[key] = blocks
+            self._blocks[key] = (self._position_blocks(src, local_len) if self.positions is not None
+                                 else self._layout_blocks(src, local_len))
         return self._blocks[key]
+
+    def _layout_blocks(self, src: int, local_len: int) -> list[Block]:
+        blocks = step_blocks(self.layout, self.causal, local_len, self.rank, src, self.local_doc_lens)
+        seq = local_len * self.world
+        if self.window is not None and self.window < seq:  # a window >= seq masks nothing
+            q_pos = shard_indices(seq, self.world, self.rank, self.layout)
+            k_pos = shard_indices(seq, self.world, src, self.layout)
+            blocks = window_blocks(blocks, q_pos, k_pos, self.window)
+        return blocks
+
+    def _position_blocks(self, src: int, local_len: int) -> list[Block]:
+        """One step's block from explicit positions: everything without a causal mask, else
+        the pairs the causal mask and the window keep (trimmed, masked where needed)."""
+        whole = [Block(0, local_len, 0, local_len, False)]
+        if not self.causal:
+            return whole
+        q_pos, k_pos = self.positions[self.rank], self.positions[src]
+        # A window of every position keeps exactly the causal pairs (i - j >= 0).
+        span = self.window if self.window is not None else int(max(q_pos.max(), k_pos.max())) + 1
+        return window_blocks(whole, q_pos, k_pos, span)
 
     def mask(self, block: Block, device: torch.device) -> torch.Tensor:
         """A masked block's mask on ``device``, copied there once per plan (the blocks live

@@ -44,17 +44,19 @@ def _whole(blocks, length: int) -> bool:
 
 def _block_forward(plan: RingPlan, blk, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     """One block's kernel on already sliced q ``(b, nq, hq, d)``, k, v ``(b, nk, hk, d)``:
-    the masked kernel for a block on a window's edge, else the causal / full one."""
+    the masked kernel for a block on a window's edge, else the causal / full one (both
+    with the plan's softcap, if any)."""
     if blk.mask is None:
-        return plan.backend.forward(q, k, v, blk.causal, plan.scale)
-    return plan.backend.masked_forward(q, k, v, plan.mask(blk, q.device), plan.scale)
+        return plan.backend.forward(q, k, v, blk.causal, plan.scale, **plan.kernel_kwargs)
+    return plan.backend.masked_forward(q, k, v, plan.mask(blk, q.device), plan.scale, **plan.kernel_kwargs)
 
 
 def _block_backward(plan: RingPlan, blk, dout, q, k, v, out, lse):
     """As :func:`_block_forward`, for the backward (final ``out`` and ``lse`` of the rows)."""
     if blk.mask is None:
-        return plan.backend.backward(dout, q, k, v, out, lse, blk.causal, plan.scale)
-    return plan.backend.masked_backward(dout, q, k, v, out, lse, plan.mask(blk, q.device), plan.scale)
+        return plan.backend.backward(dout, q, k, v, out, lse, blk.causal, plan.scale, **plan.kernel_kwargs)
+    return plan.backend.masked_backward(dout, q, k, v, out, lse, plan.mask(blk, q.device), plan.scale,
+                                        **plan.kernel_kwargs)
 
 
 def forward_blocks(

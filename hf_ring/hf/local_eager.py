@@ -1,12 +1,14 @@
-"""Local attention with attention sinks, for ``ring_flash`` without context parallelism.
+"""Local attention with attention sinks or logit softcapping, for ``ring_flash`` without
+context parallelism.
 
 Why it exists: without CP ``ring_flash`` delegates to transformers' SDPA attention, and
-SDPA has no sinks (GPT-OSS's ``s_aux``: one extra logit per query head in every row's
-softmax, whose value is zero); transformers itself refuses SDPA for such models and runs
-them eagerly. So here the same computation is written out, exactly as an eager
-implementation does: scores, the model's 4-D mask (causal, window, padding), a sink
-column, softmax, the sink column dropped, the weighted sum of V. It materialises the
-``(q_len, k_len)`` scores, like eager attention.
+SDPA has neither sinks (GPT-OSS's ``s_aux``: one extra logit per query head in every
+row's softmax, whose value is zero) nor logit softcapping (Gemma 2's
+``attn_logit_softcapping``); transformers itself runs such models eagerly. So here the
+same computation is written out, exactly as an eager implementation does: scores,
+softcapping, the model's 4-D mask (causal, window, padding), a sink column, softmax, the
+sink column dropped, the weighted sum of V. It materialises the ``(q_len, k_len)``
+scores, like eager attention.
 """
 
 from __future__ import annotations
@@ -16,16 +18,17 @@ from typing import Optional
 import torch
 
 
-def attention_with_sinks(
+def eager_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     attention_mask: Optional[torch.Tensor],
     scaling: float,
-    sinks: torch.Tensor,
     causal: bool,
+    sinks: Optional[torch.Tensor] = None,
+    softcap: Optional[float] = None,
 ) -> torch.Tensor:
-    """Attention with a sink logit per head.
+    """Attention with a sink logit per head and / or softcapped scores.
 
     Args:
         query: ``(batch, n_heads, q_len, head_dim)``; key, value: ``(batch, n_kv_heads,
@@ -34,8 +37,9 @@ def attention_with_sinks(
             (True: attend) or additive float, or None (then causal, aligned bottom-right
             when ``k_len > q_len``, or nothing when not ``causal``).
         scaling: softmax scale.
-        sinks: ``(n_heads,)`` float, differentiable.
         causal: whether a missing mask means causal.
+        sinks: ``(n_heads,)`` float, differentiable, or None.
+        softcap: scores become ``softcap * tanh(scores / softcap)`` before the mask, or None.
 
     Returns:
         ``(batch, q_len, n_heads, head_dim)`` in the query's dtype.
@@ -45,6 +49,8 @@ def attention_with_sinks(
     acc = torch.float64 if query.dtype == torch.float64 else torch.float32
     qg = query.to(acc).view(b, hk, hq // hk, sq, d)
     scores = torch.einsum("bhgqd,bhkd->bhgqk", qg, key.to(acc)).reshape(b, hq, sq, sk) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if attention_mask is not None:
         if attention_mask.dtype == torch.bool:
             scores = scores.masked_fill(~attention_mask, float("-inf"))
@@ -53,7 +59,10 @@ def attention_with_sinks(
     elif causal:
         visible = torch.ones(sq, sk, dtype=torch.bool, device=query.device).tril(sk - sq)
         scores = scores.masked_fill(~visible, float("-inf"))
-    sink_column = sinks.to(acc).view(1, hq, 1, 1).expand(b, hq, sq, 1)
-    probs = torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1)[..., :-1]
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        sink_column = sinks.to(acc).view(1, hq, 1, 1).expand(b, hq, sq, 1)
+        probs = torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1)[..., :-1]
     out = torch.einsum("bhgqk,bhkd->bqhgd", probs.view(b, hk, hq // hk, sq, sk), value.to(acc))
     return out.reshape(b, sq, hq, d).to(query.dtype)

@@ -1,0 +1,113 @@
+"""The all-gather pattern (Llama 3's context parallelism): K/V gathered, queries local.
+
+Forward: every rank's K/V is all-gathered in one collective, with K/V's own head count
+(with GQA a fraction of q's size), and each rank attends its local queries to the whole
+sequence. Which parts of each rank's K/V a local query sees is exactly what the ring
+computes at the step that holds that K/V, so the same block schedule (schedule.py,
+window.py) and per-step code (``forward_blocks``, ``backward_blocks``) run here, only
+with every block already present: no transfer inside the loop, one before it.
+
+Backward: K/V are all-gathered again (not kept from the forward: a full-sequence K/V per
+layer would undo the activation memory context parallelism saves), each rank computes
+dq and every rank's share of dK/dV from its own rows, and one reduce-scatter sums the
+shares onto the ranks that own the K/V. Windows, softcapping and sinks are computed as
+in the ring (the plan's kernel settings, ``apply_sinks`` / ``sinks_grad``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from hf_ring.ring.collectives import Collectives
+from hf_ring.ring.plan import RingPlan
+from hf_ring.ring.ring_attention import (
+    accum_dtype, add_block_dkv, apply_sinks, backward_blocks, forward_blocks, sinks_grad,
+)
+
+
+def _sources(plan: RingPlan):
+    """``(step, src)`` pairs: the ring step whose schedule covers rank ``src``'s K/V."""
+    return [(step, (plan.rank - step) % plan.world) for step in range(plan.world)]
+
+
+def allgather_forward(
+    plan: RingPlan, coll: Collectives, q: torch.Tensor, kv: torch.Tensor, sinks: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q ``(b, s, hq, d)``, this rank's K/V stacked ``kv`` ``(2, b, s, hk, d)``, optionally
+    ``sinks`` ``(hq,)`` -> out ``(b, s, hq, d)`` in q's dtype and lse ``(b, hq, s)`` float32
+    (float64 for float64 inputs)."""
+    s = q.shape[1]
+    every_kv = coll.all_gather(kv)  # (world, 2, b, s, hk, d)
+    acc = None
+    for step, src in _sources(plan):
+        acc = forward_blocks(plan, plan.blocks(step, s), q, every_kv[src, 0], every_kv[src, 1], acc)
+    out, lse = acc
+    if sinks is not None:
+        out, lse = apply_sinks(out, lse, sinks.detach())
+    return out.to(q.dtype), lse
+
+
+def allgather_backward(
+    plan: RingPlan, coll: Collectives, dout: torch.Tensor, q: torch.Tensor, kv: torch.Tensor,
+    out: torch.Tensor, lse: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq ``(b, s, hq, d)``, dk and dv ``(b, s, hk, d)`` (the input dtype) of this rank's
+    shard, from ``dout`` ``(b, s, hq, d)``, its ``kv`` ``(2, b, s, hk, d)`` and the
+    forward's final ``out`` and ``lse``."""
+    s = q.shape[1]
+    every_kv = coll.all_gather(kv)  # (world, 2, b, s, hk, d)
+    # Row src: this rank's contribution to the gradient of rank src's K/V.
+    shares = torch.empty(every_kv.shape, dtype=accum_dtype(q.dtype), device=q.device)
+    dq = None
+    for step, src in _sources(plan):
+        dq, block_dkv = backward_blocks(plan, plan.blocks(step, s), dout, q, every_kv[src, 0],
+                                        every_kv[src, 1], out, lse, dq)
+        add_block_dkv(shares[src], block_dkv, s, first_step=True)  # each src once: initialise it
+    dkv = coll.reduce_scatter(shares)  # (2, b, s, hk, d): summed over every rank's rows
+    return dq.to(q.dtype), dkv[0].to(kv.dtype), dkv[1].to(kv.dtype)
+
+
+class AllGatherAttentionFunction(torch.autograd.Function):
+    """Autograd wrapper; saves q, this rank's K/V (not the gathered ones), out and lse."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, plan: RingPlan, coll: Collectives):
+        kv = torch.stack([k, v])  # (2, b, s, hk, d): one all-gather for both
+        out, lse = allgather_forward(plan, coll, q, kv, sinks)
+        ctx.save_for_backward(q, kv, out, lse, sinks)
+        ctx.plan, ctx.coll = plan, coll
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, kv, out, lse, sinks = ctx.saved_tensors
+        dout = dout.contiguous()
+        dq, dk, dv = allgather_backward(ctx.plan, ctx.coll, dout, q, kv, out, lse)
+        dsinks = sinks_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[3] else None
+        return dq, dk, dv, dsinks, None, None
+
+
+def allgather_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan, coll: Collectives,
+    sinks: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The all-gather op (no checks across ranks).
+
+    Args:
+        q: ``(batch, local_seq, n_heads, head_dim)``; k, v ``(batch, local_seq, n_kv_heads,
+            head_dim)``; one float dtype and device, sharded by ``plan.layout``.
+        plan: layout, mask, scale, window, softcap and kernel (its transport is unused).
+        coll: the group's collectives (``coll.rank == plan.rank``, ``coll.world == plan.world``).
+        sinks: optional float ``(n_heads,)``, differentiable (this rank's rows' part).
+
+    Returns:
+        ``out`` like q, differentiable in q, k, v and sinks, and ``lse`` ``(batch, n_heads,
+        local_seq)`` float32 (float64 for float64 inputs).
+    """
+    return AllGatherAttentionFunction.apply(q, k, v, sinks, plan, coll)
+
+
+__all__ = ["AllGatherAttentionFunction", "allgather_attention", "allgather_backward", "allgather_forward"]

@@ -1,0 +1,139 @@
+"""The collectives the all-gather, Ulysses and hybrid patterns use, behind one interface.
+
+A :class:`Collectives` gathers, reduce-scatters and all-to-alls tensors whose first
+dimension indexes the ranks of one group:
+
+- :class:`GroupCollectives`: the real ones over a process group (NCCL on GPUs, gloo in
+  the tests), the time blocked in them added to an optional ``CommWaitStats`` sink.
+- :class:`VirtualCollectives`: every rank of a group run one after another in one
+  process (benchmarks): the all-gather delivers every rank's tensor as the real one would;
+  the reduce-scatter and the all-to-all, whose results depend on ranks not yet run, move
+  the same number of bytes but deliver this rank's own values.
+
+:func:`all_to_all` is the differentiable all-to-all Ulysses is built from.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional, Protocol, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hf_ring.ring.comm import CommWaitStats, peer_failed
+
+# torch 2.13 renamed the tensor collectives; older releases (>= 2.5) have only the old names.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class Collectives(Protocol):
+    """Collectives over the ``world`` ranks of one group, this process being ``rank``."""
+
+    rank: int
+    world: int
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (any shape) from every rank -> ``(world, *x.shape)``, in rank order."""
+        ...
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``(world, *shape)`` -> ``shape``: the sum over the ranks of their ``x[rank]``."""
+        ...
+
+    def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``(world, *shape)``; ``x[j]`` goes to rank j -> ``(world, *shape)``, entry j
+        from rank j."""
+        ...
+
+
+class GroupCollectives:
+    """The collectives of ``group`` (None: the default group)."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup], stats: Optional[CommWaitStats] = None) -> None:
+        self.group, self.stats = group, stats
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+
+    def _run(self, fn: Callable[[], None]) -> None:
+        start = time.perf_counter()
+        try:
+            fn()
+        except RuntimeError as e:
+            if not peer_failed(e):
+                raise
+            raise RuntimeError(
+                "a collective of the context-parallel group did not complete: another rank did not run "
+                "the same attention call (a rank that skipped a backward, ran an extra forward alone, or "
+                f"stopped). Every rank of a CP group must run every forward and backward together. ({e})"
+            ) from e
+        if self.stats is not None:
+            self.stats.seconds += time.perf_counter() - start
+            self.stats.waits += 1
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        out = x.new_empty((self.world * x.shape[0], *x.shape[1:])) if x.dim() else x.new_empty(self.world)
+        self._run(lambda: _ALL_GATHER(out, x, group=self.group))
+        return out.view(self.world, *x.shape)
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.new_empty(x.shape[1:])
+        # The collective takes the ranks' pieces concatenated along the first dimension.
+        flat = x.contiguous().view(x.shape[0] * x.shape[1], *x.shape[2:])
+        self._run(lambda: _REDUCE_SCATTER(out, flat, group=self.group))
+        return out
+
+    def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        self._run(lambda: dist.all_to_all_single(out, x.contiguous(), group=self.group))
+        return out
+
+
+class VirtualCollectives:
+    """The collectives of rank ``rank`` of a group run in one process (see module docstring).
+
+    Args:
+        rank: the simulated rank.
+        gathered: every rank's tensor for the all-gather, in rank order (the values the
+            real all-gather would deliver), or None when the pattern does not all-gather.
+        world: the group's size (defaults to ``len(gathered)``).
+    """
+
+    def __init__(self, rank: int, gathered: Optional[Sequence[torch.Tensor]] = None,
+                 world: Optional[int] = None, stats: Optional[CommWaitStats] = None) -> None:
+        self.rank, self.gathered, self.stats = rank, gathered, stats
+        self.world = world if world is not None else len(gathered or ())
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gathered is None:
+            raise ValueError("VirtualCollectives(gathered=None) cannot all-gather: give every rank's tensor")
+        return torch.stack(list(self.gathered))
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        return x[self.rank].clone()
+
+    def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+
+class _AllToAll(torch.autograd.Function):
+    """All-to-all whose backward is the all-to-all back (it is its own inverse)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, coll: Collectives) -> torch.Tensor:
+        ctx.coll = coll
+        return coll.all_to_all(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.coll.all_to_all(grad), None
+
+
+def all_to_all(x: torch.Tensor, coll: Collectives) -> torch.Tensor:
+    """Differentiable all-to-all: ``x`` ``(world, *shape)``, ``x[j]`` sent to rank j ->
+    ``(world, *shape)``, entry j received from rank j; any dtype."""
+    return _AllToAll.apply(x, coll)
+
+
+__all__ = ["Collectives", "GroupCollectives", "VirtualCollectives", "all_to_all"]

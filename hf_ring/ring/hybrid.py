@@ -1,0 +1,125 @@
+"""The hybrid pattern (USP): Ulysses inside groups of consecutive ranks, the ring across them.
+
+A context-parallel group of ``N = U * R`` ranks is cut into ``R`` Ulysses groups of ``U``
+consecutive ranks (rank ``g * U + u`` is member ``u`` of group ``g``; consecutive ranks
+usually share a node, where the all-to-all is cheap). The members ``u`` of every group
+form a ring of ``R`` ranks, across the groups (the slower links carry only P2P blocks,
+overlapped with compute).
+
+After the Ulysses all-to-all (ulysses.py), member ``u`` of group ``g`` holds the group's
+tokens for ``1/U`` of the heads. With the zigzag or contiguous layout those tokens are
+exactly what rank ``g`` of an ``R``-rank ring holds in the same layout (for zigzag: the
+group's first chunks form chunk ``g`` of ``2R``, its second chunks chunk ``2R - 1 - g``),
+so the ring runs on them unchanged, with its block schedule, windows, softcap and sinks,
+and the all-to-all turns the result back. Under the stripe layout a group's tokens (those
+whose position mod N falls in the group's ranks) are no layout's shard of ``R`` ranks:
+the ring then runs on their explicit positions (``RingPlan.positions``), each step one
+block masked by position, which needs a backend with a masked kernel.
+
+The subgroups are built once per (group, ``ulysses_size``) by the ranks that belong to
+them (``use_local_synchronization``), and reused.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from hf_ring.ring.collectives import GroupCollectives
+from hf_ring.ring.comm import CommWaitStats
+from hf_ring.ring.plan import RingPlan
+from hf_ring.ring.ulysses import ulysses_attention
+from hf_ring.sharding.layouts import shard_indices
+
+# Layouts under which a Ulysses group's tokens are a ring shard of the same layout.
+RING_SHARD_LAYOUTS = ("zigzag", "contiguous")
+
+
+@functools.lru_cache(maxsize=64)
+def group_positions(seq: int, world: int, ulysses_size: int, layout: str) -> tuple[torch.Tensor, ...]:
+    """Each Ulysses group's global token positions, its ranks' shards one after another:
+    int64 ``(ulysses_size * seq / world,)`` CPU tensors, one per group."""
+    u = ulysses_size
+    return tuple(torch.cat([shard_indices(seq, world, g * u + i, layout) for i in range(u)])
+                 for g in range(world // u))
+
+
+@dataclass(frozen=True)
+class HybridGroups:
+    """This rank's two subgroups of a hybrid split.
+
+    Attributes:
+        ulysses: the ``U`` consecutive ranks of its Ulysses group; ring: the ``R`` ranks with
+            the same index in their Ulysses groups.
+        ulysses_size, ring_size: U and R.
+        group_index: which Ulysses group this rank is in (its rank in ``ring``).
+        member: its index inside its Ulysses group (its rank in ``ulysses``).
+    """
+
+    ulysses: dist.ProcessGroup
+    ring: dist.ProcessGroup
+    ulysses_size: int
+    ring_size: int
+    group_index: int
+    member: int
+
+
+# (the default group, the CP group's global ranks, U) -> this rank's subgroups. Built at
+# the first call of a model and reused by every layer and step; not per batch.
+_GROUPS: dict = {}
+
+
+def hybrid_groups(group: Optional[dist.ProcessGroup], ulysses_size: int) -> HybridGroups:
+    """The subgroups of ``group`` (None: the default group) for Ulysses groups of
+    ``ulysses_size`` consecutive ranks. Collective over the ranks of ``group`` the first
+    time (each builds the two subgroups it belongs to), cached afterwards."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    to_global = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
+    members = tuple(to_global(r) for r in range(world))
+    key = (id(dist.group.WORLD), members, ulysses_size)
+    if key not in _GROUPS:
+        u = ulysses_size
+        g, member = divmod(rank, u)
+        ulysses = dist.new_group([members[g * u + i] for i in range(u)], use_local_synchronization=True)
+        ring = dist.new_group([members[j * u + member] for j in range(world // u)], use_local_synchronization=True)
+        _GROUPS[key] = HybridGroups(ulysses, ring, u, world // u, g, member)
+    return _GROUPS[key]
+
+
+def hybrid_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: HybridGroups, layout: str, causal: bool,
+    scale: float, backend, window: Optional[int] = None, softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None, comm_stats: Optional[CommWaitStats] = None, need_lse: bool = True,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Hybrid attention of this rank's shard (no checks across ranks).
+
+    Args:
+        q: ``(batch, local_seq, n_heads, head_dim)``; k, v ``(batch, local_seq, n_kv_heads,
+            head_dim)``; one float dtype and device, sharded by ``layout`` over ``U * R`` ranks.
+        groups: from :func:`hybrid_groups`.
+        layout: ``"zigzag"``, ``"contiguous"`` or ``"stripe"`` (stripe: masked kernel needed).
+        causal, scale, backend, window, softcap: as in ``context_parallel_attn_func``
+            (backend resolved).
+        sinks: optional float ``(n_heads,)``, differentiable.
+        need_lse: also return the lse (else None).
+
+    Returns:
+        ``out`` like q (differentiable in q, k, v, sinks) and ``lse`` ``(batch, n_heads,
+        local_seq)`` float32 (float64 for float64 inputs), or None.
+    """
+    world = groups.ulysses_size * groups.ring_size
+    positions = None
+    if layout not in RING_SHARD_LAYOUTS:
+        positions = group_positions(q.shape[1] * world, world, groups.ulysses_size, layout)
+    ring = RingPlan(groups.ring, groups.group_index, groups.ring_size, layout, causal, scale, backend,
+                    window=window, comm_stats=comm_stats, softcap=softcap, positions=positions)
+    coll = GroupCollectives(groups.ulysses, comm_stats)
+    first = groups.group_index * groups.ulysses_size
+    return ulysses_attention(q, k, v, ring, coll, layout, first, world, sinks, pattern="hybrid", need_lse=need_lse)
+
+
+__all__ = ["RING_SHARD_LAYOUTS", "group_positions", "HybridGroups", "hybrid_attention", "hybrid_groups"]

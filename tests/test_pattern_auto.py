@@ -1,0 +1,71 @@
+"""``pattern="auto"``'s rule (hf_ring/ring/auto.py) and the pattern settings of the state
+and the plugin, in one process (no world needed: the rule is a pure function of what every
+rank knows alike, which is its point)."""
+
+from __future__ import annotations
+
+import pytest
+
+import hf_ring
+from hf_ring.ring.auto import ALLGATHER_BELOW, PatternChoice, first_that_runs, pattern_candidates
+
+
+def _order(*args, **kwargs) -> list[str]:
+    return [c.pattern + (f"/{c.ulysses_size}" if c.ulysses_size else "") for c in pattern_candidates(*args, **kwargs)]
+
+
+def test_inside_a_node_ulysses_when_the_heads_divide():
+    # 32/8 heads, 8 ranks of an 8-process node.
+    assert _order(32, 8, 65536, 8, 8) == ["ulysses", "ring", "allgather"]
+    # 6 heads do not divide over 4 ranks: the ring for long shards, all-gather for short ones.
+    assert _order(6, 2, 4 * ALLGATHER_BELOW, 4, 8) == ["ring", "allgather"]
+    assert _order(6, 2, 4 * ALLGATHER_BELOW - 4, 4, 8) == ["allgather", "ring"]
+
+
+def test_across_nodes_hybrid_with_the_largest_node_local_ulysses_group():
+    assert _order(32, 8, 65536, 16, 8) == ["hybrid/8", "ring", "allgather"]
+    assert _order(12, 4, 65536, 16, 8) == ["hybrid/4", "ring", "allgather"]  # 8 does not divide 12 heads
+    # A group of 4 starting at global rank 6 of 8-process nodes straddles two nodes, and
+    # no Ulysses group of 2 consecutive ranks from rank 6 crosses the node boundary (6-7, 8-9).
+    assert _order(32, 8, 65536, 4, 8, first_rank=6) == ["hybrid/2", "ring", "allgather"]
+    # 3 ranks from rank 3 on 4-process nodes: no group size divides both 3 and the node.
+    assert _order(32, 8, 65536, 3, 4, first_rank=3) == ["ring", "allgather"]
+
+
+def test_one_rank_is_the_ring():
+    assert _order(32, 8, 4096, 1, 8) == ["ring"]
+
+
+def test_refusing_patterns_are_skipped_and_said():
+    def attempt(choice: PatternChoice) -> str:
+        if choice.pattern == "ulysses":
+            raise NotImplementedError("no softcap here")
+        return choice.pattern
+
+    result, choice = first_that_runs(pattern_candidates(32, 8, 8192, 4, 4), attempt)
+    assert result == choice.pattern == "ring"
+    assert "ulysses refused: no softcap here" in choice.describe()
+    with pytest.raises(NotImplementedError, match="no context-parallel pattern computes this call"):
+        first_that_runs(pattern_candidates(32, 8, 8192, 4, 4), lambda c: (_ for _ in ()).throw(NotImplementedError("x")))
+
+
+@pytest.mark.parametrize(
+    "kwargs,words",
+    [({"pattern": "rings"}, "unknown context-parallel pattern"),
+     ({"pattern": "hybrid"}, "needs ulysses_size"),
+     ({"pattern": "hybrid", "ulysses_size": 3}, "dividing cp_size=2"),
+     ({"pattern": "ring", "ulysses_size": 2}, "for pattern='hybrid' only")],
+)
+def test_bad_pattern_settings_are_refused(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        hf_ring.RingAttentionPlugin(cp_size=2, **kwargs)
+    with pytest.raises(ValueError, match=words):
+        hf_ring.ContextParallelState(None, 0, 2, None, 0, 1, **kwargs)
+
+
+def test_one_process_state_keeps_the_pattern():
+    try:
+        state = hf_ring.setup_context_parallel(1, pattern="auto")
+        assert (state.pattern, state.ulysses_size) == ("auto", None)
+    finally:
+        hf_ring.set_context_parallel_state(None)
