@@ -127,7 +127,8 @@ def _dtype(args: argparse.Namespace) -> torch.dtype:
 
 
 def build_model(args: argparse.Namespace, tokenizer, attn_implementation: str,
-                training_args: TrainingArguments) -> torch.nn.Module:
+                training_args: Optional[TrainingArguments] = None) -> torch.nn.Module:
+    """The model to train; ``training_args`` tell whether ZeRO-3 is configured (None: it is not)."""
     if args.model_name_or_path:
         return AutoModelForCausalLM.from_pretrained(
             args.model_name_or_path, attn_implementation=attn_implementation, dtype=_dtype(args)

@@ -24,13 +24,13 @@ and compute the loss with :mod:`hf_ring.hf.loss` (``scale_for_ddp`` with
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from hf_ring.hf import deepspeed_support
 from hf_ring.hf.collator import RingDataCollator
 from hf_ring.hf.loss import all_reduce_sum
 from hf_ring.patches import accelerate as accelerate_patches
@@ -102,8 +102,12 @@ class RingAttentionPlugin:
         # ring_flash shards in the state's layout; make_collator cuts sequences the same way.
         self._state = setup_context_parallel(self.cp_size, layout=self.layout, pattern=self.pattern,
                                              ulysses_size=self.ulysses_size)
-        # Before the model exists: ZeRO-3 partitions it as it is created, over DeepSpeed's world.
-        deepspeed_support.configure(self._state)
+        if importlib.util.find_spec("transformers") is not None:
+            # DeepSpeed configs reach hf_ring through transformers. Before the model exists:
+            # ZeRO-3 partitions it as it is created, over DeepSpeed's world.
+            from hf_ring.hf import deepspeed_support
+
+            deepspeed_support.configure(self._state)
         return self._state
 
     @property
