@@ -7,14 +7,18 @@ compile in one still lets the others run:
    torch_cudnn, flash_attn, torch_flash, torch_efficient), forward and backward, against
    the float64 reference: MHA / GQA / MQA, head_dim 64 and 128, causal (square) and not
    (q_len != k_len, lengths off the kernels' tiles), in each dtype it takes; then the
-   whole virtual ring (zigzag cp=4, packed cp=2) on each against full attention.
-   Cheapest-first per backend, so a spent budget still leaves every backend checked.
+   whole virtual ring (zigzag cp=4, packed cp=2) on each against full attention; logit
+   softcapping where a backend takes it, and the virtual all-gather pattern
+   (gpu_patterns.py). Cheapest-first per backend, so a spent budget still leaves every
+   backend checked.
 2. throughput: forward and backward TFLOP/s of one bf16 block per backend, and the
    measured order next to the order ``backend="auto"`` uses here (not yet measured by
    this project: the next run on a GPU confirms or changes it).
 3. efficiency: ring_efficiency.measure_group per backend, bf16, cp 4 and 8, 4k to 32k
    tokens per rank (lengths outer, backends inner).
-4. overlap: time to move one K/V block against one ring step's compute.
+4. patterns: every context-parallel pattern's virtual efficiency and bytes sent per rank
+   (pattern_efficiency.py via gpu_patterns.py) on the first backend in auto's order.
+5. overlap: time to move one K/V block against one ring step's compute.
 
 Prints one ``PASS`` / ``FAIL`` / ``SKIP`` (not runnable here, and why) line per backend,
 writes everything as JSON to --out; exit status 1 if any backend failed.
@@ -44,6 +48,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 # torch installed, not this package.
 sys.path[:0] = [_HERE, os.path.dirname(_HERE)]
 import gpu_check_kernels as kernels  # noqa: E402
+import gpu_patterns  # noqa: E402
 import ring_efficiency as bench  # noqa: E402
 
 from hf_ring.kernels import available_backends, get_backend, registry  # noqa: E402
@@ -111,6 +116,31 @@ def efficiency(device: torch.device, names: list[str], budget_s: float, cps: lis
     return {"rows": rows, "skipped": skipped}
 
 
+def patterns(device: torch.device, names: list[str], budget_s: float, cps: list[int], lengths: list[int],
+             heads: int, kv_heads: int, repeats: int = 3) -> dict:
+    """Every context-parallel pattern's virtual efficiency and bytes sent per rank (bf16,
+    zigzag) on the first backend of ``names`` (the fastest by auto's order), within ``budget_s``."""
+    if not names:
+        return {"rows": [], "skipped": "no backend runs here"}
+    rows, skipped = [], []
+    start = time.perf_counter()
+    name = names[0]
+    for cp in cps:
+        for spr in lengths:
+            if time.perf_counter() - start > budget_s:
+                skipped.append({"backend": name, "cp": cp, "seq_per_rank": spr})
+                continue
+            cfg = bench.BenchConfig(heads=heads, kv_heads=kv_heads, head_dim=128, dtype="bfloat16",
+                                    device=device.type, backend=name, repeats=repeats, warmup=1)
+            new = gpu_patterns.measure_patterns(cp, spr, cfg)
+            rows += new
+            for r in new:
+                print(f"  {name:16} {gpu_patterns.describe_pattern(r)}", flush=True)
+    if skipped:
+        print(f"patterns: time budget: skipped {skipped}", flush=True)
+    return {"rows": rows, "skipped": skipped}
+
+
 def overlap(device: torch.device, names: list[str], lengths: list[int], heads: int, kv_heads: int,
             repeats: int = 20) -> dict:
     """Per tokens-per-rank: K/V block transfer time against one zigzag ring step's compute."""
@@ -175,11 +205,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--correctness-budget-s", type=float, default=180.0)
     p.add_argument("--throughput-budget-s", type=float, default=60.0)
     p.add_argument("--efficiency-budget-s", type=float, default=120.0)
+    p.add_argument("--patterns-budget-s", type=float, default=60.0)
     p.add_argument("--cp", type=int, nargs="+", default=[4, 8])
     p.add_argument("--seq-per-rank", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--skip", nargs="*", default=[], choices=["correctness", "throughput", "efficiency", "overlap"])
+    p.add_argument("--skip", nargs="*", default=[], choices=["correctness", "throughput", "efficiency", "patterns", "overlap"])
     p.add_argument("--dry-run-cpu", action="store_true",
                    help="run it all on the CPU at tiny sizes, the CUDA kernels replaced by tests/cuda_standins.py")
     a = p.parse_args(argv)
@@ -226,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
                                                  sizes["repeats"]),
         "efficiency": lambda: efficiency(device, names, a.efficiency_budget_s, sizes["cp"], sizes["spr"], a.heads,
                                          a.kv_heads, min(3, sizes["repeats"])),
+        "patterns": lambda: patterns(device, names, a.patterns_budget_s, sizes["cp"], sizes["spr"], a.heads,
+                                     a.kv_heads, min(3, sizes["repeats"])),
         "overlap": lambda: overlap(device, names, sizes["spr"], a.heads, a.kv_heads, 4 * sizes["repeats"]),
     }
     for section, fn in sections.items():

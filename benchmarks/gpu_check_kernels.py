@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import torch
 
+import gpu_patterns
 import ring_efficiency as bench
 from hf_ring.kernels import get_backend, registry
 from hf_ring.ring.schedule import step_blocks
@@ -122,6 +123,16 @@ def check_window(device: torch.device, name: str, dtype: torch.dtype, local: int
     _record(rows, what, errors if unseen_ok else {**errors, "lse": float("inf")}, TOL[dtype])
 
 
+def check_softcap(device: torch.device, name: str, dtype: torch.dtype, rows: list[dict]) -> None:
+    """Logit softcapping on the backend's blocks against the float64 reference with the same cap."""
+    gpu_patterns.softcap_blocks(device, [name], dtype, lambda what, errors: _record(rows, what, errors, TOL[dtype]))
+
+
+def check_allgather(device: torch.device, name: str, dtype: torch.dtype, rows: list[dict]) -> None:
+    """The virtual all-gather pattern on this backend against full attention (out, lse, dq)."""
+    gpu_patterns.patterns_virtual(device, name, dtype, lambda what, errors: _record(rows, what, errors, TOL[dtype]))
+
+
 def correctness_cases(device: torch.device, names: list[str], dtypes: dict[str, list[torch.dtype]],
                       block_len: int, ring_len: int,
                       block_cases: list = BLOCK_CASES) -> list[tuple[int, str, Callable[[list], None]]]:
@@ -144,6 +155,9 @@ def correctness_cases(device: torch.device, names: list[str], dtypes: dict[str, 
             if primary:
                 for layout, cp in (("zigzag", 4), ("packed", 2)):
                     case(1, name, check_ring, dtype, layout, cp, ring_len)
+                if registry._REGISTERED[name].backend.softcap:
+                    case(2, name, check_softcap, dtype)
+                case(2, name, check_allgather, dtype)
     return sorted(cases, key=lambda c: c[0])  # stable: backends keep their order within a priority
 
 

@@ -175,8 +175,9 @@ def efficient_backward(grad_out, query, key, value, bias, out, cu_q, cu_k, max_q
 
 def fa2_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
                 alibi_slopes, return_softmax):
-    assert (window_size_left, window_size_right) == (-1, -1) and dropout_p == 0.0 and softcap == 0.0
-    out, lse = reference_forward(q, k, v, causal, softmax_scale)
+    assert (window_size_left, window_size_right) == (-1, -1) and dropout_p == 0.0 and softcap >= 0.0
+    # flash-attn's convention: softcap 0.0 means none.
+    out, lse = reference_forward(q, k, v, causal, softmax_scale, softcap=softcap or None)
     return out, lse.float(), None, None
 
 
@@ -185,7 +186,7 @@ def fa2_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax
     assert softmax_lse.is_contiguous() and softmax_lse.dtype == torch.float32
     assert (window_size_left, window_size_right) == (-1, -1)
     for buf, g in zip((dq, dk, dv), reference_backward(dout, q, k, v, out, softmax_lse.to(_acc(q.dtype)), causal,
-                                                      softmax_scale)):
+                                                      softmax_scale, softcap=softcap or None)):
         buf.copy_(g)
     return None
 

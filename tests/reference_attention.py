@@ -3,8 +3,9 @@ compares with.
 
 ``full_attention`` (the whole sequence, optional documents) is built on PyTorch's SDPA
 math; ``block_attention`` (one block, q_len and k_len may differ, any scale) is plain
-scores -> mask -> softmax -> weighted sum with gradients from autograd. Neither calls
-hf_ring; K/V are repeated for GQA only here, in the reference.
+scores -> mask -> softmax -> weighted sum with gradients from autograd;
+``feature_attention`` (the whole sequence with sliding window, softcapping and sinks
+written out) likewise. None calls hf_ring; K/V are repeated for GQA only here, in the reference.
 """
 
 from __future__ import annotations

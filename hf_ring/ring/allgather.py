@@ -16,6 +16,7 @@ in the ring (the plan's kernel settings, ``apply_sinks`` / ``sinks_grad``).
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -23,7 +24,7 @@ import torch
 from hf_ring.ring.collectives import Collectives
 from hf_ring.ring.plan import RingPlan
 from hf_ring.ring.ring_attention import (
-    accum_dtype, add_block_dkv, apply_sinks, backward_blocks, forward_blocks, sinks_grad,
+    KVAttentionFunction, KVPasses, accum_dtype, add_block_dkv, apply_sinks, backward_blocks, forward_blocks,
 )
 
 
@@ -69,27 +70,6 @@ def allgather_backward(
     return dq.to(q.dtype), dkv[0].to(kv.dtype), dkv[1].to(kv.dtype)
 
 
-class AllGatherAttentionFunction(torch.autograd.Function):
-    """Autograd wrapper; saves q, this rank's K/V (not the gathered ones), out and lse."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, sinks, plan: RingPlan, coll: Collectives):
-        kv = torch.stack([k, v])  # (2, b, s, hk, d): one all-gather for both
-        out, lse = allgather_forward(plan, coll, q, kv, sinks)
-        ctx.save_for_backward(q, kv, out, lse, sinks)
-        ctx.plan, ctx.coll = plan, coll
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, kv, out, lse, sinks = ctx.saved_tensors
-        dout = dout.contiguous()
-        dq, dk, dv = allgather_backward(ctx.plan, ctx.coll, dout, q, kv, out, lse)
-        dsinks = sinks_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[3] else None
-        return dq, dk, dv, dsinks, None, None
-
-
 def allgather_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan, coll: Collectives,
     sinks: Optional[torch.Tensor] = None,
@@ -107,7 +87,9 @@ def allgather_attention(
         ``out`` like q, differentiable in q, k, v and sinks, and ``lse`` ``(batch, n_heads,
         local_seq)`` float32 (float64 for float64 inputs).
     """
-    return AllGatherAttentionFunction.apply(q, k, v, sinks, plan, coll)
+    passes = KVPasses(functools.partial(allgather_forward, plan, coll),
+                      functools.partial(allgather_backward, plan, coll))
+    return KVAttentionFunction.apply(q, k, v, sinks, passes)
 
 
-__all__ = ["AllGatherAttentionFunction", "allgather_attention", "allgather_backward", "allgather_forward"]
+__all__ = ["allgather_attention", "allgather_backward", "allgather_forward"]

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from hf_ring.kernels import get_backend
 from hf_ring.ring.comm import CommWaitStats
 from hf_ring.ring.plan import RingPlan
-from hf_ring.ring.ring_attention import RingAttentionFunction
+from hf_ring.ring.ring_attention import KVAttentionFunction, ring_passes
 from hf_ring.ring.validation import check_across_ranks, check_local
 from hf_ring.sharding.packed import check_cu_seqlens
 
@@ -61,7 +61,7 @@ def ring_attention(
             f"sinks must be a float tensor of shape (n_heads,) = ({q.shape[2]},), got "
             f"{tuple(sinks.shape)} {sinks.dtype}"
         )
-    return RingAttentionFunction.apply(q, k, v, sinks, plan)
+    return KVAttentionFunction.apply(q, k, v, sinks, ring_passes(plan))
 
 
 def _window_code(window: Optional[int]) -> int:

@@ -13,7 +13,8 @@ inputs) and are returned in the input dtype.
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -247,21 +248,34 @@ def ring_backward(
     return dq.to(q.dtype), dk.to(kv.dtype), dv.to(kv.dtype)
 
 
-class RingAttentionFunction(torch.autograd.Function):
-    """Autograd wrapper; ``lse`` is returned as a non-differentiable output.
+class KVPasses(NamedTuple):
+    """A pattern that moves this rank's stacked K/V ``kv`` ``(2, b, s, hk, d)`` (ring,
+    all-gather): ``forward(q, kv, sinks) -> (out, lse)`` and ``backward(dout, q, kv, out,
+    lse) -> (dq, dk, dv)``, with the final out and lse (sink included)."""
 
-    K and V are stacked once, in the forward, into the buffer the ring sends; that buffer
-    (not k and v) is saved for the backward, which sends it again without restacking.
-    With ``sinks`` the final out and lse include the sink logit (see :func:`apply_sinks`)
-    and the sinks get their gradient from this rank's rows.
+    forward: Callable
+    backward: Callable
+
+
+def ring_passes(plan: RingPlan) -> KVPasses:
+    return KVPasses(functools.partial(ring_forward, plan), functools.partial(ring_backward, plan))
+
+
+class KVAttentionFunction(torch.autograd.Function):
+    """Autograd wrapper of :class:`KVPasses`; ``lse`` is returned as a non-differentiable output.
+
+    K and V are stacked once, in the forward, into the buffer the pattern sends; that
+    buffer (not k and v) is saved for the backward, which sends it again without
+    restacking. With ``sinks`` the final out and lse include the sink logit (see
+    :func:`apply_sinks`) and the sinks get their gradient from this rank's rows.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, plan: RingPlan):
+    def forward(ctx, q, k, v, sinks, passes: KVPasses):
         kv = torch.stack([k, v])  # (2, b, s, hk, d)
-        out, lse = ring_forward(plan, q, kv, sinks)
+        out, lse = passes.forward(q, kv, sinks)
         ctx.save_for_backward(q, kv, out, lse, sinks)
-        ctx.plan = plan
+        ctx.passes = passes
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -269,6 +283,6 @@ class RingAttentionFunction(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, kv, out, lse, sinks = ctx.saved_tensors
         dout = dout.contiguous()
-        dq, dk, dv = ring_backward(ctx.plan, dout, q, kv, out, lse)
+        dq, dk, dv = ctx.passes.backward(dout, q, kv, out, lse)
         dsinks = sinks_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[3] else None
         return dq, dk, dv, dsinks, None
