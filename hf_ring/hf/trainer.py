@@ -30,6 +30,7 @@ from typing import Any, Optional
 import torch
 from transformers import Trainer
 
+from hf_ring.hf.chunked_loss import ChunkedLossConfig, model_token_loss_sum
 from hf_ring.hf.collator import RingDataCollator
 from hf_ring.hf.loss import (
     LossTotals,
@@ -71,6 +72,11 @@ class RingTrainer(Trainer):
     Args:
         ring_plugin: the :class:`RingAttentionPlugin` (its ``cp_size`` and layout); default
             ``RingAttentionPlugin(cp_size=1)``.
+        chunked_loss: compute the LM head and the loss chunk by chunk, never holding the
+            shard's full logits (:mod:`hf_ring.hf.chunked_loss`): a
+            :class:`ChunkedLossConfig`, True / False, or None (default: on under context
+            parallelism). The training and eval losses are the same; ``outputs.logits`` of a
+            chunked forward are empty.
         *args, **kwargs: as for ``transformers.Trainer``. ``data_collator`` must produce
             ``shift_labels`` (use :class:`RingDataCollator`, e.g. ``ring_plugin.make_collator``);
             with ``cp_size > 1`` the model must use ``attn_implementation="ring_flash"``.
@@ -83,8 +89,15 @@ class RingTrainer(Trainer):
     # compute_loss returns a share already normalised over the whole accumulated step.
     loss_is_scaled_for_ga = True
 
-    def __init__(self, *args: Any, ring_plugin: Optional[RingAttentionPlugin] = None, **kwargs: Any):
+    def __init__(
+        self,
+        *args: Any,
+        ring_plugin: Optional[RingAttentionPlugin] = None,
+        chunked_loss: ChunkedLossConfig | bool | None = None,
+        **kwargs: Any,
+    ):
         self.ring_plugin = ring_plugin if ring_plugin is not None else RingAttentionPlugin(cp_size=1)
+        self.chunked_loss = chunked_loss if isinstance(chunked_loss, ChunkedLossConfig) else ChunkedLossConfig(chunked_loss)
         super().__init__(*args, **kwargs)
         self.ring_state = self.ring_plugin.attach(self.accelerator)
         self._check_supported()
@@ -170,12 +183,20 @@ class RingTrainer(Trainer):
     ) -> Any:
         """This rank's share of the token-mean loss, scaled for DDP's average over processes."""
         kwargs, shift_labels = _model_inputs(inputs, getattr(self.model, "config", None))
-        outputs = model(**kwargs)
-        token_sum = token_loss_sum(outputs.logits, shift_labels)
+        token_sum, outputs = self._token_loss_sum(model, kwargs, shift_labels)
         if num_items_in_batch is None:
             num_items_in_batch = self.ring_plugin.global_token_count(count_valid_tokens(shift_labels))
         loss = scale_for_ddp(loss_share(token_sum, num_items_in_batch), self.ring_state.world_size)
         return (loss, outputs) if return_outputs else loss
+
+    def _token_loss_sum(
+        self, model: torch.nn.Module, kwargs: dict[str, Any], shift_labels: torch.Tensor, chunked: bool = True
+    ) -> tuple[torch.Tensor, Any]:
+        """This rank's token-loss sum and the model's outputs, by chunks when configured."""
+        if chunked and self.chunked_loss.active(self.ring_state.cp_size):
+            return model_token_loss_sum(model, self.model, kwargs, shift_labels, self.chunked_loss)
+        outputs = model(**kwargs)
+        return token_loss_sum(outputs.logits, shift_labels), outputs
 
     # ---- evaluation ----
 
@@ -194,8 +215,8 @@ class RingTrainer(Trainer):
         inputs = transformers_patches.prepare_inputs(self, inputs)
         kwargs, shift_labels = _model_inputs(inputs, getattr(self.model, "config", None))
         with torch.no_grad():
-            outputs = model(**kwargs)
-            token_sum = token_loss_sum(outputs.logits, shift_labels)
+            # Predictions need the full logits; the loss alone does not.
+            token_sum, outputs = self._token_loss_sum(model, kwargs, shift_labels, chunked=prediction_loss_only)
             count = count_valid_tokens(shift_labels)
         if self._eval_totals is not None:
             self._eval_totals.add(token_sum, count)
