@@ -49,6 +49,17 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="default: ring_flash when cp_size > 1, else sdpa")
     p.add_argument("--hidden_size", type=int, default=128, help="default model only")
     p.add_argument("--num_layers", type=int, default=2, help="default model only")
+    p.add_argument("--vocab_size", type=int, default=None,
+                   help="default model only: its vocabulary size (default: the byte tokenizer's 259; "
+                        "the tokenizer's ids stay below it), e.g. 128256 to measure a Llama-3 vocabulary")
+    p.add_argument("--chunked_loss", default="auto", choices=["auto", "on", "off"],
+                   help="LM head + loss by chunks of tokens, never the full logits (auto: on when cp_size > 1)")
+    p.add_argument("--loss_chunk_tokens", type=int, default=None,
+                   help="tokens per chunk of the chunked loss (default: 256 MiB of float32 logits)")
+    p.add_argument("--offload_checkpoints", action="store_true",
+                   help="checkpoint every decoder layer, its saved input kept in host memory")
+    p.add_argument("--tiled_mlp", type=int, default=0, metavar="TOKENS",
+                   help="compute every MLP in tiles of this many tokens (0: off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--per_device_train_batch_size", type=int, default=1,
                    help="examples per data-parallel rank and micro-step (with --packing: documents per row)")
@@ -97,12 +108,17 @@ def _dtype(args: argparse.Namespace) -> torch.dtype:
 
 def build_model(args: argparse.Namespace, tokenizer, attn_implementation: str) -> torch.nn.Module:
     if args.model_name_or_path:
+        if args.vocab_size is not None:
+            raise ValueError("--vocab_size applies to the default model only, not to --model_name_or_path")
         return AutoModelForCausalLM.from_pretrained(
             args.model_name_or_path, attn_implementation=attn_implementation, dtype=_dtype(args)
         )
     heads = max(2, args.hidden_size // 16)
+    vocab_size = args.vocab_size if args.vocab_size is not None else len(tokenizer)
+    if vocab_size < len(tokenizer):
+        raise ValueError(f"--vocab_size {vocab_size} is below the tokenizer's {len(tokenizer)} ids")
     config = LlamaConfig(
-        vocab_size=len(tokenizer),
+        vocab_size=vocab_size,
         hidden_size=args.hidden_size,
         intermediate_size=2 * args.hidden_size,
         num_hidden_layers=args.num_layers,
@@ -138,6 +154,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     attn = args.attn_implementation or ("ring_flash" if args.cp_size > 1 else "sdpa")
     transformers.set_seed(args.seed)  # the same initial weights on every rank and in every run
     model = build_model(args, tokenizer, attn)
+    if args.offload_checkpoints:
+        hf_ring.enable_offloaded_checkpointing(model)
+    if args.tiled_mlp:
+        hf_ring.tile_mlps(model, args.tiled_mlp)
 
     trainer = hf_ring.RingTrainer(
         model=model,
@@ -146,6 +166,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         eval_dataset=eval_set if args.num_eval_examples > 0 else None,
         data_collator=plugin.make_collator(pad_token_id=pad_id, packing=args.packing),
         ring_plugin=plugin,
+        chunked_loss=hf_ring.ChunkedLossConfig(
+            enabled={"auto": None, "on": True, "off": False}[args.chunked_loss], chunk_tokens=args.loss_chunk_tokens
+        ),
     )
     result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     metrics = dict(result.metrics)
