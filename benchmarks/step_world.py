@@ -44,6 +44,11 @@ class StepConfig:
     vocab_size: int = 259
     threads_per_process: int = 1
     device: str = "cpu"
+    # Long-context memory options (hf_ring.hf.chunked_loss / offload / tiled_mlp).
+    chunked_loss: bool = False
+    loss_chunk_tokens: Optional[int] = None
+    offload_checkpoints: bool = False
+    tiled_mlp: int = 0
 
     def __post_init__(self) -> None:
         for n in self.seq_lens:
@@ -87,6 +92,11 @@ def _worker(rank: int, cfg: StepConfig, init_file: str, out_dir: str) -> None:
     )
     model = LlamaForCausalLM._from_config(model_cfg, attn_implementation="ring_flash").to(device)
     model.train()
+    offload_stats: dict = {}
+    if cfg.offload_checkpoints:
+        hf_ring.enable_offloaded_checkpointing(model, offload_stats)
+    if cfg.tiled_mlp:
+        hf_ring.tile_mlps(model, cfg.tiled_mlp)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     results = []
@@ -94,12 +104,14 @@ def _worker(rank: int, cfg: StepConfig, init_file: str, out_dir: str) -> None:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         results.append(_measure(model, opt, cfg, state, seq_len, device, sync, baseline_mb))
+        results[-1]["offloaded_peak_mb"] = offload_stats.pop("peak_bytes", 0) / 2**20
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
 def _measure(model, opt, cfg: StepConfig, state, seq_len: int, device, sync, baseline_mb: float) -> dict:
     import hf_ring
+    from hf_ring.hf.chunked_loss import ChunkedLossConfig, model_token_loss_sum
     from hf_ring.hf.loss import count_valid_tokens, loss_share, token_loss_sum
     from hf_ring.ring.comm import CommWaitStats
 
@@ -114,8 +126,13 @@ def _measure(model, opt, cfg: StepConfig, state, seq_len: int, device, sync, bas
 
     def step(stats: Optional[CommWaitStats] = None) -> None:
         # The guard hands the sink down to every ring call of the forward (and its backward).
-        logits = model(input_ids=ids_l, position_ids=pos_l, hf_ring_comm_stats=stats).logits
-        loss_share(token_loss_sum(logits, labels_l), n_valid).backward()
+        inputs = dict(input_ids=ids_l, position_ids=pos_l, hf_ring_comm_stats=stats)
+        if cfg.chunked_loss:
+            chunking = ChunkedLossConfig(True, cfg.loss_chunk_tokens)
+            token_sum, _ = model_token_loss_sum(model, model, inputs, labels_l, chunking)
+        else:
+            token_sum = token_loss_sum(model(**inputs).logits, labels_l)
+        loss_share(token_sum, n_valid).backward()
         if cfg.cp_size > 1:
             # Each rank's loss is its share of the global token mean, so the model's
             # gradient is the sum of the ranks' gradients.
@@ -160,5 +177,6 @@ def run_step(cfg: StepConfig) -> list[dict]:
             "comm_wait_seconds": slowest["comm_wait_seconds"],
             "peak_mb_per_process": max(r["peak_mb"] for r in per_rank),
             "runtime_baseline_mb": max(r["runtime_baseline_mb"] for r in per_rank),
+            "offloaded_peak_mb": max(r.get("offloaded_peak_mb", 0.0) for r in per_rank),
         })
     return merged

@@ -55,7 +55,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--chunked_loss", default="auto", choices=["auto", "on", "off"],
                    help="LM head + loss by chunks of tokens, never the full logits (auto: on when cp_size > 1)")
     p.add_argument("--loss_chunk_tokens", type=int, default=None,
-                   help="tokens per chunk of the chunked loss (default: 256 MiB of float32 logits)")
+                   help="tokens per chunk of the chunked loss (default: 64 MiB of float32 logits)")
     p.add_argument("--offload_checkpoints", action="store_true",
                    help="checkpoint every decoder layer, its saved input kept in host memory")
     p.add_argument("--tiled_mlp", type=int, default=0, metavar="TOKENS",

@@ -39,8 +39,9 @@ from hf_ring.hf.collator import IGNORE_INDEX
 from hf_ring.patches import transformers as transformers_patches
 
 TURN_OFF = "turn the chunked loss off (RingTrainer(chunked_loss=False), or --chunked_loss off in the example)"
-# A chunk's float32 logits take at most this much when chunk_tokens is not given.
-DEFAULT_CHUNK_BYTES = 256 * 2**20
+# A chunk's float32 logits take at most this much when chunk_tokens is not given (130 rows
+# of a 128,256-token vocabulary: still a large matmul against a 4096-wide hidden state).
+DEFAULT_CHUNK_BYTES = 64 * 2**20
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ class ChunkedLossConfig:
         enabled: True / False; None (default) turns it on under context parallelism
             (``cp_size > 1``) and off otherwise.
         chunk_tokens: rows of logits per chunk; None chooses it so a chunk's float32
-            logits take at most 256 MiB (``max(1, 2**26 // vocab_size)`` rows).
+            logits take at most 64 MiB (``max(1, 2**24 // vocab_size)`` rows).
     """
 
     enabled: Optional[bool] = None

@@ -1,0 +1,143 @@
+"""Peak memory per process against tokens per process, for a 259- and a 128,256-token
+vocabulary, with and without each long-context option (chunked loss, checkpoints offloaded
+to host memory, tiled MLP); then the fitted memory model (memory_model.py), the longest
+sequence per process under a budget, and the Llama-3-8B projection.
+
+Every configuration runs in a fresh process (step_world.py, cp_size 1: the memory per
+process depends on the tokens it holds, which is ``seq_len / cp_size`` under CP), one
+training step (forward, backward, AdamW) per length, lengths in increasing order. Peak
+memory on CPU is the peak resident set minus the resident set after start-up (see
+step_world.py). On CPU "offloading" the checkpoints to host memory moves nothing (the host
+is the device), so the offload runs measure plain checkpointing, and the bytes the offload
+would move off a GPU are counted by its hooks (``offloaded_peak_mb``).
+
+    python benchmarks/long_context_memory.py --out benchmarks/results          # ~30 min on a busy 2-core machine
+    python benchmarks/long_context_memory.py --refit --out benchmarks/results  # fit + plots only
+
+Writes long_context_memory.json (points, fit, budget table, projection) and
+long_context_memory.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from memory_model import LLAMA3_8B, OPTION_SETS, Shape, fit, longest_tokens, predict, project  # noqa: E402
+from plotting import new_axes, save  # noqa: E402
+from step_world import StepConfig, run_step  # noqa: E402
+
+LLAMA3_VOCAB = 128_256
+BYTE_VOCAB = 259
+SMALL = Shape(hidden=128, intermediate=256, layers=2, heads=8, kv_heads=4, vocab=BYTE_VOCAB)
+# A second shape (wider MLP, more layers) separates per-layer from per-model and hidden-
+# from intermediate-sized terms in the fit.
+WIDE = Shape(hidden=128, intermediate=768, layers=4, heads=8, kv_heads=4, vocab=BYTE_VOCAB)
+TILE = 1024
+
+
+def sweep(quick: bool) -> list[tuple[Shape, str, tuple[int, ...]]]:
+    """(model shape, option set, tokens per process) of every run."""
+    short = (2048, 4096, 8192)
+    full_logits_128k = (512, 1024, 2048)  # (tokens x 128K) float32 logits: 0.5 GB per copy at 1024
+    if quick:
+        short = full_logits_128k = (256, 512)
+    big_vocab = Shape(**{**asdict(SMALL), "vocab": LLAMA3_VOCAB})
+    runs = [(SMALL, name, short) for name in ("none", "chunked", "offload", "offload+tiled", "chunked+offload+tiled")]
+    runs += [(big_vocab, "none", full_logits_128k)]
+    runs += [(big_vocab, name, short) for name in ("chunked", "chunked+offload", "chunked+offload+tiled")]
+    runs += [(WIDE, name, short) for name in ("none", "offload", "offload+tiled")]
+    return runs
+
+
+def measure(shape: Shape, options: str, tokens: tuple[int, ...], threads: int) -> list[dict]:
+    flags = OPTION_SETS[options]
+    cfg = StepConfig(
+        cp_size=1, seq_lens=tokens, steps=1, warmup=0, hidden_size=shape.hidden, num_layers=shape.layers,
+        num_heads=shape.heads, num_kv_heads=shape.kv_heads, intermediate_size=shape.intermediate,
+        vocab_size=shape.vocab, threads_per_process=threads, chunked_loss=flags["chunked"],
+        offload_checkpoints=flags["offload"], tiled_mlp=TILE if flags["tiled"] else 0,
+    )
+    return [{"shape": asdict(shape), "options": options, "tokens": p["seq_len"],
+             "peak_mb": p["peak_mb_per_process"], "offloaded_peak_mb": p["offloaded_peak_mb"],
+             "step_seconds": p["step_seconds"]} for p in run_step(cfg)]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--threads", type=int, default=max(1, os.cpu_count() or 1))
+    ap.add_argument("--budget-gib", type=float, default=4.0, help="per-process budget for the longest sequence")
+    ap.add_argument("--refit", action="store_true", help="reuse the measured points of the JSON in --out")
+    ap.add_argument("--quick", action="store_true", help="tiny sweep (smoke test)")
+    args = ap.parse_args(argv)
+    path = os.path.join(args.out, "long_context_memory.json")
+    if args.refit:
+        with open(path) as f:
+            points = json.load(f)["points"]
+    else:
+        points = []
+        for shape, options, tokens in sweep(args.quick):
+            for p in measure(shape, options, tokens, args.threads):
+                points.append(p)
+                print(f"vocab {shape.vocab:>6} H{shape.hidden} I{shape.intermediate} L{shape.layers} {options:<22} "
+                      f"{p['tokens']:>6} tokens: peak {p['peak_mb']:8.1f} MB ({p['step_seconds']:.1f} s)", flush=True)
+
+    model = fit(points, tile=TILE)
+    print("\nmemory model (bytes):", ", ".join(f"{k} {v:.4g}" for k, v in model.items()))
+    worst = 0.0
+    for p in points:
+        p["model_mb"] = predict(model, Shape(**p["shape"]), p["options"], p["tokens"], TILE) / 2**20
+        worst = max(worst, abs(p["model_mb"] - p["peak_mb"]) / p["peak_mb"])
+    print(f"largest relative error of the model on the {len(points)} measurements: {worst:.1%}")
+
+    budget = args.budget_gib * 2**30
+    table = []
+    for vocab in (BYTE_VOCAB, LLAMA3_VOCAB):
+        shape = Shape(**{**asdict(SMALL), "vocab": vocab})
+        for options in OPTION_SETS:
+            table.append({"vocab": vocab, "options": options,
+                          "peak_mb_at_8192": predict(model, shape, options, 8192, TILE) / 2**20,
+                          "longest_tokens": longest_tokens(model, shape, options, budget, TILE)})
+    print(f"\nsmall model, budget {args.budget_gib:g} GiB per process (from the model):")
+    print(f"{'vocab':>7} {'options':<22} {'peak MB @8192':>14} {'longest tokens':>15}")
+    for row in table:
+        print(f"{row['vocab']:>7} {row['options']:<22} {row['peak_mb_at_8192']:>14.0f} {row['longest_tokens']:>15,.0f}")
+
+    projection = project(model, LLAMA3_8B, TILE)
+    print("\nLlama-3-8B, FSDP2 + CP over 8 GPUs (tokens per GPU x 8):")
+    for row in projection:
+        print(f"{row['gpu_gb']:>4} GB {row['options']:<22} {row['activation_dtype']:<8} "
+              f"{row['longest_context']:>12,.0f} tokens (host memory for offload {row['host_gb_per_gpu']:.0f} GB per GPU)")
+
+    result = {"points": points, "model": model, "tile_tokens": TILE, "budget_gib": args.budget_gib,
+              "largest_relative_error": worst, "budget_table": table, "projection": projection}
+    os.makedirs(args.out, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+    _plot(points, os.path.join(args.out, "long_context_memory.png"))
+    return result
+
+
+def _plot(points: list[dict], path: str) -> None:
+    fig, ax = new_axes()
+    series: dict[str, list[dict]] = {}
+    for p in points:
+        if p["shape"]["layers"] == SMALL.layers:
+            series.setdefault(f"vocab {p['shape']['vocab']:,}, {p['options']}", []).append(p)
+    for label, mine in series.items():
+        style = "o-" if "128" in label else "s--"
+        ax.plot([p["tokens"] for p in mine], [p["peak_mb"] for p in mine], style, label=label, ms=4)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.legend(fontsize=6)
+    save(fig, ax, path, "Peak memory per process (H=128, 2 layers, CPU)", "tokens per process", "peak memory (MB)")
+
+
+if __name__ == "__main__":
+    main()
