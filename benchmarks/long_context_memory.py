@@ -7,7 +7,11 @@ Every configuration runs in a fresh process (step_world.py, cp_size 1: the memor
 process depends on the tokens it holds, which is ``seq_len / cp_size`` under CP), one
 training step (forward, backward, AdamW) per length, lengths in increasing order. Peak
 memory on CPU is the peak resident set minus the resident set after start-up (see
-step_world.py). On CPU "offloading" the checkpoints to host memory moves nothing (the host
+step_world.py), with glibc's mmap threshold pinned at 64 KiB (``MALLOC_MMAP_THRESHOLD_``, set
+here for the spawned processes): every tensor above it gets its own mapping, returned to the
+system when freed, so the resident set follows the live tensors (with glibc's default
+sliding threshold, freed tensors stay in the heap and the peak resident set was up to twice
+the live memory, and noisy). On CPU "offloading" the checkpoints to host memory moves nothing (the host
 is the device), so the offload runs measure plain checkpointing, and the bytes the offload
 would move off a GPU are counted by its hooks (``offloaded_peak_mb``).
 
@@ -41,29 +45,32 @@ WIDE = Shape(hidden=128, intermediate=768, layers=4, heads=8, kv_heads=4, vocab=
 TILE = 1024
 
 
-def sweep(quick: bool) -> list[tuple[Shape, str, tuple[int, ...]]]:
-    """(model shape, option set, tokens per process) of every run."""
+def sweep(quick: bool) -> list[tuple[Shape, str, tuple[int, ...], int]]:
+    """(model shape, option set, tokens per process, cp_size) of every run."""
     short = (2048, 4096, 8192)
     full_logits_128k = (512, 1024, 2048)  # (tokens x 128K) float32 logits: 0.5 GB per copy at 1024
     if quick:
         short = full_logits_128k = (256, 512)
     big_vocab = Shape(**{**asdict(SMALL), "vocab": LLAMA3_VOCAB})
-    runs = [(SMALL, name, short) for name in ("none", "chunked", "offload", "offload+tiled", "chunked+offload+tiled")]
-    runs += [(big_vocab, "none", full_logits_128k)]
-    runs += [(big_vocab, name, short) for name in ("chunked", "chunked+offload", "chunked+offload+tiled")]
-    runs += [(WIDE, name, short) for name in ("none", "offload", "offload+tiled")]
+    runs = [(SMALL, name, short, 1) for name in ("none", "chunked", "offload", "offload+tiled", "chunked+offload+tiled")]
+    runs += [(big_vocab, "none", full_logits_128k, 1)]
+    runs += [(big_vocab, name, short, 1) for name in ("chunked", "chunked+offload", "chunked+offload+tiled")]
+    runs += [(WIDE, name, short, 1) for name in ("none", "offload", "offload+tiled")]
+    # Under CP the ring adds per-token buffers (K/V blocks in flight, float32 gradient
+    # accumulators): measured once, at cp_size 2, for the model's ring term.
+    runs += [(SMALL, "chunked+offload+tiled", short, 2)]
     return runs
 
 
-def measure(shape: Shape, options: str, tokens: tuple[int, ...], threads: int) -> list[dict]:
+def measure(shape: Shape, options: str, tokens: tuple[int, ...], cp: int, threads: int) -> list[dict]:
     flags = OPTION_SETS[options]
     cfg = StepConfig(
-        cp_size=1, seq_lens=tokens, steps=1, warmup=0, hidden_size=shape.hidden, num_layers=shape.layers,
+        cp_size=cp, seq_lens=tuple(n * cp for n in tokens), steps=1, warmup=0, hidden_size=shape.hidden, num_layers=shape.layers,
         num_heads=shape.heads, num_kv_heads=shape.kv_heads, intermediate_size=shape.intermediate,
-        vocab_size=shape.vocab, threads_per_process=threads, chunked_loss=flags["chunked"],
+        vocab_size=shape.vocab, threads_per_process=max(1, threads // cp), chunked_loss=flags["chunked"],
         offload_checkpoints=flags["offload"], tiled_mlp=TILE if flags["tiled"] else 0,
     )
-    return [{"shape": asdict(shape), "options": options, "tokens": p["seq_len"],
+    return [{"shape": asdict(shape), "options": options, "cp": cp, "tokens": p["seq_len"] // cp,
              "peak_mb": p["peak_mb_per_process"], "offloaded_peak_mb": p["offloaded_peak_mb"],
              "step_seconds": p["step_seconds"]} for p in run_step(cfg)]
 
@@ -77,22 +84,23 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--quick", action="store_true", help="tiny sweep (smoke test)")
     args = ap.parse_args(argv)
     path = os.path.join(args.out, "long_context_memory.json")
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))  # read by the spawned processes' glibc
     if args.refit:
         with open(path) as f:
             points = json.load(f)["points"]
     else:
         points = []
-        for shape, options, tokens in sweep(args.quick):
-            for p in measure(shape, options, tokens, args.threads):
+        for shape, options, tokens, cp in sweep(args.quick):
+            for p in measure(shape, options, tokens, cp, args.threads):
                 points.append(p)
-                print(f"vocab {shape.vocab:>6} H{shape.hidden} I{shape.intermediate} L{shape.layers} {options:<22} "
+                print(f"vocab {shape.vocab:>6} H{shape.hidden} I{shape.intermediate} L{shape.layers} cp{cp} {options:<22} "
                       f"{p['tokens']:>6} tokens: peak {p['peak_mb']:8.1f} MB ({p['step_seconds']:.1f} s)", flush=True)
 
     model = fit(points, tile=TILE)
     print("\nmemory model (bytes):", ", ".join(f"{k} {v:.4g}" for k, v in model.items()))
     worst = 0.0
     for p in points:
-        p["model_mb"] = predict(model, Shape(**p["shape"]), p["options"], p["tokens"], TILE) / 2**20
+        p["model_mb"] = predict(model, Shape(**p["shape"]), p["options"], p["tokens"], TILE, p["cp"]) / 2**20
         worst = max(worst, abs(p["model_mb"] - p["peak_mb"]) / p["peak_mb"])
     print(f"largest relative error of the model on the {len(points)} measurements: {worst:.1%}")
 
@@ -115,7 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{row['gpu_gb']:>4} GB {row['options']:<22} {row['activation_dtype']:<8} "
               f"{row['longest_context']:>12,.0f} tokens (host memory for offload {row['host_gb_per_gpu']:.0f} GB per GPU)")
 
-    result = {"points": points, "model": model, "tile_tokens": TILE, "budget_gib": args.budget_gib,
+    result = {"malloc_mmap_threshold": os.environ["MALLOC_MMAP_THRESHOLD_"], "points": points, "model": model, "tile_tokens": TILE, "budget_gib": args.budget_gib,
               "largest_relative_error": worst, "budget_table": table, "projection": projection}
     os.makedirs(args.out, exist_ok=True)
     with open(path, "w") as f:
@@ -128,7 +136,7 @@ def _plot(points: list[dict], path: str) -> None:
     fig, ax = new_axes()
     series: dict[str, list[dict]] = {}
     for p in points:
-        if p["shape"]["layers"] == SMALL.layers:
+        if p["shape"]["layers"] == SMALL.layers and p["cp"] == 1:
             series.setdefault(f"vocab {p['shape']['vocab']:,}, {p['options']}", []).append(p)
     for label, mine in series.items():
         style = "o-" if "128" in label else "s--"

@@ -6,9 +6,13 @@ Terms (bytes; N tokens per process, H hidden, I intermediate, L layers, V vocabu
 parameters; "live layers" is L, or 1 when every layer is checkpointed: only the layer being
 recomputed holds its activations):
 
-    a_H * N * H * live_layers              attention, norms, residuals of the live layers
-    a_I * M * I * live_layers              MLP intermediates; M = N, or the tile when tiled
-    b_H * N * H                            embeddings' output, final norm, head input, grads
+    a_H * N * H * live_layers              attention, norms, residuals saved by the live layers
+    a_I * M * I * live_layers              MLP intermediates saved; M = N, or the tile when tiled
+    t_I * M * I                            one layer's MLP gradients in its backward (transient)
+    b_H * N * H                            embeddings' output, final norm, head input, the
+                                           hidden-sized gradients in flight
+    r_H * N * H       (cp_size > 1)        the ring's K/V blocks in flight and its float32
+                                           gradient accumulators
     g   * N * V       (full logits only)   logits, softmax, their gradient
     d   * C * V       (chunked loss only)  one chunk's logits and gradient (C = chunk rows)
     e   * 4 * P                            parameters, gradients, AdamW's two moments
@@ -16,7 +20,7 @@ recomputed holds its activations):
   + 4 * N * H * L     (checkpointing)      the checkpointed layer inputs: on a GPU with
                                            offload they are in host memory instead
 
-a_H, a_I, b_H, g, d, e, f0 are fitted by least squares on relative error (so every point
+a_H, a_I, t_I, b_H, r_H, g, d, e, f0 are fitted by least squares on relative error (so every point
 weighs the same); the checkpointed inputs are counted, not fitted (the offload hooks report
 their bytes). The fitted coefficients are float32 bytes per element-slot; for bfloat16
 activations on a GPU they are halved (the "bf16" rows), or kept (the "fp32 upper bound").
@@ -36,7 +40,7 @@ OPTION_SETS: dict[str, dict[str, bool]] = {
     "chunked+offload": {"chunked": True, "offload": True, "tiled": False},
     "chunked+offload+tiled": {"chunked": True, "offload": True, "tiled": True},
 }
-FITTED = ("a_H", "a_I", "b_H", "g", "d", "e", "f0")
+FITTED = ("a_H", "a_I", "t_I", "b_H", "r_H", "g", "d", "e", "f0")
 CHUNK_BYTES = 64 * 2**20  # hf_ring.hf.chunked_loss.DEFAULT_CHUNK_BYTES
 
 
@@ -65,7 +69,7 @@ def _chunk_rows(vocab: int) -> int:
     return max(1, CHUNK_BYTES // (4 * vocab))
 
 
-def features(shape: Shape, options: str, tokens: int, tile: int) -> dict[str, float]:
+def features(shape: Shape, options: str, tokens: int, tile: int, cp: int = 1) -> dict[str, float]:
     """The terms of the model for one configuration, each without its coefficient."""
     o = OPTION_SETS[options]
     live = 1 if o["offload"] else shape.layers
@@ -73,7 +77,9 @@ def features(shape: Shape, options: str, tokens: int, tile: int) -> dict[str, fl
     return {
         "a_H": tokens * shape.hidden * live,
         "a_I": mlp_rows * shape.intermediate * live,
+        "t_I": mlp_rows * shape.intermediate,
         "b_H": tokens * shape.hidden,
+        "r_H": tokens * shape.hidden if cp > 1 else 0,
         "g": 0 if o["chunked"] else tokens * shape.vocab,
         "d": min(tokens, _chunk_rows(shape.vocab)) * shape.vocab if o["chunked"] else 0,
         "e": 4 * shape.params,
@@ -92,16 +98,16 @@ def fit(points: list[dict], tile: int) -> dict[str, float]:
     for p in points:
         shape = Shape(**p["shape"])
         peak = p["peak_mb"] * 2**20
-        f = features(shape, p["options"], p["tokens"], tile)
+        f = features(shape, p["options"], p["tokens"], tile, p.get("cp", 1))
         rows.append([f[k] / peak for k in FITTED])
         target.append((peak - checkpointed_bytes(shape, p["options"], p["tokens"])) / peak)
     coef, *_ = np.linalg.lstsq(np.array(rows), np.array(target), rcond=None)
     return {k: float(v) for k, v in zip(FITTED, coef)}
 
 
-def predict(model: dict[str, float], shape: Shape, options: str, tokens: int, tile: int) -> float:
+def predict(model: dict[str, float], shape: Shape, options: str, tokens: int, tile: int, cp: int = 1) -> float:
     """Peak bytes per process as measured on CPU (checkpointed inputs included)."""
-    f = features(shape, options, tokens, tile)
+    f = features(shape, options, tokens, tile, cp)
     return sum(model[k] * f[k] for k in FITTED) + checkpointed_bytes(shape, options, tokens)
 
 
@@ -123,8 +129,8 @@ RESERVE_GB = 4.0  # CUDA context, NCCL buffers, allocator fragmentation (assumed
 def _device_bytes(model: dict[str, float], shape: Shape, options: str, tokens: int, tile: int, act_scale: float) -> float:
     """Bytes on one GPU holding ``tokens`` tokens, bf16 weights and activations (``act_scale``
     0.5 of the fitted float32 activation terms, or 1.0 for an upper bound), FSDP2 over GPUS."""
-    f = features(shape, options, tokens, tile)
-    activations = sum(model[k] * f[k] for k in ("a_H", "a_I", "b_H")) * act_scale
+    f = features(shape, options, tokens, tile, cp=GPUS)
+    activations = sum(model[k] * f[k] for k in ("a_H", "a_I", "t_I", "b_H", "r_H")) * act_scale
     logits = model["g"] * f["g"] + model["d"] * f["d"]  # the loss upcasts logits to float32
     layer_params = (shape.params - shape.vocab * shape.hidden * 2) / shape.layers
     sharded_states = 16 * shape.params / GPUS  # fp32 master weights, fp32 grads, AdamW m and v

@@ -12,6 +12,12 @@ One process per device; the sequence of every batch is split over ``--cp_size`` 
     accelerate launch --config_file examples/accelerate_gpu.yaml examples/finetune_llama_long.py \\
         --cp_size 4 --seq_len 65536 --model_name_or_path /path/to/llama --bf16
 
+Longest context per device (README, "Longest context per device"): the loss is computed
+chunk by chunk without the full logits by default under CP (``--chunked_loss``);
+``--offload_checkpoints`` keeps every layer's checkpointed input in host memory and
+``--tiled_mlp TOKENS`` computes the MLPs in tiles; ``--vocab_size 128256`` gives the default
+model a Llama-3-sized vocabulary.
+
 Default: a tiny Llama initialised on the spot, a byte-level tokenizer and a synthetic
 passkey-retrieval set (loss on the answer only), so nothing is downloaded.
 """

@@ -136,6 +136,23 @@ def test_chunked_loss_through_the_model(family, extra, kind):
     _assert_same(got, ref, TOL[torch.float64])
 
 
+def test_chunked_loss_on_packed_rows():
+    """A packed row (three documents, ring_flash's varlen path) with its prompt masked."""
+    model = _tiny("Llama")
+    model.set_attn_implementation("ring_flash")
+    doc_lens = [6, 10, 4]
+    ids = torch.randint(0, 97, (1, 20), generator=torch.Generator().manual_seed(6))
+    cu = torch.tensor([0, 6, 16, 20], dtype=torch.int32)
+    kwargs = dict(input_ids=ids, position_ids=torch.cat([torch.arange(n) for n in doc_lens])[None],
+                  cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=10, max_length_k=10)
+    labels = _labels((1, 20), 97, seed=7)
+    labels[0, [5, 15, 19]] = -100  # no label across a document boundary
+    ref = _loss_and_grads(model, lambda m: token_loss_sum(m(**kwargs).logits, labels))
+    got = _loss_and_grads(
+        model, lambda m: model_token_loss_sum(m, m, kwargs, labels, ChunkedLossConfig(True, 3))[0])
+    _assert_same(got, ref, TOL[torch.float64])
+
+
 def test_chunked_loss_refuses_an_unknown_head_transform():
     from transformers import LlamaForCausalLM
     from transformers.modeling_outputs import CausalLMOutputWithPast
