@@ -4,9 +4,13 @@ to host memory, tiled MLP); then the fitted memory model (memory_model.py), the 
 sequence per process under a budget, and the Llama-3-8B projection.
 
 Every configuration runs in a fresh process (step_world.py, cp_size 1: the memory per
-process depends on the tokens it holds, which is ``seq_len / cp_size`` under CP), one
-training step (forward, backward, AdamW) per length, lengths in increasing order. Peak
-memory on CPU is the peak resident set minus the resident set after start-up (see
+process depends on the tokens it holds, which is ``seq_len / cp_size`` under CP), two
+training steps (forward, backward, AdamW) per length, lengths in increasing order. The
+figure is the peak of the second step's forward + backward (AdamW's moments exist then, as
+in any step but the first; ``peak_mb``); the optimizer step's own peak is kept beside it
+(``peak_step_mb``: for the tiny model with a 128K vocabulary, AdamW's temporaries over the
+embeddings can exceed the activations, which says nothing about a large sharded model).
+Peak memory on CPU is the peak resident set minus the resident set after start-up (see
 step_world.py), with glibc's mmap threshold pinned at 64 KiB (``MALLOC_MMAP_THRESHOLD_``, set
 here for the spawned processes): every tensor above it gets its own mapping, returned to the
 system when freed, so the resident set follows the live tensors (with glibc's default
@@ -54,7 +58,7 @@ def sweep(quick: bool) -> list[tuple[Shape, str, tuple[int, ...], int]]:
     big_vocab = Shape(**{**asdict(SMALL), "vocab": LLAMA3_VOCAB})
     runs = [(SMALL, name, short, 1) for name in ("none", "chunked", "offload", "offload+tiled", "chunked+offload+tiled")]
     runs += [(big_vocab, "none", full_logits_128k, 1)]
-    runs += [(big_vocab, name, short, 1) for name in ("chunked", "chunked+offload", "chunked+offload+tiled")]
+    runs += [(big_vocab, name, short, 1) for name in ("chunked", "chunked+offload+tiled")]
     runs += [(WIDE, name, short, 1) for name in ("none", "offload", "offload+tiled")]
     # Under CP the ring adds per-token buffers (K/V blocks in flight, float32 gradient
     # accumulators): measured once, at cp_size 2, for the model's ring term.
@@ -65,13 +69,13 @@ def sweep(quick: bool) -> list[tuple[Shape, str, tuple[int, ...], int]]:
 def measure(shape: Shape, options: str, tokens: tuple[int, ...], cp: int, threads: int) -> list[dict]:
     flags = OPTION_SETS[options]
     cfg = StepConfig(
-        cp_size=cp, seq_lens=tuple(n * cp for n in tokens), steps=1, warmup=0, hidden_size=shape.hidden, num_layers=shape.layers,
+        cp_size=cp, seq_lens=tuple(n * cp for n in tokens), steps=1, warmup=1, phase_peaks=True, hidden_size=shape.hidden, num_layers=shape.layers,
         num_heads=shape.heads, num_kv_heads=shape.kv_heads, intermediate_size=shape.intermediate,
         vocab_size=shape.vocab, threads_per_process=max(1, threads // cp), chunked_loss=flags["chunked"],
         offload_checkpoints=flags["offload"], tiled_mlp=TILE if flags["tiled"] else 0,
     )
     return [{"shape": asdict(shape), "options": options, "cp": cp, "tokens": p["seq_len"] // cp,
-             "peak_mb": p["peak_mb_per_process"], "offloaded_peak_mb": p["offloaded_peak_mb"],
+             "peak_mb": p["peak_backward_mb"], "peak_step_mb": p["peak_step_mb"], "offloaded_peak_mb": p["offloaded_peak_mb"],
              "step_seconds": p["step_seconds"]} for p in run_step(cfg)]
 
 
@@ -79,10 +83,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--threads", type=int, default=max(1, os.cpu_count() or 1))
-    ap.add_argument("--budget-gib", type=float, default=4.0, help="per-process budget for the longest sequence")
+    ap.add_argument("--budget-gib", type=float, nargs="+", default=[2.0, 4.0, 8.0, 16.0],
+                    help="per-process budgets for the longest sequence")
     ap.add_argument("--refit", action="store_true", help="reuse the measured points of the JSON in --out")
     ap.add_argument("--quick", action="store_true", help="tiny sweep (smoke test)")
+    ap.add_argument("--markdown", action="store_true", help="print the README's tables from the JSON in --out")
     args = ap.parse_args(argv)
+    if args.markdown:
+        with open(os.path.join(args.out, "long_context_memory.json")) as f:
+            return markdown(json.load(f))
     path = os.path.join(args.out, "long_context_memory.json")
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))  # read by the spawned processes' glibc
     if args.refit:
@@ -94,7 +103,8 @@ def main(argv: list[str] | None = None) -> dict:
             for p in measure(shape, options, tokens, cp, args.threads):
                 points.append(p)
                 print(f"vocab {shape.vocab:>6} H{shape.hidden} I{shape.intermediate} L{shape.layers} cp{cp} {options:<22} "
-                      f"{p['tokens']:>6} tokens: peak {p['peak_mb']:8.1f} MB ({p['step_seconds']:.1f} s)", flush=True)
+                      f"{p['tokens']:>6} tokens: peak {p['peak_mb']:8.1f} MB "
+                      f"(with the optimizer step {p['peak_step_mb']:8.1f}; {p['step_seconds']:.1f} s)", flush=True)
 
     model = fit(points, tile=TILE)
     print("\nmemory model (bytes):", ", ".join(f"{k} {v:.4g}" for k, v in model.items()))
@@ -104,18 +114,21 @@ def main(argv: list[str] | None = None) -> dict:
         worst = max(worst, abs(p["model_mb"] - p["peak_mb"]) / p["peak_mb"])
     print(f"largest relative error of the model on the {len(points)} measurements: {worst:.1%}")
 
-    budget = args.budget_gib * 2**30
     table = []
-    for vocab in (BYTE_VOCAB, LLAMA3_VOCAB):
-        shape = Shape(**{**asdict(SMALL), "vocab": vocab})
+    for budget_gib in args.budget_gib:
         for options in OPTION_SETS:
-            table.append({"vocab": vocab, "options": options,
-                          "peak_mb_at_8192": predict(model, shape, options, 8192, TILE) / 2**20,
-                          "longest_tokens": longest_tokens(model, shape, options, budget, TILE)})
-    print(f"\nsmall model, budget {args.budget_gib:g} GiB per process (from the model):")
-    print(f"{'vocab':>7} {'options':<22} {'peak MB @8192':>14} {'longest tokens':>15}")
+            row = {"budget_gib": budget_gib, "options": options}
+            for vocab in (BYTE_VOCAB, LLAMA3_VOCAB):
+                shape = Shape(**{**asdict(SMALL), "vocab": vocab})
+                row[f"peak_mb_at_8192_v{vocab}"] = predict(model, shape, options, 8192, TILE) / 2**20
+                row[f"longest_tokens_v{vocab}"] = longest_tokens(model, shape, options, budget_gib * 2**30, TILE)
+            row["ratio"] = row[f"longest_tokens_v{LLAMA3_VOCAB}"] / row[f"longest_tokens_v{BYTE_VOCAB}"]
+            table.append(row)
+    print("\nsmall model, longest tokens per process under a budget (from the model):")
+    print(f"{'GiB':>4} {'options':<22} {'vocab 259':>10} {'vocab 128256':>13} {'ratio':>6}")
     for row in table:
-        print(f"{row['vocab']:>7} {row['options']:<22} {row['peak_mb_at_8192']:>14.0f} {row['longest_tokens']:>15,.0f}")
+        print(f"{row['budget_gib']:>4g} {row['options']:<22} {row['longest_tokens_v259']:>10,.0f} "
+              f"{row['longest_tokens_v128256']:>13,.0f} {row['ratio']:>6.2f}")
 
     projection = project(model, LLAMA3_8B, TILE)
     print("\nLlama-3-8B, FSDP2 + CP over 8 GPUs (tokens per GPU x 8):")
@@ -123,12 +136,41 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{row['gpu_gb']:>4} GB {row['options']:<22} {row['activation_dtype']:<8} "
               f"{row['longest_context']:>12,.0f} tokens (host memory for offload {row['host_gb_per_gpu']:.0f} GB per GPU)")
 
-    result = {"malloc_mmap_threshold": os.environ["MALLOC_MMAP_THRESHOLD_"], "points": points, "model": model, "tile_tokens": TILE, "budget_gib": args.budget_gib,
+    result = {"malloc_mmap_threshold": os.environ["MALLOC_MMAP_THRESHOLD_"], "points": points, "model": model,
+              "tile_tokens": TILE, "budget_gib": args.budget_gib,
               "largest_relative_error": worst, "budget_table": table, "projection": projection}
     os.makedirs(args.out, exist_ok=True)
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
     _plot(points, os.path.join(args.out, "long_context_memory.png"))
+    return result
+
+
+def markdown(result: dict) -> dict:
+    """The README's tables: measured peaks, longest tokens under a budget, the projection."""
+    print("| vocab | options | " + " | ".join(f"{n:,} tok" for n in (512, 1024, 2048, 4096, 8192)) + " | model, worst |")
+    print("|" + " --- |" * 8)
+    rows: dict[tuple, dict] = {}
+    for p in result["points"]:
+        if p["shape"]["layers"] == SMALL.layers:
+            rows.setdefault((p["shape"]["vocab"], p["options"], p["cp"]), {})[p["tokens"]] = p
+    for (vocab, options, cp), by_n in rows.items():
+        cells = [f"{by_n[n]['peak_mb']:.0f}" if n in by_n else "" for n in (512, 1024, 2048, 4096, 8192)]
+        worst = max(abs(p["model_mb"] - p["peak_mb"]) / p["peak_mb"] for p in by_n.values())
+        label = options + (f", cp {cp}" if cp > 1 else "")
+        print(f"| {vocab:,} | {label} | " + " | ".join(cells) + f" | {worst:.1%} |")
+    print()
+    print("| budget | options | longest, vocab 259 | longest, vocab 128,256 | ratio |")
+    print("|" + " --- |" * 5)
+    for r in result["budget_table"]:
+        print(f"| {r['budget_gib']:g} GiB | {r['options']} | {r['longest_tokens_v259']:,.0f} | "
+              f"{r['longest_tokens_v128256']:,.0f} | {r['ratio']:.2f} |")
+    print()
+    print("| GPU | options | tokens per GPU | context (8 GPUs) | host GB per GPU |")
+    print("|" + " --- |" * 5)
+    for r in result["projection"]:
+        print(f"| {r['gpu_gb']} GB | {r['options']} ({r['activation_dtype']}) | {r['tokens_per_gpu']:,} | "
+              f"{r['longest_context']:,} | {r['host_gb_per_gpu']:.0f} |")
     return result
 
 
