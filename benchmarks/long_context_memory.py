@@ -146,6 +146,13 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
+def _table(header: list[str], rows: list[list[str]]) -> None:
+    print("| " + " | ".join(header) + " |")
+    print("|" + " --- |" * len(header))
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+
+
 def markdown(result: dict) -> dict:
     """The README's tables: measured peaks, longest tokens under a budget, the projection."""
     print("| vocab | options | " + " | ".join(f"{n:,} tok" for n in (512, 1024, 2048, 4096, 8192)) + " | model, worst |")
@@ -160,17 +167,13 @@ def markdown(result: dict) -> dict:
         label = options + (f", cp {cp}" if cp > 1 else "")
         print(f"| {vocab:,} | {label} | " + " | ".join(cells) + f" | {worst:.1%} |")
     print()
-    print("| budget | options | longest, vocab 259 | longest, vocab 128,256 | ratio |")
-    print("|" + " --- |" * 5)
-    for r in result["budget_table"]:
-        print(f"| {r['budget_gib']:g} GiB | {r['options']} | {r['longest_tokens_v259']:,.0f} | "
-              f"{r['longest_tokens_v128256']:,.0f} | {r['ratio']:.2f} |")
+    _table(["budget", "options", "longest, vocab 259", "longest, vocab 128,256", "ratio"],
+           [[f"{r['budget_gib']:g} GiB", r["options"], f"{r['longest_tokens_v259']:,.0f}",
+             f"{r['longest_tokens_v128256']:,.0f}", f"{r['ratio']:.2f}"] for r in result["budget_table"]])
     print()
-    print("| GPU | options | tokens per GPU | context (8 GPUs) | host GB per GPU |")
-    print("|" + " --- |" * 5)
-    for r in result["projection"]:
-        print(f"| {r['gpu_gb']} GB | {r['options']} ({r['activation_dtype']}) | {r['tokens_per_gpu']:,} | "
-              f"{r['longest_context']:,} | {r['host_gb_per_gpu']:.0f} |")
+    _table(["GPU", "options", "tokens per GPU", "context (8 GPUs)", "host GB per GPU"],
+           [[f"{r['gpu_gb']} GB", f"{r['options']} ({r['activation_dtype']})", f"{r['tokens_per_gpu']:,}",
+             f"{r['longest_context']:,}", f"{r['host_gb_per_gpu']:.0f}"] for r in result["projection"]])
     return result
 
 
