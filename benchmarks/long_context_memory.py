@@ -171,9 +171,10 @@ def markdown(result: dict) -> dict:
            [[f"{r['budget_gib']:g} GiB", r["options"], f"{r['longest_tokens_v259']:,.0f}",
              f"{r['longest_tokens_v128256']:,.0f}", f"{r['ratio']:.2f}"] for r in result["budget_table"]])
     print()
-    _table(["GPU", "options", "tokens per GPU", "context (8 GPUs)", "host GB per GPU"],
+    _table(["GPU", "options", "tokens per GPU", "context (8 GPUs)", "host GB per GPU", "context, 2 TB host per node"],
            [[f"{r['gpu_gb']} GB", f"{r['options']} ({r['activation_dtype']})", f"{r['tokens_per_gpu']:,}",
-             f"{r['longest_context']:,}", f"{r['host_gb_per_gpu']:.0f}"] for r in result["projection"]])
+             f"{r['longest_context']:,}", f"{r['host_gb_per_gpu']:.0f}", f"{r['longest_context_2tb_host']:,}"]
+            for r in result["projection"]])
     return result
 
 

@@ -124,6 +124,7 @@ def longest_tokens(model: dict[str, float], shape: Shape, options: str, budget: 
 
 GPUS = 8
 RESERVE_GB = 4.0  # CUDA context, NCCL buffers, allocator fragmentation (assumed)
+HOST_GB_PER_GPU = 250.0  # 2 TB of host memory per 8-GPU node (DGX H100 / H200)
 
 
 def _device_bytes(model: dict[str, float], shape: Shape, options: str, tokens: int, tile: int, act_scale: float) -> float:
@@ -151,6 +152,9 @@ def project(model: dict[str, float], shape: Shape, tile: int) -> list[dict]:
                     fits = _device_bytes(model, shape, options, mid, tile, scale) <= gpu_gb * 1e9
                     lo, hi = (mid, hi) if fits else (lo, mid)
                 host = checkpointed_bytes(shape, options, lo, bytes_per_element=2)
+                per_token_host = checkpointed_bytes(shape, options, 1, bytes_per_element=2)
+                host_limit = int(HOST_GB_PER_GPU * 1e9 / per_token_host) if per_token_host else lo
                 rows.append({"gpu_gb": gpu_gb, "options": options, "activation_dtype": dtype,
-                             "tokens_per_gpu": lo, "longest_context": lo * GPUS, "host_gb_per_gpu": host / 1e9})
+                             "tokens_per_gpu": lo, "longest_context": lo * GPUS, "host_gb_per_gpu": host / 1e9,
+                             "longest_context_2tb_host": min(lo, host_limit) * GPUS})
     return rows
