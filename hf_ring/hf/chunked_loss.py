@@ -124,7 +124,15 @@ def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """``sum CE(transform(hidden @ weight.T + bias), labels)`` over valid rows, by chunks."""
+    """``sum CE(transform(hidden @ weight.T + bias), labels)`` over valid rows, by chunks.
+
+    ``apply(hidden, weight, bias, labels, chunk_tokens, transform, autocast_state)``: hidden
+    ``(rows, hidden_size)`` any float dtype; weight ``(vocab, hidden_size)``; bias ``(vocab,)``
+    or None; labels int64 ``(rows,)`` with -100 ignored; returns a float32 scalar. Saves the
+    valid rows only; backward recomputes each chunk's logits and differentiates them with
+    autograd (the same operations as the forward), accumulating the weight's and bias's
+    gradients in float32 (float64 for float64 weights).
+    """
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, chunk_tokens, transform, autocast_state):
