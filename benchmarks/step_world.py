@@ -44,8 +44,18 @@ class StepConfig:
     vocab_size: int = 259
     threads_per_process: int = 1
     device: str = "cpu"
+    # Long-context memory options (hf_ring.hf.chunked_loss / offload / tiled_mlp).
+    chunked_loss: bool = False
+    loss_chunk_tokens: Optional[int] = None
+    offload_checkpoints: bool = False
+    tiled_mlp: int = 0
+    # CPU only: also report the peak of the last step's forward + backward alone
+    # (``peak_backward_mb``), the high-water mark being reset before it (Linux clear_refs).
+    phase_peaks: bool = False
 
     def __post_init__(self) -> None:
+        if self.phase_peaks and self.device != "cpu":
+            raise ValueError("phase_peaks reads the CPU resident set; on CUDA use the allocator's peak")
         for n in self.seq_lens:
             if n % (2 * self.cp_size):
                 raise ValueError(f"seq_len {n} must be a multiple of 2 * cp_size = {2 * self.cp_size}")
@@ -58,6 +68,17 @@ class StepConfig:
 def _rss_mb() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _hwm_mb() -> float:
+    with open("/proc/self/status") as f:
+        kib = next(line for line in f if line.startswith("VmHWM:")).split()[1]
+    return int(kib) / 1024
+
+
+def _reset_hwm() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current resident set
 
 
 def _peak_mb(device: torch.device) -> float:
@@ -87,6 +108,11 @@ def _worker(rank: int, cfg: StepConfig, init_file: str, out_dir: str) -> None:
     )
     model = LlamaForCausalLM._from_config(model_cfg, attn_implementation="ring_flash").to(device)
     model.train()
+    offload_stats: dict = {}
+    if cfg.offload_checkpoints:
+        hf_ring.enable_offloaded_checkpointing(model, offload_stats)
+    if cfg.tiled_mlp:
+        hf_ring.tile_mlps(model, cfg.tiled_mlp)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     results = []
@@ -94,12 +120,14 @@ def _worker(rank: int, cfg: StepConfig, init_file: str, out_dir: str) -> None:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         results.append(_measure(model, opt, cfg, state, seq_len, device, sync, baseline_mb))
+        results[-1]["offloaded_peak_mb"] = offload_stats.pop("peak_bytes", 0) / 2**20
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
 def _measure(model, opt, cfg: StepConfig, state, seq_len: int, device, sync, baseline_mb: float) -> dict:
     import hf_ring
+    from hf_ring.hf.chunked_loss import ChunkedLossConfig, model_token_loss_sum
     from hf_ring.hf.loss import count_valid_tokens, loss_share, token_loss_sum
     from hf_ring.ring.comm import CommWaitStats
 
@@ -112,15 +140,24 @@ def _measure(model, opt, cfg: StepConfig, state, seq_len: int, device, sync, bas
 
     waits = CommWaitStats()
 
+    phases: dict = {}
+
     def step(stats: Optional[CommWaitStats] = None) -> None:
         # The guard hands the sink down to every ring call of the forward (and its backward).
-        logits = model(input_ids=ids_l, position_ids=pos_l, hf_ring_comm_stats=stats).logits
-        loss_share(token_loss_sum(logits, labels_l), n_valid).backward()
+        inputs = dict(input_ids=ids_l, position_ids=pos_l, hf_ring_comm_stats=stats)
+        if cfg.chunked_loss:
+            chunking = ChunkedLossConfig(True, cfg.loss_chunk_tokens)
+            token_sum, _ = model_token_loss_sum(model, model, inputs, labels_l, chunking)
+        else:
+            token_sum = token_loss_sum(model(**inputs).logits, labels_l)
+        loss_share(token_sum, n_valid).backward()
         if cfg.cp_size > 1:
             # Each rank's loss is its share of the global token mean, so the model's
             # gradient is the sum of the ranks' gradients.
             for p in model.parameters():
                 dist.all_reduce(p.grad, group=state.cp_group)
+        if cfg.phase_peaks:
+            phases["backward"] = _hwm_mb()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -130,12 +167,17 @@ def _measure(model, opt, cfg: StepConfig, state, seq_len: int, device, sync, bas
     for _ in range(cfg.steps):
         sync()
         dist.barrier()
+        if cfg.phase_peaks:
+            _reset_hwm()
         start = time.perf_counter()
         step(waits)
         sync()
         times.append(time.perf_counter() - start)
     peak = _peak_mb(device) - (baseline_mb if device.type == "cpu" else 0.0)
+    if cfg.phase_peaks:
+        phases = {"peak_backward_mb": phases["backward"] - baseline_mb, "peak_step_mb": _hwm_mb() - baseline_mb}
     return {
+        **phases,
         "seq_len": seq_len,
         "step_seconds": sorted(times)[len(times) // 2],
         "comm_wait_seconds": waits.seconds / cfg.steps,
@@ -160,5 +202,7 @@ def run_step(cfg: StepConfig) -> list[dict]:
             "comm_wait_seconds": slowest["comm_wait_seconds"],
             "peak_mb_per_process": max(r["peak_mb"] for r in per_rank),
             "runtime_baseline_mb": max(r["runtime_baseline_mb"] for r in per_rank),
+            "offloaded_peak_mb": max(r.get("offloaded_peak_mb", 0.0) for r in per_rank),
+            **{k: max(r[k] for r in per_rank) for k in ("peak_backward_mb", "peak_step_mb") if k in per_rank[0]},
         })
     return merged

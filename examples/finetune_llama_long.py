@@ -17,6 +17,12 @@ One process per device; the sequence of every batch is split over ``--cp_size`` 
     accelerate launch --config_file examples/accelerate_fsdp_cpu.yaml examples/finetune_llama_long.py --cp_size 2
     torchrun --nproc_per_node 4 examples/finetune_llama_long.py --cp_size 2 --fsdp full_shard
 
+Longest context per device (README, "Longest context per device"): the loss is computed
+chunk by chunk without the full logits by default under CP (``--chunked_loss``);
+``--offload_checkpoints`` keeps every layer's checkpointed input in host memory and
+``--tiled_mlp TOKENS`` computes the MLPs in tiles; ``--vocab_size 128256`` gives the default
+model a Llama-3-sized vocabulary.
+
 Default: a tiny Llama initialised on the spot, a byte-level tokenizer and a synthetic
 passkey-retrieval set (loss on the answer only), so nothing is downloaded.
 """
@@ -64,6 +70,17 @@ def build_parser(description: Optional[str] = __doc__) -> argparse.ArgumentParse
                    help="default: ring_flash when cp_size > 1, else sdpa")
     p.add_argument("--hidden_size", type=int, default=128, help="default model only")
     p.add_argument("--num_layers", type=int, default=2, help="default model only")
+    p.add_argument("--vocab_size", type=int, default=None,
+                   help="default model only: its vocabulary size (default: the byte tokenizer's 259; "
+                        "the tokenizer's ids stay below it), e.g. 128256 to measure a Llama-3 vocabulary")
+    p.add_argument("--chunked_loss", default="auto", choices=["auto", "on", "off"],
+                   help="LM head + loss by chunks of tokens, never the full logits (auto: on when cp_size > 1)")
+    p.add_argument("--loss_chunk_tokens", type=int, default=None,
+                   help="tokens per chunk of the chunked loss (default: 64 MiB of float32 logits)")
+    p.add_argument("--offload_checkpoints", action="store_true",
+                   help="checkpoint every decoder layer, its saved input kept in host memory")
+    p.add_argument("--tiled_mlp", type=int, default=0, metavar="TOKENS",
+                   help="compute every MLP in tiles of this many tokens (0: off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--per_device_train_batch_size", type=int, default=1,
                    help="examples per data-parallel rank and micro-step (with --packing: documents per row)")
@@ -130,6 +147,8 @@ def build_model(args: argparse.Namespace, tokenizer, attn_implementation: str,
                 training_args: Optional[TrainingArguments] = None) -> torch.nn.Module:
     """The model to train; ``training_args`` tell whether ZeRO-3 is configured (None: it is not)."""
     if args.model_name_or_path:
+        if args.vocab_size is not None:
+            raise ValueError("--vocab_size applies to the default model only, not to --model_name_or_path")
         return AutoModelForCausalLM.from_pretrained(
             args.model_name_or_path, attn_implementation=attn_implementation, dtype=_dtype(args)
         )
@@ -149,8 +168,11 @@ def build_model(args: argparse.Namespace, tokenizer, attn_implementation: str,
 def _default_config(args: argparse.Namespace, tokenizer) -> LlamaConfig:
     """The embedded default: a small Llama sized by --hidden_size and --num_layers."""
     heads = max(2, args.hidden_size // 16)
+    vocab_size = args.vocab_size if args.vocab_size is not None else len(tokenizer)
+    if vocab_size < len(tokenizer):
+        raise ValueError(f"--vocab_size {vocab_size} is below the tokenizer's {len(tokenizer)} ids")
     return LlamaConfig(
-        vocab_size=len(tokenizer),
+        vocab_size=vocab_size,
         hidden_size=args.hidden_size,
         intermediate_size=2 * args.hidden_size,
         num_hidden_layers=args.num_layers,
@@ -200,6 +222,10 @@ def main(argv: Optional[Sequence[str]] = None, callbacks: Optional[list] = None)
     attn = args.attn_implementation or ("ring_flash" if args.cp_size > 1 else "sdpa")
     transformers.set_seed(args.seed)  # the same initial weights on every rank and in every run
     model = build_model(args, tokenizer, attn, training_args)
+    if args.offload_checkpoints:
+        hf_ring.enable_offloaded_checkpointing(model)
+    if args.tiled_mlp:
+        hf_ring.tile_mlps(model, args.tiled_mlp)
 
     trainer = hf_ring.RingTrainer(
         model=model,
@@ -209,6 +235,9 @@ def main(argv: Optional[Sequence[str]] = None, callbacks: Optional[list] = None)
         data_collator=plugin.make_collator(pad_token_id=pad_id, packing=args.packing),
         ring_plugin=plugin,
         callbacks=callbacks,
+        chunked_loss=hf_ring.ChunkedLossConfig(
+            enabled={"auto": None, "on": True, "off": False}[args.chunked_loss], chunk_tokens=args.loss_chunk_tokens
+        ),
     )
     return train_and_report(trainer, args)
 

@@ -48,6 +48,9 @@ from hf_ring.hf.plugin import RingAttentionPlugin
 __all__ += ["RingCollatorConfig", "RingDataCollator", "RingAttentionPlugin"]
 
 if importlib.util.find_spec("transformers") is not None:
+    from hf_ring.hf.chunked_loss import ChunkedLossConfig
+    from hf_ring.hf.offload import enable_offloaded_checkpointing
+    from hf_ring.hf.tiled_mlp import tile_mlps
     from hf_ring.hf.trainer import RingTrainer
 
-    __all__ += ["RingTrainer"]
+    __all__ += ["ChunkedLossConfig", "RingTrainer", "enable_offloaded_checkpointing", "tile_mlps"]

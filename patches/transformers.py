@@ -34,7 +34,11 @@ in 4.57.6 and 5.24.0):
   the Trainer trains with (``auto_find_batch_size`` changes it, so the argument's value
   may be stale);
 - ``prepare_inputs(trainer, inputs)``: ``Trainer._prepare_inputs``, what moves a batch to
-  the device before the model's forward (the stock ``prediction_step`` calls it first).
+  the device before the model's forward (the stock ``prediction_step`` calls it first);
+- ``logit_transform(model, head_attr)``: what a causal LM's forward does to its LM head's
+  output before returning it (read from the forward's source), for the chunked loss;
+- ``set_checkpoint_function(model, fn)``: ``PreTrainedModel._set_gradient_checkpointing``,
+  to checkpoint layers with hf_ring's CPU-offloading checkpoint.
 """
 
 from __future__ import annotations
@@ -225,3 +229,118 @@ def prepare_inputs(trainer: Any, inputs: dict[str, Any]) -> dict[str, Any]:
     if params != ["self", "inputs"]:
         raise _fail(f"{type(trainer).__name__}._prepare_inputs has parameters {params}", version)
     return trainer._prepare_inputs(inputs)
+
+
+# ---- what a causal LM does between its LM head and its returned logits (chunked loss) ----
+
+# The statements that rebind ``logits`` after the head in the forwards of transformers
+# 4.57.6 and 5.24.0 (ast.unparse'd), and the transformation each sequence computes.
+# ``hf_ring.hf.chunked_loss`` recomputes exactly these, chunk by chunk; any other sequence
+# is refused there.
+_KNOWN_LOGIT_TRANSFORMS: dict[tuple[str, ...], str] = {
+    (): "identity",
+    (
+        "logits = logits / self.config.final_logit_softcapping",
+        "logits = torch.tanh(logits)",
+        "logits = logits * self.config.final_logit_softcapping",
+    ): "final_logit_softcapping",
+    ("logits = logits * self.logit_scale",): "logit_scale",
+    ("logits = logits / self.config.logits_scaling",): "logits_scaling",
+}
+
+
+def _statements_in_order(tree: Any) -> list:
+    import ast
+
+    nodes = [n for n in ast.walk(tree) if isinstance(n, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Expr))]
+    return sorted(nodes, key=lambda n: (n.lineno, n.col_offset))
+
+
+@functools.lru_cache(maxsize=None)
+def _logit_statements(model_class: type, head_attr: str) -> tuple[str, tuple[str, ...]] | str:
+    """(the head statement, the statements that rebind ``logits`` after it), or a reason."""
+    import ast
+    import textwrap
+
+    try:
+        source = textwrap.dedent(inspect.getsource(model_class.forward))
+    except (OSError, TypeError) as exc:
+        return f"the source of {model_class.__name__}.forward cannot be read ({exc})"
+    tree = ast.parse(source)
+
+    def is_head_call(node: Any) -> bool:
+        return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr == head_attr and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "self")
+
+    head_calls = [n for n in ast.walk(tree) if is_head_call(n)]
+    if len(head_calls) != 1:
+        return f"{model_class.__name__}.forward calls self.{head_attr}(...) {len(head_calls)} times, not once"
+    head, after = None, []
+    for node in _statements_in_order(tree):
+        if isinstance(node, ast.Expr):
+            call = node.value
+            if (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+                    and isinstance(call.func.value, ast.Name) and call.func.value.id == "logits"
+                    and call.func.attr.endswith("_")):
+                return f"{model_class.__name__}.forward changes the logits in place: {ast.unparse(node)}"
+            continue
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        if not any(isinstance(t, ast.Name) and t.id == "logits" for t in targets):
+            continue
+        if head is None:
+            if not is_head_call(node.value) or not isinstance(node, ast.Assign):
+                return f"{model_class.__name__}.forward computes its logits as {ast.unparse(node)}"
+            head = ast.unparse(node)
+        else:
+            after.append(ast.unparse(node))
+    if head is None:
+        return f"{model_class.__name__}.forward does not assign self.{head_attr}(...) to logits"
+    return head, tuple(after)
+
+
+def logit_transform(model: Any, head_attr: str) -> str:
+    """Which transformation ``type(model).forward`` applies to the LM head's output before
+    returning it as logits: ``"identity"``, ``"final_logit_softcapping"`` (Gemma 2/3),
+    ``"logit_scale"`` (Cohere) or ``"logits_scaling"`` (Granite).
+
+    Read from the forward's source (how transformers writes its causal-LM forwards is an
+    implementation detail, hence here, gated on the versions it was checked against).
+
+    Args:
+        model: a causal LM (``LlamaForCausalLM``, ...), not wrapped.
+        head_attr: the attribute of ``model`` that holds its output embeddings (``"lm_head"``).
+
+    Raises:
+        UnsupportedTransformersVersion: an unsupported transformers version.
+        NotImplementedError: a forward whose logits are anything else (the message quotes it).
+    """
+    _installed_version()
+    found = _logit_statements(type(model), head_attr)
+    if isinstance(found, str):
+        raise NotImplementedError(found)
+    _, after = found
+    kind = _KNOWN_LOGIT_TRANSFORMS.get(after)
+    if kind is None:
+        raise NotImplementedError(
+            f"{type(model).__name__}.forward transforms the LM head's output in a way hf_ring's chunked "
+            f"loss does not reproduce: {'; '.join(after)}"
+        )
+    return kind
+
+
+def set_checkpoint_function(model: Any, checkpoint_function: Callable) -> None:
+    """Make every checkpointed layer of ``model`` call ``checkpoint_function(fn, *args)``
+    instead of ``torch.utils.checkpoint.checkpoint`` (``PreTrainedModel._set_gradient_checkpointing``,
+    the same in 4.57.6 and 5.24.0). Activation checkpointing must already be enabled.
+
+    Raises:
+        UnsupportedTransformersVersion: an unsupported version, or a model whose
+            ``_set_gradient_checkpointing`` takes other parameters.
+    """
+    version = _installed_version()
+    method = getattr(model, "_set_gradient_checkpointing", None)
+    params = list(inspect.signature(method).parameters) if callable(method) else None
+    if params is None or params[:2] != ["enable", "gradient_checkpointing_func"]:
+        raise _fail(f"{type(model).__name__}._set_gradient_checkpointing has parameters {params}", version)
+    method(enable=True, gradient_checkpointing_func=checkpoint_function)

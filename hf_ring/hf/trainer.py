@@ -31,9 +31,11 @@ from typing import Any, Optional
 
 import torch
 from transformers import Trainer
+from transformers.utils import logging as hf_logging
 
 from hf_ring.hf import weight_sharding
 from hf_ring.hf import deepspeed_support
+from hf_ring.hf.chunked_loss import ChunkedLossConfig, model_token_loss_sum
 from hf_ring.hf.collator import RingDataCollator
 from hf_ring.hf.loss import (
     LossTotals,
@@ -48,6 +50,7 @@ from hf_ring.patches import accelerate as accelerate_patches
 from hf_ring.patches import transformers as transformers_patches
 
 RING_ATTENTION = "ring_flash"
+logger = hf_logging.get_logger(__name__)
 
 
 def _shift_labels(batch: dict[str, Any]) -> torch.Tensor:
@@ -76,6 +79,11 @@ class RingTrainer(Trainer):
     Args:
         ring_plugin: the :class:`RingAttentionPlugin` (its ``cp_size`` and layout); default
             ``RingAttentionPlugin(cp_size=1)``.
+        chunked_loss: compute the LM head and the loss chunk by chunk, never holding the
+            shard's full logits (:mod:`hf_ring.hf.chunked_loss`): a
+            :class:`ChunkedLossConfig`, True / False, or None (default: on under context
+            parallelism). The training and eval losses are the same; ``outputs.logits`` of a
+            chunked forward are empty.
         *args, **kwargs: as for ``transformers.Trainer``. ``data_collator`` must produce
             ``shift_labels`` (use :class:`RingDataCollator`, e.g. ``ring_plugin.make_collator``);
             with ``cp_size > 1`` the model must use ``attn_implementation="ring_flash"``.
@@ -88,13 +96,21 @@ class RingTrainer(Trainer):
     # compute_loss returns a share already normalised over the whole accumulated step.
     loss_is_scaled_for_ga = True
 
-    def __init__(self, *args: Any, ring_plugin: Optional[RingAttentionPlugin] = None, **kwargs: Any):
+    def __init__(
+        self,
+        *args: Any,
+        ring_plugin: Optional[RingAttentionPlugin] = None,
+        chunked_loss: ChunkedLossConfig | bool | None = None,
+        **kwargs: Any,
+    ):
         self.ring_plugin = ring_plugin if ring_plugin is not None else RingAttentionPlugin(cp_size=1)
         # Before the Trainer builds its Accelerator: on CPU accelerate would drop FSDP silently.
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         on_cpu = training_args is None or training_args.device.type == "cpu"
         if on_cpu and weight_sharding.fsdp_requested(training_args, None):
             accelerate_patches.enable_fsdp_on_cpu()
+        self.chunked_loss = chunked_loss if isinstance(chunked_loss, ChunkedLossConfig) else ChunkedLossConfig(chunked_loss)
+        self._chunked_loss_notice_given = False
         super().__init__(*args, **kwargs)
         self.ring_state = self.ring_plugin.attach(self.accelerator)
         self._check_supported()
@@ -178,8 +194,7 @@ class RingTrainer(Trainer):
         """This rank's share of the token-mean loss, scaled for DDP's average over processes."""
         kwargs, shift_labels = _model_inputs(inputs, getattr(self.model, "config", None))
         multiplier = self._loss_multiplier(model)
-        outputs = model(**kwargs)
-        token_sum = token_loss_sum(outputs.logits, shift_labels)
+        token_sum, outputs = self._token_loss_sum(model, kwargs, shift_labels)
         loss = self._loss_for_backward(token_sum, count_valid_tokens(shift_labels), num_items_in_batch, multiplier)
         return (loss, outputs) if return_outputs else loss
 
@@ -212,6 +227,38 @@ class RingTrainer(Trainer):
             num_items_in_batch = self.ring_plugin.global_token_count(count)
         return scale_for_ddp(loss_share(token_sum, num_items_in_batch), multiplier)
 
+    def _token_loss_sum(
+        self, model: torch.nn.Module, kwargs: dict[str, Any], shift_labels: torch.Tensor, chunked: bool = True
+    ) -> tuple[torch.Tensor, Any]:
+        """This rank's token-loss sum and the model's outputs, by chunks when configured."""
+        if chunked and self._chunks_the_loss():
+            return model_token_loss_sum(model, self.model, kwargs, shift_labels, self.chunked_loss)
+        outputs = model(**kwargs)
+        return token_loss_sum(outputs.logits, shift_labels), outputs
+
+    def _chunks_the_loss(self) -> bool:
+        """Whether the loss is computed by chunks: as configured, except that the automatic
+        choice leaves it off when the weights are sharded (FSDP2, DeepSpeed): the chunked
+        loss reads the LM head's weight outside the head's forward, where a sharding
+        wrapper may hold only its shard. Asked for explicitly there, it is refused."""
+        if not self.chunked_loss.active(self.ring_state.cp_size):
+            return False
+        sharded = getattr(self, "is_fsdp_enabled", False) or getattr(self, "is_deepspeed_enabled", False)
+        if not sharded:
+            return True
+        if self.chunked_loss.enabled:
+            raise NotImplementedError(
+                "the chunked loss is not supported with weights sharded by FSDP2 or DeepSpeed yet (the LM head's "
+                "weight is read outside its forward); pass chunked_loss=False (--chunked_loss off)"
+            )
+        if not self._chunked_loss_notice_given:
+            self._chunked_loss_notice_given = True
+            logger.warning(
+                "hf_ring: chunked loss off (the weights are sharded by FSDP2 or DeepSpeed, which it does not "
+                "support yet): the LM head's full logits are materialised per rank"
+            )
+        return False
+
     # ---- evaluation ----
 
     def prediction_step(
@@ -229,8 +276,8 @@ class RingTrainer(Trainer):
         inputs = transformers_patches.prepare_inputs(self, inputs)
         kwargs, shift_labels = _model_inputs(inputs, getattr(self.model, "config", None))
         with torch.no_grad():
-            outputs = model(**kwargs)
-            token_sum = token_loss_sum(outputs.logits, shift_labels)
+            # Predictions need the full logits; the loss alone does not.
+            token_sum, outputs = self._token_loss_sum(model, kwargs, shift_labels, chunked=prediction_loss_only)
             count = count_valid_tokens(shift_labels)
         loss = self._record_eval_batch(token_sum, count)
         if prediction_loss_only:
