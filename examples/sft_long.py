@@ -22,13 +22,12 @@ import sys
 from typing import Optional, Sequence
 
 import transformers
-from transformers import AutoTokenizer
 from trl import SFTConfig
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from finetune_llama_long import build_model, build_parser, parse_args as parse_shared_args, share_cores, start_plugin, train_and_report  # noqa: E402
 from finetune_llama_long import training_arguments  # noqa: E402
-from trl_data import CHAT_TEMPLATE, FORMATS, chat_tokenizer, sft_dataset  # noqa: E402
+from trl_data import FORMATS, load_chat_tokenizer, sft_dataset  # noqa: E402
 
 from hf_ring.trl import RingSFTTrainer  # noqa: E402
 
@@ -77,11 +76,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     config = sft_config(args)
     plugin = start_plugin(args)
 
-    if args.model_name_or_path:
-        tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
-        tokenizer.chat_template = tokenizer.chat_template or CHAT_TEMPLATE
-    else:
-        tokenizer = chat_tokenizer()
+    tokenizer = load_chat_tokenizer(args.model_name_or_path)
     train_set = sft_dataset(args.dataset_format, args.num_train_examples, args.seq_len, seed=args.seed)
     eval_set = sft_dataset(args.dataset_format, args.num_eval_examples, args.seq_len, seed=args.seed + 1)
 

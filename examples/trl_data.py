@@ -14,7 +14,7 @@ import random
 
 import datasets
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from long_context_data import IGNORE_INDEX, ByteTokenizer, passkey_dataset
 
@@ -41,6 +41,16 @@ def chat_tokenizer() -> PreTrainedTokenizerFast:
         tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="<|end|>"
     )
     tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def load_chat_tokenizer(model_name_or_path: str | None) -> PreTrainedTokenizerFast:
+    """The checkpoint's tokenizer (given :data:`CHAT_TEMPLATE` if it has no chat template of
+    its own), or :func:`chat_tokenizer` for the embedded default model."""
+    if not model_name_or_path:
+        return chat_tokenizer()
+    tokenizer = AutoTokenizer.from_pretrained(model_name_or_path)
+    tokenizer.chat_template = tokenizer.chat_template or CHAT_TEMPLATE
     return tokenizer
 
 
