@@ -26,7 +26,7 @@ from trl import DPOConfig
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from finetune_llama_long import build_model, build_parser, parse_args as parse_shared_args, share_cores, start_plugin, train_and_report  # noqa: E402
-from finetune_llama_long import training_arguments  # noqa: E402
+from finetune_llama_long import refuse_memory_options, training_arguments  # noqa: E402
 from trl_data import load_chat_tokenizer, preference_dataset  # noqa: E402
 
 from hf_ring.trl import RingDPOTrainer  # noqa: E402
@@ -41,7 +41,9 @@ def parse_args(argv: Optional[Sequence[str]] = None):
     p.add_argument("--beta", type=float, default=0.1, help="DPO's beta")
     p.add_argument("--loss_type", nargs="+", default=["sigmoid"], help="TRL's DPO loss type(s)")
     p.add_argument("--gradient_checkpointing", action="store_true")
-    return parse_shared_args(argv, p)
+    args = parse_shared_args(argv, p)
+    refuse_memory_options(p, args, "RingDPOTrainer computes its loss with TRL's fused LM head; offloaded checkpoints and the tiled MLP are not wired into this example")
+    return args
 
 
 def dpo_config(args) -> DPOConfig:

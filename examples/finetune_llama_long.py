@@ -113,6 +113,17 @@ def parse_args(argv: Optional[Sequence[str]] = None, parser: Optional[argparse.A
     return args
 
 
+def refuse_memory_options(parser: argparse.ArgumentParser, args: argparse.Namespace, why: str) -> None:
+    """Stop with an error when a script that cannot apply them is given this example's
+    long-context memory options (rather than ignoring them)."""
+    given = [flag for flag, value, default in (
+        ("--chunked_loss", args.chunked_loss, "auto"), ("--loss_chunk_tokens", args.loss_chunk_tokens, None),
+        ("--offload_checkpoints", args.offload_checkpoints, False), ("--tiled_mlp", args.tiled_mlp, 0),
+    ) if value != default]
+    if given:
+        parser.error(f"{', '.join(given)}: not applied here ({why})")
+
+
 def training_arguments(args: argparse.Namespace) -> TrainingArguments:
     evaluate = args.num_eval_examples > 0 and args.eval_steps > 0
     return TrainingArguments(

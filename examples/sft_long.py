@@ -26,7 +26,7 @@ from trl import SFTConfig
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from finetune_llama_long import build_model, build_parser, parse_args as parse_shared_args, share_cores, start_plugin, train_and_report  # noqa: E402
-from finetune_llama_long import training_arguments  # noqa: E402
+from finetune_llama_long import refuse_memory_options, training_arguments  # noqa: E402
 from trl_data import FORMATS, load_chat_tokenizer, sft_dataset  # noqa: E402
 
 from hf_ring.trl import RingSFTTrainer  # noqa: E402
@@ -46,7 +46,9 @@ def parse_args(argv: Optional[Sequence[str]] = None):
     p.add_argument("--packed_length", type=int, default=0,
                    help="with --packing: tokens per packed row (default: room for two examples)")
     p.add_argument("--gradient_checkpointing", action="store_true")
-    return parse_shared_args(argv, p)
+    args = parse_shared_args(argv, p)
+    refuse_memory_options(p, args, "RingSFTTrainer computes its loss with TRL's fused LM head; offloaded checkpoints and the tiled MLP are not wired into this example")
+    return args
 
 
 def sft_config(args) -> SFTConfig:
