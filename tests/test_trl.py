@@ -10,7 +10,8 @@ one process at cp_size 1 on the same global batches (batch 2 x accumulation 2):
         which hf_ring turns into per-document zigzag packing
     DPO: conversational preference pairs, sigmoid loss, a reference model
 
-(the packed SFT and the DPO CP runs with gradient checkpointing, TRL's default).
+(the packed SFT and the DPO CP runs with gradient checkpointing, TRL's default), and the
+padded SFT once more with its weights sharded by FSDP2 over the CP group.
 
 Compared: loss, grad_norm, eval_loss and every metric TRL logs (SFT: entropy,
 mean_token_accuracy, num_tokens; DPO: rewards/chosen, rewards/rejected,
@@ -55,10 +56,11 @@ CP_ONLY = {"sft_packed": ["--gradient_checkpointing"], "dpo": ["--gradient_check
 _NOT_COMPARED = ("runtime", "per_second", "total_flos")
 
 
-def _launch(script: str, cp_size: int, out_dir: str, args: list[str]) -> dict:
+def _launch(script: str, cp_size: int, out_dir: str, args: list[str], expect: tuple[str, ...] = ()) -> dict:
     log = _run(cp_size, [os.path.join(EXAMPLES, script), "--output_dir", out_dir, "--cp_size", str(cp_size),
                          *COMMON, *args])
-    assert f"[hf_ring] rank {cp_size - 1}/{cp_size} (backend" in log, log[-3000:]
+    for line in (f"[hf_ring] rank {cp_size - 1}/{cp_size} (backend", *expect):
+        assert line in log, (line, log[-3000:])
     with open(os.path.join(out_dir, "trainer_state.json")) as f:
         return json.load(f)
 
@@ -100,6 +102,17 @@ def runs(tmp_path_factory):
         return cache[(name, cp_size)]
 
     return get
+
+
+def test_sft_with_fsdp2_logs_what_cp1_logs(runs, tmp_path):
+    """Weights sharded by FSDP2 over the CP group: the loss share is multiplied by the mesh's
+    size (read from the wrapped model), and every figure matches one process."""
+    script, args = CONFIGS["sft_padded"]
+    got = _launch(script, 2, str(tmp_path / "fsdp"), args + ["--fsdp", "full_shard"],
+                  expect=("gradients: fsdp2 mesh (2,) over 2 processes",))
+    worst = compare(got, runs("sft_padded", 1))
+    assert {"loss", "grad_norm", "eval_loss"} <= set(worst)
+    print("\nsft_padded, FSDP2 cp2: max |cp2 - cp1| per figure: " + ", ".join(f"{k} {v:.2e}" for k, v in sorted(worst.items())))
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
