@@ -73,6 +73,22 @@ def _model_inputs(inputs: dict[str, Any], config: Any) -> tuple[dict[str, Any], 
     return kwargs, shift_labels
 
 
+def _refuse_router_aux_loss(config: Any) -> None:
+    """The stock Trainer's loss of an MoE model whose config sets ``output_router_logits``
+    includes ``router_aux_loss_coef * aux_loss`` (the model adds it when given labels);
+    RingTrainer's loss is the token cross-entropy alone. The load-balancing loss is a
+    nonlinear function of statistics over every token of the batch, so a shard's cannot
+    stand in for it: refused rather than silently dropped."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "output_router_logits", False) and getattr(text, "router_aux_loss_coef", 0.0):
+        raise NotImplementedError(
+            f"the model's config sets output_router_logits=True with router_aux_loss_coef="
+            f"{text.router_aux_loss_coef}: the stock Trainer adds that MoE router auxiliary loss to the loss, "
+            "but RingTrainer computes the token cross-entropy only; set config.output_router_logits=False "
+            "(or router_aux_loss_coef=0.0) to train without it"
+        )
+
+
 class RingTrainer(Trainer):
     """``transformers.Trainer`` for context-parallel training.
 
@@ -141,6 +157,8 @@ class RingTrainer(Trainer):
         weight_sharding.check_accelerate_parallelism(self.accelerator)
         if self.compute_loss_func is not None:
             raise ValueError("RingTrainer computes the loss itself (token mean over dp x cp); drop compute_loss_func")
+        if type(self).compute_loss is RingTrainer.compute_loss:  # a subclass's own loss handles it (or refuses)
+            _refuse_router_aux_loss(getattr(self.model, "config", None))
         if args.label_smoothing_factor != 0:
             raise NotImplementedError("label smoothing is not supported by RingTrainer; set label_smoothing_factor=0")
         if getattr(args, "use_legacy_prediction_loop", False):
