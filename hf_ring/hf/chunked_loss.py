@@ -241,6 +241,11 @@ def _head_of(model: nn.Module) -> tuple[str, nn.Linear]:
             f"chunked loss: {type(model).__name__}.{attr} is a {type(head).__name__} with a forward of its own, "
             f"not a plain nn.Linear; {TURN_OFF}"
         )
+    if head._forward_hooks:  # they would see the recorder's empty output, and their result would be dropped
+        raise NotImplementedError(
+            f"chunked loss: {type(model).__name__}.{attr} has forward hooks, whose effect on the logits the "
+            f"chunked loss cannot reproduce (it never runs the head); remove them, or {TURN_OFF}"
+        )
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - torch without DTensor

@@ -73,6 +73,32 @@ def _model_inputs(inputs: dict[str, Any], config: Any) -> tuple[dict[str, Any], 
     return kwargs, shift_labels
 
 
+def _refuse_loss_terms(model: Any) -> None:
+    """Terms an MoE / Bamba model adds to its own loss when given labels, which the stock
+    Trainer optimises and RingTrainer's token cross-entropy does not contain: the router's
+    load-balancing loss (``output_router_logits`` with a nonzero ``router_aux_loss_coef``,
+    JetMoE's ``aux_loss_coef``, DBRX's ``moe_loss_weight``; a nonlinear function of
+    statistics over every token of the batch, which a shard cannot stand in for) and Bamba's
+    ``z_loss``. Refused rather than silently dropped."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    coef = getattr(model, "router_aux_loss_coef", getattr(model, "aux_loss_coef", None))
+    if coef is None:
+        coef = getattr(text, "router_aux_loss_coef", 0.0)
+    if getattr(text, "output_router_logits", False) and coef:
+        raise NotImplementedError(
+            f"{type(model).__name__}'s config sets output_router_logits=True with a router auxiliary loss "
+            f"coefficient of {coef}: the stock Trainer adds that MoE load-balancing loss to the loss, but "
+            "RingTrainer computes the token cross-entropy only; set config.output_router_logits=False (or the "
+            "coefficient, router_aux_loss_coef, to 0.0) to train without it"
+        )
+    if getattr(model, "z_loss_coefficient", 0.0):
+        raise NotImplementedError(
+            f"{type(model).__name__} adds a z-loss (z_loss_coefficient={model.z_loss_coefficient}) to its own loss, "
+            "which RingTrainer's token cross-entropy does not contain; set config.z_loss_coefficient=0.0"
+        )
+
+
 class RingTrainer(Trainer):
     """``transformers.Trainer`` for context-parallel training.
 
@@ -141,6 +167,8 @@ class RingTrainer(Trainer):
         weight_sharding.check_accelerate_parallelism(self.accelerator)
         if self.compute_loss_func is not None:
             raise ValueError("RingTrainer computes the loss itself (token mean over dp x cp); drop compute_loss_func")
+        if type(self).compute_loss is RingTrainer.compute_loss:  # a subclass's own loss handles it (or refuses)
+            _refuse_loss_terms(self.model)
         if args.label_smoothing_factor != 0:
             raise NotImplementedError("label smoothing is not supported by RingTrainer; set label_smoothing_factor=0")
         if getattr(args, "use_legacy_prediction_loop", False):
