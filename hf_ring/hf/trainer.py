@@ -116,7 +116,8 @@ class RingTrainer(Trainer):
 
     Not supported (clear error at construction): ``compute_loss_func``, label smoothing,
     ``compute_metrics`` with ``cp_size > 1`` (predictions are sharded), the legacy
-    prediction loop, the ``batch_rebalance`` sampling strategy, ``torch.nn.DataParallel``.
+    prediction loop, the ``batch_rebalance`` sampling strategy, ``torch.nn.DataParallel``,
+    loss terms the model adds to its own loss (an MoE router auxiliary loss, a z-loss).
     """
 
     # compute_loss returns a share already normalised over the whole accumulated step.
@@ -219,7 +220,8 @@ class RingTrainer(Trainer):
         return_outputs: bool = False,
         num_items_in_batch: Optional[torch.Tensor] = None,
     ) -> Any:
-        """This rank's share of the token-mean loss, scaled for DDP's average over processes."""
+        """This rank's share of the token-mean loss, scaled for the wrapper's (DDP, FSDP2,
+        ZeRO) average over the processes it reduces gradients over."""
         kwargs, shift_labels = _model_inputs(inputs, getattr(self.model, "config", None))
         multiplier = self._loss_multiplier(model)
         token_sum, outputs = self._token_loss_sum(model, kwargs, shift_labels)
