@@ -79,6 +79,16 @@ def available_backends(device: torch.device, dtype: torch.dtype) -> list[str]:
     return [b.name for b in ranked + by_name if _runs(b, device, dtype)]
 
 
+def backends_that(capability: str) -> str:
+    """``backend=`` and the registered backends with ``capability`` (``"masked"``: a masked
+    kernel, for sliding windows; ``"softcap"``: logit softcapping), quoted and with their
+    devices, for error messages that say which backend to pass instead."""
+    names = [f"{b.name!r} ({'/'.join(b.devices)})" for b, _ in _REGISTERED.values() if getattr(b, capability)]
+    if not names:
+        return "a backend that has it (none is registered)"
+    return "backend=" + (names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1])
+
+
 def _runs(backend: AttentionBackend, device: torch.device, dtype: torch.dtype) -> bool:
     if device.type not in backend.devices or dtype not in backend.dtypes or not backend.installed():
         return False

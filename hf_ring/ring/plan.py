@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from hf_ring.kernels import AttentionBackend
+from hf_ring.kernels.registry import backends_that
 from hf_ring.kernels.window_bands import bands
 from hf_ring.ring.comm import CommWaitStats, Transport, process_group_transport
 from hf_ring.ring.packed_step import StepBatch, step_batch
@@ -24,9 +25,6 @@ from hf_ring.ring.schedule import Block, step_blocks
 from hf_ring.ring.window import window_blocks
 from hf_ring.sharding.layouts import check_layout, shard_indices
 
-# What to use instead when a backend has no masked kernel for a window, or no softcap.
-_MASKED_BACKENDS = "'torch_cpu_flash' (CPU), 'torch_flash', 'flash_attn_4' or 'flash_attn_3' (CUDA), or 'reference'"
-SOFTCAP_BACKENDS = "'reference' (CPU; materialises each block's scores), 'flash_attn' (flash-attn 2) or 'flash_attn_4' (CUDA)"
 
 
 @dataclass(frozen=True, eq=False)
@@ -108,7 +106,7 @@ class RingPlan:
         if not self.backend.masked:
             raise NotImplementedError(
                 f"attention backend {self.backend.name!r} has no masked kernel, which a sliding window "
-                f"inside the ring needs (for the blocks on its edge); use backend={_MASKED_BACKENDS}, "
+                f"inside the ring needs (for the blocks on its edge); use {backends_that('masked')}, "
                 "or sequences no longer than the window (window=None)"
             )
 
@@ -121,7 +119,7 @@ class RingPlan:
         if not self.backend.softcap:
             raise NotImplementedError(
                 f"attention backend {self.backend.name!r} cannot compute logit softcapping; use "
-                f"backend={SOFTCAP_BACKENDS}"
+                f"{backends_that('softcap')}"
             )
 
     def _check_positions(self) -> None:
@@ -130,7 +128,7 @@ class RingPlan:
         if self.causal and not self.backend.masked:
             raise NotImplementedError(
                 f"attention backend {self.backend.name!r} has no masked kernel, which a ring over tokens no "
-                f"layout describes needs; use backend={_MASKED_BACKENDS}"
+                f"layout describes needs; use {backends_that('masked')}"
             )
 
     @property
