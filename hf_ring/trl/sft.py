@@ -127,7 +127,8 @@ class RingSFTTrainer(RingTrainer, SFTTrainer):
         return_outputs: bool = False,
         num_items_in_batch: Optional[torch.Tensor] = None,
     ) -> Any:
-        """This rank's share of the token-mean loss over the whole dp x cp world, scaled for DDP."""
+        """This rank's share of the token-mean loss over the whole dp x cp world, scaled for the
+        wrapper's (DDP, FSDP2, ZeRO) average over processes."""
         multiplier = self._loss_multiplier(model)
         token_sum, count, outputs = self._token_losses(model, inputs)
         loss = self._loss_for_backward(token_sum, count, num_items_in_batch, multiplier)
