@@ -52,7 +52,7 @@ import gpu_patterns  # noqa: E402
 import ring_efficiency as bench  # noqa: E402
 
 from hf_ring.kernels import available_backends, get_backend, registry  # noqa: E402
-from hf_ring.ring.schedule import step_blocks  # noqa: E402
+from hf_ring.patterns.ring.schedule import step_blocks  # noqa: E402
 
 CUDA_BACKENDS = ("flash_attn_3", "flash_attn_4", "torch_cudnn", "flash_attn", "torch_flash", "torch_efficient")
 CHECK_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -16,8 +16,8 @@ import torch
 import gpu_patterns
 import ring_efficiency as bench
 from hf_ring.kernels import get_backend, registry
-from hf_ring.ring.schedule import step_blocks
-from hf_ring.ring.window import window_blocks
+from hf_ring.patterns.ring.schedule import step_blocks
+from hf_ring.patterns.ring.window import window_blocks
 from hf_ring.sharding.layouts import shard_indices
 
 # Relative error bounds by input dtype. The kernels round P (and dP) to the input dtype

@@ -25,9 +25,9 @@ import ring_efficiency as bench
 
 import hf_ring
 from hf_ring.kernels import get_backend
-from hf_ring.ring import RingPlan
-from hf_ring.ring.allgather import allgather_attention
-from hf_ring.ring.collectives import VirtualCollectives
+from hf_ring.patterns import RingPlan
+from hf_ring.patterns.allgather import allgather_attention
+from hf_ring.distributed.collectives import VirtualCollectives
 
 
 def softcap_blocks(device: torch.device, names: list[str], dtype: torch.dtype, check: Callable) -> None:

@@ -41,7 +41,7 @@ OPTION_SETS: dict[str, dict[str, bool]] = {
     "chunked+offload+tiled": {"chunked": True, "offload": True, "tiled": True},
 }
 FITTED = ("a_H", "a_I", "t_I", "b_H", "r_H", "g", "d", "e", "f0")
-CHUNK_BYTES = 64 * 2**20  # hf_ring.hf.chunked_loss.DEFAULT_CHUNK_BYTES
+CHUNK_BYTES = 64 * 2**20  # hf_ring.memory.chunked_loss.DEFAULT_CHUNK_BYTES
 
 
 @dataclass(frozen=True)

@@ -43,11 +43,11 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_HERE, os.path.dirname(_HERE)]
 import ring_efficiency as bench  # noqa: E402
 
-from hf_ring.ring import RingPlan, VirtualRing, ring_attention  # noqa: E402
-from hf_ring.ring.allgather import allgather_attention  # noqa: E402
-from hf_ring.ring.collectives import VirtualCollectives  # noqa: E402
-from hf_ring.ring.hybrid import RING_SHARD_LAYOUTS, group_positions  # noqa: E402
-from hf_ring.ring.ulysses import kv_repeat, ulysses_attention  # noqa: E402
+from hf_ring.patterns import RingPlan, VirtualRing, ring_attention  # noqa: E402
+from hf_ring.patterns.allgather import allgather_attention  # noqa: E402
+from hf_ring.distributed.collectives import VirtualCollectives  # noqa: E402
+from hf_ring.patterns.hybrid import RING_SHARD_LAYOUTS, group_positions  # noqa: E402
+from hf_ring.patterns.ulysses import kv_repeat, ulysses_attention  # noqa: E402
 
 PATTERNS = ("ring", "allgather", "ulysses", "hybrid")
 LAYOUTS = ("zigzag", "stripe", "contiguous")

@@ -7,7 +7,7 @@ rank gets (layout balance), the speed of the kernel on the smaller ring blocks, 
 per-block merge and gradient accumulation all show up as a loss. Communication does not:
 
 - virtual ring (default): one process runs, rank by rank, exactly the block calls that
-  ``hf_ring.ring.schedule.step_blocks`` gives that rank over all steps, through the ring's
+  ``hf_ring.patterns.ring.schedule.step_blocks`` gives that rank over all steps, through the ring's
   own per-step code (``forward_blocks``, ``backward_blocks``, ``add_block_dkv``), and times
   each rank. Forward, and forward + backward (given the final out and lse).
 - ``--spawn``: the real ``hf_ring.ring_flash_attn_func`` over gloo in ``cp`` spawned
@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 import hf_ring
 from hf_ring.kernels import AttentionBackend, get_backend
-from hf_ring.ring import RingPlan, VirtualRing, ring_attention
+from hf_ring.patterns import RingPlan, VirtualRing, ring_attention
 from hf_ring.sharding import shard_packed, unshard_packed
 
 LAYOUTS = ("zigzag", "stripe", "contiguous", "packed")
@@ -200,8 +200,8 @@ def _plan(pb: Problem, rank: int, kernel: AttentionBackend, scale: float) -> Rin
 
 
 def rank_forward(pb: Problem, rank: int, kernel: AttentionBackend, scale: float) -> RingRun:
-    """Rank ``rank``'s ring forward: ``hf_ring.ring.ring_attention`` itself, the ring's
-    transfers replaced by in-process copies (:class:`hf_ring.ring.VirtualRing`)."""
+    """Rank ``rank``'s ring forward: ``hf_ring.patterns.ring.attention`` itself, the ring's
+    transfers replaced by in-process copies (:class:`hf_ring.patterns.VirtualRing`)."""
     q, k, v = (t.detach().requires_grad_() for t in pb.shards[rank][:3])
     out, lse = ring_attention(q, k, v, _plan(pb, rank, kernel, scale))
     return RingRun(q, out, lse)

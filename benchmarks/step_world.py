@@ -44,7 +44,7 @@ class StepConfig:
     vocab_size: int = 259
     threads_per_process: int = 1
     device: str = "cpu"
-    # Long-context memory options (hf_ring.hf.chunked_loss / offload / tiled_mlp).
+    # Long-context memory options (hf_ring.memory.chunked_loss / offload / tiled_mlp).
     chunked_loss: bool = False
     loss_chunk_tokens: Optional[int] = None
     offload_checkpoints: bool = False
@@ -127,9 +127,9 @@ def _worker(rank: int, cfg: StepConfig, init_file: str, out_dir: str) -> None:
 
 def _measure(model, opt, cfg: StepConfig, state, seq_len: int, device, sync, baseline_mb: float) -> dict:
     import hf_ring
-    from hf_ring.hf.chunked_loss import ChunkedLossConfig, model_token_loss_sum
-    from hf_ring.hf.loss import count_valid_tokens, loss_share, token_loss_sum
-    from hf_ring.ring.comm import CommWaitStats
+    from hf_ring.memory.chunked_loss import ChunkedLossConfig, model_token_loss_sum
+    from hf_ring.training.loss import count_valid_tokens, loss_share, token_loss_sum
+    from hf_ring.distributed.comm import CommWaitStats
 
     ids = torch.randint(0, cfg.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(seq_len))
     labels = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1)  # shifted on the full sequence

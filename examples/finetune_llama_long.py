@@ -42,8 +42,8 @@ from accelerate import PartialState
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, TrainingArguments
 
 import hf_ring
-from hf_ring.hf import deepspeed_support
-from hf_ring.hf.weight_sharding import FSDP_MODES, fsdp_training_arguments
+from hf_ring.training import deepspeed_support
+from hf_ring.training.weight_sharding import FSDP_MODES, fsdp_training_arguments
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from long_context_data import ByteTokenizer, passkey_dataset  # noqa: E402

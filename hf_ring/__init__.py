@@ -2,12 +2,12 @@
 
 ``import hf_ring`` registers the attention implementation ``"ring_flash"`` with
 transformers (when transformers is installed). The core (``hf_ring.kernels``,
-``hf_ring.ring``, ``hf_ring.sharding``) works without it.
+``hf_ring.patterns``, ``hf_ring.sharding``) works without it.
 """
 
 import importlib.util
 
-from hf_ring.ring import (
+from hf_ring.patterns import (
     ContextParallelState,
     context_parallel_attn_func,
     get_context_parallel_state,
@@ -16,7 +16,7 @@ from hf_ring.ring import (
     set_context_parallel_state,
     setup_context_parallel,
 )
-from hf_ring.ring.wrap import ContextParallel
+from hf_ring.patterns.wrap import ContextParallel
 from hf_ring.sharding import shard_sequence, unshard_sequence
 
 __version__ = "0.1.0"
@@ -42,15 +42,15 @@ if importlib.util.find_spec("transformers") is not None:
     _register_ring_flash()
 
 # The collator and the Accelerate plugin need only torch; the Trainer needs transformers.
-from hf_ring.hf.collator import RingCollatorConfig, RingDataCollator
-from hf_ring.hf.plugin import RingAttentionPlugin
+from hf_ring.training.collator import RingCollatorConfig, RingDataCollator
+from hf_ring.training.plugin import RingAttentionPlugin
 
 __all__ += ["RingCollatorConfig", "RingDataCollator", "RingAttentionPlugin"]
 
 if importlib.util.find_spec("transformers") is not None:
-    from hf_ring.hf.chunked_loss import ChunkedLossConfig
-    from hf_ring.hf.offload import enable_offloaded_checkpointing
-    from hf_ring.hf.tiled_mlp import tile_mlps
-    from hf_ring.hf.trainer import RingTrainer
+    from hf_ring.memory.chunked_loss import ChunkedLossConfig
+    from hf_ring.memory.offload import enable_offloaded_checkpointing
+    from hf_ring.memory.tiled_mlp import tile_mlps
+    from hf_ring.training.trainer import RingTrainer
 
     __all__ += ["ChunkedLossConfig", "RingTrainer", "enable_offloaded_checkpointing", "tile_mlps"]

@@ -235,7 +235,7 @@ def prepare_inputs(trainer: Any, inputs: dict[str, Any]) -> dict[str, Any]:
 
 # The statements that rebind ``logits`` after the head in the forwards of transformers
 # 4.57.6 and 5.24.0 (ast.unparse'd), and the transformation each sequence computes.
-# ``hf_ring.hf.chunked_loss`` recomputes exactly these, chunk by chunk; any other sequence
+# ``hf_ring.memory.chunked_loss`` recomputes exactly these, chunk by chunk; any other sequence
 # is refused there.
 _KNOWN_LOGIT_TRANSFORMS: dict[tuple[str, ...], str] = {
     (): "identity",

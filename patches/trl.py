@@ -1,4 +1,4 @@
-"""The private internals of TRL that ``hf_ring.trl`` relies on.
+"""The private internals of TRL that ``hf_ring.training.trl`` relies on.
 
 ``RingSFTTrainer`` computes its loss itself (each rank's share of the token mean over the
 whole dp x cp world), so it also keeps the metrics TRL's own ``compute_loss`` would have
@@ -39,7 +39,7 @@ class UnsupportedTRLVersion(RuntimeError):
 def _check_known(version: str) -> str:
     if Version(version) not in _SUPPORTED:
         raise UnsupportedTRLVersion(
-            f"hf_ring.trl was written for TRL {', '.join(WRITTEN_FOR)} and does not know TRL {version}; "
+            f"hf_ring.training.trl was written for TRL {', '.join(WRITTEN_FOR)} and does not know TRL {version}; "
             f"install a supported release: `{_INSTALL_HINT}`"
         )
     return version
@@ -60,7 +60,7 @@ def check_version(version: Optional[str] = None) -> str:
 
 def _fail(what: str) -> UnsupportedTRLVersion:
     return UnsupportedTRLVersion(
-        f"cannot use this TRL: {what}. hf_ring.trl was written for TRL {', '.join(WRITTEN_FOR)}; "
+        f"cannot use this TRL: {what}. hf_ring.training.trl was written for TRL {', '.join(WRITTEN_FOR)}; "
         f"install one of those (`{_INSTALL_HINT}`)"
     )
 

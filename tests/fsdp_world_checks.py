@@ -1,4 +1,4 @@
-"""Checks of hf_ring.hf.weight_sharding and of the CPU FSDP patch, run on every rank of one
+"""Checks of hf_ring.training.weight_sharding and of the CPU FSDP patch, run on every rank of one
 spawned gloo world of 2 processes (cp_size 2) by tests/test_trainer_fsdp.py; and the
 gradient error that the refused dp-only FSDP mesh would cause.
 
@@ -25,7 +25,7 @@ def _tiny_model(attn_implementation: str = "sdpa") -> torch.nn.Module:
 
 
 def _loss(model: torch.nn.Module, batch: dict, count: torch.Tensor) -> torch.Tensor:
-    from hf_ring.hf.loss import loss_share, token_loss_sum
+    from hf_ring.training.loss import loss_share, token_loss_sum
 
     batch = dict(batch)
     shift_labels = batch.pop("shift_labels")
@@ -40,7 +40,7 @@ def _fsdp2_gradient_error(mesh: Any) -> float:
     from torch.distributed.fsdp import fully_shard
 
     import hf_ring
-    from hf_ring.hf.loss import all_reduce_sum, count_valid_tokens
+    from hf_ring.training.loss import all_reduce_sum, count_valid_tokens
 
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(1, 32, (32,), generator=g).tolist()
@@ -95,7 +95,7 @@ def world_checks(rank: int, world: int) -> dict:
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, fully_shard
     from torch.distributed.tensor import DTensor
 
-    from hf_ring.hf.weight_sharding import gradient_reduction
+    from hf_ring.training.weight_sharding import gradient_reduction
     from hf_ring.patches import accelerate as accelerate_patches
 
     # Accelerate's launcher would set these; the spawned world has only the process group.

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import hf_ring
-from hf_ring.hf.loss import all_reduce_sum, count_valid_tokens, loss_share, scale_for_ddp, token_loss_sum
+from hf_ring.training.loss import all_reduce_sum, count_valid_tokens, loss_share, scale_for_ddp, token_loss_sum
 
 
 def _rows(n: int, seed: int) -> list[dict]:

@@ -13,8 +13,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hf_ring.hf.chunked_loss import ChunkedLossConfig, model_token_loss_sum
-from hf_ring.hf.loss import token_loss_sum
+from hf_ring.memory.chunked_loss import ChunkedLossConfig, model_token_loss_sum
+from hf_ring.training.loss import token_loss_sum
 
 
 def test_a_head_with_forward_hooks_is_refused():

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import hf_ring
-from hf_ring.ring import PATTERNS
+from hf_ring.patterns import PATTERNS
 from distributed import run_world
 from reference_attention import feature_attention, rel_err
 
@@ -169,7 +169,7 @@ def test_bad_arguments_are_refused(kwargs, error, match):
 def test_a_ring_over_explicit_positions_needs_a_masked_kernel():
     from hf_ring.kernels import AttentionBackend
     from hf_ring.kernels.reference import reference_backward, reference_forward
-    from hf_ring.ring.plan import RingPlan
+    from hf_ring.patterns.plan import RingPlan
 
     unmasked = AttentionBackend(name="unmasked", description="no masked kernel", forward=reference_forward,
                                 backward=reference_backward, devices=("cpu",), dtypes=(torch.float32,))

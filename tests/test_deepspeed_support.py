@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("deepspeed")
 
-from hf_ring.hf import deepspeed_support  # noqa: E402
+from hf_ring.training import deepspeed_support  # noqa: E402
 from hf_ring.patches import deepspeed as deepspeed_patches  # noqa: E402
 
 

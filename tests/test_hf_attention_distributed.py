@@ -257,7 +257,7 @@ EXPECTED_REFUSALS = {
     "generate": "NotImplementedError: KV cache / generate\\(\\) is not supported under context parallelism",
     # Mistral passes its window to the attention function: computed inside the ring.
     "sliding_window": "no error",
-    # Not on packed rows yet: read from the config once per forward (hf_ring.hf.model_support).
+    # Not on packed rows yet: read from the config once per forward (hf_ring.hf.support).
     "sliding_window_packed": "NotImplementedError: config.sliding_window=4 gives every layer a sliding window of 4 "
                              "tokens, which ring_flash computes on dense rows but not yet under context parallelism",
     "bypass": "RuntimeError: ring attention was bypassed: .* layers.1.self_attn\\. ",

@@ -19,9 +19,9 @@ import cuda_standins as cs
 import fa4_standin
 import hf_ring
 from hf_ring.kernels import flash_attn3, registry, torch_flash, window_bands
-from hf_ring.ring.plan import RingPlan
-from hf_ring.ring.schedule import step_blocks
-from hf_ring.ring.window import window_blocks
+from hf_ring.patterns.plan import RingPlan
+from hf_ring.patterns.ring.schedule import step_blocks
+from hf_ring.patterns.ring.window import window_blocks
 from hf_ring.sharding.layouts import shard_indices
 from reference_attention import rel_err
 

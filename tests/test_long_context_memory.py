@@ -26,10 +26,10 @@ import torch
 import torch.nn.functional as F
 
 import hf_ring  # noqa: F401  (registers ring_flash, patches transformers)
-from hf_ring.hf.chunked_loss import ChunkedLossConfig, LogitTransform, chunked_token_loss_sum, model_token_loss_sum
-from hf_ring.hf.loss import token_loss_sum
-from hf_ring.hf.offload import enable_offloaded_checkpointing
-from hf_ring.hf.tiled_mlp import tile_mlps
+from hf_ring.memory.chunked_loss import ChunkedLossConfig, LogitTransform, chunked_token_loss_sum, model_token_loss_sum
+from hf_ring.training.loss import token_loss_sum
+from hf_ring.memory.offload import enable_offloaded_checkpointing
+from hf_ring.memory.tiled_mlp import tile_mlps
 
 TOL = {torch.float32: 1e-6, torch.float64: 1e-12}
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_ring.ring.merge import merge_block_
+from hf_ring.patterns.merge import merge_block_
 
 
 def _attend(q, k, v, mask):

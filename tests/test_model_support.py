@@ -1,4 +1,4 @@
-"""hf_ring.hf.model_support: models the ring cannot run exactly are refused by reading the
+"""hf_ring.hf.support: models the ring cannot run exactly are refused by reading the
 model (its modules and config), never run silently wrong (issue 10 items 1-2).
 
 One tiny random model per refused feature (hidden 32, 2 layers, vocab 128), built in this
@@ -23,8 +23,8 @@ from packaging.version import Version
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from hf_ring.hf import model_support
-from hf_ring.hf.model_support import check_model_supported, check_model_under_cp
+from hf_ring.hf import support as model_support
+from hf_ring.hf.support import check_model_supported, check_model_under_cp
 from test_hf_attention import _COMMON
 
 TRANSFORMERS_5 = Version(transformers.__version__) >= Version("5.0.0.dev0")

@@ -1,4 +1,4 @@
-"""``pattern="auto"``'s rule (hf_ring/ring/auto.py) and the pattern settings of the state
+"""``pattern="auto"``'s rule (hf_ring/patterns/auto.py) and the pattern settings of the state
 and the plugin, in one process (no world needed: the rule is a pure function of what every
 rank knows alike, which is its point)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 import hf_ring
-from hf_ring.ring.auto import ALLGATHER_BELOW, PatternChoice, first_that_runs, pattern_candidates
+from hf_ring.patterns.auto import ALLGATHER_BELOW, PatternChoice, first_that_runs, pattern_candidates
 
 
 def _order(*args, **kwargs) -> list[str]:

@@ -1,5 +1,5 @@
 """Packed rows through a backend's varlen kernel: one kernel call per ring step for all
-documents (hf_ring/ring/packed_step.py) instead of one call per document.
+documents (hf_ring/patterns/ring/packed_step.py) instead of one call per document.
 
 The varlen kernel here is a CPU stand-in that loops the reference kernel over the
 ``cu_seqlens`` segments, so both paths run the same arithmetic per document and must agree

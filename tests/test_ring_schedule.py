@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_ring.ring.schedule import rank_work, step_blocks
+from hf_ring.patterns.ring.schedule import rank_work, step_blocks
 from hf_ring.sharding import local_cu_seqlens, packed_shard_indices, shard_indices
 
 

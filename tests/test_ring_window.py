@@ -1,4 +1,4 @@
-"""Sliding windows inside the ring (hf_ring/ring/window.py) against float64 attention with
+"""Sliding windows inside the ring (hf_ring/patterns/ring/window.py) against float64 attention with
 the window written out here: key j visible to query i iff ``0 <= i - j < window``.
 
 Worlds 1, 2 and 4 (spawned gloo ranks), layouts zigzag, stripe and contiguous, windows
@@ -20,7 +20,7 @@ from hf_ring.kernels import AttentionBackend, get_backend, register_backend, reg
 from hf_ring.kernels.reference import (
     reference_backward, reference_forward, reference_masked_backward, reference_masked_forward,
 )
-from hf_ring.ring.plan import RingPlan
+from hf_ring.patterns.plan import RingPlan
 from hf_ring.sharding import shard_indices, shard_sequence
 
 SEQ, HQ, HK, D = 16, 4, 2, 8

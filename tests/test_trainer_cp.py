@@ -186,7 +186,7 @@ def fresh_process_state():
 def test_loss_shares_add_up_to_the_token_mean_and_its_gradient():
     import torch.nn.functional as F
 
-    from hf_ring.hf.loss import count_valid_tokens, loss_share, token_loss_sum
+    from hf_ring.training.loss import count_valid_tokens, loss_share, token_loss_sum
     from hf_ring.sharding import shard_sequence
 
     torch.manual_seed(0)
@@ -213,7 +213,7 @@ def test_loss_shares_add_up_to_the_token_mean_and_its_gradient():
 
 
 def test_loss_without_any_valid_token_is_zero_not_nan():
-    from hf_ring.hf.loss import loss_share, token_loss_sum
+    from hf_ring.training.loss import loss_share, token_loss_sum
 
     logits = torch.randn(1, 8, 5, requires_grad=True)
     labels = torch.full((1, 8), -100)

@@ -236,7 +236,7 @@ def test_sharded_checkpoint_consolidates_for_one_process(runs, tmp_path):
     from long_context_data import ByteTokenizer, passkey_dataset
 
     from hf_ring import RingDataCollator
-    from hf_ring.hf.loss import count_valid_tokens, token_loss_sum
+    from hf_ring.training.loss import count_valid_tokens, token_loss_sum
 
     full = runs("fsdp_cp2")
     merged = str(tmp_path / "merged")
@@ -287,7 +287,7 @@ def test_weight_sharding_checks_in_a_real_world():
 def test_accelerate_own_cp_and_sp_are_refused():
     from types import SimpleNamespace
 
-    from hf_ring.hf.weight_sharding import check_accelerate_parallelism
+    from hf_ring.training.weight_sharding import check_accelerate_parallelism
 
     for name in ("cp_size", "sp_size"):
         config = SimpleNamespace(cp_size=1, sp_size=1)
@@ -300,7 +300,7 @@ def test_accelerate_own_cp_and_sp_are_refused():
 
 @needs_transformers_5
 def test_fsdp_training_arguments():
-    from hf_ring.hf.weight_sharding import fsdp_training_arguments
+    from hf_ring.training.weight_sharding import fsdp_training_arguments
 
     assert fsdp_training_arguments(None, 2, 4) == {}
     full = fsdp_training_arguments("full_shard", 2, 4)

@@ -191,8 +191,8 @@ def test_zero3_checkpoint_loads_into_one_process_model(runs):
     model in this one process, its eval loss is the run's eval loss at step 4."""
     from transformers import AutoModelForCausalLM
 
-    from hf_ring.hf.collator import RingDataCollator
-    from hf_ring.hf.loss import count_valid_tokens, token_loss_sum
+    from hf_ring.training.collator import RingDataCollator
+    from hf_ring.training.loss import count_valid_tokens, token_loss_sum
 
     sys.path.insert(0, os.path.join(ROOT, "examples"))
     from long_context_data import ByteTokenizer, passkey_dataset

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 import finetune_llama_long  # noqa: E402
 
 import hf_ring  # noqa: E402
-from hf_ring.hf import deepspeed_support  # noqa: E402
+from hf_ring.training import deepspeed_support  # noqa: E402
 
 
 def _rank() -> int:

@@ -28,7 +28,7 @@ kernel does not; windows and softcapping on packed rows are refused). What
 ``ring_flash`` cannot compute is refused, naming the model feature: attention dropout, keywords such as a sparse indexer's ``indices`` or a
 ``position_bias``, non-causal attention and KV caches under CP; what is read from the
 model's config and structure once per forward (windows, token mixers, length-dependent
-RoPE, ...) is refused by ``hf_ring.hf.model_support``.
+RoPE, ...) is refused by ``hf_ring.hf.support``.
 """
 
 from __future__ import annotations
@@ -44,9 +44,9 @@ from hf_ring.hf.forward_context import CONTEXT_KWARG, ForwardContext
 from hf_ring.hf.guard import RING_FLASH, guard_model
 from hf_ring.hf.cp_attention import cp_attention
 from hf_ring.hf.local_eager import eager_attention
-from hf_ring.ring.api import ring_attention, ring_flash_attn_varlen_func
-from hf_ring.ring.autocast import one_dtype
-from hf_ring.ring.groups import get_context_parallel_state
+from hf_ring.patterns.api import ring_attention, ring_flash_attn_varlen_func
+from hf_ring.patterns.autocast import one_dtype
+from hf_ring.distributed.groups import get_context_parallel_state
 
 # guard_model is re-exported: models loaded with "ring_flash" are guarded automatically,
 # one whose config was set by hand is guarded with hf_ring.hf.attention.guard_model(model).

@@ -9,7 +9,7 @@ were validated across the ranks once by the guard, so no call here checks them a
 (``check_ranks=False``).
 
 ``pattern="auto"`` is resolved per kind of layer (head counts, window, softcap, sinks) in
-each forward, from what every rank knows alike (hf_ring/ring/auto.py), and logged once per
+each forward, from what every rank knows alike (hf_ring/patterns/auto.py), and logged once per
 process: one line, what was picked and why.
 """
 
@@ -20,9 +20,9 @@ from typing import Optional
 import torch
 
 from hf_ring.hf.forward_context import ForwardContext
-from hf_ring.ring.api import ring_attention
-from hf_ring.ring.auto import first_that_runs, log_choice_once, pattern_candidates
-from hf_ring.ring.patterns import context_parallel_attn_func
+from hf_ring.patterns.api import ring_attention
+from hf_ring.patterns.auto import first_that_runs, log_choice_once, pattern_candidates
+from hf_ring.patterns.dispatch import context_parallel_attn_func
 
 def _attend(
     q: torch.Tensor,

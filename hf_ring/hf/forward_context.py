@@ -22,9 +22,9 @@ from typing import Optional
 import torch
 
 from hf_ring.kernels import get_backend
-from hf_ring.ring.comm import CommWaitStats
-from hf_ring.ring.groups import ContextParallelState
-from hf_ring.ring.plan import RingPlan
+from hf_ring.distributed.comm import CommWaitStats
+from hf_ring.distributed.groups import ContextParallelState
+from hf_ring.patterns.plan import RingPlan
 
 # The keyword the context travels under through the model's forward.
 CONTEXT_KWARG = "hf_ring_context"

@@ -30,9 +30,9 @@ import torch.nn as nn
 
 from hf_ring.hf.cp_inputs import inputs_device, packed_document_lengths, rows_and_length, validate_cp_inputs
 from hf_ring.hf.forward_context import COMM_STATS_KWARG, CONTEXT_KWARG, ForwardContext
-from hf_ring.hf.model_support import RING_FLASH, check_model_supported, check_model_under_cp
+from hf_ring.hf.support import RING_FLASH, check_model_supported, check_model_under_cp
 from hf_ring.patches.transformers import attn_implementation
-from hf_ring.ring.groups import get_context_parallel_state
+from hf_ring.distributed.groups import get_context_parallel_state
 
 # Flags kept in the modules' own __dict__, so that copies of a model (copy.deepcopy for a
 # reference model, pickling) stay guarded: the hooks are module-level functions.
@@ -49,7 +49,7 @@ def per_token_labels() -> Iterator[None]:
 
     For callers that read only per-token outputs computed from them (TRL's fused LM head:
     the log-probability of each token's label, sharded like the tokens) and never the
-    model's own ``loss``, which would be a mean over this rank's shard (``hf_ring.trl``).
+    model's own ``loss``, which would be a mean over this rank's shard (``hf_ring.training.trl``).
     """
     token = _PER_TOKEN_LABELS.set(True)
     try:
@@ -187,7 +187,7 @@ def _check_head_under_cp(model: nn.Module, args: tuple, kwargs: dict) -> None:
             f"{type(model).__name__} got {' and '.join(given)} under context parallelism "
             f"(cp_size={state.cp_size}): the loss it would compute is a mean over this rank's shard "
             "only (NaN on a shard without a label), not the sequence's. Call the model without "
-            "labels and take the loss with hf_ring.hf.loss (token_loss_sum over this rank, divided by "
+            "labels and take the loss with hf_ring.training.loss (token_loss_sum over this rank, divided by "
             "the valid tokens of the whole dp x cp world; tests/ring_custom_loop.py shows it), or "
             "train with RingTrainer, which does"
         )

@@ -3,7 +3,7 @@
 FlashAttention kernels take a window as two integers: query ``i`` of a ``(q_len, k_len)``
 block sees key ``j`` iff ``i + k_len - q_len - left <= j <= i + k_len - q_len + right``
 (bottom-right aligned, inclusive). The ring hands a masked kernel a boolean mask instead
-(``hf_ring.ring.window``). Where the layout's positions are evenly spaced (stripe; a
+(``hf_ring.patterns.ring.window``). Where the layout's positions are evenly spaced (stripe; a
 single zigzag chunk) that mask is such a band; where a block's rows or columns span two
 zigzag chunks it is two. :func:`bands` cuts a mask into row ranges whose masks are bands,
 each trimmed to the columns it sees, and gives each its ``(left, right)``; rows that see

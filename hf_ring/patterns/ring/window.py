@@ -24,7 +24,7 @@ from typing import Sequence
 
 import torch
 
-from hf_ring.ring.schedule import Block
+from hf_ring.patterns.ring.schedule import Block
 
 
 def window_block(blk: Block, q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> list[Block]:

@@ -14,7 +14,7 @@ whereas the true gradient is the *sum* of the shares' gradients. The share is th
 multiplied by ``world_size`` before ``backward`` (:func:`scale_for_ddp`); the parameters
 then receive exactly the gradient a run without context parallelism computes. FSDP2 and
 HSDP average over their whole mesh, which must be the world too:
-:func:`hf_ring.hf.weight_sharding.gradient_reduction` reads the group from the wrapped model
+:func:`hf_ring.training.weight_sharding.gradient_reduction` reads the group from the wrapped model
 and gives the multiplier (refusing a group that misses a rank).
 """
 
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hf_ring.hf.collator import IGNORE_INDEX
+from hf_ring.training.collator import IGNORE_INDEX
 
 
 def token_loss_sum(logits: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@
 ZeRO (stages 1-3) partitions and reduces gradients over DeepSpeed's data-parallel group,
 which, when DeepSpeed is handed no model-parallel unit, is every process: the whole
 dp x cp world, as with DDP. Its reduction averages over that world, so hf_ring's loss
-share scaled by ``world_size`` (:func:`hf_ring.hf.loss.scale_for_ddp`) gives exactly the
+share scaled by ``world_size`` (:func:`hf_ring.training.loss.scale_for_ddp`) gives exactly the
 gradient of a run without CP, and the CP replicas stay identical. What differs from DDP:
 
 - DeepSpeed's communication layer must be initialised over the process group that
@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
-from hf_ring.ring.groups import ContextParallelState
+from hf_ring.distributed.groups import ContextParallelState
 
 # Keys of a DeepSpeed config that switch on DeepSpeed's own sequence parallelism.
 _DS_SEQUENCE_PARALLEL_KEYS = ("sequence_parallel_size", "data_parallel_size", "ulysses")
@@ -268,7 +268,7 @@ def full_gradients(model: Any) -> dict[str, torch.Tensor]:
 def gradient_reduction(model: Any, state: ContextParallelState) -> "weight_sharding.GradientReduction":
     """How the DeepSpeed engine ``model`` reduces gradients: ZeRO averages over its data-parallel
     group, which :func:`check_engine` requires to be the whole dp x cp world."""
-    from hf_ring.hf import weight_sharding
+    from hf_ring.training import weight_sharding
 
     check_engine(model, state)
     return weight_sharding.GradientReduction(weight_sharding.ZERO, state.world_size)

@@ -19,10 +19,10 @@ import torch.distributed as dist
 from hf_ring.kernels import AttentionBackend
 from hf_ring.kernels.registry import backends_that
 from hf_ring.kernels.window_bands import bands
-from hf_ring.ring.comm import CommWaitStats, Transport, process_group_transport
-from hf_ring.ring.packed_step import StepBatch, step_batch
-from hf_ring.ring.schedule import Block, step_blocks
-from hf_ring.ring.window import window_blocks
+from hf_ring.distributed.comm import CommWaitStats, Transport, process_group_transport
+from hf_ring.patterns.ring.packed_step import StepBatch, step_batch
+from hf_ring.patterns.ring.schedule import Block, step_blocks
+from hf_ring.patterns.ring.window import window_blocks
 from hf_ring.sharding.layouts import check_layout, shard_indices
 
 

@@ -18,7 +18,7 @@ Usage in a custom loop::
     collator = plugin.make_collator(pad_token_id=tok.pad_token_id)
     model, opt, loader = accelerator.prepare(model, opt, DataLoader(ds, collate_fn=collator))
 
-and compute the loss with :mod:`hf_ring.hf.loss` (``scale_for_ddp`` with
+and compute the loss with :mod:`hf_ring.training.loss` (``scale_for_ddp`` with
 ``plugin.world_size``).
 """
 
@@ -31,10 +31,10 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from hf_ring.hf.collator import RingDataCollator
-from hf_ring.hf.loss import all_reduce_sum
+from hf_ring.training.collator import RingDataCollator
+from hf_ring.training.loss import all_reduce_sum
 from hf_ring.patches import accelerate as accelerate_patches
-from hf_ring.ring.groups import ContextParallelState, check_pattern, setup_context_parallel
+from hf_ring.distributed.groups import ContextParallelState, check_pattern, setup_context_parallel
 from hf_ring.sharding.layouts import check_layout
 
 
@@ -105,7 +105,7 @@ class RingAttentionPlugin:
         if importlib.util.find_spec("transformers") is not None:
             # DeepSpeed configs reach hf_ring through transformers. Before the model exists:
             # ZeRO-3 partitions it as it is created, over DeepSpeed's world.
-            from hf_ring.hf import deepspeed_support
+            from hf_ring.training import deepspeed_support
 
             deepspeed_support.configure(self._state)
         return self._state

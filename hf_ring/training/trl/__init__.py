@@ -1,4 +1,4 @@
-"""``hf_ring.trl``: TRL's SFT and DPO trainers with context parallelism (``pip install hf_ring[trl]``).
+"""``hf_ring.training.trl`` (public as ``hf_ring.trl``): TRL's SFT and DPO trainers with context parallelism (``pip install hf_ring[trl]``).
 
 ``RingSFTTrainer`` and ``RingDPOTrainer`` are drop-in for ``trl.SFTTrainer`` and
 ``trl.DPOTrainer`` with one more argument, ``ring_plugin`` (a
@@ -24,8 +24,8 @@ if Version(transformers.__version__) < _OLDEST_TRANSFORMERS:
         f"then on), found {transformers.__version__}; upgrade transformers (e.g. `pip install transformers==5.24.0`)"
     )
 
-from hf_ring.trl.dpo import RingDPOTrainer  # noqa: E402
-from hf_ring.trl.sft import RingSFTTrainer  # noqa: E402
-from hf_ring.trl.sft_collator import RingSFTCollator  # noqa: E402
+from hf_ring.training.trl.dpo import RingDPOTrainer  # noqa: E402
+from hf_ring.training.trl.sft import RingSFTTrainer  # noqa: E402
+from hf_ring.training.trl.sft_collator import RingSFTCollator  # noqa: E402
 
 __all__ = ["RingDPOTrainer", "RingSFTCollator", "RingSFTTrainer"]

@@ -1,6 +1,6 @@
 """How the wrapped model reduces gradients, and the loss multiplier that makes them exact.
 
-Each rank's loss is its *share* of the world's token mean (:mod:`hf_ring.hf.loss`); the
+Each rank's loss is its *share* of the world's token mean (:mod:`hf_ring.training.loss`); the
 true gradient is the *sum* of the shares' gradients over every dp x cp rank. Data-parallel
 wrappers average instead of summing, over the ranks of their reduction group, so the share
 is multiplied by that group's size before ``backward``. That is exact only when the group

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from hf_ring.ring.patterns import PATTERNS
+from hf_ring.patterns.dispatch import PATTERNS
 from hf_ring.sharding.layouts import check_layout
 
 _ACTIVE: Optional["ContextParallelState"] = None
@@ -44,7 +44,7 @@ class ContextParallelState:
     # How long a collective of the CP group may wait for a peer before it fails.
     timeout: Optional[timedelta] = field(default=None, compare=False)
     # How attention is split across the CP group (hf_ring.context_parallel_attn_func's
-    # patterns, or "auto": chosen per model and sequence, see hf_ring/ring/auto.py), and
+    # patterns, or "auto": chosen per model and sequence, see hf_ring/patterns/auto.py), and
     # the Ulysses group size of the hybrid pattern.
     pattern: str = "ring"
     ulysses_size: Optional[int] = None

@@ -20,7 +20,7 @@ model does to the head's output before returning it (Gemma's final softcapping, 
 (``hf_ring.patches.transformers.logit_transform``) and recomputed exactly in every chunk;
 anything else is refused.
 
-The result is the same float32 token-loss sum as ``hf_ring.hf.loss.token_loss_sum`` over the
+The result is the same float32 token-loss sum as ``hf_ring.training.loss.token_loss_sum`` over the
 full logits (the chunks' sums are added in another order: a few ulps), with the same
 gradients for the hidden states, the head's weight (tied to the embeddings or not) and bias.
 """
@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hf_ring.hf.collator import IGNORE_INDEX
+from hf_ring.training.collator import IGNORE_INDEX
 from hf_ring.patches import transformers as transformers_patches
 
 TURN_OFF = "turn the chunked loss off (RingTrainer(chunked_loss=False), or --chunked_loss off in the example)"

@@ -21,9 +21,9 @@ from typing import Optional
 
 import torch
 
-from hf_ring.ring.collectives import Collectives
-from hf_ring.ring.plan import RingPlan
-from hf_ring.ring.ring_attention import (
+from hf_ring.distributed.collectives import Collectives
+from hf_ring.patterns.plan import RingPlan
+from hf_ring.patterns.ring.attention import (
     KVAttentionFunction, KVPasses, accum_dtype, add_block_dkv, apply_sinks, backward_blocks, forward_blocks,
 )
 

@@ -21,7 +21,7 @@ from typing import Callable, Optional, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from hf_ring.ring.comm import CommWaitStats, peer_failed
+from hf_ring.distributed.comm import CommWaitStats, peer_failed
 
 # torch 2.13 renamed the tensor collectives; older releases (>= 2.5) have only the old names.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -21,8 +21,8 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping, Sequence
 
-from hf_ring.hf.collator import RingDataCollator
-from hf_ring.ring.groups import ContextParallelState
+from hf_ring.training.collator import RingDataCollator
+from hf_ring.distributed.groups import ContextParallelState
 
 # The batch's token count before padding (TRL logs it as ``num_tokens``); popped before the forward.
 NUM_TOKENS_KEY = "hf_ring_num_tokens"

@@ -10,7 +10,7 @@ What changes against the stock Trainer, and why:
   share ``sum of its token losses / valid tokens of the whole optimizer step over the whole
   dp x cp world`` (``num_items_in_batch``, counted from ``shift_labels`` across gradient
   accumulation), times the number of processes the wrapper (DDP, FSDP2, HSDP) averages
-  gradients over, read from the wrapped model (:mod:`hf_ring.hf.weight_sharding`, which
+  gradients over, read from the wrapped model (:mod:`hf_ring.training.weight_sharding`, which
   refuses a reduction that misses some dp x cp rank).
   The gradients then equal those of a run without CP, and the Trainer's logged loss (the
   mean over processes of what each returns) is the true token mean;
@@ -33,11 +33,11 @@ import torch
 from transformers import Trainer
 from transformers.utils import logging as hf_logging
 
-from hf_ring.hf import weight_sharding
-from hf_ring.hf import deepspeed_support
-from hf_ring.hf.chunked_loss import ChunkedLossConfig, model_token_loss_sum
-from hf_ring.hf.collator import RingDataCollator
-from hf_ring.hf.loss import (
+from hf_ring.training import weight_sharding
+from hf_ring.training import deepspeed_support
+from hf_ring.memory.chunked_loss import ChunkedLossConfig, model_token_loss_sum
+from hf_ring.training.collator import RingDataCollator
+from hf_ring.training.loss import (
     LossTotals,
     all_reduce_sum,
     count_valid_tokens,
@@ -45,7 +45,7 @@ from hf_ring.hf.loss import (
     scale_for_ddp,
     token_loss_sum,
 )
-from hf_ring.hf.plugin import RingAttentionPlugin
+from hf_ring.training.plugin import RingAttentionPlugin
 from hf_ring.patches import accelerate as accelerate_patches
 from hf_ring.patches import transformers as transformers_patches
 
@@ -106,7 +106,7 @@ class RingTrainer(Trainer):
         ring_plugin: the :class:`RingAttentionPlugin` (its ``cp_size`` and layout); default
             ``RingAttentionPlugin(cp_size=1)``.
         chunked_loss: compute the LM head and the loss chunk by chunk, never holding the
-            shard's full logits (:mod:`hf_ring.hf.chunked_loss`): a
+            shard's full logits (:mod:`hf_ring.memory.chunked_loss`): a
             :class:`ChunkedLossConfig`, True / False, or None (default: on under context
             parallelism). The training and eval losses are the same; ``outputs.logits`` of a
             chunked forward are empty.

@@ -4,16 +4,16 @@ the dp x cp process groups.
 Never imports transformers or accelerate.
 """
 
-from hf_ring.ring.api import ring_attention, ring_flash_attn_func, ring_flash_attn_varlen_func
-from hf_ring.ring.comm import CommWaitStats, VirtualRing
-from hf_ring.ring.groups import (
+from hf_ring.patterns.api import ring_attention, ring_flash_attn_func, ring_flash_attn_varlen_func
+from hf_ring.distributed.comm import CommWaitStats, VirtualRing
+from hf_ring.distributed.groups import (
     ContextParallelState,
     get_context_parallel_state,
     set_context_parallel_state,
     setup_context_parallel,
 )
-from hf_ring.ring.patterns import PATTERNS, context_parallel_attn_func
-from hf_ring.ring.plan import RingPlan
+from hf_ring.patterns.dispatch import PATTERNS, context_parallel_attn_func
+from hf_ring.patterns.plan import RingPlan
 
 __all__ = [
     "CommWaitStats",

@@ -29,10 +29,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from hf_ring.ring.collectives import GroupCollectives
-from hf_ring.ring.comm import CommWaitStats
-from hf_ring.ring.plan import RingPlan
-from hf_ring.ring.ulysses import ulysses_attention
+from hf_ring.distributed.collectives import GroupCollectives
+from hf_ring.distributed.comm import CommWaitStats
+from hf_ring.patterns.plan import RingPlan
+from hf_ring.patterns.ulysses import ulysses_attention
 from hf_ring.sharding.layouts import shard_indices
 
 # Layouts under which a Ulysses group's tokens are a ring shard of the same layout.

@@ -2,7 +2,7 @@
 
 Every rank of a CP group gets the same batch of whole (prompt + chosen, prompt +
 rejected) rows from TRL's own collator. The policy and the reference model run through
-:class:`~hf_ring.trl.fused_forward.RingFusedForward`: each rank computes its shard of every
+:class:`~hf_ring.training.trl.fused_forward.RingFusedForward`: each rank computes its shard of every
 row through the ring, and the per-token log-probabilities (and the fields TRL's metrics
 read) are gathered back into whole rows. TRL's loss, of any ``loss_type``, and its metrics
 (rewards, margins, accuracies, log-probabilities, entropy, token accuracy) are then
@@ -23,11 +23,11 @@ import torch
 from transformers import Trainer
 from trl import DPOTrainer
 
-from hf_ring.hf.plugin import RingAttentionPlugin
-from hf_ring.hf.trainer import RING_ATTENTION, RingTrainer
+from hf_ring.training.plugin import RingAttentionPlugin
+from hf_ring.training.trainer import RING_ATTENTION, RingTrainer
 from hf_ring.patches import transformers as transformers_patches
 from hf_ring.patches import trl as trl_patches
-from hf_ring.trl.fused_forward import RingFusedForward
+from hf_ring.training.trl.fused_forward import RingFusedForward
 
 
 def _unwrapped_config(model: Any) -> Any:

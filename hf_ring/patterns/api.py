@@ -1,6 +1,6 @@
 """Public ring attention functions: ``ring_flash_attn_func`` (dense rows) and
 ``ring_flash_attn_varlen_func`` (packed rows of several documents), and ``ring_attention``,
-the op on an already built :class:`~hf_ring.ring.plan.RingPlan` (no checks across ranks).
+the op on an already built :class:`~hf_ring.patterns.plan.RingPlan` (no checks across ranks).
 
 Called directly, each public function first checks that every rank of the group passes
 the same shapes, dtype and settings (one small all-gather; see validation.py). Callers
@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 
 from hf_ring.kernels import get_backend
-from hf_ring.ring.comm import CommWaitStats
-from hf_ring.ring.plan import RingPlan
-from hf_ring.ring.ring_attention import KVAttentionFunction, ring_passes
-from hf_ring.ring.validation import check_across_ranks, check_local
+from hf_ring.distributed.comm import CommWaitStats
+from hf_ring.patterns.plan import RingPlan
+from hf_ring.patterns.ring.attention import KVAttentionFunction, ring_passes
+from hf_ring.patterns.validation import check_across_ranks, check_local
 from hf_ring.sharding.packed import check_cu_seqlens
 
 Output = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]

@@ -27,9 +27,9 @@ from typing import Optional
 
 import torch
 
-from hf_ring.ring.api import ring_attention
-from hf_ring.ring.collectives import Collectives, all_to_all
-from hf_ring.ring.plan import RingPlan
+from hf_ring.patterns.api import ring_attention
+from hf_ring.distributed.collectives import Collectives, all_to_all
+from hf_ring.patterns.plan import RingPlan
 from hf_ring.sharding.layouts import shard_indices
 
 

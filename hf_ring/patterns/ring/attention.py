@@ -18,10 +18,10 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from hf_ring.ring.comm import DKV_CHANNEL, KV_CHANNEL, BlockStream, DoubleBuffer
-from hf_ring.ring.merge import merge_block_
-from hf_ring.ring.packed_step import backward_varlen, forward_varlen
-from hf_ring.ring.plan import RingPlan
+from hf_ring.distributed.comm import DKV_CHANNEL, KV_CHANNEL, BlockStream, DoubleBuffer
+from hf_ring.patterns.merge import merge_block_
+from hf_ring.patterns.ring.packed_step import backward_varlen, forward_varlen
+from hf_ring.patterns.plan import RingPlan
 
 
 def accum_dtype(dtype: torch.dtype) -> torch.dtype:

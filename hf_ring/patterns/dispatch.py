@@ -26,14 +26,14 @@ import torch
 import torch.distributed as dist
 
 from hf_ring.kernels import AttentionBackend, get_backend
-from hf_ring.ring.allgather import allgather_attention
-from hf_ring.ring.api import group_coords, ring_attention
-from hf_ring.ring.collectives import GroupCollectives
-from hf_ring.ring.comm import CommWaitStats
-from hf_ring.ring.hybrid import hybrid_attention, hybrid_groups
-from hf_ring.ring.plan import RingPlan
-from hf_ring.ring.ulysses import kv_repeat, ulysses_attention
-from hf_ring.ring.validation import check_across_ranks, check_local, float_bits
+from hf_ring.patterns.allgather import allgather_attention
+from hf_ring.patterns.api import group_coords, ring_attention
+from hf_ring.distributed.collectives import GroupCollectives
+from hf_ring.distributed.comm import CommWaitStats
+from hf_ring.patterns.hybrid import hybrid_attention, hybrid_groups
+from hf_ring.patterns.plan import RingPlan
+from hf_ring.patterns.ulysses import kv_repeat, ulysses_attention
+from hf_ring.patterns.validation import check_across_ranks, check_local, float_bits
 
 PATTERNS = ("ring", "allgather", "ulysses", "hybrid")
 

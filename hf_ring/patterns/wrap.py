@@ -29,11 +29,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from hf_ring.ring.api import group_coords
-from hf_ring.ring.auto import first_that_runs, log_choice_once, pattern_candidates
-from hf_ring.ring.autocast import one_dtype
-from hf_ring.ring.groups import check_pattern, local_world_size
-from hf_ring.ring.patterns import context_parallel_attn_func
+from hf_ring.patterns.api import group_coords
+from hf_ring.patterns.auto import first_that_runs, log_choice_once, pattern_candidates
+from hf_ring.patterns.autocast import one_dtype
+from hf_ring.distributed.groups import check_pattern, local_world_size
+from hf_ring.patterns.dispatch import context_parallel_attn_func
 from hf_ring.sharding.layouts import check_layout, shard_indices, shard_sequence
 
 _SDPA_PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -87,7 +87,7 @@ class ContextParallel(nn.Module):
         pattern: how attention is split across the group, as in
             :func:`hf_ring.context_parallel_attn_func`, or ``"auto"`` (picked per call from
             the head counts, the length and the group's size and placement,
-            hf_ring/ring/auto.py).
+            hf_ring/patterns/auto.py).
         ulysses_size: ``pattern="hybrid"`` only: ranks per Ulysses group.
         causal: whether the module's attention is causal (its SDPA calls must say
             ``is_causal=causal``).

@@ -1,7 +1,7 @@
 """``RingSFTTrainer``: TRL's ``SFTTrainer`` with context parallelism.
 
 TRL prepares the data (chat templates, completion-only and assistant-only loss masks,
-packing) exactly as it does without CP; :class:`~hf_ring.trl.sft_collator.RingSFTCollator`
+packing) exactly as it does without CP; :class:`~hf_ring.training.trl.sft_collator.RingSFTCollator`
 collates it from TRL's own settings into this rank's shard; :class:`~hf_ring.RingTrainer`
 brings the dp x cp groups, the data-parallel sharding of batches, the token-mean loss
 over the whole dp x cp world and the exact eval loss. The loss is computed with TRL's
@@ -18,14 +18,14 @@ import torch
 from trl import SFTTrainer
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-from hf_ring.hf.collator import RingDataCollator
+from hf_ring.training.collator import RingDataCollator
 from hf_ring.hf.guard import per_token_labels
-from hf_ring.hf.loss import all_reduce_sum, count_valid_tokens
-from hf_ring.hf.plugin import RingAttentionPlugin
-from hf_ring.hf.trainer import RingTrainer, _model_inputs
+from hf_ring.training.loss import all_reduce_sum, count_valid_tokens
+from hf_ring.training.plugin import RingAttentionPlugin
+from hf_ring.training.trainer import RingTrainer, _model_inputs
 from hf_ring.patches import transformers as transformers_patches
 from hf_ring.patches import trl as trl_patches
-from hf_ring.trl.sft_collator import NUM_TOKENS_KEY, RingSFTCollator
+from hf_ring.training.trl.sft_collator import NUM_TOKENS_KEY, RingSFTCollator
 
 
 class RingSFTTrainer(RingTrainer, SFTTrainer):
