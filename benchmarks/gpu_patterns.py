@@ -25,7 +25,7 @@ import ring_efficiency as bench
 
 import hf_ring
 from hf_ring.kernels import get_backend
-from hf_ring.patterns import RingPlan
+from hf_ring.patterns import AttentionPlan
 from hf_ring.patterns.allgather import allgather_attention
 from hf_ring.distributed.collectives import VirtualCollectives
 
@@ -69,7 +69,7 @@ def patterns_virtual(device: torch.device, name: str, dtype: torch.dtype, check:
         pb = bench.make_problem(layout, 4, 200, cfg)
         outs, lses, dqs = [], [], []
         for r in range(pb.cp):
-            plan = RingPlan(None, r, pb.cp, layout, True, scale, cfg.kernel(), transport=lambda ch: None)
+            plan = AttentionPlan(None, r, pb.cp, layout, True, scale, cfg.kernel(), transport=lambda ch: None)
             q, k, v = (t.detach().requires_grad_() for t in pb.shards[r][:3])
             out, lse = allgather_attention(q, k, v, plan, VirtualCollectives(r, pb.kv_by_rank))
             out.backward(pb.shards[r][3])

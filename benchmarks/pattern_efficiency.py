@@ -43,7 +43,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_HERE, os.path.dirname(_HERE)]
 import ring_efficiency as bench  # noqa: E402
 
-from hf_ring.patterns import RingPlan, VirtualRing, ring_attention  # noqa: E402
+from hf_ring.patterns import AttentionPlan, VirtualRing, ring_attention  # noqa: E402
 from hf_ring.patterns.allgather import allgather_attention  # noqa: E402
 from hf_ring.distributed.collectives import VirtualCollectives  # noqa: E402
 from hf_ring.patterns.hybrid import RING_SHARD_LAYOUTS, group_positions  # noqa: E402
@@ -104,15 +104,15 @@ def rank_op(pattern: str, pb: bench.Problem, rank: int, kernel, scale: float, co
     """``(q, k, v) -> out`` of rank ``rank`` of ``pattern`` on virtual transports."""
     cp, layout = pb.cp, pb.layout
     if pattern == "ring":
-        plan = RingPlan(None, rank, cp, layout, True, scale, kernel,
+        plan = AttentionPlan(None, rank, cp, layout, True, scale, kernel,
                         transport=counting_transport(VirtualRing(rank, pb.kv_by_rank), counter))
         return lambda q, k, v: ring_attention(q, k, v, plan)[0]
     if pattern == "allgather":
-        plan = RingPlan(None, rank, cp, layout, True, scale, kernel, transport=VirtualRing(rank, pb.kv_by_rank))
+        plan = AttentionPlan(None, rank, cp, layout, True, scale, kernel, transport=VirtualRing(rank, pb.kv_by_rank))
         coll = CountingCollectives(VirtualCollectives(rank, pb.kv_by_rank), counter)
         return lambda q, k, v: allgather_attention(q, k, v, plan, coll)[0]
     if pattern == "ulysses":
-        local = RingPlan(None, 0, 1, "contiguous", True, scale, kernel)
+        local = AttentionPlan(None, 0, 1, "contiguous", True, scale, kernel)
         coll = CountingCollectives(VirtualCollectives(rank, world=cp), counter)
         return lambda q, k, v: ulysses_attention(q, k, v, local, coll, layout, 0, cp, need_lse=False)[0]
     u = ulysses_size
@@ -121,7 +121,7 @@ def rank_op(pattern: str, pb: bench.Problem, rank: int, kernel, scale: float, co
     hk_local = max(hk, u) // u  # K/V heads per rank after the Ulysses exchange
     blocks = [torch.randn(2, 1, u * s, hk_local, d, dtype=pb.q.dtype, device=pb.q.device) for _ in range(cp // u)]
     positions = None if layout in RING_SHARD_LAYOUTS else group_positions(cp * s, cp, u, layout)
-    ring = RingPlan(None, g, cp // u, layout, True, scale, kernel, positions=positions,
+    ring = AttentionPlan(None, g, cp // u, layout, True, scale, kernel, positions=positions,
                     transport=counting_transport(VirtualRing(g, blocks), counter))
     coll = CountingCollectives(VirtualCollectives(member, world=u), counter)
     return lambda q, k, v: ulysses_attention(q, k, v, ring, coll, layout, g * u, cp, pattern="hybrid",

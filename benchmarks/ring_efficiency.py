@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 import hf_ring
 from hf_ring.kernels import AttentionBackend, get_backend
-from hf_ring.patterns import RingPlan, VirtualRing, ring_attention
+from hf_ring.patterns import AttentionPlan, VirtualRing, ring_attention
 from hf_ring.sharding import shard_packed, unshard_packed
 
 LAYOUTS = ("zigzag", "stripe", "contiguous", "packed")
@@ -189,10 +189,10 @@ class Clock:
         return replace(kernel, **timed)
 
 
-def _plan(pb: Problem, rank: int, kernel: AttentionBackend, scale: float) -> RingPlan:
+def _plan(pb: Problem, rank: int, kernel: AttentionBackend, scale: float) -> AttentionPlan:
     """Rank ``rank``'s ring plan over a :class:`VirtualRing` transport."""
     local_docs = tuple(n // pb.cp for n in pb.doc_lens) if pb.doc_lens else None
-    return RingPlan(
+    return AttentionPlan(
         group=None, rank=rank, world=pb.cp, layout="zigzag" if local_docs else pb.layout, causal=True,
         scale=scale, backend=kernel, local_doc_lens=local_docs,
         transport=VirtualRing(rank, pb.kv_by_rank) if pb.cp > 1 else None,

@@ -9,7 +9,7 @@
 Default: a tiny Llama initialised on the spot (the reference model is a copy of it), a
 byte-level Hugging Face tokenizer with a chat template (examples/trl_data.py) and
 synthetic passkey conversations where the right key is chosen and another rejected.
-hf_ring.trl.RingDPOTrainer runs the policy and the reference through the ring; each
+hf_ring.training.trl.RingDPOTrainer runs the policy and the reference through the ring; each
 sequence's log-probability is summed over the whole CP group.
 The fine-tune example's flags apply (see finetune_llama_long.py), plus those below.
 """

@@ -58,6 +58,9 @@ def build_parser(description: Optional[str] = __doc__) -> argparse.ArgumentParse
     p.add_argument("--cp_pattern", default="ring", choices=["ring", "allgather", "ulysses", "hybrid", "auto"],
                    help="how attention is split across a CP group ('auto': picked per model, logged)")
     p.add_argument("--ulysses_size", type=int, default=None, help="--cp_pattern hybrid: ranks per Ulysses group")
+    p.add_argument("--attn_backend", default="auto",
+                   help="the attention kernel: 'auto' (per layer, the first that computes its features on "
+                        "this device) or a name from hf_ring.kernels.available_backends(device, dtype)")
     p.add_argument("--seq_len", type=int, default=8192, help="longest example, in tokens")
     p.add_argument("--packing", action="store_true", help="pack each batch's examples into one row")
     p.add_argument("--max_steps", type=int, default=60)
@@ -208,7 +211,7 @@ def start_plugin(args: argparse.Namespace) -> hf_ring.RingAttentionPlugin:
     logging.getLogger("hf_ring").setLevel(logging.INFO)  # --cp_pattern auto says what it picked
     logging.getLogger("hf_ring").addHandler(logging.StreamHandler(sys.stdout))
     plugin = hf_ring.RingAttentionPlugin(cp_size=args.cp_size, layout=args.layout, pattern=args.cp_pattern,
-                                         ulysses_size=args.ulysses_size)
+                                         ulysses_size=args.ulysses_size, backend=args.attn_backend)
     state = plugin.setup()
     print(f"[hf_ring] {plugin.describe()} (dp_size {state.dp_size} x cp_size {state.cp_size})", flush=True)
     return plugin

@@ -11,7 +11,7 @@
 Default: a tiny Llama initialised on the spot, a byte-level Hugging Face tokenizer with a
 chat template (examples/trl_data.py) and synthetic passkey-retrieval conversations, so
 nothing is downloaded. TRL prepares the data (chat template, loss masks, packing);
-hf_ring.trl.RingSFTTrainer trains on it with the sequence split over --cp_size processes.
+hf_ring.training.trl.RingSFTTrainer trains on it with the sequence split over --cp_size processes.
 The fine-tune example's flags apply (see finetune_llama_long.py), plus those below.
 """
 

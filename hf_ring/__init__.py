@@ -16,7 +16,7 @@ from hf_ring.patterns import (
     set_context_parallel_state,
     setup_context_parallel,
 )
-from hf_ring.patterns.wrap import ContextParallel
+from hf_ring.wrap.context_parallel import ContextParallel
 from hf_ring.sharding import shard_sequence, unshard_sequence
 
 __version__ = "0.1.0"

@@ -28,8 +28,10 @@ from typing import Any, Callable, Optional
 import torch
 from packaging.version import Version
 
-from hf_ring.kernels import cuda_glue, flash_attn2, flash_attn3, flash_attn4, registry, torch_cudnn
-from hf_ring.kernels import torch_efficient, torch_flash
+from hf_ring.kernels import registry
+from hf_ring.kernels.cuda import flash_attn2, flash_attn3, flash_attn4, torch_cudnn
+from hf_ring.kernels.cuda import glue as cuda_glue
+from hf_ring.kernels.cuda import torch_efficient, torch_flash
 from hf_ring.kernels.base import ALL_FLOATS, AttentionBackend
 from hf_ring.kernels.reference import reference_backward, reference_forward
 import fa4_standin

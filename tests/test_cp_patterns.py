@@ -169,10 +169,10 @@ def test_bad_arguments_are_refused(kwargs, error, match):
 def test_a_ring_over_explicit_positions_needs_a_masked_kernel():
     from hf_ring.kernels import AttentionBackend
     from hf_ring.kernels.reference import reference_backward, reference_forward
-    from hf_ring.patterns.plan import RingPlan
+    from hf_ring.patterns.plan import AttentionPlan
 
     unmasked = AttentionBackend(name="unmasked", description="no masked kernel", forward=reference_forward,
                                 backward=reference_backward, devices=("cpu",), dtypes=(torch.float32,))
     positions = (torch.tensor([0, 3]), torch.tensor([1, 2]))
     with pytest.raises(NotImplementedError, match="has no masked kernel"):
-        RingPlan(None, 0, 2, "stripe", True, 1.0, unmasked, positions=positions)
+        AttentionPlan(None, 0, 2, "stripe", True, 1.0, unmasked, positions=positions)

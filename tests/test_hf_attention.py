@@ -152,10 +152,10 @@ def _packed_batch(doc_lens):
 def test_packed_rows_match_each_document_alone(monkeypatch):
     ring, sdpa = _pair("llama")
     calls = []
-    ring_op = hf_ring.hf.attention.ring_attention
+    ring_op = hf_ring.hf.attention.run_plan
     # Every layer runs the varlen ring on the forward's plan, whose documents are the row's.
     monkeypatch.setattr(
-        hf_ring.hf.attention, "ring_attention", lambda q, k, v, plan, sinks=None: calls.append(plan.local_doc_lens) or ring_op(q, k, v, plan, sinks)
+        hf_ring.hf.attention, "run_plan", lambda q, k, v, plan, sinks=None: calls.append(plan.local_doc_lens) or ring_op(q, k, v, plan, sinks)
     )
     doc_lens = [6, 10, 4]
     ids, cu, positions = _packed_batch(doc_lens)

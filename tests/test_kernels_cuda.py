@@ -1,5 +1,5 @@
 """CPU-side checks of the CUDA backends flash_attn (2.x), flash_attn_3 and torch_efficient
-(hf_ring/kernels/flash_attn2.py, flash_attn3.py, torch_efficient.py and their shared
+(hf_ring/kernels/cuda/flash_attn2.py, flash_attn3.py, torch_efficient.py and their shared
 cuda_glue.py), and of the registry around all backends; test_kernels_cuda_glue.py checks
 torch_flash, torch_cudnn, flash_attn_4 and the CUDA auto order.
 
@@ -31,7 +31,8 @@ import torch
 from packaging.version import Version
 
 from hf_ring.kernels import AttentionBackend, available_backends, get_backend, register_backend, registry
-from hf_ring.kernels import cuda_glue, flash_attn2, flash_attn3, flash_attn4, torch_cudnn, torch_efficient, torch_flash
+from hf_ring.kernels.cuda import flash_attn2, flash_attn3, flash_attn4, torch_cudnn, torch_efficient, torch_flash
+from hf_ring.kernels.cuda import glue as cuda_glue
 from hf_ring.kernels.reference import reference_backward, reference_forward
 
 import cuda_standins as cs
@@ -186,12 +187,6 @@ def test_torch_efficient_glue(monkeypatch, heads, causal):
     monkeypatch.setattr(torch_efficient, "_EFF_FWD", cs.efficient_forward)
     monkeypatch.setattr(torch_efficient, "_EFF_BWD", cs.efficient_backward)
     _check_against_reference(torch_efficient.efficient_forward, torch_efficient.efficient_backward, causal, *heads)
-
-
-@pytest.fixture
-def own_registry(monkeypatch):
-    """A copy of the backend registry that this test may change."""
-    monkeypatch.setattr(registry, "_REGISTERED", dict(registry._REGISTERED))
 
 
 def _fake(name="fake", **fields) -> AttentionBackend:

@@ -25,8 +25,9 @@ from packaging.version import Version
 
 import cuda_standins as cs
 import fa4_standin
-from hf_ring.kernels import available_backends, base, cuda_glue, flash_attn2, flash_attn3, flash_attn4, registry
-from hf_ring.kernels import get_backend, torch_cudnn, torch_flash
+from hf_ring.kernels import available_backends, base, get_backend, registry
+from hf_ring.kernels.cuda import flash_attn2, flash_attn3, flash_attn4, torch_cudnn, torch_flash
+from hf_ring.kernels.cuda import glue as cuda_glue
 from reference_attention import rel_err, segment_attention
 from test_kernels_cuda import _check_against_reference, _inputs
 

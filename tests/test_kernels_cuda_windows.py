@@ -1,6 +1,6 @@
 """CPU checks of sliding windows on the CUDA backends whose kernels take one
 (``flash_attn_3``, ``flash_attn_4``, ``torch_flash``): each window-edge mask the ring
-hands a masked kernel is cut into bands (``hf_ring/kernels/window_bands.py``) and run as
+hands a masked kernel is cut into bands (``hf_ring/kernels/cuda/window_bands.py``) and run as
 the kernel's ``(left, right)`` window. The masks come from the ring's own schedule; the
 kernels are the stand-ins of tests/cuda_standins.py, which implement FlashAttention's
 window convention (``fa4_standin.window_mask``); results are compared with float64
@@ -18,8 +18,9 @@ import torch
 import cuda_standins as cs
 import fa4_standin
 import hf_ring
-from hf_ring.kernels import flash_attn3, registry, torch_flash, window_bands
-from hf_ring.patterns.plan import RingPlan
+from hf_ring.kernels import registry
+from hf_ring.kernels.cuda import flash_attn3, torch_flash, window_bands
+from hf_ring.patterns.plan import AttentionPlan
 from hf_ring.patterns.ring.schedule import step_blocks
 from hf_ring.patterns.ring.window import window_blocks
 from hf_ring.sharding.layouts import shard_indices
@@ -148,7 +149,7 @@ def test_plan_hands_the_bands_over_without_a_host_sync(monkeypatch):
     read back (a device-to-host copy would raise)."""
     monkeypatch.setattr(torch_flash, "check_block", lambda *a: None)
     meta = torch.device("meta")
-    plan = RingPlan(group=None, rank=0, world=1, layout="zigzag", causal=True, scale=0.125,
+    plan = AttentionPlan(group=None, rank=0, world=1, layout="zigzag", causal=True, scale=0.125,
                     backend=registry._REGISTERED["torch_flash"].backend, window=5)
     edge = [b for b in plan.blocks(0, 16) if b.mask is not None]
     assert edge

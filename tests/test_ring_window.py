@@ -20,7 +20,7 @@ from hf_ring.kernels import AttentionBackend, get_backend, register_backend, reg
 from hf_ring.kernels.reference import (
     reference_backward, reference_forward, reference_masked_backward, reference_masked_forward,
 )
-from hf_ring.patterns.plan import RingPlan
+from hf_ring.patterns.plan import AttentionPlan
 from hf_ring.sharding import shard_indices, shard_sequence
 
 SEQ, HQ, HK, D = 16, 4, 2, 8
@@ -151,7 +151,7 @@ def test_window_ring(world):
 def test_window_skips_most_of_a_long_ring():
     """A window of one chunk on 8 zigzag ranks: rank 7 (chunks 7 and 8) needs only the
     diagonal and the previous rank's keys: 2 of 8 steps run a kernel."""
-    plan = RingPlan(None, 7, 8, "zigzag", True, 1.0, get_backend("reference", torch.device("cpu"), torch.float32),
+    plan = AttentionPlan(None, 7, 8, "zigzag", True, 1.0, get_backend("reference", torch.device("cpu"), torch.float32),
                     window=4, transport=lambda channel: None)
     ran = [step for step in range(8) if plan.blocks(step, 8)]
     assert ran == [0, 1], ran
@@ -160,7 +160,7 @@ def test_window_skips_most_of_a_long_ring():
 def _plan(**changes):
     fields = dict(group=None, rank=0, world=1, layout="zigzag", causal=True, scale=1.0,
                   backend=get_backend("reference", torch.device("cpu"), torch.float32), window=4)
-    return RingPlan(**{**fields, **changes})
+    return AttentionPlan(**{**fields, **changes})
 
 
 def test_window_refusals():

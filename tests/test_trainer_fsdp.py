@@ -199,7 +199,7 @@ def test_multinode_keeps_each_cp_group_inside_a_node(runs):
     for node, log in enumerate(logs):
         for local in range(2):
             rank = 2 * node + local
-            line = f"[hf_ring] rank {rank}/4 (backend gloo): dp_rank {node}/2, cp_rank {local}/2"
+            line = f"[hf_ring] rank {rank}/4 (dist_backend gloo): dp_rank {node}/2, cp_rank {local}/2"
             assert line in log, (node, log[-3000:])
 
 

@@ -264,17 +264,19 @@ def test_refuses_unsupported_trl_versions(monkeypatch):
     with pytest.raises(trl_patches.UnsupportedTRLVersion, match=r"1\.16\.0"):
         trl_patches.check_version("1.15.2")
     assert trl_patches.check_version("1.16.0") == "1.16.0"
-    saved = {k: v for k, v in sys.modules.items() if k == "hf_ring.trl" or k.startswith("hf_ring.trl.")}
+    saved = {k: v for k, v in sys.modules.items()
+             if k == "hf_ring.trl" or k.startswith("hf_ring.training.trl")}
     monkeypatch.setattr(trl, "__version__", "1.17.0")
     for name in saved:
         monkeypatch.delitem(sys.modules, name)
     with pytest.raises(trl_patches.UnsupportedTRLVersion, match=r"TRL 1\.16\.0 and does not know TRL 1\.17\.0"):
         import hf_ring.trl  # noqa: F401
-    sys.modules.pop("hf_ring.trl", None)
+    for name in [k for k in sys.modules if k == "hf_ring.trl" or k.startswith("hf_ring.training.trl")]:
+        sys.modules.pop(name)
 
 
 def test_ring_forward_refuses_what_it_cannot_shard():
-    from hf_ring.trl.fused_forward import RingFusedForward
+    from hf_ring.training.trl.fused_forward import RingFusedForward
 
     forward = RingFusedForward(lambda **kw: None, _state(2, 0))
     ids = torch.ones(2, 6, dtype=torch.long)

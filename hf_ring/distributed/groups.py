@@ -1,92 +1,39 @@
-"""The data-parallel x context-parallel process groups, held in one explicit state object.
+"""The data-parallel x context-parallel process groups.
 
 Ranks are laid out with context parallelism innermost: global ranks ``[k * cp_size,
 (k + 1) * cp_size)`` form CP group ``k`` (so a CP ring stays within a node, where the
 links are fastest, whenever ``cp_size`` divides the processes per node), and the ranks
 with the same CP rank across CP groups form a data-parallel group.
 
-``setup_context_parallel`` makes the state the *active* one; the ``ring_flash`` attention
-reads it. There is one active state per process, set once at start-up, never per batch.
+What runs over the groups (layout, pattern, kernel) is the patterns layer's
+(``hf_ring.patterns.state``); this module only builds groups. Must not import
+transformers, accelerate, or hf_ring's patterns, integration or training layers.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
 
 import torch.distributed as dist
 
-from hf_ring.patterns.dispatch import PATTERNS
-from hf_ring.sharding.layouts import check_layout
-
-_ACTIVE: Optional["ContextParallelState"] = None
 # A forward that only some ranks of a CP group run (a main-process-only sanity check, say)
 # leaves the others waiting in a collective: fail in minutes, not after torch's 30.
 DEFAULT_CP_TIMEOUT = timedelta(minutes=10)
 
 
 @dataclass(frozen=True)
-class ContextParallelState:
-    """Process groups and coordinates of this process in the dp x cp grid."""
+class DpCpGroups:
+    """This process's two groups of the dp x cp grid and its coordinates in them."""
 
-    cp_group: Optional[dist.ProcessGroup]
+    cp_group: dist.ProcessGroup
     cp_rank: int
     cp_size: int
-    dp_group: Optional[dist.ProcessGroup]
+    dp_group: dist.ProcessGroup
     dp_rank: int
     dp_size: int
-    layout: str = "zigzag"
-    # The default process group the groups were built over: a state outlives neither a
-    # destroyed nor a re-initialised one.
-    world_group: Optional[dist.ProcessGroup] = field(default=None, compare=False, repr=False)
-    # How long a collective of the CP group may wait for a peer before it fails.
-    timeout: Optional[timedelta] = field(default=None, compare=False)
-    # How attention is split across the CP group (hf_ring.context_parallel_attn_func's
-    # patterns, or "auto": chosen per model and sequence, see hf_ring/patterns/auto.py), and
-    # the Ulysses group size of the hybrid pattern.
-    pattern: str = "ring"
-    ulysses_size: Optional[int] = None
-    # Processes per node (LOCAL_WORLD_SIZE when launched by torchrun / accelerate): where
-    # "auto" reads whether the CP group stays inside a node.
-    local_world_size: int = 1
-
-    def __post_init__(self) -> None:
-        check_layout(self.layout)
-        check_pattern(self.pattern, self.ulysses_size, self.cp_size)
-        if self.local_world_size < 1:
-            raise ValueError(f"local_world_size must be >= 1, got {self.local_world_size}")
-        if self.cp_size < 1 or self.dp_size < 1:
-            raise ValueError(f"cp_size and dp_size must be >= 1, got {self.cp_size}, {self.dp_size}")
-        if not 0 <= self.cp_rank < self.cp_size:
-            raise ValueError(f"cp_rank {self.cp_rank} out of range for cp_size {self.cp_size}")
-        if not 0 <= self.dp_rank < self.dp_size:
-            raise ValueError(f"dp_rank {self.dp_rank} out of range for dp_size {self.dp_size}")
-
-    @property
-    def world_size(self) -> int:
-        return self.cp_size * self.dp_size
-
-    @property
-    def first_rank(self) -> int:
-        """The global rank of this CP group's first rank (CP groups are consecutive ranks)."""
-        return self.dp_rank * self.cp_size
-
-
-def check_pattern(pattern: str, ulysses_size: Optional[int], cp_size: int) -> None:
-    """Refuse a pattern name or hybrid group size that cannot be used with ``cp_size``."""
-    if pattern not in (*PATTERNS, "auto"):
-        raise ValueError(f"unknown context-parallel pattern {pattern!r}; choose one of {', '.join(PATTERNS)} or 'auto'")
-    if pattern == "hybrid":
-        if isinstance(ulysses_size, bool) or not isinstance(ulysses_size, int) or ulysses_size < 1 or (
-                cp_size % ulysses_size):
-            raise ValueError(
-                f"pattern='hybrid' needs ulysses_size, a positive int dividing cp_size={cp_size} (Ulysses inside "
-                f"groups of ulysses_size consecutive ranks, the ring across them), got {ulysses_size!r}"
-            )
-    elif ulysses_size is not None:
-        raise ValueError(f"ulysses_size is for pattern='hybrid' only (got pattern={pattern!r}); 'auto' picks its own")
 
 
 def local_world_size(world: int) -> int:
@@ -96,69 +43,18 @@ def local_world_size(world: int) -> int:
     return int(value) if value.isdigit() and int(value) > 0 else world
 
 
-def setup_context_parallel(
-    cp_size: int,
-    *,
-    layout: str = "zigzag",
-    backend: Optional[str] = None,
-    activate: bool = True,
-    timeout: timedelta = DEFAULT_CP_TIMEOUT,
-    pattern: str = "ring",
-    ulysses_size: Optional[int] = None,
-) -> ContextParallelState:
-    """Build (or reuse) the dp x cp groups over the initialised default process group.
+def build_dp_cp_groups(cp_size: int, dist_backend: Optional[str], timeout: timedelta) -> DpCpGroups:
+    """Build the dp x cp groups over the initialised default process group.
+
+    Collective over the whole world: every rank creates every group (``new_group``'s
+    contract), so every process must call this with the same arguments.
 
     Args:
         cp_size: ranks per context-parallel group; must divide the world size.
-        layout: how sequences are split over the CP ranks (``"zigzag"``, ``"stripe"`` or
-            ``"contiguous"``); ``ring_flash`` and the collator both follow it.
-        backend: backend for the new groups (default: the default group's).
-        activate: make the returned state the one ``ring_flash`` uses.
-        timeout: how long a collective of the new groups waits for a peer before it fails
-            (gloo raises; NCCL's watchdog aborts). A CP group's ranks must run every forward
-            together; one that does not is then an error within ``timeout``.
-        pattern: how ``ring_flash`` splits attention across the CP group: ``"ring"``,
-            ``"allgather"``, ``"ulysses"``, ``"hybrid"`` (see
-            ``hf_ring.context_parallel_attn_func``) or ``"auto"`` (picked per model from
-            head counts, sequence length, group size and placement, and features; logged).
-        ulysses_size: ``pattern="hybrid"`` only: ranks per Ulysses group.
-
-    Every process of the world must call this with the same arguments (group creation is
-    collective). Calling it again with the same ``cp_size`` over the same default group
-    returns the active state; after the default group was destroyed and initialised again,
-    new groups are built.
+        dist_backend: the process-group backend of the new groups (None: the default
+            group's; e.g. ``"nccl"``, ``"gloo"``).
+        timeout: how long a collective of the new groups waits for a peer before it fails.
     """
-    global _ACTIVE
-    if not isinstance(cp_size, int) or cp_size < 1:
-        raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
-    if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
-        raise ValueError(f"timeout must be a positive datetime.timedelta, got {timeout!r}")
-    check_layout(layout)
-    check_pattern(pattern, ulysses_size, cp_size)
-    if not dist.is_available() or not dist.is_initialized():
-        if cp_size == 1:
-            state = ContextParallelState(None, 0, 1, None, 0, 1, layout, pattern=pattern, ulysses_size=ulysses_size)
-            if activate:
-                _ACTIVE = state
-            return state
-        raise RuntimeError(
-            f"setup_context_parallel(cp_size={cp_size}) needs an initialised default process "
-            "group: launch with `accelerate launch` or `torchrun` and call "
-            "torch.distributed.init_process_group() (Accelerator() does it) first"
-        )
-    active = _ACTIVE
-    if (
-        active is not None
-        and active.cp_size == cp_size
-        and active.world_group is dist.group.WORLD
-        and active.world_size == dist.get_world_size()
-    ):
-        if (active.layout, active.pattern, active.ulysses_size) != (layout, pattern, ulysses_size):
-            # Same groups, another layout or pattern: no collective needed.
-            active = replace(active, layout=layout, pattern=pattern, ulysses_size=ulysses_size)
-            if activate:
-                _ACTIVE = active
-        return active
     world = dist.get_world_size()
     rank = dist.get_rank()
     if world % cp_size != 0:
@@ -168,42 +64,17 @@ def setup_context_parallel(
         )
     dp_size = world // cp_size
     cp_group = dp_group = None
-    # new_group is collective over the whole world: every rank creates every group.
     for k in range(dp_size):
         ranks = list(range(k * cp_size, (k + 1) * cp_size))
-        group = dist.new_group(ranks, backend=backend, timeout=timeout)
+        group = dist.new_group(ranks, backend=dist_backend, timeout=timeout)
         if rank in ranks:
             cp_group = group
     for j in range(cp_size):
         ranks = list(range(j, world, cp_size))
-        group = dist.new_group(ranks, backend=backend, timeout=timeout)
+        group = dist.new_group(ranks, backend=dist_backend, timeout=timeout)
         if rank in ranks:
             dp_group = group
-    state = ContextParallelState(
-        cp_group=cp_group,
-        cp_rank=rank % cp_size,
-        cp_size=cp_size,
-        dp_group=dp_group,
-        dp_rank=rank // cp_size,
-        dp_size=dp_size,
-        layout=layout,
-        world_group=dist.group.WORLD,
-        timeout=timeout,
-        pattern=pattern,
-        ulysses_size=ulysses_size,
-        local_world_size=local_world_size(world),
-    )
-    if activate:
-        _ACTIVE = state
-    return state
+    return DpCpGroups(cp_group, rank % cp_size, cp_size, dp_group, rank // cp_size, dp_size)
 
 
-def get_context_parallel_state() -> Optional[ContextParallelState]:
-    """The active state, or None when ``setup_context_parallel`` was never called."""
-    return _ACTIVE
-
-
-def set_context_parallel_state(state: Optional[ContextParallelState]) -> None:
-    """Make ``state`` the active one (None deactivates context parallelism)."""
-    global _ACTIVE
-    _ACTIVE = state
+__all__ = ["DEFAULT_CP_TIMEOUT", "DpCpGroups", "build_dp_cp_groups", "local_world_size"]

@@ -10,10 +10,11 @@ down through the forward's keyword arguments; what this function does depends on
   mask transformers built for SDPA (``hf_ring.hf.mask``), so padding masks, sliding
   windows, KV caches and ``generate()`` behave exactly as with ``attn_implementation="sdpa"``.
 - ``cp_size > 1``: each rank holds a shard of the sequence; q, k, v are moved to the
-  flash layout and run across the CP group by the state's pattern (cp_attention.py: the
-  ring on the context's plan, built once per forward, or all-gather / Ulysses / hybrid;
-  ``"auto"`` picks per kind of layer), with no collective but the pattern's own
-  transfers and no host sync. Inputs were validated by the guard: global position_ids, right
+  flash layout and handed, with the context's plan for this kind of layer (built once per
+  forward: the state's pattern, ``"auto"`` resolved per kind of layer, the kernel resolved
+  for the layer's features), to ``hf_ring.patterns.run.run_plan``, the entry point every
+  pattern runs through, with no collective but the pattern's own transfers and no host
+  sync. Inputs were validated by the guard: global position_ids, right
   padding only (which a causal mask makes harmless, so the mask is dropped), no cache.
   Without a context under CP (an unguarded model, or one that does not hand its keyword
   arguments to its attention layers) it refuses rather than attend within the shard.
@@ -42,11 +43,11 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from hf_ring.hf.forward_context import CONTEXT_KWARG, ForwardContext
 from hf_ring.hf.guard import RING_FLASH, guard_model
-from hf_ring.hf.cp_attention import cp_attention
 from hf_ring.hf.local_eager import eager_attention
-from hf_ring.patterns.api import ring_attention, ring_flash_attn_varlen_func
-from hf_ring.patterns.autocast import one_dtype
-from hf_ring.distributed.groups import get_context_parallel_state
+from hf_ring.patterns.api import ring_flash_attn_varlen_func
+from hf_ring.patterns.run import run_plan
+from hf_ring.kernels.autocast import one_dtype
+from hf_ring.patterns.state import get_context_parallel_state
 
 # guard_model is re-exported: models loaded with "ring_flash" are guarded automatically,
 # one whose config was set by hand is guarded with hf_ring.hf.attention.guard_model(model).
@@ -184,9 +185,9 @@ def _ring_attention(
     window = sliding_window if sliding_window is not None and sliding_window < seq else None
     query, key, value = one_dtype(query, key, value)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     try:
-        out = cp_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scale, context,
-                           kwargs.get("s_aux"), window, softcap)
+        plan = context.plan(q, k.shape[2], scale, window, softcap)
     except NotImplementedError as e:
         # A feature the pattern or its kernel does not compute; every rank resolves the same
         # pattern and kernel, so all raise alike.
@@ -195,6 +196,7 @@ def _ring_attention(
             f"{_name(module)} under context parallelism (pattern {context.state.pattern!r}, "
             f"{seq} tokens{', ' + features if features else ''}): {e}"
         ) from e
+    out, _ = run_plan(q, k, v, plan, kwargs.get("s_aux"))
     context.ran_ring.add(id(module))
     return out, None
 
@@ -212,8 +214,8 @@ def _run_packed(
     returns ``(batch, seq_local, heads, dim)``. No collective but the ring's transfers."""
     query, key, value = one_dtype(query, key, value)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    plan = context.plan(query, scale)
-    out, _ = ring_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), plan, sinks)
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    out, _ = run_plan(q, k, v, context.plan(q, k.shape[2], scale), sinks)
     return out
 
 
@@ -240,11 +242,6 @@ def _packed_attention(
         out = _packed_without_context(module, query, key, value, scaling, sliding_window, kwargs, what)
         return out, None
     _refuse_short_window(module, sliding_window, max(context.doc_lens), what)
-    if context.state is not None and context.state.pattern not in ("ring", "auto"):
-        raise NotImplementedError(
-            f"packed rows run the ring pattern only (its varlen schedule), but the context-parallel state "
-            f"says pattern={context.state.pattern!r}; use pattern='ring' or 'auto' with packing"
-        )
     out = _run_packed(query, key, value, scaling, context, kwargs.get("s_aux"))
     if context.state is not None:
         context.ran_ring.add(id(module))

@@ -26,8 +26,8 @@ import torch
 
 from hf_ring.patterns.api import documents_fields
 from hf_ring.distributed.comm import peer_failed
-from hf_ring.distributed.groups import ContextParallelState
-from hf_ring.patterns.dispatch import PATTERNS
+from hf_ring.patterns.state import ContextParallelState
+from hf_ring.patterns.plan import PATTERNS
 from hf_ring.patterns.validation import check_agreement, dtype_code, layout_code
 from hf_ring.sharding.layouts import shard_indices
 from hf_ring.sharding.packed import check_cu_seqlens, packed_shard_indices

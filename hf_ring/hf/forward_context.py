@@ -5,9 +5,10 @@ The guard (guard.py) validates a forward's inputs once (collectively under conte
 parallelism, see cp_inputs.py) and passes the result into the model's keyword arguments
 under :data:`CONTEXT_KWARG`; transformers hands those keyword arguments through the
 decoder layers to the attention function, exactly as it hands flash-attention's
-``cu_seq_lens_q``. ``ring_flash`` then builds nothing and checks nothing across ranks:
-the ring plan (group, layout, backend, the schedule of each step, packed documents as
-Python ints) is built once per forward and shared by all layers and by their backward.
+``cu_seq_lens_q``. ``ring_flash`` then checks nothing across ranks: the plan of each
+kind of attention layer (pattern, with ``"auto"`` resolved; group, layout, kernel, the
+schedule of each step, packed documents as Python ints) is built once per forward, at
+its first layer, and shared by all layers of that kind and by their backward.
 
 The context also records which attention layers ran the ring, so that the guard can
 tell, after the forward, whether any layer bypassed it. Nothing here lives in a module
@@ -21,10 +22,10 @@ from typing import Optional
 
 import torch
 
-from hf_ring.kernels import get_backend
 from hf_ring.distributed.comm import CommWaitStats
-from hf_ring.distributed.groups import ContextParallelState
-from hf_ring.patterns.plan import RingPlan
+from hf_ring.patterns.state import ContextParallelState
+from hf_ring.patterns.build import build_plan
+from hf_ring.patterns.plan import AttentionPlan
 
 # The keyword the context travels under through the model's forward.
 CONTEXT_KWARG = "hf_ring_context"
@@ -46,8 +47,6 @@ class ForwardContext:
             a context passed by hand without it is refused.
         ran_ring: ids of the attention modules that ran across the CP group (any
             pattern) in this forward.
-        choices: ``pattern="auto"``'s choice per kind of attention call in this forward
-            (cp_attention.py).
     """
 
     state: Optional[ContextParallelState]
@@ -55,7 +54,6 @@ class ForwardContext:
     comm_stats: Optional[CommWaitStats] = None
     made_by_guard: bool = False
     ran_ring: set[int] = field(default_factory=set)
-    choices: dict = field(default_factory=dict)
     _plans: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -67,30 +65,45 @@ class ForwardContext:
         return self.state.cp_size if self.state is not None else 1
 
     def plan(
-        self, q: torch.Tensor, scale: float, window: Optional[int] = None, softcap: Optional[float] = None
-    ) -> RingPlan:
-        """The ring plan for this forward's attention calls on ``q``'s device and dtype
-        with ``scale``, sliding ``window`` and logit ``softcap`` (None: none), built on
-        first use, then shared by every layer with the same settings (a model alternating
-        sliding and full layers gets two plans, each with its own schedule cache)."""
-        key = (q.device, q.dtype, scale, window, softcap)
+        self, q: torch.Tensor, n_kv_heads: int, scale: float, window: Optional[int] = None,
+        softcap: Optional[float] = None,
+    ) -> AttentionPlan:
+        """The plan for this forward's attention calls like ``q`` ``(batch, seq_local,
+        n_heads, head_dim)`` with ``n_kv_heads`` K/V heads, ``scale``, sliding ``window``
+        and logit ``softcap`` (None: none): the state's pattern (``"auto"`` resolved here,
+        once per kind of layer and forward), the state's kernel choice resolved for q's
+        device, dtype and these features, built on first use and then shared by every
+        layer with the same settings (a model alternating sliding and full layers gets
+        two plans, each with its own schedule cache)."""
+        key = (q.device, q.dtype, q.shape[1], q.shape[2], n_kv_heads, scale, window, softcap)
         plan = self._plans.get(key)
         if plan is None:
             s = self.state
             world = self.cp_size
             local_docs = tuple(n // world for n in self.doc_lens) if self.doc_lens is not None else None
-            plan = RingPlan(
+            plan = build_plan(
+                pattern=s.pattern if s is not None else "ring",
                 group=s.cp_group if s is not None else None,
                 rank=s.cp_rank if s is not None else 0,
                 world=world,
                 layout="zigzag" if local_docs is not None or s is None else s.layout,
                 causal=True,
                 scale=scale,
-                backend=get_backend("auto", q.device, q.dtype, softcap=softcap is not None),
-                local_doc_lens=local_docs,
-                comm_stats=self.comm_stats,
+                backend=s.backend if s is not None else "auto",
+                device=q.device,
+                dtype=q.dtype,
+                n_heads=q.shape[2],
+                n_kv_heads=n_kv_heads,
+                head_dim=q.shape[3],
+                seq=q.shape[1] * world,
                 window=window,
                 softcap=softcap,
+                local_doc_lens=local_docs,
+                ulysses_size=s.ulysses_size if s is not None else None,
+                comm_stats=self.comm_stats,
+                need_lse=False,
+                local_world_size=s.local_world_size if s is not None else 1,
+                first_rank=s.first_rank if s is not None else 0,
             )
             self._plans[key] = plan
         return plan

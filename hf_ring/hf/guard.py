@@ -32,7 +32,7 @@ from hf_ring.hf.cp_inputs import inputs_device, packed_document_lengths, rows_an
 from hf_ring.hf.forward_context import COMM_STATS_KWARG, CONTEXT_KWARG, ForwardContext
 from hf_ring.hf.support import RING_FLASH, check_model_supported, check_model_under_cp
 from hf_ring.patches.transformers import attn_implementation
-from hf_ring.distributed.groups import get_context_parallel_state
+from hf_ring.patterns.state import get_context_parallel_state
 
 # Flags kept in the modules' own __dict__, so that copies of a model (copy.deepcopy for a
 # reference model, pickling) stay guarded: the hooks are module-level functions.

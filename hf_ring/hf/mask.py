@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-from hf_ring.distributed.groups import get_context_parallel_state
+from hf_ring.patterns.state import get_context_parallel_state
 
 
 def ring_flash_mask(*args: Any, **kwargs: Any) -> Optional[torch.Tensor]:

@@ -1,10 +1,10 @@
 """Kernels layer: one blockwise attention call and its backward, over several backends.
 
-``base`` holds the backend record and its checks, one module per backend family holds
-the kernels (``reference``, ``torch_cpu``, ``flash_attn2``, ``flash_attn3``,
-``flash_attn4``, ``torch_flash``, ``torch_cudnn``, ``torch_efficient``, with
-``cuda_glue`` and ``window_bands`` shared by the CUDA ones), and ``registry`` chooses
-among them. Depends on nothing else in hf_ring; never imports torch.distributed or
+``base`` holds the backend record, its checks and what a call needs of a kernel
+(``KernelNeeds``); ``reference`` and ``torch_cpu`` are the CPU-capable kernels, ``cuda/``
+the CUDA ones; ``registry`` looks them up by name and makes the kernel policy
+(``backend="auto"``: the first that runs here and computes what the call needs);
+``autocast`` settles one dtype for q, k, v. Depends on nothing else in hf_ring; never imports torch.distributed or
 transformers.
 """
 

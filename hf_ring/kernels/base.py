@@ -93,6 +93,8 @@ class AttentionBackend:
         masked_forward, masked_backward: the optional kernel with an explicit boolean mask
             (sliding windows inside the ring); both or neither.
         softcap: whether its kernels take the ``softcap=`` keyword (see the module docstring).
+        slow_on: device types on which it is a slow fallback (it materialises the score
+            matrix there); ``backend="auto"`` logs once when it has to take it on one.
     """
 
     name: str
@@ -111,6 +113,7 @@ class AttentionBackend:
     masked_forward: Optional[MaskedForwardFn] = None
     masked_backward: Optional[MaskedBackwardFn] = None
     softcap: bool = False
+    slow_on: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if (self.varlen_forward is None) != (self.varlen_backward is None):
@@ -124,6 +127,15 @@ class AttentionBackend:
     def masked(self) -> bool:
         """Whether it has the masked kernel (sliding windows inside the ring)."""
         return self.masked_forward is not None
+
+    def lacks(self, needs: "KernelNeeds") -> list[str]:
+        """What of ``needs`` this backend does not compute (empty: it computes all)."""
+        missing = [what for what, needed, has in (("a masked kernel", needs.masked, self.masked),
+                                                  ("logit softcapping", needs.softcap, self.softcap))
+                   if needed and not has]
+        if needs.head_dim is not None and self.max_head_dim is not None and needs.head_dim > self.max_head_dim:
+            missing.append(f"head_dim {needs.head_dim}")
+        return missing
 
     def check(self, device: torch.device, dtype: torch.dtype) -> None:
         """Raise ValueError (saying what to do) unless this backend runs on ``device`` for
@@ -152,6 +164,32 @@ class AttentionBackend:
                                  f"{hint}")
         if self.probe is not None:
             self.probe(device, dtype)
+
+
+@dataclass(frozen=True)
+class KernelNeeds:
+    """What one attention call needs of its block kernel besides device and dtype.
+
+    Fields:
+        masked: a masked kernel: a sliding window shorter than the sequence (the blocks on
+            its edge), or a ring over token sets no layout describes (the hybrid pattern
+            under the stripe layout).
+        softcap: logit softcapping (Gemma 2's ``attn_logit_softcapping``).
+        head_dim: the call's head size, which a kernel with a ``max_head_dim`` must take
+            (None: not known yet, checked at launch).
+
+    Sinks and packed rows need nothing of the kernel: sinks are merged into the softmax
+    after the blocks, and packed rows run per document where a backend has no varlen kernel.
+    """
+
+    masked: bool = False
+    softcap: bool = False
+    head_dim: Optional[int] = None
+
+    def describe(self) -> str:
+        """The features needed, in words, for messages; empty when there are none."""
+        return " and ".join(w for w, on in (("a masked kernel", self.masked), ("logit softcapping", self.softcap))
+                            if on)
 
 
 @functools.lru_cache(maxsize=None)  # a driver query; checked before every CUDA launch

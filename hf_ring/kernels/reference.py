@@ -138,4 +138,5 @@ REFERENCE = AttentionBackend(
     masked_forward=reference_masked_forward,
     masked_backward=reference_masked_backward,
     softcap=True,
+    slow_on=("cuda",),
 )

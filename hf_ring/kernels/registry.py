@@ -16,19 +16,20 @@ torch_efficient, reference; on CPU torch_cpu_flash, reference.
 
 from __future__ import annotations
 
+import logging
 from typing import NamedTuple, Optional
 
 import torch
 
-from hf_ring.kernels.base import AttentionBackend, gpu_capability
-from hf_ring.kernels.flash_attn2 import FLASH_ATTN
-from hf_ring.kernels.flash_attn3 import FLASH_ATTN_3
-from hf_ring.kernels.flash_attn4 import FLASH_ATTN_4
+from hf_ring.kernels.base import AttentionBackend, KernelNeeds, gpu_capability
+from hf_ring.kernels.cuda.flash_attn2 import FLASH_ATTN
+from hf_ring.kernels.cuda.flash_attn3 import FLASH_ATTN_3
+from hf_ring.kernels.cuda.flash_attn4 import FLASH_ATTN_4
 from hf_ring.kernels.reference import REFERENCE
 from hf_ring.kernels.torch_cpu import TORCH_CPU_FLASH
-from hf_ring.kernels.torch_cudnn import TORCH_CUDNN
-from hf_ring.kernels.torch_efficient import TORCH_EFFICIENT
-from hf_ring.kernels.torch_flash import TORCH_FLASH
+from hf_ring.kernels.cuda.torch_cudnn import TORCH_CUDNN
+from hf_ring.kernels.cuda.torch_efficient import TORCH_EFFICIENT
+from hf_ring.kernels.cuda.torch_flash import TORCH_FLASH
 
 
 class _Registered(NamedTuple):
@@ -37,6 +38,8 @@ class _Registered(NamedTuple):
 
 
 _REGISTERED: dict[str, _Registered] = {}
+NO_NEEDS = KernelNeeds()
+logger = logging.getLogger("hf_ring")
 
 # GPU generations below which ``"auto"`` passes a backend over although it runs there (by
 # name it still does): PyTorch 2.5 made cuDNN attention its SDPA default on sm90+ only.
@@ -79,6 +82,11 @@ def available_backends(device: torch.device, dtype: torch.dtype) -> list[str]:
     return [b.name for b in ranked + by_name if _runs(b, device, dtype)]
 
 
+def registered_backends() -> list[str]:
+    """Every registered backend's name (whether or not it runs here)."""
+    return list(_REGISTERED)
+
+
 def backends_that(capability: str) -> str:
     """``backend=`` and the registered backends with ``capability`` (``"masked"``: a masked
     kernel, for sliding windows; ``"softcap"``: logit softcapping), quoted and with their
@@ -114,25 +122,26 @@ def _auto_order(device: torch.device) -> list[AttentionBackend]:
     return [b for _, b in sorted(ranked, key=lambda pb: -pb[0])]
 
 
-def get_backend(name: str, device: torch.device, dtype: torch.dtype, *, softcap: bool = False) -> AttentionBackend:
-    """Resolve ``name`` (or ``"auto"``) to a backend that runs on ``device`` for ``dtype``.
+def get_backend(name: str, device: torch.device, dtype: torch.dtype,
+                needs: KernelNeeds = NO_NEEDS) -> AttentionBackend:
+    """The kernel policy: resolve ``name`` (or ``"auto"``) to a backend that runs on
+    ``device`` for ``dtype`` and computes everything in ``needs``.
 
-    ``"auto"`` takes the first backend of the preference order (see the module docstring)
-    that is installed and usable here (package version, GPU generation) and, with
-    ``softcap=True``, whose kernels take logit softcapping; a name asks for exactly that
-    backend and is an error when it cannot run (the caller refuses a missing softcap).
+    ``"auto"`` takes the first backend of the preference order (module docstring) that is
+    installed, usable here (package version, GPU generation) and computes ``needs``, so a
+    layer with a sliding window or softcapping gets a kernel that has them rather than a
+    refusal; when the one it takes is a slow fallback on this device (the reference kernel
+    on CUDA) it says so once (logger ``hf_ring``, WARNING). A name asks for exactly that
+    backend and is an error when it cannot run or lacks a need.
 
     Raises:
         ValueError: unknown name, not installed, or it cannot run on this device / dtype /
-            GPU; NotImplementedError: an installed kernel whose interface this code was
-            not written for.
+            GPU; NotImplementedError: no backend (``"auto"``) or not the named one computes
+            ``needs``, naming those that do, or an installed kernel whose interface this
+            code was not written for.
     """
     if name == "auto":
-        for backend in _auto_order(device):
-            if (backend.softcap or not softcap) and _usable(backend, device, dtype):
-                return backend
-        raise ValueError(f"no attention backend runs on {device.type} for {dtype}"
-                         + (" with logit softcapping" if softcap else ""))
+        return _auto(device, dtype, needs)
     if name not in _REGISTERED:
         known = sorted(set(_REGISTERED) | {"auto"})
         raise ValueError(f"unknown attention backend {name!r}; choose one of {known}")
@@ -145,7 +154,53 @@ def get_backend(name: str, device: torch.device, dtype: torch.dtype, *, softcap:
         backend.check(device, dtype)
     except ValueError as e:
         raise ValueError(f"{e}; available here: {available_backends(device, dtype)}") from e
+    missing = backend.lacks(needs)
+    if missing:
+        raise NotImplementedError(_lacking(backend.name, missing))
     return backend
+
+
+def _auto(device: torch.device, dtype: torch.dtype, needs: KernelNeeds) -> AttentionBackend:
+    usable = [b for b in _auto_order(device) if _usable(b, device, dtype)]
+    if not usable:
+        raise ValueError(f"no attention backend runs on {device.type} for {dtype}")
+    for backend in usable:
+        if not backend.lacks(needs):
+            if device.type in backend.slow_on:
+                _warn_slow_once(backend, device, usable[0], needs)
+            return backend
+    gaps = "; ".join(f"{b.name} lacks {' and '.join(b.lacks(needs))}" for b in usable)
+    raise NotImplementedError(
+        f"no attention backend that runs here ({device.type}, {dtype}) computes this call ({gaps}); install one "
+        f"that does (for a masked kernel: {backends_that('masked')}; for softcapping: {backends_that('softcap')})"
+    )
+
+
+_LACKING = {"a masked kernel": ("has no masked kernel, which a sliding window inside the ring (the blocks on "
+                                 "its edge) or a ring over token sets no layout describes needs", "masked"),
+            "logit softcapping": ("cannot compute logit softcapping", "softcap")}
+
+
+def _lacking(name: str, missing: list[str]) -> str:
+    said = "; ".join(f"{_LACKING[m][0]}; use {backends_that(_LACKING[m][1])}" if m in _LACKING
+                     else f"does not take {m}" for m in missing)
+    return f"attention backend {name!r} {said} (or backend='auto', which picks one that has it)"
+
+
+_WARNED: set[tuple] = set()
+
+
+def _warn_slow_once(backend: AttentionBackend, device: torch.device, fastest: AttentionBackend,
+                    needs: KernelNeeds) -> None:
+    key = (backend.name, device.type, needs)
+    if key not in _WARNED:
+        _WARNED.add(key)
+        logger.warning(
+            f"[hf_ring] attention backend 'auto' took {backend.name!r} on {device.type} for a call that needs "
+            f"{needs.describe()}: the only installed kernel that computes it here, and a slow one "
+            f"({backend.description}); {fastest.name!r} would run without that need. Install a kernel that has "
+            "it (see hf_ring.kernels.available_backends) to make this fast"
+        )
 
 
 for _backend, _priority in ((REFERENCE, 0), (TORCH_CPU_FLASH, 10), (FLASH_ATTN_3, 60), (FLASH_ATTN_4, 50),

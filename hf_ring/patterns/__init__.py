@@ -1,31 +1,36 @@
-"""Ring layer: the ring algorithms, the (out, lse) merge, the transport and autograd, and
-the dp x cp process groups.
+"""Context-parallel patterns: the ring (``ring/``), all-gather, Ulysses and hybrid, the
+(out, lse) merge, the one plan of a call (``plan.AttentionPlan``, built by ``build``, run
+by ``run.run_plan``), ``auto``'s rule, the public ops (``api``) and the active
+context-parallel state (``state``: layout, pattern, kernel over the dp x cp groups).
 
-Never imports transformers or accelerate.
+Must not import transformers, accelerate, or hf_ring's integration (hf), memory or
+training layers.
 """
 
-from hf_ring.patterns.api import ring_attention, ring_flash_attn_func, ring_flash_attn_varlen_func
 from hf_ring.distributed.comm import CommWaitStats, VirtualRing
-from hf_ring.distributed.groups import (
+from hf_ring.patterns.api import context_parallel_attn_func, ring_flash_attn_func, ring_flash_attn_varlen_func
+from hf_ring.patterns.build import build_plan
+from hf_ring.patterns.plan import PATTERNS, AttentionPlan
+from hf_ring.patterns.run import run_plan
+from hf_ring.patterns.state import (
     ContextParallelState,
     get_context_parallel_state,
     set_context_parallel_state,
     setup_context_parallel,
 )
-from hf_ring.patterns.dispatch import PATTERNS, context_parallel_attn_func
-from hf_ring.patterns.plan import RingPlan
 
 __all__ = [
+    "AttentionPlan",
     "CommWaitStats",
     "PATTERNS",
     "ContextParallelState",
-    "RingPlan",
     "VirtualRing",
+    "build_plan",
     "context_parallel_attn_func",
     "get_context_parallel_state",
-    "ring_attention",
     "ring_flash_attn_func",
     "ring_flash_attn_varlen_func",
+    "run_plan",
     "set_context_parallel_state",
     "setup_context_parallel",
 ]

@@ -22,19 +22,19 @@ from typing import Optional
 import torch
 
 from hf_ring.distributed.collectives import Collectives
-from hf_ring.patterns.plan import RingPlan
+from hf_ring.patterns.plan import AttentionPlan
 from hf_ring.patterns.ring.attention import (
     KVAttentionFunction, KVPasses, accum_dtype, add_block_dkv, apply_sinks, backward_blocks, forward_blocks,
 )
 
 
-def _sources(plan: RingPlan):
+def _sources(plan: AttentionPlan):
     """``(step, src)`` pairs: the ring step whose schedule covers rank ``src``'s K/V."""
     return [(step, (plan.rank - step) % plan.world) for step in range(plan.world)]
 
 
 def allgather_forward(
-    plan: RingPlan, coll: Collectives, q: torch.Tensor, kv: torch.Tensor, sinks: Optional[torch.Tensor] = None
+    plan: AttentionPlan, coll: Collectives, q: torch.Tensor, kv: torch.Tensor, sinks: Optional[torch.Tensor] = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q ``(b, s, hq, d)``, this rank's K/V stacked ``kv`` ``(2, b, s, hk, d)``, optionally
     ``sinks`` ``(hq,)`` -> out ``(b, s, hq, d)`` in q's dtype and lse ``(b, hq, s)`` float32
@@ -51,7 +51,7 @@ def allgather_forward(
 
 
 def allgather_backward(
-    plan: RingPlan, coll: Collectives, dout: torch.Tensor, q: torch.Tensor, kv: torch.Tensor,
+    plan: AttentionPlan, coll: Collectives, dout: torch.Tensor, q: torch.Tensor, kv: torch.Tensor,
     out: torch.Tensor, lse: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq ``(b, s, hq, d)``, dk and dv ``(b, s, hk, d)`` (the input dtype) of this rank's
@@ -71,7 +71,7 @@ def allgather_backward(
 
 
 def allgather_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan, coll: Collectives,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan, coll: Collectives,
     sinks: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The all-gather op (no checks across ranks).

@@ -1,13 +1,26 @@
-"""Public ring attention functions: ``ring_flash_attn_func`` (dense rows) and
-``ring_flash_attn_varlen_func`` (packed rows of several documents), and ``ring_attention``,
-the op on an already built :class:`~hf_ring.patterns.plan.RingPlan` (no checks across ranks).
+"""The public context-parallel attention ops: ``context_parallel_attn_func`` (every
+pattern), ``ring_flash_attn_func`` (its ring pattern, dense rows) and
+``ring_flash_attn_varlen_func`` (the ring over packed rows of several documents).
 
-Called directly, each public function first checks that every rank of the group passes
-the same shapes, dtype and settings (one small all-gather; see validation.py). Callers
-that established this already, once for many calls (the Hugging Face integration does
-it once per model forward), pass ``check_ranks=False`` or build a plan and call
-:func:`ring_attention`, so that the hot path has no collective besides the ring's own
-transfers and no host sync.
+The patterns split the same exact attention differently across the ranks of a group:
+
+- ``"ring"``: K/V blocks travel around the ring while each rank computes (ring/).
+- ``"allgather"``: K/V are all-gathered once, in their own head count, and each rank
+  attends its queries at their global positions; the backward reduce-scatters dK/dV
+  (allgather.py; Llama 3's context parallelism).
+- ``"ulysses"``: an all-to-all turns sequence shards into head shards, each rank attends
+  the full sequence for its heads, and a second all-to-all turns the result back
+  (ulysses.py; DeepSpeed Ulysses).
+- ``"hybrid"``: Ulysses inside groups of ``ulysses_size`` consecutive ranks, the ring
+  across the groups (hybrid.py; USP).
+
+Each op checks first that every rank of the group passes the same shapes, dtype and
+settings (one small all-gather and a host sync; validation.py), then its arguments
+locally, builds the call's plan (build.py) and runs it (run.py), the same entry point
+the Hugging Face integration runs its plans through. Callers that established the
+agreement already pass ``check_ranks=False``.
+
+Must not import transformers, accelerate, or hf_ring's integration or training layers.
 """
 
 from __future__ import annotations
@@ -18,11 +31,12 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from hf_ring.kernels import get_backend
 from hf_ring.distributed.comm import CommWaitStats
-from hf_ring.patterns.plan import RingPlan
-from hf_ring.patterns.ring.attention import KVAttentionFunction, ring_passes
-from hf_ring.patterns.validation import check_across_ranks, check_local
+from hf_ring.distributed.groups import local_world_size
+from hf_ring.patterns.build import build_plan, check_settings
+from hf_ring.patterns.plan import PATTERNS
+from hf_ring.patterns.run import run_plan
+from hf_ring.patterns.validation import check_across_ranks, check_local, float_bits
 from hf_ring.sharding.packed import check_cu_seqlens
 
 Output = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
@@ -37,49 +51,129 @@ def group_coords(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def ring_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan, sinks: Optional[torch.Tensor] = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ring op on a plan, with local checks only (no communication before the ring).
+def _placement(group: Optional[dist.ProcessGroup], world: int) -> tuple[int, int]:
+    """``(local_world_size, first_rank)`` of ``group`` for ``pattern="auto"``: processes per
+    node as the launcher says, and the group's first global rank."""
+    if world == 1:
+        return 1, 0
+    first = dist.get_global_rank(group, 0) if group is not None else 0
+    return local_world_size(dist.get_world_size()), first
+
+
+def _check_sinks(sinks: Optional[torch.Tensor], n_heads: int) -> None:
+    if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.dim() != 1
+                              or sinks.shape[0] != n_heads or not sinks.dtype.is_floating_point):
+        got = f"{tuple(sinks.shape)} {sinks.dtype}" if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise ValueError(f"sinks must be a float tensor of shape (n_heads,) = ({n_heads},), got {got}")
+
+
+def agreement_fields(pattern: str, window, softcap, sinks, ulysses_size) -> list[tuple[str, int]]:
+    """What the ranks must agree on besides shapes, layout, mask and scale (as ints)."""
+    names = (*PATTERNS, "auto")
+    return [("pattern", names.index(pattern) if pattern in names else -1),
+            ("window", window if isinstance(window, int) and not isinstance(window, bool) else -1
+             if window is not None else 0),
+            ("softcap_scale", float_bits(softcap) if isinstance(softcap, (int, float)) else 0),
+            ("sinks", int(sinks is not None)),
+            ("ulysses_size", ulysses_size if isinstance(ulysses_size, int) else 0)]
+
+
+_HASH_PRIME = (1 << 61) - 1  # a Mersenne prime: a polynomial hash over it rarely collides
+
+
+def documents_fields(bounds: Sequence[int]) -> list[tuple[str, int]]:
+    """What ranks must agree on about a packed row's boundaries, as fixed-length fields:
+    their count, the last one, and a polynomial hash of all of them (order-sensitive; a
+    weighted sum would collide on simple reorderings of document lengths)."""
+    digest = 0
+    for b in bounds:
+        digest = (digest * 1_000_003 + int(b) + 1) % _HASH_PRIME
+    return [("cu_seqlens.numel", len(bounds)), ("cu_seqlens[-1]", bounds[-1] if bounds else -1),
+            ("cu_seqlens.hash", digest)]
+
+
+def context_parallel_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group: Optional[dist.ProcessGroup] = None,
+    pattern: str = "ring",
+    causal: bool = True,
+    softmax_scale: Optional[float] = None,
+    layout: str = "zigzag",
+    window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+    ulysses_size: Optional[int] = None,
+    backend: str = "auto",
+    return_lse: bool = False,
+    check_ranks: bool = True,
+    comm_stats: Optional[CommWaitStats] = None,
+) -> Output:
+    """Exact attention over a sequence sharded across the ranks of ``group``, by ``pattern``.
+
+    Every rank passes its own shard, taken from the full sequence with
+    ``shard_sequence(x, cp_size, cp_rank, dim=1, layout=layout)``.
 
     Args:
-        q: ``(batch, local_seq, n_heads, head_dim)``; k, v: ``(batch, local_seq,
-            n_kv_heads, head_dim)``; one float dtype, one device.
-        plan: who and what (see :class:`RingPlan`), its backend resolved for q's device
-            and dtype; every rank of the ring must pass tensors of the same shapes and
-            plans with the same settings.
-        sinks: optional ``(n_heads,)`` float tensor, one extra logit per query head in
-            every row's softmax denominator (GPT-OSS); differentiable.
+        q: ``(batch, local_seq, n_heads, head_dim)``, float16 / bfloat16 / float32 / float64.
+        k, v: ``(batch, local_seq, n_kv_heads, head_dim)``, q's dtype and device;
+            ``n_heads % n_kv_heads == 0`` (GQA; K/V travel with their own head count,
+            except that Ulysses repeats as few K/V heads as it needs when ``n_kv_heads``
+            is smaller than the group).
+        group: the context-parallel group (None: the default group; one process when
+            torch.distributed is not initialised).
+        pattern: ``"ring"``, ``"allgather"``, ``"ulysses"``, ``"hybrid"`` (module docstring)
+            or ``"auto"`` (picked from the heads, the length, the group and its placement:
+            hf_ring/patterns/auto.py; logged once per kind of call).
+        causal: causal mask over global positions.
+        softmax_scale: defaults to ``1 / sqrt(head_dim)``.
+        layout: ``"zigzag"``, ``"stripe"`` or ``"contiguous"``; must match the sharding.
+        window: sliding window in tokens, as transformers' ``sliding_window``: key j is
+            visible to query i iff ``0 <= i - j < window`` (global positions); causal only.
+        softcap: logit softcapping (Gemma 2): scores become ``softcap * tanh(scores / softcap)``;
+            needs a backend whose kernels take it (``"auto"`` picks one).
+        sinks: optional float ``(n_heads,)``: one extra logit per query head in every row's
+            softmax denominator (GPT-OSS), the same on every rank. Differentiable: each rank
+            gets the part of the gradient from its own rows and heads; summed over the
+            group it is the full gradient.
+        ulysses_size: ``pattern="hybrid"`` only: ranks per Ulysses group (consecutive
+            ranks of ``group``); must divide the group size.
+        backend: block kernel, ``"auto"`` (the first in the registry's order that runs here
+            and computes the call's window and softcap) or a name from
+            ``hf_ring.kernels.available_backends``.
+        return_lse: also return the log-sum-exp.
+        check_ranks: first check that every rank passes the same shapes, dtype and settings
+            (one small all-gather and a host sync); pass False only when the caller has.
+        comm_stats: a sink for the time the transfers were waited on.
 
     Returns:
-        ``out`` like q (differentiable in q, k, v) and ``lse`` ``(batch, n_heads,
-        local_seq)`` float32 (float64 for float64 inputs).
+        ``out`` shaped and typed like q, in the same layout, differentiable in q, k, v and
+        sinks; with ``return_lse`` also ``lse`` ``(batch, n_heads, local_seq)`` float32
+        (float64 for float64 inputs), not differentiable.
+
+    Raises:
+        ValueError: bad arguments, or ranks that disagree; NotImplementedError: a
+            combination this pattern or backend does not compute, naming one that does.
     """
-    check_local(q, k, v, plan.layout, plan.causal)
-    if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != q.shape[2] or not sinks.dtype.is_floating_point):
-        raise ValueError(
-            f"sinks must be a float tensor of shape (n_heads,) = ({q.shape[2]},), got "
-            f"{tuple(sinks.shape)} {sinks.dtype}"
-        )
-    return KVAttentionFunction.apply(q, k, v, sinks, ring_passes(plan))
-
-
-def _window_code(window: Optional[int]) -> int:
-    """The window as an agreement field: 0 for None (a window is >= 1), -1 for a value that
-    is no int (every rank then fails the plan's own check alike)."""
-    if window is None:
-        return 0
-    return window if isinstance(window, int) and not isinstance(window, bool) else -1
-
-
-def _scale(q: torch.Tensor, softmax_scale: Optional[float]) -> float:
-    return softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-
-
-def _plan(q, group, rank, world, causal, scale, layout, backend, comm_stats, local_doc_lens=None,
-          window=None) -> RingPlan:
-    return RingPlan(group, rank, world, layout, causal, scale, get_backend(backend, q.device, q.dtype),
-                    local_doc_lens, window=window, comm_stats=comm_stats)
+    rank, world = group_coords(group)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if world > 1 and check_ranks:
+        # Agreement first: a setting that is wrong on one rank only must fail on all of them.
+        check_across_ranks(group, q, k, v, layout, causal, scale,
+                           agreement_fields(pattern, window, softcap, sinks, ulysses_size))
+    check_settings(pattern, causal, window, softcap, ulysses_size, world)
+    check_local(q, k, v, layout, causal)
+    _check_sinks(sinks, q.shape[2])
+    lws, first = _placement(group, world)
+    plan = build_plan(pattern=pattern, group=group, rank=rank, world=world, layout=layout, causal=causal,
+                      scale=scale, backend=backend, device=q.device, dtype=q.dtype, n_heads=q.shape[2],
+                      n_kv_heads=k.shape[2], head_dim=q.shape[3], seq=q.shape[1] * world, window=window,
+                      softcap=softcap, ulysses_size=ulysses_size, comm_stats=comm_stats, need_lse=return_lse,
+                      local_world_size=lws, first_rank=first)
+    out, lse = run_plan(q, k, v, plan, sinks)
+    return (out, lse) if return_lse else out
 
 
 def ring_flash_attn_func(
@@ -97,6 +191,7 @@ def ring_flash_attn_func(
     comm_stats: Optional[CommWaitStats] = None,
     sinks: Optional[torch.Tensor] = None,
     window: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> Output:
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
@@ -125,37 +220,20 @@ def ring_flash_attn_func(
         window: sliding window in tokens, as transformers' ``sliding_window``: key j is
             visible to query i iff ``0 <= i - j < window`` (global positions), on top of
             causal (``causal=True`` only). Key blocks wholly outside it are skipped, blocks
-            on its edge masked; needs a backend with a masked kernel (``torch_cpu_flash``,
-            ``reference``), else NotImplementedError. None: no window.
+            on its edge masked; needs a backend with a masked kernel (``"auto"`` picks
+            one; a named backend without one is refused). None: no window.
+        softcap: logit softcapping, as in ``context_parallel_attn_func``.
 
     Returns:
         ``out`` shaped and typed like q; with ``return_lse``, also ``lse``
         ``(batch, n_heads, local_seq)`` float32 (float64 for float64 inputs), not
         differentiable. ``out`` is differentiable in q, k, v.
     """
-    rank, world = group_coords(group)
-    scale = _scale(q, softmax_scale)
-    if world > 1 and check_ranks:
-        check_across_ranks(group, q, k, v, layout, causal, scale,
-                           [("sinks", int(sinks is not None)), ("window", _window_code(window))])
-    check_local(q, k, v, layout, causal)  # before the backend is chosen: shape mistakes named as such
-    plan = _plan(q, group, rank, world, causal, scale, layout, backend, comm_stats, window=window)
-    out, lse = ring_attention(q, k, v, plan, sinks)
-    return (out, lse) if return_lse else out
-
-
-_HASH_PRIME = (1 << 61) - 1  # a Mersenne prime: a polynomial hash over it rarely collides
-
-
-def documents_fields(bounds: Sequence[int]) -> list[tuple[str, int]]:
-    """What ranks must agree on about a packed row's boundaries, as fixed-length fields:
-    their count, the last one, and a polynomial hash of all of them (order-sensitive; a
-    weighted sum would collide on simple reorderings of document lengths)."""
-    digest = 0
-    for b in bounds:
-        digest = (digest * 1_000_003 + int(b) + 1) % _HASH_PRIME
-    return [("cu_seqlens.numel", len(bounds)), ("cu_seqlens[-1]", bounds[-1] if bounds else -1),
-            ("cu_seqlens.hash", digest)]
+    return context_parallel_attn_func(
+        q, k, v, group=group, pattern="ring", causal=causal, softmax_scale=softmax_scale, layout=layout,
+        window=window, softcap=softcap, sinks=sinks, backend=backend, return_lse=return_lse,
+        check_ranks=check_ranks, comm_stats=comm_stats,
+    )
 
 
 def ring_flash_attn_varlen_func(
@@ -193,7 +271,7 @@ def ring_flash_attn_varlen_func(
         ``(n_heads, total_local)``.
     """
     rank, world = group_coords(group)
-    scale = _scale(q, softmax_scale)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     bounds = torch.as_tensor(cu_seqlens, device="cpu").reshape(-1).tolist()
     if world > 1 and check_ranks:
         # Agreement first: a rank whose boundaries are invalid must not raise alone.
@@ -208,10 +286,17 @@ def ring_flash_attn_varlen_func(
             f"cu_seqlens covers {sum(doc_lens)} tokens, i.e. {sum(local_doc_lens)} per rank over "
             f"{world} ranks, but q holds {q.shape[0]} local tokens"
         )
-    plan = _plan(q, group, rank, world, causal, scale, "zigzag", backend, comm_stats, local_doc_lens)
-    out, lse = ring_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), plan, sinks)
+    q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+    check_local(q, k, v, "zigzag", causal)
+    _check_sinks(sinks, q.shape[2])
+    plan = build_plan(pattern="ring", group=group, rank=rank, world=world, layout="zigzag", causal=causal,
+                      scale=scale, backend=backend, device=q.device, dtype=q.dtype, n_heads=q.shape[2],
+                      n_kv_heads=k.shape[2], head_dim=q.shape[3], seq=sum(doc_lens),
+                      local_doc_lens=local_doc_lens, comm_stats=comm_stats)
+    out, lse = run_plan(q, k, v, plan, sinks)
     out, lse = out.squeeze(0), lse.squeeze(0)
     return (out, lse) if return_lse else out
 
 
-__all__ = ["documents_fields", "group_coords", "ring_attention", "ring_flash_attn_func", "ring_flash_attn_varlen_func"]
+__all__ = ["agreement_fields", "context_parallel_attn_func", "documents_fields", "group_coords",
+           "ring_flash_attn_func", "ring_flash_attn_varlen_func"]

@@ -13,7 +13,7 @@ group's first chunks form chunk ``g`` of ``2R``, its second chunks chunk ``2R - 
 so the ring runs on them unchanged, with its block schedule, windows, softcap and sinks,
 and the all-to-all turns the result back. Under the stripe layout a group's tokens (those
 whose position mod N falls in the group's ranks) are no layout's shard of ``R`` ranks:
-the ring then runs on their explicit positions (``RingPlan.positions``), each step one
+the ring then runs on their explicit positions (``AttentionPlan.positions``), each step one
 block masked by position, which needs a backend with a masked kernel.
 
 The subgroups are built once per (group, ``ulysses_size``) by the ranks that belong to
@@ -29,9 +29,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from hf_ring.distributed.collectives import GroupCollectives
 from hf_ring.distributed.comm import CommWaitStats
-from hf_ring.patterns.plan import RingPlan
+from hf_ring.kernels import AttentionBackend
+from hf_ring.patterns.plan import AttentionPlan
 from hf_ring.patterns.ulysses import ulysses_attention
 from hf_ring.sharding.layouts import shard_indices
 
@@ -90,36 +90,41 @@ def hybrid_groups(group: Optional[dist.ProcessGroup], ulysses_size: int) -> Hybr
     return _GROUPS[key]
 
 
+def hybrid_ring_plan(
+    groups: HybridGroups, seq: int, layout: str, causal: bool, scale: float, backend: AttentionBackend,
+    window: Optional[int] = None, softcap: Optional[float] = None, comm_stats: Optional[CommWaitStats] = None,
+) -> AttentionPlan:
+    """The plan of the ring across the Ulysses groups for a ``seq``-token sequence sharded
+    by ``layout`` over ``U * R`` ranks: the layout's own ring shards under zigzag and
+    contiguous, the groups' explicit positions under stripe (a masked kernel needed)."""
+    world = groups.ulysses_size * groups.ring_size
+    positions = None if layout in RING_SHARD_LAYOUTS else group_positions(seq, world, groups.ulysses_size, layout)
+    return AttentionPlan(groups.ring, groups.group_index, groups.ring_size, layout, causal, scale, backend,
+                         window=window, comm_stats=comm_stats, softcap=softcap, positions=positions)
+
+
 def hybrid_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: HybridGroups, layout: str, causal: bool,
-    scale: float, backend, window: Optional[int] = None, softcap: Optional[float] = None,
-    sinks: Optional[torch.Tensor] = None, comm_stats: Optional[CommWaitStats] = None, need_lse: bool = True,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan, sinks: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Hybrid attention of this rank's shard (no checks across ranks).
+    """Hybrid attention of this rank's shard by a hybrid ``plan`` (no checks across ranks).
 
     Args:
         q: ``(batch, local_seq, n_heads, head_dim)``; k, v ``(batch, local_seq, n_kv_heads,
-            head_dim)``; one float dtype and device, sharded by ``layout`` over ``U * R`` ranks.
-        groups: from :func:`hybrid_groups`.
-        layout: ``"zigzag"``, ``"contiguous"`` or ``"stripe"`` (stripe: masked kernel needed).
-        causal, scale, backend, window, softcap: as in ``context_parallel_attn_func``
-            (backend resolved).
+            head_dim)``; one float dtype and device, sharded by ``plan.layout`` over ``U * R`` ranks.
+        plan: ``pattern="hybrid"``, with its subgroups (``plan.hybrid``), the Ulysses
+            group's collectives (``plan.collectives``) and the ring across the groups
+            (``plan.inner``, from :func:`hybrid_ring_plan`).
         sinks: optional float ``(n_heads,)``, differentiable.
-        need_lse: also return the lse (else None).
 
     Returns:
         ``out`` like q (differentiable in q, k, v, sinks) and ``lse`` ``(batch, n_heads,
-        local_seq)`` float32 (float64 for float64 inputs), or None.
+        local_seq)`` float32 (float64 for float64 inputs), or None without ``plan.need_lse``.
     """
-    world = groups.ulysses_size * groups.ring_size
-    positions = None
-    if layout not in RING_SHARD_LAYOUTS:
-        positions = group_positions(q.shape[1] * world, world, groups.ulysses_size, layout)
-    ring = RingPlan(groups.ring, groups.group_index, groups.ring_size, layout, causal, scale, backend,
-                    window=window, comm_stats=comm_stats, softcap=softcap, positions=positions)
-    coll = GroupCollectives(groups.ulysses, comm_stats)
+    groups = plan.hybrid
     first = groups.group_index * groups.ulysses_size
-    return ulysses_attention(q, k, v, ring, coll, layout, first, world, sinks, pattern="hybrid", need_lse=need_lse)
+    return ulysses_attention(q, k, v, plan.inner, plan.collectives, plan.layout, first, plan.world, sinks,
+                             pattern="hybrid", need_lse=plan.need_lse)
 
 
-__all__ = ["RING_SHARD_LAYOUTS", "group_positions", "HybridGroups", "hybrid_attention", "hybrid_groups"]
+__all__ = ["RING_SHARD_LAYOUTS", "group_positions", "HybridGroups", "hybrid_attention", "hybrid_groups",
+           "hybrid_ring_plan"]

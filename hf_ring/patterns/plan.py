@@ -1,48 +1,63 @@
-"""``RingPlan``: everything one ring call needs besides the tensors, validated once.
+"""``AttentionPlan``: everything one context-parallel attention call needs besides the
+tensors, validated once: the one settings record of every pattern.
 
-A plan fixes who we are in the ring (rank, world, group, transport), what we compute
-(layout, causal, scale, sliding window, documents of a packed row) and with which block
-kernel. It also caches what is the same in the forward and the backward and across layers
-of one model forward: each step's block schedule (cut to the window, see window.py), the
-window masks on the device and, for packed rows on a varlen kernel, each step's index
-tensors on the device. Building a plan does no communication and no host sync.
+A plan fixes the pattern (ring, all-gather, Ulysses, hybrid; ``"auto"`` is resolved
+before a plan exists), who we are in the group (rank, world, group, transport,
+collectives), what we compute (layout, causal, scale, sliding window, softcap, documents
+of a packed row) and with which block kernel. Ulysses and hybrid hold the plan of the
+attention they run after their all-to-all (``inner``): one process over the whole
+sequence, or the ring across the Ulysses groups.
+
+It also caches what is the same in the forward and the backward and across the layers of
+one model forward: each ring step's block schedule (cut to the window, see
+ring/window.py), the window masks on the device and, for packed rows on a varlen kernel,
+each step's index tensors on the device. Building a plan does no communication and no
+host sync (the hybrid pattern's subgroups are built by build.py before the plan).
+Plans are built by :mod:`hf_ring.patterns.build` and run by :mod:`hf_ring.patterns.run`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
 
-from hf_ring.kernels import AttentionBackend
-from hf_ring.kernels.registry import backends_that
-from hf_ring.kernels.window_bands import bands
+from hf_ring.distributed.collectives import Collectives
 from hf_ring.distributed.comm import CommWaitStats, Transport, process_group_transport
+from hf_ring.kernels import AttentionBackend
+from hf_ring.kernels.cuda.window_bands import bands
+from hf_ring.kernels.registry import backends_that
 from hf_ring.patterns.ring.packed_step import StepBatch, step_batch
 from hf_ring.patterns.ring.schedule import Block, step_blocks
 from hf_ring.patterns.ring.window import window_blocks
 from hf_ring.sharding.layouts import check_layout, shard_indices
 
+if TYPE_CHECKING:  # hybrid.py builds on plans: a type-only import keeps the two apart
+    from hf_ring.patterns.hybrid import HybridGroups
+
+# The patterns a plan runs; "auto" picks one of them per kind of call (auto.py).
+PATTERNS = ("ring", "allgather", "ulysses", "hybrid")
 
 
 @dataclass(frozen=True, eq=False)
-class RingPlan:
-    """A ring call's settings.
+class AttentionPlan:
+    """One context-parallel attention call's settings.
 
     Attributes:
         group: the context-parallel process group (None: the default group, or a single
             process / a virtual ring when ``transport`` is given).
-        rank, world: this rank's index in the ring and the ring's size.
+        rank, world: this rank's index in the group and the group's size.
         layout: ``"zigzag"``, ``"stripe"`` or ``"contiguous"`` (packed rows: zigzag).
         causal: causal mask over global positions.
         scale: softmax scale.
-        backend: the block kernel.
+        backend: the block kernel, resolved by the kernel policy for the call's device,
+            dtype and needs (``hf_ring.kernels.get_backend``).
         local_doc_lens: packed rows only, each document's local length (its global length
             over ``world``), summing to the local sequence length.
-        transport: how blocks travel (default: P2P over ``group``, its waits added to
-            ``comm_stats``).
+        transport: how the ring's blocks travel (default: P2P over ``group``, its waits
+            added to ``comm_stats``); the ring pattern only.
         window: sliding window in tokens (key j visible to query i iff ``0 <= i - j <
             window``, global positions), or None; causal dense rows only, and a backend
             with a masked kernel. Blocks outside it are skipped, blocks on its edge masked.
@@ -53,7 +68,14 @@ class RingPlan:
             ``layout`` is then ignored), for token sets no layout describes (the hybrid
             pattern's stripe groups). Each step is then one block cut to what the causal
             mask (and window) keep, so causal plans need a masked kernel.
-        comm_stats: a sink for the time the default transport waited on transfers.
+        comm_stats: a sink for the time transfers were waited on.
+        pattern: which of :data:`PATTERNS` runs the call.
+        ulysses_size: hybrid only, the ranks per Ulysses group.
+        need_lse: whether the caller wants the lse (Ulysses then sends it back too).
+        collectives: the group's collectives (all-gather, Ulysses, hybrid; default: over
+            ``group``; benchmarks pass virtual ones).
+        inner: Ulysses and hybrid: the plan of the attention after the all-to-all.
+        hybrid: hybrid only, this rank's subgroups (``hybrid.HybridGroups``).
     """
 
     group: Optional[dist.ProcessGroup]
@@ -69,6 +91,12 @@ class RingPlan:
     comm_stats: Optional[CommWaitStats] = None
     softcap: Optional[float] = None
     positions: Optional[tuple[torch.Tensor, ...]] = None
+    pattern: str = "ring"
+    ulysses_size: Optional[int] = None
+    need_lse: bool = True
+    collectives: Optional[Collectives] = None
+    inner: Optional["AttentionPlan"] = None
+    hybrid: Optional["HybridGroups"] = None
     _blocks: dict = field(default_factory=dict, repr=False)
     _masks: dict = field(default_factory=dict, repr=False)
     _varlen_batches: dict = field(default_factory=dict, repr=False)
@@ -89,7 +117,12 @@ class RingPlan:
             self._check_softcap()
         if self.positions is not None:
             self._check_positions()
-        if self.world > 1 and self.transport is None:
+        if self.pattern not in PATTERNS:
+            raise ValueError(f"unknown context-parallel pattern {self.pattern!r}; choose one of {', '.join(PATTERNS)}")
+        if self.pattern in ("ulysses", "hybrid") and self.world > 1 and self.inner is None:
+            raise ValueError(f"a {self.pattern} plan needs the plan of its attention after the all-to-all (inner); "
+                             "build it with hf_ring.patterns.build.build_plan")
+        if self.world > 1 and self.pattern == "ring" and self.transport is None:
             object.__setattr__(self, "transport", process_group_transport(self.group, self.comm_stats))
 
     def _check_window(self) -> None:

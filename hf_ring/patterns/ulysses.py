@@ -27,9 +27,9 @@ from typing import Optional
 
 import torch
 
-from hf_ring.patterns.api import ring_attention
 from hf_ring.distributed.collectives import Collectives, all_to_all
-from hf_ring.patterns.plan import RingPlan
+from hf_ring.patterns.plan import AttentionPlan
+from hf_ring.patterns.ring.attention import ring_attention
 from hf_ring.sharding.layouts import shard_indices
 
 
@@ -133,7 +133,7 @@ def exchange_inputs(
 
 
 def ulysses_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan, coll: Collectives,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan, coll: Collectives,
     layout: str, first_rank: int, world: int, sinks: Optional[torch.Tensor] = None, pattern: str = "ulysses",
     need_lse: bool = True,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

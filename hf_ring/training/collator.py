@@ -24,7 +24,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from hf_ring.distributed.groups import ContextParallelState
+from hf_ring.patterns.state import ContextParallelState
 from hf_ring.sharding import required_multiple, shard_packed, shard_sequence
 from hf_ring.sharding.layouts import check_layout
 

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
-from hf_ring.distributed.groups import ContextParallelState
+from hf_ring.patterns.state import ContextParallelState
 
 # Keys of a DeepSpeed config that switch on DeepSpeed's own sequence parallelism.
 _DS_SEQUENCE_PARALLEL_KEYS = ("sequence_parallel_size", "data_parallel_size", "ulysses")

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from hf_ring.training.collator import RingDataCollator
 from hf_ring.training.loss import all_reduce_sum
 from hf_ring.patches import accelerate as accelerate_patches
-from hf_ring.distributed.groups import ContextParallelState, check_pattern, setup_context_parallel
+from hf_ring.patterns.state import ContextParallelState, check_kernel_name, check_pattern, setup_context_parallel
 from hf_ring.sharding.layouts import check_layout
 
 
@@ -60,18 +60,25 @@ class RingAttentionPlugin:
             ``"allgather"``, ``"ulysses"``, ``"hybrid"`` or ``"auto"`` (picked per model
             and sequence, logged); see ``hf_ring.context_parallel_attn_func``.
         ulysses_size: ``pattern="hybrid"`` only: ranks per Ulysses group.
+        backend: the attention kernel: ``"auto"`` (default; per attention layer, the first
+            kernel of ``hf_ring.kernels``' order that runs on the layer's device and dtype
+            and computes its sliding window and softcap) or a name from
+            ``hf_ring.kernels.available_backends(device, dtype)``, which a layer whose
+            features it lacks refuses, naming the kernels that have them.
     """
 
     cp_size: int = 1
     layout: str = "zigzag"
     pattern: str = "ring"
     ulysses_size: Optional[int] = None
+    backend: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.cp_size, int) or isinstance(self.cp_size, bool) or self.cp_size < 1:
             raise ValueError(f"cp_size must be a positive int, got {self.cp_size!r}")
         check_layout(self.layout)
         check_pattern(self.pattern, self.ulysses_size, self.cp_size)
+        check_kernel_name(self.backend)
         self._state: Optional[ContextParallelState] = None
 
     # ---- groups ----
@@ -101,7 +108,7 @@ class RingAttentionPlugin:
             )
         # ring_flash shards in the state's layout; make_collator cuts sequences the same way.
         self._state = setup_context_parallel(self.cp_size, layout=self.layout, pattern=self.pattern,
-                                             ulysses_size=self.ulysses_size)
+                                             ulysses_size=self.ulysses_size, backend=self.backend)
         if importlib.util.find_spec("transformers") is not None:
             # DeepSpeed configs reach hf_ring through transformers. Before the model exists:
             # ZeRO-3 partitions it as it is created, over DeepSpeed's world.
@@ -125,11 +132,11 @@ class RingAttentionPlugin:
         """One line about this process's place in the dp x cp grid."""
         s = self.state
         rank = dist.get_rank() if dist.is_initialized() else 0
-        backend = dist.get_backend() if dist.is_initialized() else "none"
+        dist_backend = dist.get_backend() if dist.is_initialized() else "none"
         return (
-            f"rank {rank}/{s.world_size} (backend {backend}): dp_rank {s.dp_rank}/{s.dp_size}, "
+            f"rank {rank}/{s.world_size} (dist_backend {dist_backend}): dp_rank {s.dp_rank}/{s.dp_size}, "
             f"cp_rank {s.cp_rank}/{s.cp_size}, layout {s.layout}, pattern {s.pattern}"
-            + (f" (ulysses_size {s.ulysses_size})" if s.ulysses_size else "")
+            + (f" (ulysses_size {s.ulysses_size})" if s.ulysses_size else "") + f", kernel {s.backend}"
         )
 
     # ---- data ----

@@ -21,7 +21,7 @@ import torch
 from hf_ring.distributed.comm import DKV_CHANNEL, KV_CHANNEL, BlockStream, DoubleBuffer
 from hf_ring.patterns.merge import merge_block_
 from hf_ring.patterns.ring.packed_step import backward_varlen, forward_varlen
-from hf_ring.patterns.plan import RingPlan
+from hf_ring.patterns.plan import AttentionPlan
 
 
 def accum_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -43,7 +43,7 @@ def _whole(blocks, length: int) -> bool:
     return len(blocks) == 1 and blocks[0].q_start == 0 and blocks[0].q_end == length
 
 
-def _block_forward(plan: RingPlan, blk, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+def _block_forward(plan: AttentionPlan, blk, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     """One block's kernel on already sliced q ``(b, nq, hq, d)``, k, v ``(b, nk, hk, d)``:
     the masked kernel for a block on a window's edge, else the causal / full one (both
     with the plan's softcap, if any)."""
@@ -52,7 +52,7 @@ def _block_forward(plan: RingPlan, blk, q, k, v) -> tuple[torch.Tensor, torch.Te
     return plan.backend.masked_forward(q, k, v, plan.mask(blk, q.device), plan.scale, **plan.kernel_kwargs)
 
 
-def _block_backward(plan: RingPlan, blk, dout, q, k, v, out, lse):
+def _block_backward(plan: AttentionPlan, blk, dout, q, k, v, out, lse):
     """As :func:`_block_forward`, for the backward (final ``out`` and ``lse`` of the rows)."""
     if blk.mask is None:
         return plan.backend.backward(dout, q, k, v, out, lse, blk.causal, plan.scale, **plan.kernel_kwargs)
@@ -61,7 +61,7 @@ def _block_backward(plan: RingPlan, blk, dout, q, k, v, out, lse):
 
 
 def forward_blocks(
-    plan: RingPlan, blocks, q: torch.Tensor, cur_k: torch.Tensor, cur_v: torch.Tensor,
+    plan: AttentionPlan, blocks, q: torch.Tensor, cur_k: torch.Tensor, cur_v: torch.Tensor,
     acc: Optional[tuple[torch.Tensor, torch.Tensor]],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One ring step of the forward: every block against the K/V shard held now, folded
@@ -105,7 +105,7 @@ def forward_blocks(
 
 
 def backward_blocks(
-    plan: RingPlan, blocks, dout: torch.Tensor, q: torch.Tensor, cur_k: torch.Tensor, cur_v: torch.Tensor,
+    plan: AttentionPlan, blocks, dout: torch.Tensor, q: torch.Tensor, cur_k: torch.Tensor, cur_v: torch.Tensor,
     out: torch.Tensor, lse: torch.Tensor, dq: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, list]:
     """One ring step of the backward: every block's gradients given the final ``out`` and
@@ -157,7 +157,7 @@ def add_block_dkv(dkv: torch.Tensor, block_dkv: list, length: int, first_step: b
 
 
 def ring_forward(
-    plan: RingPlan, q: torch.Tensor, kv: torch.Tensor, sinks: Optional[torch.Tensor] = None
+    plan: AttentionPlan, q: torch.Tensor, kv: torch.Tensor, sinks: Optional[torch.Tensor] = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q ``(b, s, hq, d)`` and this rank's K/V stacked, ``kv`` ``(2, b, s, hk, d)`` (the one
     message a step sends; left unchanged), optionally ``sinks`` ``(hq,)`` -> out ``(b, s,
@@ -207,7 +207,7 @@ def sinks_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: 
 
 
 def ring_backward(
-    plan: RingPlan,
+    plan: AttentionPlan,
     dout: torch.Tensor,
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -257,8 +257,25 @@ class KVPasses(NamedTuple):
     backward: Callable
 
 
-def ring_passes(plan: RingPlan) -> KVPasses:
+def ring_passes(plan: AttentionPlan) -> KVPasses:
     return KVPasses(functools.partial(ring_forward, plan), functools.partial(ring_backward, plan))
+
+
+def ring_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan, sinks: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ring over ``plan`` (no checks: the plan and the caller's validation did them).
+
+    Args:
+        q: ``(batch, local_seq, n_heads, head_dim)``; k, v ``(batch, local_seq, n_kv_heads,
+            head_dim)``; one float dtype and device, sharded as the plan says.
+        sinks: optional float ``(n_heads,)``, differentiable.
+
+    Returns:
+        ``out`` like q (differentiable in q, k, v, sinks) and ``lse`` ``(batch, n_heads,
+        local_seq)`` float32 (float64 for float64 inputs).
+    """
+    return KVAttentionFunction.apply(q, k, v, sinks, ring_passes(plan))
 
 
 class KVAttentionFunction(torch.autograd.Function):

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from hf_ring.hf.guard import per_token_labels
-from hf_ring.distributed.groups import ContextParallelState
+from hf_ring.patterns.state import ContextParallelState
 from hf_ring.sharding import required_multiple, shard_sequence, unshard_sequence
 
 IGNORE_INDEX = -100

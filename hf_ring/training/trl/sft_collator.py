@@ -22,7 +22,7 @@ import math
 from typing import Any, Mapping, Sequence
 
 from hf_ring.training.collator import RingDataCollator
-from hf_ring.distributed.groups import ContextParallelState
+from hf_ring.patterns.state import ContextParallelState
 
 # The batch's token count before padding (TRL logs it as ``num_tokens``); popped before the forward.
 NUM_TOKENS_KEY = "hf_ring_num_tokens"

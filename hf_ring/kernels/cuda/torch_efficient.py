@@ -15,7 +15,7 @@ import math
 import torch
 
 from hf_ring.kernels.base import HALF_FLOATS, AttentionBackend
-from hf_ring.kernels.cuda_glue import check_block, check_op_schema, repeat_kv, sum_kv_groups
+from hf_ring.kernels.cuda.glue import check_block, check_op_schema, repeat_kv, sum_kv_groups
 
 _EFF_FWD = torch.ops.aten._efficient_attention_forward.default
 _EFF_BWD = torch.ops.aten._efficient_attention_backward.default

@@ -3,9 +3,9 @@
 sm90 GPUs only (the build targets sm90a), fp16/bf16, head_dim up to 256. The interface
 has no version of its own to check and renamed its arguments across builds (``causal`` ->
 ``is_causal`` in the backward; ``window_size=(l, r)`` -> two ints), so argument names are
-read from the installed functions and bound by :func:`hf_ring.kernels.cuda_glue.bind_kwargs`.
+read from the installed functions and bound by :func:`hf_ring.kernels.cuda.glue.bind_kwargs`.
 Sliding windows: the kernel's window gives the masked kernel, each window-edge mask cut
-into bands (:mod:`hf_ring.kernels.window_bands`).
+into bands (:mod:`hf_ring.kernels.cuda.window_bands`).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from hf_ring.kernels.base import HALF_FLOATS, AttentionBackend, gpu_capability
-from hf_ring.kernels.cuda_glue import NEUTRAL, bind_kwargs, check_block, grad_buffers, params_of, pick_out_lse
-from hf_ring.kernels.window_bands import banded_backward, banded_forward, window_kwargs
+from hf_ring.kernels.cuda.glue import NEUTRAL, bind_kwargs, check_block, grad_buffers, params_of, pick_out_lse
+from hf_ring.kernels.cuda.window_bands import banded_backward, banded_forward, window_kwargs
 
 
 @functools.lru_cache(maxsize=None)
@@ -48,7 +48,7 @@ def _fa3_call(fn: Callable, what: str, given: dict[str, Any], causal: bool,
 def fa3_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, *,
                 window: Optional[tuple[int, int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q ``(b, sq, hq, d)``, k/v ``(b, sk, hk, d)`` fp16/bf16 -> out like q, lse ``(b, hq, sq)`` f32;
-    ``window``: the kernel's ``(left, right)`` (see :mod:`hf_ring.kernels.window_bands`)."""
+    ``window``: the kernel's ``(left, right)`` (see :mod:`hf_ring.kernels.cuda.window_bands`)."""
     check_block(FLASH_ATTN_3, q)
     what = "flash_attn_interface._flash_attn_forward"
     result = _fa3_call(_fa3()._flash_attn_forward, what, dict(q=q, k=k, v=v, softmax_scale=scale), causal, window)

@@ -18,7 +18,7 @@ import torch
 from packaging.version import Version
 
 from hf_ring.kernels.base import HALF_FLOATS, AttentionBackend
-from hf_ring.kernels.cuda_glue import bind_kwargs, check_block, distribution_installed, grad_buffers, pick_out_lse
+from hf_ring.kernels.cuda.glue import bind_kwargs, check_block, distribution_installed, grad_buffers, pick_out_lse
 
 FA2_MIN, FA2_SPLIT_WINDOW, FA2_END = Version("2.6.0"), Version("2.7.0"), Version("3")
 

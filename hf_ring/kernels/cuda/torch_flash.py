@@ -13,7 +13,7 @@ returns the lse; the backward takes any ``out`` and ``lse``, here the ring's fin
   the kernel never reads them, so the backward passes tensors of the forward's shape and
   dtype (as the op's meta function declares them) without a value.
 - sliding windows: the op's ``window_size_left/right`` give the masked kernel, each
-  window-edge mask cut into bands (:mod:`hf_ring.kernels.window_bands`).
+  window-edge mask cut into bands (:mod:`hf_ring.kernels.cuda.window_bands`).
 - sm80+, fp16/bf16, head_dim a multiple of 8 up to 256. No softcap (the op fixes it at
   0): refused.
 
@@ -29,8 +29,8 @@ from typing import Optional
 import torch
 
 from hf_ring.kernels.base import HALF_FLOATS, AttentionBackend
-from hf_ring.kernels.cuda_glue import check_block, check_op_schema
-from hf_ring.kernels.window_bands import banded_backward, banded_forward, window_kwargs
+from hf_ring.kernels.cuda.glue import check_block, check_op_schema
+from hf_ring.kernels.cuda.window_bands import banded_backward, banded_forward, window_kwargs
 
 _FWD = torch.ops.aten._flash_attention_forward.default
 _BWD = torch.ops.aten._flash_attention_backward.default

@@ -83,7 +83,7 @@ def bind_kwargs(fn: Callable, what: str, given: dict[str, Any]) -> dict[str, Any
         raise NotImplementedError(
             f"{what} has an unexpected signature (parameters {list(params)}; hf_ring needs "
             f"{missing} and does not know the required {unknown}); install a supported version "
-            "(see hf_ring/kernels/flash_attn2.py and flash_attn3.py) or pass backend='torch_efficient'"
+            "(see hf_ring/kernels/cuda/flash_attn2.py and flash_attn3.py) or pass backend='torch_efficient'"
         )
     kwargs = {n: NEUTRAL[n] for n, has_default in params.items() if not has_default and n not in given}
     kwargs.update(given)

@@ -30,10 +30,9 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from hf_ring.patterns.api import group_coords
-from hf_ring.patterns.auto import first_that_runs, log_choice_once, pattern_candidates
-from hf_ring.patterns.autocast import one_dtype
-from hf_ring.distributed.groups import check_pattern, local_world_size
-from hf_ring.patterns.dispatch import context_parallel_attn_func
+from hf_ring.kernels.autocast import one_dtype
+from hf_ring.patterns.state import check_pattern
+from hf_ring.patterns.api import context_parallel_attn_func
 from hf_ring.sharding.layouts import check_layout, shard_indices, shard_sequence
 
 _SDPA_PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -215,25 +214,10 @@ class ContextParallel(nn.Module):
         self._refuse(a)
         q, k, v = (t.transpose(1, 2) for t in one_dtype(a["query"], a["key"], a["value"]))
 
-        def attend(pattern: str, ulysses_size: Optional[int]) -> torch.Tensor:
-            return context_parallel_attn_func(
-                q, k, v, group=self.cp_group, pattern=pattern, causal=self.causal, softmax_scale=a["scale"],
-                layout=self.layout, ulysses_size=ulysses_size, backend=self.backend,
-            )
-
-        if self.pattern != "auto":
-            return attend(self.pattern, self.ulysses_size).transpose(1, 2)
-        world = self.cp_rank_and_size[1]
-        first = dist.get_global_rank(self.cp_group, 0) if self.cp_group is not None else 0
-        everyone = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        # Placement read per rank; the op's agreement check (pattern included) catches ranks
-        # that read it differently.
-        candidates = pattern_candidates(q.shape[2], k.shape[2], q.shape[1] * world, world,
-                                        local_world_size(everyone), first)
-        out, choice = first_that_runs(candidates, lambda c: attend(c.pattern, c.ulysses_size))
-        log_choice_once(choice, (type(self.module).__name__, q.shape[2], k.shape[2]),
-                        f"{type(self.module).__name__}, {q.shape[1] * world} tokens over cp={world}, "
-                        f"{q.shape[2]}/{k.shape[2]} heads")
+        out = context_parallel_attn_func(
+            q, k, v, group=self.cp_group, pattern=self.pattern, causal=self.causal, softmax_scale=a["scale"],
+            layout=self.layout, ulysses_size=self.ulysses_size, backend=self.backend,
+        )
         return out.transpose(1, 2)
 
 

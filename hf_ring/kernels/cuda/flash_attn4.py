@@ -6,7 +6,7 @@ Written against the interface of flash-attn-4 4.0.0b36 (``flash_attn/cute/interf
 window_size_right, learnable_sink, ..., return_lse) -> (out, lse, ...)`` and
 ``_flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale, causal, softcap, ...) -> (dq, dk,
 dv)``; note ``out`` before ``dout`` there, unlike flash-attn 2. Arguments are bound by name
-against the installed signature (:func:`hf_ring.kernels.cuda_glue.bind_kwargs`) and the
+against the installed signature (:func:`hf_ring.kernels.cuda.glue.bind_kwargs`) and the
 forward's result is read by shape, so a renamed parameter or reordered result is an error.
 
 What it takes: fp16/bf16; GQA natively; lse ``(b, hq, sq)`` float32, which its backward
@@ -19,7 +19,7 @@ lacks it: refused). Attention sinks need nothing from the kernel: the ring adds 
 logit to the final lse once (``hf_ring.patterns.ring.attention.apply_sinks``), where passing
 them to every block's kernel would count them once per block. Sliding windows: the
 kernel's ``window_size_left/right`` give the masked kernel, each window-edge mask cut into
-bands (:mod:`hf_ring.kernels.window_bands`).
+bands (:mod:`hf_ring.kernels.cuda.window_bands`).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ import torch
 from packaging.version import Version
 
 from hf_ring.kernels.base import HALF_FLOATS, AttentionBackend, gpu_capability
-from hf_ring.kernels.cuda_glue import bind_kwargs, check_block, distribution_installed, pick_out_lse
-from hf_ring.kernels.window_bands import banded_backward, banded_forward, window_kwargs
+from hf_ring.kernels.cuda.glue import bind_kwargs, check_block, distribution_installed, pick_out_lse
+from hf_ring.kernels.cuda.window_bands import banded_backward, banded_forward, window_kwargs
 
 FA4_DIST = "flash-attn-4"
 FA4_MIN, FA4_END = Version("4.0.0b36"), Version("5")
@@ -88,7 +88,7 @@ def fa4_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     """q ``(b, sq, hq, d)``, k/v ``(b, sk, hk, d)`` fp16/bf16 -> out like q, lse ``(b, hq, sq)`` f32.
 
     ``softcap``: caps every score at ``softcap * tanh(score / softcap)``; None is off.
-    ``window``: the kernel's ``(left, right)`` (see :mod:`hf_ring.kernels.window_bands`).
+    ``window``: the kernel's ``(left, right)`` (see :mod:`hf_ring.kernels.cuda.window_bands`).
     """
     check_fa4_block(q, softcap)
     given = dict(q=q, k=k, v=v, softmax_scale=scale, causal=causal, softcap=float(softcap or 0.0),

@@ -30,7 +30,7 @@ import functools
 import torch
 
 from hf_ring.kernels.base import HALF_FLOATS, AttentionBackend
-from hf_ring.kernels.cuda_glue import check_block, check_op_schema, repeat_kv, sum_kv_groups
+from hf_ring.kernels.cuda.glue import check_block, check_op_schema, repeat_kv, sum_kv_groups
 
 _FWD = torch.ops.aten._scaled_dot_product_cudnn_attention.default
 _BWD = torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default

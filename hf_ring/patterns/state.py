@@ -1,0 +1,215 @@
+"""The active context-parallel state: this process's dp x cp groups and what runs over
+them (layout, pattern, kernel), held in one explicit object.
+
+``setup_context_parallel`` builds the groups (``hf_ring.distributed.groups``) and makes
+the state the *active* one; the ``ring_flash`` attention and the Accelerate plugin read
+it. There is one active state per process, set once at start-up, never per batch.
+
+Must not import transformers, accelerate, or hf_ring's integration or training layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
+from typing import Optional
+
+import torch.distributed as dist
+
+from hf_ring.kernels.registry import registered_backends
+from hf_ring.distributed.groups import DEFAULT_CP_TIMEOUT, build_dp_cp_groups, local_world_size
+from hf_ring.patterns.plan import PATTERNS
+from hf_ring.sharding.layouts import check_layout
+
+_ACTIVE: Optional["ContextParallelState"] = None
+# Process-group backend names: passed as backend= they meant the old argument, now dist_backend=.
+_DIST_BACKENDS = ("nccl", "gloo", "mpi", "ucc", "xccl", "hccl", "cpu:gloo,cuda:nccl")
+
+
+@dataclass(frozen=True)
+class ContextParallelState:
+    """Process groups and coordinates of this process in the dp x cp grid."""
+
+    cp_group: Optional[dist.ProcessGroup]
+    cp_rank: int
+    cp_size: int
+    dp_group: Optional[dist.ProcessGroup]
+    dp_rank: int
+    dp_size: int
+    layout: str = "zigzag"
+    # The default process group the groups were built over: a state outlives neither a
+    # destroyed nor a re-initialised one.
+    world_group: Optional[dist.ProcessGroup] = field(default=None, compare=False, repr=False)
+    # How long a collective of the CP group may wait for a peer before it fails.
+    timeout: Optional[timedelta] = field(default=None, compare=False)
+    # How attention is split across the CP group (hf_ring.context_parallel_attn_func's
+    # patterns, or "auto": chosen per model and sequence, see hf_ring/patterns/auto.py), and
+    # the Ulysses group size of the hybrid pattern.
+    pattern: str = "ring"
+    ulysses_size: Optional[int] = None
+    # Processes per node (LOCAL_WORLD_SIZE when launched by torchrun / accelerate): where
+    # "auto" reads whether the CP group stays inside a node.
+    local_world_size: int = 1
+    # The attention kernel: "auto" (per layer, the first that computes its features here)
+    # or a name from hf_ring.kernels.available_backends.
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        check_layout(self.layout)
+        check_pattern(self.pattern, self.ulysses_size, self.cp_size)
+        check_kernel_name(self.backend)
+        if self.local_world_size < 1:
+            raise ValueError(f"local_world_size must be >= 1, got {self.local_world_size}")
+        if self.cp_size < 1 or self.dp_size < 1:
+            raise ValueError(f"cp_size and dp_size must be >= 1, got {self.cp_size}, {self.dp_size}")
+        if not 0 <= self.cp_rank < self.cp_size:
+            raise ValueError(f"cp_rank {self.cp_rank} out of range for cp_size {self.cp_size}")
+        if not 0 <= self.dp_rank < self.dp_size:
+            raise ValueError(f"dp_rank {self.dp_rank} out of range for dp_size {self.dp_size}")
+
+    @property
+    def world_size(self) -> int:
+        return self.cp_size * self.dp_size
+
+    @property
+    def first_rank(self) -> int:
+        """The global rank of this CP group's first rank (CP groups are consecutive ranks)."""
+        return self.dp_rank * self.cp_size
+
+
+def check_pattern(pattern: str, ulysses_size: Optional[int], cp_size: int) -> None:
+    """Refuse a pattern name or hybrid group size that cannot be used with ``cp_size``."""
+    if pattern not in (*PATTERNS, "auto"):
+        raise ValueError(f"unknown context-parallel pattern {pattern!r}; choose one of {', '.join(PATTERNS)} or 'auto'")
+    if pattern == "hybrid":
+        if isinstance(ulysses_size, bool) or not isinstance(ulysses_size, int) or ulysses_size < 1 or (
+                cp_size % ulysses_size):
+            raise ValueError(
+                f"pattern='hybrid' needs ulysses_size, a positive int dividing cp_size={cp_size} (Ulysses inside "
+                f"groups of ulysses_size consecutive ranks, the ring across them), got {ulysses_size!r}"
+            )
+    elif ulysses_size is not None:
+        raise ValueError(f"ulysses_size is for pattern='hybrid' only (got pattern={pattern!r}); 'auto' picks its own")
+
+
+def check_kernel_name(backend: str) -> None:
+    """Refuse a kernel choice that is no name (the kernel itself is resolved per layer,
+    where device and dtype are known); a process-group backend name is pointed to
+    ``dist_backend=``."""
+    if not isinstance(backend, str) or not backend:
+        raise ValueError(f"backend (the attention kernel) must be 'auto' or a kernel name, got {backend!r}")
+    if backend.lower() in _DIST_BACKENDS:
+        raise ValueError(
+            f"backend={backend!r} is a process-group backend, but backend= names the attention kernel "
+            "('auto' or one of hf_ring.kernels.available_backends(device, dtype)); pass the process-group "
+            f"backend as dist_backend={backend!r}"
+        )
+    if backend != "auto" and backend not in registered_backends():
+        raise ValueError(f"unknown attention backend {backend!r}; choose 'auto' or one of "
+                         f"{sorted(registered_backends())}")
+
+
+def setup_context_parallel(
+    cp_size: int,
+    *,
+    layout: str = "zigzag",
+    backend: str = "auto",
+    dist_backend: Optional[str] = None,
+    activate: bool = True,
+    timeout: timedelta = DEFAULT_CP_TIMEOUT,
+    pattern: str = "ring",
+    ulysses_size: Optional[int] = None,
+) -> ContextParallelState:
+    """Build (or reuse) the dp x cp groups over the initialised default process group.
+
+    Args:
+        cp_size: ranks per context-parallel group; must divide the world size.
+        layout: how sequences are split over the CP ranks (``"zigzag"``, ``"stripe"`` or
+            ``"contiguous"``); ``ring_flash`` and the collator both follow it.
+        backend: the attention kernel every ``ring_flash`` layer runs: ``"auto"`` (per
+            layer, the first kernel of the registry's order that runs on the layer's device
+            and dtype and computes its window and softcap) or a name from
+            ``hf_ring.kernels.available_backends(device, dtype)`` (a layer whose features
+            it lacks is refused, naming the kernels that have them).
+        dist_backend: the process-group backend of the new groups (default: the default
+            group's).
+        activate: make the returned state the one ``ring_flash`` uses.
+        timeout: how long a collective of the new groups waits for a peer before it fails
+            (gloo raises; NCCL's watchdog aborts). A CP group's ranks must run every forward
+            together; one that does not is then an error within ``timeout``.
+        pattern: how ``ring_flash`` splits attention across the CP group: ``"ring"``,
+            ``"allgather"``, ``"ulysses"``, ``"hybrid"`` (see
+            ``hf_ring.context_parallel_attn_func``) or ``"auto"`` (picked per model from
+            head counts, sequence length, group size and placement, and features; logged).
+        ulysses_size: ``pattern="hybrid"`` only: ranks per Ulysses group.
+
+    Every process of the world must call this with the same arguments (group creation is
+    collective). Calling it again with the same ``cp_size`` over the same default group
+    returns the active state; after the default group was destroyed and initialised again,
+    new groups are built.
+    """
+    global _ACTIVE
+    if not isinstance(cp_size, int) or cp_size < 1:
+        raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
+    if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
+        raise ValueError(f"timeout must be a positive datetime.timedelta, got {timeout!r}")
+    check_layout(layout)
+    check_pattern(pattern, ulysses_size, cp_size)
+    check_kernel_name(backend)
+    if not dist.is_available() or not dist.is_initialized():
+        if cp_size == 1:
+            state = ContextParallelState(None, 0, 1, None, 0, 1, layout, pattern=pattern, ulysses_size=ulysses_size,
+                                         backend=backend)
+            if activate:
+                _ACTIVE = state
+            return state
+        raise RuntimeError(
+            f"setup_context_parallel(cp_size={cp_size}) needs an initialised default process "
+            "group: launch with `accelerate launch` or `torchrun` and call "
+            "torch.distributed.init_process_group() (Accelerator() does it) first"
+        )
+    active = _ACTIVE
+    if (
+        active is not None
+        and active.cp_size == cp_size
+        and active.world_group is dist.group.WORLD
+        and active.world_size == dist.get_world_size()
+    ):
+        if (active.layout, active.pattern, active.ulysses_size, active.backend) != (layout, pattern, ulysses_size,
+                                                                                     backend):
+            # Same groups, another layout, pattern or kernel: no collective needed.
+            active = replace(active, layout=layout, pattern=pattern, ulysses_size=ulysses_size, backend=backend)
+            if activate:
+                _ACTIVE = active
+        return active
+    world = dist.get_world_size()
+    groups = build_dp_cp_groups(cp_size, dist_backend, timeout)
+    state = ContextParallelState(
+        cp_group=groups.cp_group,
+        cp_rank=groups.cp_rank,
+        cp_size=cp_size,
+        dp_group=groups.dp_group,
+        dp_rank=groups.dp_rank,
+        dp_size=groups.dp_size,
+        layout=layout,
+        world_group=dist.group.WORLD,
+        timeout=timeout,
+        pattern=pattern,
+        ulysses_size=ulysses_size,
+        local_world_size=local_world_size(world),
+        backend=backend,
+    )
+    if activate:
+        _ACTIVE = state
+    return state
+
+
+def get_context_parallel_state() -> Optional[ContextParallelState]:
+    """The active state, or None when ``setup_context_parallel`` was never called."""
+    return _ACTIVE
+
+
+def set_context_parallel_state(state: Optional[ContextParallelState]) -> None:
+    """Make ``state`` the active one (None deactivates context parallelism)."""
+    global _ACTIVE
+    _ACTIVE = state
