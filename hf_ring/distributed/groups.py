@@ -102,7 +102,7 @@ def setup_context_parallel(
     layout: str = "zigzag",
     backend: Optional[str] = None,
     activate: bool = True,
-    timeout: timedelta = DEFAULT_CP_TIMEOUT,
+    timeout: Optional[timedelta] = None,
     pattern: str = "ring",
     ulysses_size: Optional[int] = None,
 ) -> ContextParallelState:
@@ -116,7 +116,9 @@ def setup_context_parallel(
         activate: make the returned state the one ``ring_flash`` uses.
         timeout: how long a collective of the new groups waits for a peer before it fails
             (gloo raises; NCCL's watchdog aborts). A CP group's ranks must run every forward
-            together; one that does not is then an error within ``timeout``.
+            together; one that does not is then an error within ``timeout``. None: the
+            active groups' timeout when they are reused, else ``DEFAULT_CP_TIMEOUT`` (10
+            minutes).
         pattern: how ``ring_flash`` splits attention across the CP group: ``"ring"``,
             ``"allgather"``, ``"ulysses"``, ``"hybrid"`` (see
             ``hf_ring.context_parallel_attn_func``) or ``"auto"`` (picked per model from
@@ -125,14 +127,15 @@ def setup_context_parallel(
 
     Every process of the world must call this with the same arguments (group creation is
     collective). Calling it again with the same ``cp_size`` over the same default group
-    returns the active state; after the default group was destroyed and initialised again,
-    new groups are built.
+    returns the active state (with the new layout and pattern); with another ``timeout``,
+    or after the default group was destroyed and initialised again, new groups are built
+    (a timeout is fixed when a group is made; the previous state's groups stay usable).
     """
     global _ACTIVE
     if not isinstance(cp_size, int) or cp_size < 1:
         raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
-    if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
-        raise ValueError(f"timeout must be a positive datetime.timedelta, got {timeout!r}")
+    if timeout is not None and (not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0):
+        raise ValueError(f"timeout must be a positive datetime.timedelta (or None), got {timeout!r}")
     check_layout(layout)
     check_pattern(pattern, ulysses_size, cp_size)
     if not dist.is_available() or not dist.is_initialized():
@@ -152,6 +155,7 @@ def setup_context_parallel(
         and active.cp_size == cp_size
         and active.world_group is dist.group.WORLD
         and active.world_size == dist.get_world_size()
+        and timeout in (None, active.timeout)
     ):
         if (active.layout, active.pattern, active.ulysses_size) != (layout, pattern, ulysses_size):
             # Same groups, another layout or pattern: no collective needed.
@@ -167,6 +171,7 @@ def setup_context_parallel(
             f"{cp_size} processes or pick a cp_size that divides {world}"
         )
     dp_size = world // cp_size
+    timeout = DEFAULT_CP_TIMEOUT if timeout is None else timeout
     cp_group = dp_group = None
     # new_group is collective over the whole world: every rank creates every group.
     for k in range(dp_size):
