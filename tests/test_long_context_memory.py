@@ -197,6 +197,25 @@ def test_offloaded_checkpoints_and_tiled_mlp_are_exact():
     _assert_same(_loss_and_grads(both, loss), ref, TOL[torch.float64])
 
 
+def test_tiling_again_applies_the_new_tile_size():
+    """A second ``tile_mlps`` with another size tiles by that size (it used to keep the first
+    one without a word), exact as above against the plain model in float64."""
+    model = _tiny("Llama")
+    ids = torch.randint(0, 97, (2, 23), generator=torch.Generator().manual_seed(4))
+    labels = _labels((2, 23), 97, seed=5)
+    loss = lambda m: token_loss_sum(m(input_ids=ids).logits, labels)  # noqa: E731
+    ref = _loss_and_grads(model, loss)
+
+    tiled = copy.deepcopy(model)
+    calls = []
+    tiled.model.layers[0].mlp.down_proj.register_forward_hook(lambda *a: calls.append(a[1][0].shape[-2]))
+    assert tile_mlps(tiled, 7) == 2
+    assert tile_mlps(tiled, 4) == 2
+    _assert_same(_loss_and_grads(tiled, loss), ref, TOL[torch.float64])
+    # The forward ran 23 tokens in tiles of 4, and nothing (forward or recompute) in tiles of 7.
+    assert calls[:6] == [4, 4, 4, 4, 4, 3] and set(calls) == {4, 3}, calls
+
+
 def test_tiled_mlp_refuses_mixture_of_experts():
     import transformers
 

@@ -62,7 +62,10 @@ def _tiled_forward(mlp: nn.Module, forward: Any, tile_tokens: int, hidden: torch
 
 
 def tile_mlps(model: nn.Module, tile_tokens: int = 2048) -> int:
-    """Compute every decoder layer's ``mlp`` in tiles of ``tile_tokens`` tokens (idempotent).
+    """Compute every decoder layer's ``mlp`` in tiles of ``tile_tokens`` tokens.
+
+    Called again on the same model, the MLPs are tiled by the new ``tile_tokens`` (the old
+    size is dropped, not nested).
 
     Args:
         model: a transformers causal LM or base model whose decoder layers (``get_decoder().layers``
@@ -87,10 +90,13 @@ def tile_mlps(model: nn.Module, tile_tokens: int = 2048) -> int:
     for name, mlp in mlps:
         _check_dense(name, mlp)
     for _, mlp in mlps:
-        if mlp.__dict__.get(_TILED):
-            continue
-        if "forward" in vars(mlp):
-            raise NotImplementedError(f"tiled MLP: {type(mlp).__name__}.forward is already replaced on the instance")
+        # A tiled MLP's forward is ours: replaced again (never wrapped), so a second call
+        # tiles by its own size, once.
+        if "forward" in vars(mlp) and not mlp.__dict__.get(_TILED):
+            raise NotImplementedError(
+                f"tiled MLP: {type(mlp).__name__}.forward is already replaced on the instance by something else, "
+                "which tiling would drop; remove that replacement first or drop the tiled-MLP option"
+            )
         # The class's forward bound to the module: hooks on the MLP still run once per call.
         mlp.forward = functools.partial(_tiled_forward, mlp, type(mlp).forward.__get__(mlp), tile_tokens)
         mlp.__dict__[_TILED] = True

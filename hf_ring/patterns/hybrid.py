@@ -17,13 +17,15 @@ the ring then runs on their explicit positions (``AttentionPlan.positions``), ea
 block masked by position, which needs a backend with a masked kernel.
 
 The subgroups are built once per (group, ``ulysses_size``) by the ranks that belong to
-them (``use_local_synchronization``), and reused.
+them (``use_local_synchronization``), and reused while the default group they were built
+over is the current one.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -68,9 +70,29 @@ class HybridGroups:
     member: int
 
 
-# (the default group, the CP group's global ranks, U) -> this rank's subgroups. Built at
-# the first call of a model and reused by every layer and step; not per batch.
-_GROUPS: dict = {}
+@dataclass
+class _BuiltGroups:
+    """This rank's subgroups over one default group, by (the CP group's global ranks, U).
+    Built at the first call of a model and reused by every layer and step; not per batch.
+
+    The default group is compared by identity through a weak reference, not by ``id()``: a
+    new default group can get the id of a destroyed one, and its ranks then got the
+    destroyed subgroups. A weak reference neither keeps the old group alive nor matches a
+    new one.
+    """
+
+    world: Optional[weakref.ref] = None
+    groups: dict = field(default_factory=dict)
+
+    def over_current_world(self) -> dict:
+        world = dist.group.WORLD
+        if self.world is None or self.world() is not world:
+            # destroy_process_group() took the subgroups of the old default group with it.
+            self.world, self.groups = weakref.ref(world), {}
+        return self.groups
+
+
+_BUILT = _BuiltGroups()
 
 
 def hybrid_groups(group: Optional[dist.ProcessGroup], ulysses_size: int) -> HybridGroups:
@@ -80,14 +102,15 @@ def hybrid_groups(group: Optional[dist.ProcessGroup], ulysses_size: int) -> Hybr
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     to_global = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
     members = tuple(to_global(r) for r in range(world))
-    key = (id(dist.group.WORLD), members, ulysses_size)
-    if key not in _GROUPS:
+    built = _BUILT.over_current_world()
+    key = (members, ulysses_size)
+    if key not in built:
         u = ulysses_size
         g, member = divmod(rank, u)
         ulysses = dist.new_group([members[g * u + i] for i in range(u)], use_local_synchronization=True)
         ring = dist.new_group([members[j * u + member] for j in range(world // u)], use_local_synchronization=True)
-        _GROUPS[key] = HybridGroups(ulysses, ring, u, world // u, g, member)
-    return _GROUPS[key]
+        built[key] = HybridGroups(ulysses, ring, u, world // u, g, member)
+    return built[key]
 
 
 def hybrid_ring_plan(

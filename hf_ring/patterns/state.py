@@ -42,6 +42,8 @@ class ContextParallelState:
     world_group: Optional[dist.ProcessGroup] = field(default=None, compare=False, repr=False)
     # How long a collective of the CP group may wait for a peer before it fails.
     timeout: Optional[timedelta] = field(default=None, compare=False)
+    # The process-group backend the groups were built with (None: the default group's).
+    dist_backend: Optional[str] = field(default=None, compare=False)
     # How attention is split across the CP group (hf_ring.context_parallel_attn_func's
     # patterns, or "auto": chosen per model and sequence, see hf_ring/patterns/auto.py), and
     # the Ulysses group size of the hybrid pattern.
@@ -116,7 +118,7 @@ def setup_context_parallel(
     backend: str = "auto",
     dist_backend: Optional[str] = None,
     activate: bool = True,
-    timeout: timedelta = DEFAULT_CP_TIMEOUT,
+    timeout: Optional[timedelta] = None,
     pattern: str = "ring",
     ulysses_size: Optional[int] = None,
 ) -> ContextParallelState:
@@ -131,12 +133,14 @@ def setup_context_parallel(
             and dtype and computes its window and softcap) or a name from
             ``hf_ring.kernels.available_backends(device, dtype)`` (a layer whose features
             it lacks is refused, naming the kernels that have them).
-        dist_backend: the process-group backend of the new groups (default: the default
-            group's).
+        dist_backend: the process-group backend of the new groups (None: the default
+            group's, or the active groups' when they are reused).
         activate: make the returned state the one ``ring_flash`` uses.
         timeout: how long a collective of the new groups waits for a peer before it fails
             (gloo raises; NCCL's watchdog aborts). A CP group's ranks must run every forward
-            together; one that does not is then an error within ``timeout``.
+            together; one that does not is then an error within ``timeout``. None: the
+            active groups' timeout when they are reused, else ``DEFAULT_CP_TIMEOUT`` (10
+            minutes).
         pattern: how ``ring_flash`` splits attention across the CP group: ``"ring"``,
             ``"allgather"``, ``"ulysses"``, ``"hybrid"`` (see
             ``hf_ring.context_parallel_attn_func``) or ``"auto"`` (picked per model from
@@ -145,14 +149,16 @@ def setup_context_parallel(
 
     Every process of the world must call this with the same arguments (group creation is
     collective). Calling it again with the same ``cp_size`` over the same default group
-    returns the active state; after the default group was destroyed and initialised again,
-    new groups are built.
+    returns the active state (with the new layout, pattern and kernel); with another
+    ``timeout`` or ``dist_backend``, or after the default group was destroyed and
+    initialised again, new groups are built (both are fixed when a group is made; the
+    previous state's groups stay usable).
     """
     global _ACTIVE
     if not isinstance(cp_size, int) or cp_size < 1:
         raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
-    if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
-        raise ValueError(f"timeout must be a positive datetime.timedelta, got {timeout!r}")
+    if timeout is not None and (not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0):
+        raise ValueError(f"timeout must be a positive datetime.timedelta (or None), got {timeout!r}")
     check_layout(layout)
     check_pattern(pattern, ulysses_size, cp_size)
     check_kernel_name(backend)
@@ -174,6 +180,8 @@ def setup_context_parallel(
         and active.cp_size == cp_size
         and active.world_group is dist.group.WORLD
         and active.world_size == dist.get_world_size()
+        and timeout in (None, active.timeout)
+        and dist_backend in (None, active.dist_backend)
     ):
         if (active.layout, active.pattern, active.ulysses_size, active.backend) != (layout, pattern, ulysses_size,
                                                                                      backend):
@@ -183,6 +191,7 @@ def setup_context_parallel(
                 _ACTIVE = active
         return active
     world = dist.get_world_size()
+    timeout = DEFAULT_CP_TIMEOUT if timeout is None else timeout
     groups = build_dp_cp_groups(cp_size, dist_backend, timeout)
     state = ContextParallelState(
         cp_group=groups.cp_group,
@@ -194,6 +203,7 @@ def setup_context_parallel(
         layout=layout,
         world_group=dist.group.WORLD,
         timeout=timeout,
+        dist_backend=dist_backend,
         pattern=pattern,
         ulysses_size=ulysses_size,
         local_world_size=local_world_size(world),

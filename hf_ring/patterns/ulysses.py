@@ -52,7 +52,6 @@ def kv_repeat(n_heads: int, n_kv_heads: int, degree: int, pattern: str = "ulysse
     )
 
 
-@functools.lru_cache(maxsize=256)
 def _orders(seq: int, world: int, ranks: tuple[int, ...], layout: str,
             target: tuple[int, int, str]) -> tuple[torch.Tensor, torch.Tensor]:
     """``(perm, inverse)`` int64 CPU tensors: the tokens of ``ranks`` (concatenated in that
@@ -69,16 +68,19 @@ def _orders(seq: int, world: int, ranks: tuple[int, ...], layout: str,
     return perm, inverse
 
 
-_DEVICE_ORDERS: dict = {}
+# Every layer of a forward asks for the same shape, so a hit is the rule within a step; a
+# run over many lengths (bucketed or packed batches) must not keep every length's tensors
+# on the device. 16 shapes cover a bucketed run's lengths at the cost of one small sort and
+# copy per miss.
+ORDERS_CACHE_SHAPES = 16
 
 
+@functools.lru_cache(maxsize=ORDERS_CACHE_SHAPES)
 def orders(seq: int, world: int, ranks: tuple[int, ...], layout: str, target: tuple[int, int, str],
            device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_orders` on ``device``, copied there once per shape (no copy on the hot path)."""
-    key = (seq, world, ranks, layout, target, device)
-    if key not in _DEVICE_ORDERS:
-        _DEVICE_ORDERS[key] = tuple(t.to(device) for t in _orders(seq, world, ranks, layout, target))
-    return _DEVICE_ORDERS[key]
+    """:func:`_orders` on ``device``, kept for the ``ORDERS_CACHE_SHAPES`` most recently used
+    shapes (no copy on the hot path)."""
+    return tuple(t.to(device) for t in _orders(seq, world, ranks, layout, target))
 
 
 def _take(x: torch.Tensor, dim: int, order: Optional[torch.Tensor]) -> torch.Tensor:
