@@ -5,7 +5,7 @@ sequence / (cp x time of the slowest rank); 1.0 means the pattern splits the wor
 perfectly and adds nothing.
 
 - virtual (default): one process runs each rank of each pattern in turn, through the
-  patterns' own ops (``ring_attention``, ``allgather_attention``, ``ulysses_attention``;
+  patterns' own ops (``run_plan`` (ring), ``allgather_attention``, ``ulysses_attention``;
   hybrid = Ulysses over a virtual all-to-all around a virtual ring), their transfers
   replaced by in-process copies (``VirtualRing``, ``VirtualCollectives``). Communication
   time is therefore not in these figures; what is: each rank's share of the causal work,
@@ -43,7 +43,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_HERE, os.path.dirname(_HERE)]
 import ring_efficiency as bench  # noqa: E402
 
-from hf_ring.patterns import AttentionPlan, VirtualRing, ring_attention  # noqa: E402
+from hf_ring.patterns import AttentionPlan, VirtualRing, run_plan  # noqa: E402
 from hf_ring.patterns.allgather import allgather_attention  # noqa: E402
 from hf_ring.distributed.collectives import VirtualCollectives  # noqa: E402
 from hf_ring.patterns.hybrid import RING_SHARD_LAYOUTS, group_positions  # noqa: E402
@@ -106,7 +106,7 @@ def rank_op(pattern: str, pb: bench.Problem, rank: int, kernel, scale: float, co
     if pattern == "ring":
         plan = AttentionPlan(None, rank, cp, layout, True, scale, kernel,
                         transport=counting_transport(VirtualRing(rank, pb.kv_by_rank), counter))
-        return lambda q, k, v: ring_attention(q, k, v, plan)[0]
+        return lambda q, k, v: run_plan(q, k, v, plan)[0]
     if pattern == "allgather":
         plan = AttentionPlan(None, rank, cp, layout, True, scale, kernel, transport=VirtualRing(rank, pb.kv_by_rank))
         coll = CountingCollectives(VirtualCollectives(rank, pb.kv_by_rank), counter)

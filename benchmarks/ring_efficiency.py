@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 import hf_ring
 from hf_ring.kernels import AttentionBackend, get_backend
-from hf_ring.patterns import AttentionPlan, VirtualRing, ring_attention
+from hf_ring.patterns import AttentionPlan, VirtualRing, run_plan
 from hf_ring.sharding import shard_packed, unshard_packed
 
 LAYOUTS = ("zigzag", "stripe", "contiguous", "packed")
@@ -203,7 +203,7 @@ def rank_forward(pb: Problem, rank: int, kernel: AttentionBackend, scale: float)
     """Rank ``rank``'s ring forward: ``hf_ring.patterns.ring.attention`` itself, the ring's
     transfers replaced by in-process copies (:class:`hf_ring.patterns.VirtualRing`)."""
     q, k, v = (t.detach().requires_grad_() for t in pb.shards[rank][:3])
-    out, lse = ring_attention(q, k, v, _plan(pb, rank, kernel, scale))
+    out, lse = run_plan(q, k, v, _plan(pb, rank, kernel, scale))
     return RingRun(q, out, lse)
 
 

@@ -36,7 +36,6 @@ from transformers.utils import logging as hf_logging
 from hf_ring.training import weight_sharding
 from hf_ring.training import deepspeed_support
 from hf_ring.memory.chunked_loss import ChunkedLossConfig, model_token_loss_sum
-from hf_ring.training.collator import RingDataCollator
 from hf_ring.training.loss import (
     LossTotals,
     all_reduce_sum,
@@ -46,10 +45,11 @@ from hf_ring.training.loss import (
     token_loss_sum,
 )
 from hf_ring.training.plugin import RingAttentionPlugin
+from hf_ring.training.trainer_checks import check_trainer_supported
 from hf_ring.patches import accelerate as accelerate_patches
 from hf_ring.patches import transformers as transformers_patches
 
-RING_ATTENTION = "ring_flash"
+
 logger = hf_logging.get_logger(__name__)
 
 
@@ -71,32 +71,6 @@ def _model_inputs(inputs: dict[str, Any], config: Any) -> tuple[dict[str, Any], 
     if getattr(config, "use_cache", None) is not None:
         kwargs.setdefault("use_cache", False)
     return kwargs, shift_labels
-
-
-def _refuse_loss_terms(model: Any) -> None:
-    """Terms an MoE / Bamba model adds to its own loss when given labels, which the stock
-    Trainer optimises and RingTrainer's token cross-entropy does not contain: the router's
-    load-balancing loss (``output_router_logits`` with a nonzero ``router_aux_loss_coef``,
-    JetMoE's ``aux_loss_coef``, DBRX's ``moe_loss_weight``; a nonlinear function of
-    statistics over every token of the batch, which a shard cannot stand in for) and Bamba's
-    ``z_loss``. Refused rather than silently dropped."""
-    config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    coef = getattr(model, "router_aux_loss_coef", getattr(model, "aux_loss_coef", None))
-    if coef is None:
-        coef = getattr(text, "router_aux_loss_coef", 0.0)
-    if getattr(text, "output_router_logits", False) and coef:
-        raise NotImplementedError(
-            f"{type(model).__name__}'s config sets output_router_logits=True with a router auxiliary loss "
-            f"coefficient of {coef}: the stock Trainer adds that MoE load-balancing loss to the loss, but "
-            "RingTrainer computes the token cross-entropy only; set config.output_router_logits=False (or the "
-            "coefficient, router_aux_loss_coef, to 0.0) to train without it"
-        )
-    if getattr(model, "z_loss_coefficient", 0.0):
-        raise NotImplementedError(
-            f"{type(model).__name__} adds a z-loss (z_loss_coefficient={model.z_loss_coefficient}) to its own loss, "
-            "which RingTrainer's token cross-entropy does not contain; set config.z_loss_coefficient=0.0"
-        )
 
 
 class RingTrainer(Trainer):
@@ -140,7 +114,7 @@ class RingTrainer(Trainer):
         self._chunked_loss_notice_given = False
         super().__init__(*args, **kwargs)
         self.ring_state = self.ring_plugin.attach(self.accelerator)
-        self._check_supported()
+        check_trainer_supported(self, subclass_loss=type(self).compute_loss is not RingTrainer.compute_loss)
         deepspeed_support.check_trainer(self, self.ring_state)
         # transformers 4.x decides from this whether compute_loss already normalised for
         # gradient accumulation (it does: num_items_in_batch covers the whole step).
@@ -148,51 +122,6 @@ class RingTrainer(Trainer):
         self._eval_totals: Optional[LossTotals] = None
         # How the wrapped model reduces gradients; read from it at the first training step.
         self.gradient_reduction: Optional[weight_sharding.GradientReduction] = None
-
-    def _check_supported(self) -> None:
-        state, args = self.ring_state, self.args
-        if state.cp_size > 1:
-            config = getattr(self.model, "config", None)
-            impl = transformers_patches.attn_implementation(config) if config is not None else None
-            if impl != RING_ATTENTION:
-                raise ValueError(
-                    f"cp_size={state.cp_size} but the model uses attn_implementation={impl!r}; load it "
-                    f"with attn_implementation={RING_ATTENTION!r} (after `import hf_ring`), otherwise each "
-                    "rank would attend only within its own shard"
-                )
-            if self.compute_metrics is not None:
-                raise NotImplementedError(
-                    "compute_metrics sees per-rank shards of the predictions under context parallelism; "
-                    "drop compute_metrics (the eval loss is exact) or evaluate with cp_size=1"
-                )
-        weight_sharding.check_accelerate_parallelism(self.accelerator)
-        if self.compute_loss_func is not None:
-            raise ValueError("RingTrainer computes the loss itself (token mean over dp x cp); drop compute_loss_func")
-        if type(self).compute_loss is RingTrainer.compute_loss:  # a subclass's own loss handles it (or refuses)
-            _refuse_loss_terms(self.model)
-        if args.label_smoothing_factor != 0:
-            raise NotImplementedError("label smoothing is not supported by RingTrainer; set label_smoothing_factor=0")
-        if getattr(args, "use_legacy_prediction_loop", False):
-            raise NotImplementedError("RingTrainer needs the standard evaluation loop; set use_legacy_prediction_loop=False")
-        if getattr(args, "train_sampling_strategy", None) == "batch_rebalance":
-            raise NotImplementedError(
-                "train_sampling_strategy='batch_rebalance' shards batches over every process, not over "
-                "data-parallel ranks; use 'random', 'sequential' or 'group_by_length'"
-            )
-        if args.n_gpu > 1:
-            raise NotImplementedError(
-                "torch.nn.DataParallel (several GPUs in one process) is not supported; launch one "
-                "process per device with accelerate launch or torchrun"
-            )
-        collator = self.data_collator
-        if isinstance(collator, RingDataCollator):
-            cfg = collator.config
-            if not collator.matches(state):
-                raise ValueError(
-                    f"the data collator shards for cp_size={cfg.cp_size}, cp_rank={cfg.cp_rank}, "
-                    f"layout={cfg.layout!r} but this process is cp_rank {state.cp_rank} of {state.cp_size} "
-                    f"with layout={state.layout!r}; build it with ring_plugin.make_collator(...)"
-                )
 
     # ---- training ----
 

@@ -24,7 +24,8 @@ from transformers import Trainer
 from trl import DPOTrainer
 
 from hf_ring.training.plugin import RingAttentionPlugin
-from hf_ring.training.trainer import RING_ATTENTION, RingTrainer
+from hf_ring.training.trainer import RingTrainer
+from hf_ring.training.trainer_checks import RING_ATTENTION
 from hf_ring.patches import transformers as transformers_patches
 from hf_ring.patches import trl as trl_patches
 from hf_ring.training.trl.fused_forward import RingFusedForward

@@ -1,0 +1,92 @@
+"""What ``RingTrainer`` refuses at construction, and why: each is a setting under which the
+stock Trainer would compute something that context parallelism cannot reproduce exactly
+(a mean over a shard, predictions split across ranks, a loss term from whole-batch
+statistics), so it is an error that says what to change, never a silently different run.
+
+Must not import TRL (the TRL trainers reuse these checks through ``RingTrainer``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hf_ring.patches import transformers as transformers_patches
+from hf_ring.training import weight_sharding
+from hf_ring.training.collator import RingDataCollator
+
+RING_ATTENTION = "ring_flash"
+
+
+def _refuse_loss_terms(model: Any) -> None:
+    """Terms an MoE / Bamba model adds to its own loss when given labels, which the stock
+    Trainer optimises and RingTrainer's token cross-entropy does not contain: the router's
+    load-balancing loss (``output_router_logits`` with a nonzero ``router_aux_loss_coef``,
+    JetMoE's ``aux_loss_coef``, DBRX's ``moe_loss_weight``; a nonlinear function of
+    statistics over every token of the batch, which a shard cannot stand in for) and Bamba's
+    ``z_loss``. Refused rather than silently dropped."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    coef = getattr(model, "router_aux_loss_coef", getattr(model, "aux_loss_coef", None))
+    if coef is None:
+        coef = getattr(text, "router_aux_loss_coef", 0.0)
+    if getattr(text, "output_router_logits", False) and coef:
+        raise NotImplementedError(
+            f"{type(model).__name__}'s config sets output_router_logits=True with a router auxiliary loss "
+            f"coefficient of {coef}: the stock Trainer adds that MoE load-balancing loss to the loss, but "
+            "RingTrainer computes the token cross-entropy only; set config.output_router_logits=False (or the "
+            "coefficient, router_aux_loss_coef, to 0.0) to train without it"
+        )
+    if getattr(model, "z_loss_coefficient", 0.0):
+        raise NotImplementedError(
+            f"{type(model).__name__} adds a z-loss (z_loss_coefficient={model.z_loss_coefficient}) to its own loss, "
+            "which RingTrainer's token cross-entropy does not contain; set config.z_loss_coefficient=0.0"
+        )
+
+
+def check_trainer_supported(trainer: Any, subclass_loss: bool) -> None:
+    """Raise ValueError / NotImplementedError for what ``trainer`` (a ``RingTrainer`` whose
+    Accelerator and ring state exist) cannot run exactly under context parallelism;
+    ``subclass_loss``: a subclass (the TRL trainers) computes the loss its own way."""
+    state, args = trainer.ring_state, trainer.args
+    if state.cp_size > 1:
+        config = getattr(trainer.model, "config", None)
+        impl = transformers_patches.attn_implementation(config) if config is not None else None
+        if impl != RING_ATTENTION:
+            raise ValueError(
+                f"cp_size={state.cp_size} but the model uses attn_implementation={impl!r}; load it "
+                f"with attn_implementation={RING_ATTENTION!r} (after `import hf_ring`), otherwise each "
+                "rank would attend only within its own shard"
+            )
+        if trainer.compute_metrics is not None:
+            raise NotImplementedError(
+                "compute_metrics sees per-rank shards of the predictions under context parallelism; "
+                "drop compute_metrics (the eval loss is exact) or evaluate with cp_size=1"
+            )
+    weight_sharding.check_accelerate_parallelism(trainer.accelerator)
+    if trainer.compute_loss_func is not None:
+        raise ValueError("RingTrainer computes the loss itself (token mean over dp x cp); drop compute_loss_func")
+    if not subclass_loss:  # a subclass's own loss handles them (or refuses)
+        _refuse_loss_terms(trainer.model)
+    if args.label_smoothing_factor != 0:
+        raise NotImplementedError("label smoothing is not supported by RingTrainer; set label_smoothing_factor=0")
+    if getattr(args, "use_legacy_prediction_loop", False):
+        raise NotImplementedError("RingTrainer needs the standard evaluation loop; set use_legacy_prediction_loop=False")
+    if getattr(args, "train_sampling_strategy", None) == "batch_rebalance":
+        raise NotImplementedError(
+            "train_sampling_strategy='batch_rebalance' shards batches over every process, not over "
+            "data-parallel ranks; use 'random', 'sequential' or 'group_by_length'"
+        )
+    if args.n_gpu > 1:
+        raise NotImplementedError(
+            "torch.nn.DataParallel (several GPUs in one process) is not supported; launch one "
+            "process per device with accelerate launch or torchrun"
+        )
+    collator = trainer.data_collator
+    if isinstance(collator, RingDataCollator):
+        cfg = collator.config
+        if not collator.matches(state):
+            raise ValueError(
+                f"the data collator shards for cp_size={cfg.cp_size}, cp_rank={cfg.cp_rank}, "
+                f"layout={cfg.layout!r} but this process is cp_rank {state.cp_rank} of {state.cp_size} "
+                f"with layout={state.layout!r}; build it with ring_plugin.make_collator(...)"
+            )
