@@ -1,8 +1,14 @@
 """hf_ring: context parallelism (ring attention) for Hugging Face Transformers and Accelerate.
 
 ``import hf_ring`` registers the attention implementation ``"ring_flash"`` with
-transformers (when transformers is installed). The core (``hf_ring.kernels``,
-``hf_ring.patterns``, ``hf_ring.sharding``) works without it.
+transformers (when transformers is installed). The core works without it: ``sharding``
+(which tokens a rank holds), ``kernels`` (one blockwise attention call and the kernel
+policy), ``distributed`` (the dp x cp groups, the transport), ``patterns`` (ring,
+all-gather, Ulysses, hybrid: one plan per call, one entry point) and ``wrap``
+(``ContextParallel.wrap``). On top: ``hf`` (the transformers integration), ``memory``
+(chunked loss, offload, tiled MLP) and ``training`` (plugin, collator, loss, Trainer,
+sharded weights, TRL). The repository's docs/design.md has the layers and what each must
+not import.
 """
 
 import importlib.util

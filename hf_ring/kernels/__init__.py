@@ -4,8 +4,10 @@
 (``KernelNeeds``); ``reference`` and ``torch_cpu`` are the CPU-capable kernels, ``cuda/``
 the CUDA ones; ``registry`` looks them up by name and makes the kernel policy
 (``backend="auto"``: the first that runs here and computes what the call needs);
-``autocast`` settles one dtype for q, k, v. Depends on nothing else in hf_ring; never imports torch.distributed or
-transformers.
+``autocast`` settles one dtype for q, k, v.
+
+Depends on nothing else in hf_ring. Must not import torch.distributed, transformers,
+accelerate, or any other layer of hf_ring.
 """
 
 from hf_ring.kernels.base import AttentionBackend

@@ -3,5 +3,7 @@ collator (shift on the full sequence, pad, shard), the loss reduced by tokens ov
 dp x cp world, ``RingTrainer``, the gradient reduction of sharded weights (DDP, FSDP2,
 ZeRO) with the DeepSpeed glue, and the TRL trainers (``trl/``).
 
-The top layer: it may import every other one. No lower layer imports it.
+The top layer: it may import every other one, and no other layer imports it. Must not
+import what would make a lower layer depend on it: a hook it installs is handed down as
+an object (the plugin's state, the collator's batch), never looked up from below.
 """

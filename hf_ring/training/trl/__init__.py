@@ -7,6 +7,9 @@ and transformers first: TRL's private internals are read through
 :mod:`hf_ring.patches.trl`, written for specific TRL releases, and the Trainer reads
 ``loss_is_scaled_for_ga`` (how these trainers say whether their loss is already
 normalised for gradient accumulation) only from transformers 5.19 on.
+
+The only package of hf_ring that imports TRL; every other one must not import it (nor
+this package), so that hf_ring works without TRL installed.
 """
 
 from __future__ import annotations
