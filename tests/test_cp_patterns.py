@@ -23,16 +23,26 @@ B, S, HQ, HK, D = 2, 16, 4, 2, 8
 TOL = 1e-5
 
 
-def _inputs(hk: int = HK, seq: int = S, hq: int = HQ):
+def _inputs(hk: int = HK, seq: int = S, hq: int = HQ, dv: int = D):
     g = torch.Generator().manual_seed(11)
-    q, dout = (torch.randn(B, seq, hq, D, generator=g) for _ in range(2))
-    k, v = (torch.randn(B, seq, hk, D, generator=g) for _ in range(2))
+    q = torch.randn(B, seq, hq, D, generator=g)
+    dout = torch.randn(B, seq, hq, dv, generator=g)
+    k, v = torch.randn(B, seq, hk, D, generator=g), torch.randn(B, seq, hk, dv, generator=g)
     sinks = torch.randn(hq, generator=g)
     return q, k, v, dout, sinks
 
 
 def _case_inputs(case: dict):
-    return _inputs(case.get("hk", HK), case.get("seq", S), case.get("hq", HQ))
+    return _inputs(case.get("hk", HK), case.get("seq", S), case.get("hq", HQ), case.get("dv", D))
+
+
+def _mla(pattern: str, **extra) -> list[dict]:
+    """Value heads narrower and wider than q/k's (multi-head latent attention: 192 / 128 in
+    DeepSeek-V3), with the features and kernels that pad them."""
+    return [{"pattern": pattern, "layout": "zigzag", "dv": 5, **extra},
+            {"pattern": pattern, "layout": "zigzag", "dv": 12, "window": 5, "sinks": True, **extra},
+            {"pattern": pattern, "layout": "stripe", "dv": 6, "softcap": 1.5, **extra},
+            {"pattern": pattern, "layout": "contiguous", "dv": 4, "window": 5, "backend": "torch_cpu_flash", **extra}]
 
 
 def _attend(rank: int, world: int, case: dict) -> dict:
@@ -105,7 +115,8 @@ def _cases(pattern: str, layouts=("zigzag", "stripe", "contiguous"), **extra) ->
     return cases
 
 
-WORLD2_CASES = _cases("ring") + _cases("allgather") + _cases("ulysses") + [
+WORLD2_CASES = _cases("ring") + _cases("allgather") + _cases("ulysses") + _mla("ring") + _mla("allgather") + _mla(
+    "ulysses") + [
     {"pattern": "allgather", "layout": "stripe", "hk": 1, "window": 5, "softcap": 2.0, "sinks": True},
     # One K/V head over two ranks: Ulysses repeats it once, so each rank gets a copy.
     {"pattern": "ulysses", "layout": "zigzag", "hk": 1, "window": 5, "softcap": 2.0, "sinks": True},
@@ -124,7 +135,8 @@ def test_patterns_world_2():
 
 
 # 2 Ulysses groups of 2 ranks, the ring across them.
-WORLD4_CASES = _cases("hybrid", ulysses_size=2, seq=32) + [
+WORLD4_CASES = _cases("hybrid", ulysses_size=2, seq=32) + _mla("hybrid", ulysses_size=2, seq=32) + _mla(
+    "ring", seq=32) + [
     {"pattern": "hybrid", "layout": "zigzag", "ulysses_size": 2, "hk": 1, "window": 9, "softcap": 2.0,
      "sinks": True, "seq": 32},
     {"pattern": "hybrid", "layout": "stripe", "ulysses_size": 4, "window": 9, "sinks": True, "seq": 32},

@@ -72,7 +72,7 @@ def _launch(nproc: int, out_dir: str, args: list[str], launcher: str = "accelera
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{log[-6000:]}"
-    ranks = re.findall(rf"\[hf_ring\] rank (\d+)/{nproc} \(backend", log)
+    ranks = re.findall(rf"\[hf_ring\] rank (\d+)/{nproc} \(dist_backend", log)
     assert sorted(map(int, ranks)) == list(range(nproc)), log[-3000:]
     with open(os.path.join(out_dir, "trainer_state.json")) as f:
         state = json.load(f)

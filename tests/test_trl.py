@@ -59,7 +59,7 @@ _NOT_COMPARED = ("runtime", "per_second", "total_flos")
 def _launch(script: str, cp_size: int, out_dir: str, args: list[str], expect: tuple[str, ...] = ()) -> dict:
     log = _run(cp_size, [os.path.join(EXAMPLES, script), "--output_dir", out_dir, "--cp_size", str(cp_size),
                          *COMMON, *args])
-    for line in (f"[hf_ring] rank {cp_size - 1}/{cp_size} (backend", *expect):
+    for line in (f"[hf_ring] rank {cp_size - 1}/{cp_size} (dist_backend", *expect):
         assert line in log, (line, log[-3000:])
     with open(os.path.join(out_dir, "trainer_state.json")) as f:
         return json.load(f)

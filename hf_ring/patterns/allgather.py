@@ -25,6 +25,7 @@ from hf_ring.distributed.collectives import Collectives
 from hf_ring.patterns.plan import AttentionPlan
 from hf_ring.patterns.ring.attention import (
     KVAttentionFunction, KVPasses, accum_dtype, add_block_dkv, apply_sinks, backward_blocks, forward_blocks,
+    unpack_kv,
 )
 
 
@@ -40,10 +41,10 @@ def allgather_forward(
     ``sinks`` ``(hq,)`` -> out ``(b, s, hq, d)`` in q's dtype and lse ``(b, hq, s)`` float32
     (float64 for float64 inputs)."""
     s = q.shape[1]
-    every_kv = coll.all_gather(kv)  # (world, 2, b, s, hk, d)
+    every_kv = coll.all_gather(kv)  # (world, *kv.shape)
     acc = None
     for step, src in _sources(plan):
-        acc = forward_blocks(plan, plan.blocks(step, s), q, every_kv[src, 0], every_kv[src, 1], acc)
+        acc = forward_blocks(plan, plan.blocks(step, s), q, *unpack_kv(every_kv[src], q.shape[-1]), acc)
     out, lse = acc
     if sinks is not None:
         out, lse = apply_sinks(out, lse, sinks.detach())
@@ -58,16 +59,16 @@ def allgather_backward(
     shard, from ``dout`` ``(b, s, hq, d)``, its ``kv`` ``(2, b, s, hk, d)`` and the
     forward's final ``out`` and ``lse``."""
     s = q.shape[1]
-    every_kv = coll.all_gather(kv)  # (world, 2, b, s, hk, d)
+    every_kv = coll.all_gather(kv)  # (world, *kv.shape)
     # Row src: this rank's contribution to the gradient of rank src's K/V.
     shares = torch.empty(every_kv.shape, dtype=accum_dtype(q.dtype), device=q.device)
     dq = None
     for step, src in _sources(plan):
-        dq, block_dkv = backward_blocks(plan, plan.blocks(step, s), dout, q, every_kv[src, 0],
-                                        every_kv[src, 1], out, lse, dq)
-        add_block_dkv(shares[src], block_dkv, s, first_step=True)  # each src once: initialise it
-    dkv = coll.reduce_scatter(shares)  # (2, b, s, hk, d): summed over every rank's rows
-    return dq.to(q.dtype), dkv[0].to(kv.dtype), dkv[1].to(kv.dtype)
+        k, v = unpack_kv(every_kv[src], q.shape[-1])
+        dq, block_dkv = backward_blocks(plan, plan.blocks(step, s), dout, q, k, v, out, lse, dq)
+        add_block_dkv(shares[src], block_dkv, s, True, q.shape[-1])  # each src once: initialise it
+    dk, dv = unpack_kv(coll.reduce_scatter(shares), q.shape[-1])  # summed over every rank's rows
+    return dq.to(q.dtype), dk.to(kv.dtype), dv.to(kv.dtype)
 
 
 def allgather_attention(

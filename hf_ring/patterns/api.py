@@ -169,8 +169,8 @@ def context_parallel_attn_func(
     lws, first = _placement(group, world)
     plan = build_plan(pattern=pattern, group=group, rank=rank, world=world, layout=layout, causal=causal,
                       scale=scale, backend=backend, device=q.device, dtype=q.dtype, n_heads=q.shape[2],
-                      n_kv_heads=k.shape[2], head_dim=q.shape[3], seq=q.shape[1] * world, window=window,
-                      softcap=softcap, ulysses_size=ulysses_size, comm_stats=comm_stats, need_lse=return_lse,
+                      n_kv_heads=k.shape[2], head_dim=q.shape[3], value_head_dim=v.shape[3],
+                      seq=q.shape[1] * world, window=window, softcap=softcap, ulysses_size=ulysses_size, comm_stats=comm_stats, need_lse=return_lse,
                       local_world_size=lws, first_rank=first)
     out, lse = run_plan(q, k, v, plan, sinks)
     return (out, lse) if return_lse else out
@@ -291,7 +291,7 @@ def ring_flash_attn_varlen_func(
     _check_sinks(sinks, q.shape[2])
     plan = build_plan(pattern="ring", group=group, rank=rank, world=world, layout="zigzag", causal=causal,
                       scale=scale, backend=backend, device=q.device, dtype=q.dtype, n_heads=q.shape[2],
-                      n_kv_heads=k.shape[2], head_dim=q.shape[3], seq=sum(doc_lens),
+                      n_kv_heads=k.shape[2], head_dim=q.shape[3], value_head_dim=v.shape[3], seq=sum(doc_lens),
                       local_doc_lens=local_doc_lens, comm_stats=comm_stats)
     out, lse = run_plan(q, k, v, plan, sinks)
     out, lse = out.squeeze(0), lse.squeeze(0)

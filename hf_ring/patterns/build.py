@@ -28,6 +28,7 @@ from hf_ring.distributed.collectives import Collectives, GroupCollectives
 from hf_ring.distributed.comm import CommWaitStats, Transport
 from hf_ring.kernels import get_backend
 from hf_ring.kernels.base import KernelNeeds
+from hf_ring.kernels.value_heads import with_value_head_dim
 from hf_ring.patterns.auto import first_that_runs, log_choice_once, pattern_candidates
 from hf_ring.patterns.hybrid import RING_SHARD_LAYOUTS, hybrid_groups, hybrid_ring_plan
 from hf_ring.patterns.plan import PATTERNS, AttentionPlan
@@ -76,6 +77,7 @@ def build_plan(
     n_kv_heads: int,
     head_dim: int,
     seq: int,
+    value_head_dim: Optional[int] = None,
     window: Optional[int] = None,
     softcap: Optional[float] = None,
     local_doc_lens: Optional[tuple[int, ...]] = None,
@@ -99,7 +101,9 @@ def build_plan(
             nothing and is dropped.
         backend: the kernel choice, ``"auto"`` or a registered name.
         device, dtype: where and in what the call's tensors are (the kernel must run there).
-        n_heads, n_kv_heads, head_dim: the call's query and K/V head counts and head size.
+        n_heads, n_kv_heads, head_dim: the call's query and K/V head counts and q/k head size.
+        value_head_dim: the v heads' size when it differs (multi-head latent attention):
+            every kernel then runs on zero-padded heads (``kernels.value_heads``), exactly.
         seq: the full sequence's length in tokens (packed: the row's).
         local_doc_lens: packed rows, each document's local length; ring only.
         local_world_size, first_rank: ``auto`` only, processes per node (default: the
@@ -113,7 +117,7 @@ def build_plan(
     """
     common = dict(group=group, rank=rank, world=world, layout=layout, causal=causal, scale=scale, backend=backend,
                   device=device, dtype=dtype, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
-                  seq=seq,
+                  value_head_dim=value_head_dim or head_dim, seq=seq,
                   window=window if window is not None and window < seq else None, softcap=softcap,
                   local_doc_lens=local_doc_lens, comm_stats=comm_stats, need_lse=need_lse, transport=transport,
                   collectives=collectives)
@@ -137,8 +141,8 @@ def build_plan(
 
 
 def _build(pattern: str, ulysses_size: Optional[int], *, group, rank, world, layout, causal, scale, backend, device,
-           dtype, n_heads, n_kv_heads, head_dim, seq, window, softcap, local_doc_lens, comm_stats, need_lse, transport,
-           collectives) -> AttentionPlan:
+           dtype, n_heads, n_kv_heads, head_dim, value_head_dim, seq, window, softcap, local_doc_lens, comm_stats,
+           need_lse, transport, collectives) -> AttentionPlan:
     if pattern == "hybrid" and ulysses_size == 1:  # Ulysses groups of one rank: the ring over all of them
         pattern, ulysses_size = "ring", None
     if pattern == "hybrid" and ulysses_size == world:  # one Ulysses group: no ring
@@ -146,8 +150,9 @@ def _build(pattern: str, ulysses_size: Optional[int], *, group, rank, world, lay
     if pattern in ("ulysses", "hybrid"):
         kv_repeat(n_heads, n_kv_heads, world if pattern == "ulysses" else ulysses_size, pattern)
     position_ring = pattern == "hybrid" and layout not in RING_SHARD_LAYOUTS and causal
-    kernel = get_backend(backend, device, dtype, KernelNeeds(masked=window is not None or position_ring,
-                                                             softcap=softcap is not None, head_dim=head_dim))
+    needs = KernelNeeds(masked=window is not None or position_ring, softcap=softcap is not None,
+                        head_dim=max(head_dim, value_head_dim))
+    kernel = with_value_head_dim(get_backend(backend, device, dtype, needs), head_dim, value_head_dim)
     settings = dict(window=window, softcap=softcap, comm_stats=comm_stats)
     if pattern == "ring":
         return AttentionPlan(group, rank, world, layout, causal, scale, kernel, local_doc_lens=local_doc_lens,

@@ -29,7 +29,8 @@ _DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
 def check_local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, causal: bool) -> None:
-    """Shapes, dtypes and layout of this rank's q ``(b, s, hq, d)``, k and v ``(b, s, hk, d)``."""
+    """Shapes, dtypes and layout of this rank's q ``(b, s, hq, d)``, k ``(b, s, hk, d)`` and
+    v ``(b, s, hk, dv)`` (``dv`` may differ from ``d``: multi-head latent attention)."""
     check_layout(layout)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
@@ -44,8 +45,10 @@ def check_local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, 
         raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        # The head sizes may differ (multi-head latent attention: v heads narrower than q/k).
+        raise ValueError(f"k and v must agree on batch, local_seq and n_kv_heads, got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
     b, s, hq, d = q.shape
     if k.shape[0] != b or k.shape[1] != s or k.shape[3] != d:
         raise ValueError(

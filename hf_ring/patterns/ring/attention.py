@@ -24,6 +24,21 @@ from hf_ring.patterns.ring.packed_step import backward_varlen, forward_varlen
 from hf_ring.patterns.plan import AttentionPlan
 
 
+def pack_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """K and V in the one buffer a step sends: stacked ``(2, b, s, hk, d)`` when their heads
+    have one size, else side by side ``(b, s, hk, dk + dv)`` (multi-head latent attention),
+    each in its own size: nothing is padded before communication."""
+    return torch.stack([k, v]) if k.shape == v.shape else torch.cat([k, v], dim=-1)
+
+
+def unpack_kv(kv: torch.Tensor, k_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of K ``(b, s, hk, k_dim)`` and V in a buffer from :func:`pack_kv` (or one
+    shaped like it: the dK/dV accumulators, an all-gathered row)."""
+    if kv.dim() == 5:
+        return kv[0], kv[1]
+    return kv[..., :k_dim], kv[..., k_dim:]
+
+
 def accum_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -83,7 +98,8 @@ def forward_blocks(
         return block_out.to(dtype), block_lse.to(dtype)
     first = acc is None and _covers([(b.q_start, b.q_end) for b in blocks], s)
     if acc is None:
-        b, _, hq, d = q.shape
+        b, _, hq, _ = q.shape
+        d = cur_v.shape[-1]  # the output has the value heads' size
         acc = (torch.empty(b, s, hq, d, dtype=dtype, device=q.device),
                torch.empty(b, hq, s, dtype=dtype, device=q.device))
         if not first:
@@ -141,19 +157,21 @@ def backward_blocks(
     return dq, block_dkv
 
 
-def add_block_dkv(dkv: torch.Tensor, block_dkv: list, length: int, first_step: bool) -> None:
-    """Add a step's dK/dV blocks into the accumulator ``dkv`` ``(2, b, s, hk, d)``; on the
-    first step, when the blocks cover every key once, they initialise it instead."""
+def add_block_dkv(dkv: torch.Tensor, block_dkv: list, length: int, first_step: bool, k_dim: int) -> None:
+    """Add a step's dK/dV blocks into the accumulator ``dkv`` (shaped like the step's
+    :func:`pack_kv` buffer, K heads of ``k_dim``); on the first step, when the blocks cover
+    every key once, they initialise it instead."""
     first = first_step and _covers([(ks.start, ks.stop) for ks, _, _ in block_dkv], length)
     if first_step and not first:
         dkv.zero_()
+    dk, dv = unpack_kv(dkv, k_dim)
     for ks, bdk, bdv in block_dkv:
         if first:
-            dkv[0][:, ks] = bdk
-            dkv[1][:, ks] = bdv
+            dk[:, ks] = bdk
+            dv[:, ks] = bdv
         else:
-            dkv[0][:, ks] += bdk
-            dkv[1][:, ks] += bdv
+            dk[:, ks] += bdk
+            dv[:, ks] += bdv
 
 
 def ring_forward(
@@ -169,7 +187,7 @@ def ring_forward(
     for step in range(plan.world):
         if step + 1 < plan.world:
             blocks.start(exchange)
-        acc = forward_blocks(plan, plan.blocks(step, s), q, blocks.current[0], blocks.current[1], acc)
+        acc = forward_blocks(plan, plan.blocks(step, s), q, *unpack_kv(blocks.current, q.shape[-1]), acc)
         if step + 1 < plan.world:
             blocks.advance(exchange)
     out, lse = acc
@@ -228,14 +246,14 @@ def ring_backward(
         if step + 1 < plan.world:
             blocks.start(kv_exchange)
         dq, block_dkv = backward_blocks(
-            plan, plan.blocks(step, s), dout, q, blocks.current[0], blocks.current[1], out, lse, dq
+            plan, plan.blocks(step, s), dout, q, *unpack_kv(blocks.current, q.shape[-1]), out, lse, dq
         )
         if step > 0:
             # The accumulator for the block we now hold arrives from the previous rank; the
             # transfer overlapped with the block gradients computed above.
             dkv_exchange.wait()
             dkv.swap()
-        add_block_dkv(dkv.current, block_dkv, s, step == 0)
+        add_block_dkv(dkv.current, block_dkv, s, step == 0, q.shape[-1])
         if step + 1 < plan.world:
             blocks.advance(kv_exchange)
         if plan.world > 1:
@@ -244,7 +262,7 @@ def ring_backward(
         # One more hop brings every accumulator back to the rank that owns the shard.
         dkv_exchange.wait()
         dkv.swap()
-    dk, dv = dkv.current[0], dkv.current[1]
+    dk, dv = unpack_kv(dkv.current, q.shape[-1])
     return dq.to(q.dtype), dk.to(kv.dtype), dv.to(kv.dtype)
 
 
@@ -289,7 +307,7 @@ class KVAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, passes: KVPasses):
-        kv = torch.stack([k, v])  # (2, b, s, hk, d)
+        kv = pack_kv(k, v)
         out, lse = passes.forward(q, kv, sinks)
         ctx.save_for_backward(q, kv, out, lse, sinks)
         ctx.passes = passes
