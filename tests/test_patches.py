@@ -208,3 +208,55 @@ def test_trainer_accessors_on_a_real_trainer(tmp_path, fresh_process_state):
     inputs = tf_patches.prepare_inputs(trainer, {"input_ids": torch.tensor([[1, 2, 3]])})
     assert inputs["input_ids"].tolist() == [[1, 2, 3]]
     assert inputs["input_ids"].device == args.device
+
+
+# ---- transformers: what is read from the modeling code ----
+
+
+class _PassesWindow:
+    def forward(self, x):
+        return dict(sliding_window=x)
+
+
+class _ComparesWindow:
+    def forward(self, x):
+        return self.sliding_window == x
+
+
+# A builtin has no Python source to read.
+_SourceLess = type("_SourceLess", (), {"forward": max})
+
+
+def test_modeling_readers_refuse_an_installed_version_they_do_not_know(monkeypatch):
+    import transformers
+
+    monkeypatch.setattr(transformers, "__version__", "4.56.2")
+    calls = [
+        lambda: tf_patches.forward_passes_keyword(_PassesWindow, "sliding_window"),
+        lambda: tf_patches.attention_class_tables(_PassesWindow),
+        lambda: tf_patches.uses_attention_interface(_PassesWindow),
+    ]
+    for call in calls:
+        with pytest.raises(tf_patches.UnsupportedTransformersVersion, match="transformers 4.56.2"):
+            call()
+
+
+def test_forward_passes_keyword_reads_the_call_not_a_comparison():
+    assert tf_patches.forward_passes_keyword(_PassesWindow, "sliding_window")
+    assert not tf_patches.forward_passes_keyword(_PassesWindow, "window")
+    assert not tf_patches.forward_passes_keyword(_ComparesWindow, "sliding_window")
+    # Source that cannot be read does not pass: the caller refuses rather than guess.
+    assert not tf_patches.forward_passes_keyword(_SourceLess, "sliding_window")
+
+
+def test_attention_tables_and_interface_of_real_modeling_modules():
+    from transformers.models.bloom.modeling_bloom import BloomAttention
+    from transformers.models.falcon.modeling_falcon import FalconForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaForCausalLM
+
+    tables = tf_patches.attention_class_tables(FalconForCausalLM)
+    assert list(tables) == ["transformers.models.falcon.modeling_falcon.FALCON_ATTENTION_CLASSES"]
+    assert "eager" in next(iter(tables.values()))
+    assert tf_patches.attention_class_tables(LlamaForCausalLM) == {}
+    assert tf_patches.uses_attention_interface(LlamaAttention)
+    assert not tf_patches.uses_attention_interface(BloomAttention)
