@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from hf_ring.patches import accelerate as acc_patches
+from hf_ring.patches import torch as torch_patches
 from hf_ring.patches import transformers as tf_patches
 
 
@@ -260,3 +261,26 @@ def test_attention_tables_and_interface_of_real_modeling_modules():
     assert tf_patches.attention_class_tables(LlamaForCausalLM) == {}
     assert tf_patches.uses_attention_interface(LlamaAttention)
     assert not tf_patches.uses_attention_interface(BloomAttention)
+
+
+# ---- torch ----
+
+
+def test_forward_hooks_are_read_from_the_module():
+    linear = torch.nn.Linear(2, 2)
+    assert not torch_patches.has_forward_hooks(linear)
+    handle = linear.register_forward_hook(lambda module, args, kwargs, out: out, with_kwargs=True)
+    assert torch_patches.has_forward_hooks(linear)
+    handle.remove()
+    assert not torch_patches.has_forward_hooks(linear)
+    # A hook on a child is the child's own.
+    outer = torch.nn.Sequential(linear)
+    linear.register_forward_hook(lambda module, args, out: out)
+    assert not torch_patches.has_forward_hooks(outer)
+
+
+def test_forward_hooks_of_another_shape_are_refused():
+    linear = torch.nn.Linear(2, 2)
+    object.__setattr__(linear, "_forward_hooks", [])
+    with pytest.raises(torch_patches.UnsupportedTorchVersion, match="list, not a dict"):
+        torch_patches.has_forward_hooks(linear)

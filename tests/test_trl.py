@@ -273,8 +273,38 @@ def test_refuses_unsupported_trl_versions(monkeypatch):
     sys.modules.pop("hf_ring.trl", None)
 
 
+def test_trl_accessors_of_internals(monkeypatch):
+    import trl
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+    from trl.trainer.utils import FusedCausalLMOutput
+
+    from hf_ring.patches import trl as trl_patches
+
+    class Trainer:
+        def __init__(self) -> None:
+            self.ref_model = "reference"
+
+    trainer = Trainer()
+    with pytest.raises(RuntimeError, match="inside"):
+        with trl_patches.reference_model_replaced(trainer, "ring"):
+            assert trainer.ref_model == "ring"
+            raise RuntimeError("inside")
+    assert trainer.ref_model == "reference"
+    with pytest.raises(trl_patches.UnsupportedTRLVersion, match="no ref_model attribute"):
+        with trl_patches.reference_model_replaced(object(), "ring"):
+            pass
+    assert trl_patches.language_modeling_collator_class() is DataCollatorForLanguageModeling
+    assert trl_patches.fused_output_class() is FusedCausalLMOutput
+    monkeypatch.setattr(trl, "__version__", "1.17.0")
+    for call in (trl_patches.language_modeling_collator_class, trl_patches.fused_output_class,
+                 lambda: trl_patches.reference_model_replaced(trainer, "ring").__enter__()):
+        with pytest.raises(trl_patches.UnsupportedTRLVersion, match="1.17.0"):
+            call()
+    assert trainer.ref_model == "reference"
+
+
 def test_ring_forward_refuses_what_it_cannot_shard():
-    from hf_ring.trl.fused_forward import RingFusedForward
+    from hf_ring.training.trl.fused_forward import RingFusedForward
 
     forward = RingFusedForward(lambda **kw: None, _state(2, 0))
     ids = torch.ones(2, 6, dtype=torch.long)
