@@ -264,7 +264,9 @@ def test_refuses_unsupported_trl_versions(monkeypatch):
     with pytest.raises(trl_patches.UnsupportedTRLVersion, match=r"1\.16\.0"):
         trl_patches.check_version("1.15.2")
     assert trl_patches.check_version("1.16.0") == "1.16.0"
-    saved = {k: v for k, v in sys.modules.items() if k == "hf_ring.trl" or k.startswith("hf_ring.trl.")}
+    # hf_ring.trl is the face of hf_ring.training.trl, whose import runs the check: both are imported afresh.
+    packages = ("hf_ring.trl", "hf_ring.training.trl")
+    saved = {k: v for k, v in sys.modules.items() if k in packages or k.startswith(tuple(p + "." for p in packages))}
     monkeypatch.setattr(trl, "__version__", "1.17.0")
     for name in saved:
         monkeypatch.delitem(sys.modules, name)
