@@ -11,18 +11,25 @@ TRL keeps both in private attributes, read and written only here:
 - ``add_train_tokens(trainer, n)``: ``_total_train_tokens``, the running token count
   logged as ``num_tokens``;
 - ``set_batch_replicas(trainer, n)``: ``_tp_size``, the number of processes that share
-  one batch (TRL's name is for tensor parallelism; DPO divides its token count by it).
+  one batch (TRL's name is for tensor parallelism; DPO divides its token count by it);
+- ``reference_model_replaced(trainer, replacement)``: ``DPOTrainer.compute_loss`` calls
+  ``self.ref_model`` itself (TRL has no argument for the model it computes the reference
+  log-probabilities with), so ``RingDPOTrainer`` points it at the ring for that call;
+- ``language_modeling_collator_class()`` / ``fused_output_class()``: TRL's
+  ``DataCollatorForLanguageModeling`` (``trl.trainer.sft_trainer``) and
+  ``FusedCausalLMOutput`` (``trl.trainer.utils``), which TRL does not export.
 
-Written for TRL 1.16.0 (the source of ``SFTTrainer`` and ``DPOTrainer`` was read for
-it); any other version is refused with an error naming the supported ones. Each accessor
+Written for TRL 1.16.0 (the source of ``SFTTrainer`` and ``DPOTrainer``, and of the
+modules the two classes above live in, was read for it); any other version is refused with an error naming the supported ones. Each accessor
 also checks the attribute has the shape it was written for.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections import defaultdict
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from packaging.version import Version
 
@@ -96,3 +103,39 @@ def set_batch_replicas(trainer: Any, replicas: int) -> None:
             "use one of them"
         )
     trainer._tp_size = current * replicas
+
+
+@contextlib.contextmanager
+def reference_model_replaced(trainer: Any, replacement: Any) -> Iterator[None]:
+    """While open, ``trainer.ref_model`` is ``replacement`` (what ``DPOTrainer.compute_loss``
+    calls for the reference log-probabilities); the trainer's own is put back on exit.
+
+    Raises:
+        UnsupportedTRLVersion: an unsupported TRL version, or a trainer without a
+            ``ref_model`` attribute (set by ``DPOTrainer.__init__``).
+    """
+    check_version()
+    if not hasattr(trainer, "ref_model"):
+        raise _fail(f"{type(trainer).__name__} has no ref_model attribute")
+    original = trainer.ref_model
+    trainer.ref_model = replacement
+    try:
+        yield
+    finally:
+        trainer.ref_model = original
+
+
+def language_modeling_collator_class() -> type:
+    """TRL's ``DataCollatorForLanguageModeling``: the collator ``SFTTrainer`` builds by default."""
+    check_version()
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    return DataCollatorForLanguageModeling
+
+
+def fused_output_class() -> type:
+    """TRL's ``FusedCausalLMOutput``: what a model called with ``fused_lm_head=True`` returns."""
+    check_version()
+    from trl.trainer.utils import FusedCausalLMOutput
+
+    return FusedCausalLMOutput

@@ -28,8 +28,13 @@ code needs a package that is not installed). ``EXPECTED`` below lists the famili
 outcome is known to be WRONG or an error today, with the reason; ``tests/test_model_sweep.py``
 fails on any other WRONG or error, and on a listed family whose outcome changed.
 
+Which of exact or refused each family is, and why, is checked in
+(``tests/model_sweep_expected.json``, see ``tests/sweep_ratchet.py``): a family that moves
+between them fails the test until the record is updated in the same change.
+
 ``python tests/model_sweep.py --write-table`` runs the sweep and writes
-``tests/model_sweep_results.md``; ``--only NAME ...`` runs some families.
+``tests/model_sweep_results.md``; ``--write-expected`` records the outcomes it found
+(with ``--only NAME ...``, which runs some families: theirs only).
 """
 
 from __future__ import annotations
@@ -52,7 +57,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from model_sweep_configs import NOT_SWEPT, SEQ, build_config, family_names, model_type_of  # noqa: E402
+import sweep_ratchet  # noqa: E402
+from model_sweep_configs import NOT_SWEPT, SEQ, WRITTEN_FOR, build_config, family_names, model_type_of  # noqa: E402
 
 CP = 2
 BATCH = 2
@@ -479,14 +485,27 @@ def _cell(outcome: str, text: str, width: int = 160) -> str:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--write-table", action="store_true", help=f"write {os.path.relpath(RESULTS_MD)}")
+    parser.add_argument("--write-expected", action="store_true",
+                        help=f"record the outcomes in {os.path.relpath(sweep_ratchet.EXPECTED_JSON)} "
+                        "(with --only: those families' only)")
     parser.add_argument("--only", nargs="+", help="run only these families")
     args = parser.parse_args(argv)
+    import transformers
+
+    written_for = transformers.__version__ == WRITTEN_FOR
+    if args.write_expected and not written_for:
+        parser.error(f"the recorded outcomes are for transformers {WRITTEN_FOR}, not {transformers.__version__}")
+    recorded = sweep_ratchet.load()["families"]
     started = time.perf_counter()
     results = run_sweep(args.only)
     seconds = time.perf_counter() - started
     failed = 0
     for name, r in results.items():
         kind, message = verdict(r)
+        # What is being recorded is not compared with the record it replaces.
+        if kind == "ok" and written_for and not args.write_expected:
+            kind, message = sweep_ratchet.compare(r, recorded)
+            message = message or r.get("detail", "")
         failed += kind == "fail"
         reference, spent = r.get("reference") or "-", r.get("seconds", 0.0)
         print(f"{name:26s} {r['outcome']:8s} {kind:5s} {reference:6s} {spent:4.1f}s  {message}")
@@ -495,6 +514,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         with open(RESULTS_MD, "w") as f:
             f.write(markdown_table(results, seconds))
         print(f"wrote {RESULTS_MD}")
+    if args.write_expected:
+        changed = sweep_ratchet.write(results, transformers.__version__, merge=args.only is not None)
+        print(f"wrote {sweep_ratchet.EXPECTED_JSON}; records changed: {', '.join(changed) or 'none'}")
     return 1 if failed else 0
 
 

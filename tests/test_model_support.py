@@ -23,7 +23,7 @@ from packaging.version import Version
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from hf_ring.hf import support as model_support
+from hf_ring.hf.support import detectors, windows
 from hf_ring.hf.support import check_model_supported, check_model_under_cp
 from test_hf_attention import _COMMON
 
@@ -183,7 +183,7 @@ def test_mask_only_sliding_window_shorter_than_the_sequence_is_refused(model_typ
 )
 def test_passed_sliding_window_is_computed_on_dense_rows_refused_on_packed(model_type, overrides):
     model = tiny(model_type, **overrides)
-    assert model_support._passes_window(list(model.model.named_modules()))
+    assert windows.passes_window(list(model.model.named_modules()))
     assert refusal(model, seq_len=17) == ""
     assert refusal(model, seq_len=4096) == ""
     # Packed rows: not computed yet, so documents longer than the window are refused.
@@ -197,7 +197,7 @@ def test_mask_only_windows_are_told_apart_by_the_call():
     model = tiny("qwen2_moe", use_sliding_window=True, sliding_window=16, max_window_layers=2)
     if TRANSFORMERS_5:  # 4.57's Qwen2-MoE attention has no such attribute
         assert model.model.layers[0].self_attn.sliding_window == 16
-    assert not model_support._passes_window(list(model.model.named_modules()))
+    assert not windows.passes_window(list(model.model.named_modules()))
 
 
 def test_llama4_chunked_attention_is_refused_beyond_the_chunk():
@@ -253,7 +253,7 @@ def test_multi_head_latent_attention_with_equal_head_sizes_is_not_refused():
 def test_falcon_is_refused_when_it_asks_for_ring_flash():
     # Falcon picks its attention class from FALCON_ATTENTION_CLASSES by implementation name
     # while building its layers (KeyError: 'ring_flash'), before post_init: `import hf_ring`
-    # runs the check at the end of PreTrainedModel.__init__ (patches/transformers.py).
+    # runs the check at the end of PreTrainedModel.__init__ (patches/transformers/hooks.py).
     with pytest.raises(NotImplementedError, match="FALCON_ATTENTION_CLASSES") as error:
         tiny("falcon", attn_implementation="ring_flash")
     assert "FalconForCausalLM" in str(error.value) and "'sdpa'" in str(error.value), error.value
@@ -307,8 +307,8 @@ def test_plain_transformers_are_not_refused(model_type, overrides):
 def test_the_model_is_read_once_per_config(monkeypatch):
     model = tiny("llama")
     reads = []
-    read = model_support._read_model
-    monkeypatch.setattr(model_support, "_read_model", lambda m: reads.append(1) or read(m))
+    read = detectors.read_model
+    monkeypatch.setattr(detectors, "read_model", lambda m: reads.append(1) or read(m))
     check_model_under_cp(model, CP, 0 + SEQ)  # no refusal, but the model was read
     check_model_under_cp(model, CP, SEQ * 2)
     check_model_under_cp(model.model, CP, SEQ)  # the base model, as the guard passes it: its own cache

@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from hf_ring.patches import accelerate as acc_patches
+from hf_ring.patches import torch as torch_patches
 from hf_ring.patches import transformers as tf_patches
 
 
@@ -208,3 +209,77 @@ def test_trainer_accessors_on_a_real_trainer(tmp_path, fresh_process_state):
     inputs = tf_patches.prepare_inputs(trainer, {"input_ids": torch.tensor([[1, 2, 3]])})
     assert inputs["input_ids"].tolist() == [[1, 2, 3]]
     assert inputs["input_ids"].device == args.device
+
+
+# ---- transformers: what is read from the modeling code ----
+
+
+class _PassesWindow:
+    def forward(self, x):
+        return dict(sliding_window=x)
+
+
+class _ComparesWindow:
+    def forward(self, x):
+        return self.sliding_window == x
+
+
+# A builtin has no Python source to read.
+_SourceLess = type("_SourceLess", (), {"forward": max})
+
+
+def test_modeling_readers_refuse_an_installed_version_they_do_not_know(monkeypatch):
+    import transformers
+
+    monkeypatch.setattr(transformers, "__version__", "4.56.2")
+    calls = [
+        lambda: tf_patches.forward_passes_keyword(_PassesWindow, "sliding_window"),
+        lambda: tf_patches.attention_class_tables(_PassesWindow),
+        lambda: tf_patches.uses_attention_interface(_PassesWindow),
+    ]
+    for call in calls:
+        with pytest.raises(tf_patches.UnsupportedTransformersVersion, match="transformers 4.56.2"):
+            call()
+
+
+def test_forward_passes_keyword_reads_the_call_not_a_comparison():
+    assert tf_patches.forward_passes_keyword(_PassesWindow, "sliding_window")
+    assert not tf_patches.forward_passes_keyword(_PassesWindow, "window")
+    assert not tf_patches.forward_passes_keyword(_ComparesWindow, "sliding_window")
+    # Source that cannot be read does not pass: the caller refuses rather than guess.
+    assert not tf_patches.forward_passes_keyword(_SourceLess, "sliding_window")
+
+
+def test_attention_tables_and_interface_of_real_modeling_modules():
+    from transformers.models.bloom.modeling_bloom import BloomAttention
+    from transformers.models.falcon.modeling_falcon import FalconForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaForCausalLM
+
+    tables = tf_patches.attention_class_tables(FalconForCausalLM)
+    assert "eager" in tables["transformers.models.falcon.modeling_falcon.FALCON_ATTENTION_CLASSES"]
+    assert tf_patches.attention_class_tables(LlamaForCausalLM) == {}
+    assert tf_patches.uses_attention_interface(LlamaAttention)
+    assert not tf_patches.uses_attention_interface(BloomAttention)
+
+
+# ---- torch ----
+
+
+def test_forward_hooks_are_read_from_the_module():
+    linear = torch.nn.Linear(2, 2)
+    assert not torch_patches.has_forward_hooks(linear)
+    handle = linear.register_forward_hook(lambda module, args, kwargs, out: out, with_kwargs=True)
+    assert torch_patches.has_forward_hooks(linear)
+    handle.remove()
+    assert not torch_patches.has_forward_hooks(linear)
+    # A hook on a child is the child's own.
+    outer = torch.nn.Sequential(linear)
+    linear.register_forward_hook(lambda module, args, out: out)
+    assert not torch_patches.has_forward_hooks(outer)
+
+
+def test_forward_hooks_of_another_shape_are_refused():
+    linear = torch.nn.Linear(2, 2)
+    object.__setattr__(linear, "_forward_hooks", [])
+    with pytest.raises(torch_patches.UnsupportedTorchVersion, match="list, not a dict"):
+        torch_patches.has_forward_hooks(linear)

@@ -264,15 +264,46 @@ def test_refuses_unsupported_trl_versions(monkeypatch):
     with pytest.raises(trl_patches.UnsupportedTRLVersion, match=r"1\.16\.0"):
         trl_patches.check_version("1.15.2")
     assert trl_patches.check_version("1.16.0") == "1.16.0"
-    saved = {k: v for k, v in sys.modules.items()
-             if k == "hf_ring.trl" or k.startswith("hf_ring.training.trl")}
+    # hf_ring.trl is the face of hf_ring.training.trl, whose import runs the check: both are imported afresh.
+    packages = ("hf_ring.trl", "hf_ring.training.trl")
+    saved = {k: v for k, v in sys.modules.items() if k in packages or k.startswith(tuple(p + "." for p in packages))}
     monkeypatch.setattr(trl, "__version__", "1.17.0")
     for name in saved:
         monkeypatch.delitem(sys.modules, name)
     with pytest.raises(trl_patches.UnsupportedTRLVersion, match=r"TRL 1\.16\.0 and does not know TRL 1\.17\.0"):
         import hf_ring.trl  # noqa: F401
-    for name in [k for k in sys.modules if k == "hf_ring.trl" or k.startswith("hf_ring.training.trl")]:
+    for name in [k for k in sys.modules if k in packages or k.startswith(tuple(p + "." for p in packages))]:
         sys.modules.pop(name)
+
+
+def test_trl_accessors_of_internals(monkeypatch):
+    import trl
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+    from trl.trainer.utils import FusedCausalLMOutput
+
+    from hf_ring.patches import trl as trl_patches
+
+    class Trainer:
+        def __init__(self) -> None:
+            self.ref_model = "reference"
+
+    trainer = Trainer()
+    with pytest.raises(RuntimeError, match="inside"):
+        with trl_patches.reference_model_replaced(trainer, "ring"):
+            assert trainer.ref_model == "ring"
+            raise RuntimeError("inside")
+    assert trainer.ref_model == "reference"
+    with pytest.raises(trl_patches.UnsupportedTRLVersion, match="no ref_model attribute"):
+        with trl_patches.reference_model_replaced(object(), "ring"):
+            pass
+    assert trl_patches.language_modeling_collator_class() is DataCollatorForLanguageModeling
+    assert trl_patches.fused_output_class() is FusedCausalLMOutput
+    monkeypatch.setattr(trl, "__version__", "1.17.0")
+    for call in (trl_patches.language_modeling_collator_class, trl_patches.fused_output_class,
+                 lambda: trl_patches.reference_model_replaced(trainer, "ring").__enter__()):
+        with pytest.raises(trl_patches.UnsupportedTRLVersion, match="1.17.0"):
+            call()
+    assert trainer.ref_model == "reference"
 
 
 def test_ring_forward_refuses_what_it_cannot_shard():

@@ -11,7 +11,7 @@ every layer that ran the ring; the forward hook compares that with the model's a
 layers and raises if any is missing.
 
 Models created with ``attn_implementation="ring_flash"`` after ``import hf_ring`` are
-guarded automatically (``patches/transformers.py`` calls ``guard_if_requested`` after
+guarded automatically (``patches/transformers/hooks.py`` calls ``guard_if_requested`` after
 ``PreTrainedModel.post_init`` and ``set_attn_implementation``); ``guard_model`` does it
 by hand. Without context parallelism (no active state, or ``cp_size == 1``) the guard
 checks packed-row inputs and hands their document lengths down.

@@ -35,7 +35,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hf_ring.training.collator import IGNORE_INDEX
+from hf_ring.sharding.labels import IGNORE_INDEX
+from hf_ring.patches import torch as torch_patches
 from hf_ring.patches import transformers as transformers_patches
 
 TURN_OFF = "turn the chunked loss off (RingTrainer(chunked_loss=False), or --chunked_loss off in the example)"
@@ -241,7 +242,8 @@ def _head_of(model: nn.Module) -> tuple[str, nn.Linear]:
             f"chunked loss: {type(model).__name__}.{attr} is a {type(head).__name__} with a forward of its own, "
             f"not a plain nn.Linear; {TURN_OFF}"
         )
-    if head._forward_hooks:  # they would see the recorder's empty output, and their result would be dropped
+    # Hooks would see the recorder's empty output, and their result would be dropped.
+    if torch_patches.has_forward_hooks(head):
         raise NotImplementedError(
             f"chunked loss: {type(model).__name__}.{attr} has forward hooks, whose effect on the logits the "
             f"chunked loss cannot reproduce (it never runs the head); remove them, or {TURN_OFF}"

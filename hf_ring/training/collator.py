@@ -26,9 +26,8 @@ import torch
 
 from hf_ring.patterns.state import ContextParallelState
 from hf_ring.sharding import required_multiple, shard_packed, shard_sequence
+from hf_ring.sharding.labels import IGNORE_INDEX
 from hf_ring.sharding.layouts import check_layout
-
-IGNORE_INDEX = -100
 
 
 @dataclass(frozen=True)

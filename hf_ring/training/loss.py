@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hf_ring.training.collator import IGNORE_INDEX
+from hf_ring.sharding.labels import IGNORE_INDEX
 
 
 def token_loss_sum(logits: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:

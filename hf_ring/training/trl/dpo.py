@@ -16,8 +16,7 @@ number of processes that share a batch.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 from transformers import Trainer
@@ -91,16 +90,6 @@ class RingDPOTrainer(RingTrainer, DPOTrainer):
                 f"load it with attn_implementation={RING_ATTENTION!r}"
             )
 
-    @contextmanager
-    def _through_the_ring(self) -> Iterator[None]:
-        """TRL calls ``self.ref_model`` itself: point it at the ring while the loss is computed."""
-        ref_model = self.ref_model
-        self.ref_model = RingFusedForward(ref_model, self.ring_state, self._pad_token_id())
-        try:
-            yield
-        finally:
-            self.ref_model = ref_model
-
     def _pad_token_id(self) -> int:
         pad = getattr(self.data_collator, "pad_token_id", None)
         return int(pad) if pad is not None else 0
@@ -124,7 +113,9 @@ class RingDPOTrainer(RingTrainer, DPOTrainer):
                 "RingDPOTrainer under context parallelism returns no model outputs (TRL would recompute full "
                 "logits outside the ring); use prediction_loss_only / no compute_metrics"
             )
-        with self._through_the_ring():
+        # TRL calls the reference model itself: it runs through the ring while the loss is computed.
+        ring_reference = RingFusedForward(self.ref_model, self.ring_state, self._pad_token_id())
+        with trl_patches.reference_model_replaced(self, ring_reference):
             ring_model = RingFusedForward(model, self.ring_state, self._pad_token_id())
             return DPOTrainer.compute_loss(self, ring_model, inputs, False, num_items_in_batch)
 

@@ -30,10 +30,11 @@ import torch
 import torch.distributed as dist
 
 from hf_ring.hf.guard import per_token_labels
+from hf_ring.patches import trl as trl_patches
 from hf_ring.patterns.state import ContextParallelState
 from hf_ring.sharding import required_multiple, shard_sequence, unshard_sequence
+from hf_ring.sharding.labels import IGNORE_INDEX
 
-IGNORE_INDEX = -100
 # What TRL's preference trainers pass; anything else (pixel values, router logits) is refused under CP.
 _ACCEPTED = frozenset({"input_ids", "attention_mask", "labels", "fused_lm_head", "use_cache"})
 _PER_TOKEN_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")
@@ -109,8 +110,6 @@ class RingFusedForward:
         """``input_ids`` and ``labels``: int64 ``(batch, seq)``, labels ``-100`` where nothing is
         scored; ``attention_mask`` ``(batch, seq)`` right padding. Returns TRL's
         ``FusedCausalLMOutput`` with per-token fields ``(batch, seq - 1)``, ``loss`` None."""
-        from trl.trainer.utils import FusedCausalLMOutput
-
         unknown = sorted(set(kwargs) - _ACCEPTED)
         if args or unknown or not fused_lm_head or input_ids is None or labels is None:
             raise NotImplementedError(
@@ -148,4 +147,4 @@ class RingFusedForward:
             local = getattr(out, name, None)
             if local is not None:
                 fields[name] = gather_rows(local, state)[:, : seq - 1]
-        return FusedCausalLMOutput(loss=None, **fields)
+        return trl_patches.fused_output_class()(loss=None, **fields)

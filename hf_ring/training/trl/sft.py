@@ -16,7 +16,6 @@ from typing import Any, Optional
 
 import torch
 from trl import SFTTrainer
-from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 from hf_ring.training.collator import RingDataCollator
 from hf_ring.hf.guard import per_token_labels
@@ -70,7 +69,7 @@ class RingSFTTrainer(RingTrainer, SFTTrainer):
             return collator
         if isinstance(collator, RingDataCollator):
             return RingSFTCollator(collator)  # RingTrainer checked it shards as this process's state says
-        if type(collator) is not DataCollatorForLanguageModeling:
+        if type(collator) is not trl_patches.language_modeling_collator_class():
             raise ValueError(
                 f"RingSFTTrainer builds its collator from TRL's settings; got data_collator of type "
                 f"{type(collator).__name__}. Leave data_collator unset (vision datasets are not supported), "

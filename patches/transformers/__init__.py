@@ -1,0 +1,68 @@
+"""Monkey-patches of transformers internals that ``attn_implementation="ring_flash"`` needs,
+and every private internal of transformers that hf_ring reads.
+
+Written for transformers 4.57.6 (the last 4.x, the oldest with the attention registry)
+and 5.24.0; applied to the release lines they belong to (4.57.x and 5.x) and refused,
+with an error that says what to install, on any other version (``versions``).
+
+The patches (``hooks.apply``):
+
+1. ``flash_name_check`` (5.x only). Transformers 5 takes every implementation name
+   containing "flash" for a flash-attention kernel (``utils.generic.
+   is_flash_attention_requested``): model creation then tries to load ``ring_flash`` from
+   the Hub and fails with "Could not find the currently requested flash attention
+   implementation at `ring_flash`", models whose ``_compatible_flash_implementations`` is
+   set would silently swap it for a Hub kernel, and vision encoders, generation and mask
+   code switch to flash calling conventions (unpadded 2-D masks, ``cu_seqlens``).
+   ``ring_flash`` follows SDPA's conventions (4-D masks without context parallelism), so
+   the check is wrapped to answer False for it and exactly as before for every other
+   name. 4.57.x compares names exactly (``== "flash_attention_2"``,
+   ``startswith("flash_attention")``) and needs no such patch.
+2. ``model_hook`` (4.57.x and 5.x). ``PreTrainedModel.post_init`` and
+   ``set_attn_implementation`` call a hook after they ran, so that every model that asks
+   for ``ring_flash`` gets the guard that detects a bypassed ring
+   (``hf_ring.hf.guard``) without the user doing anything.
+
+Each patch checks that what it replaces has the shape it was written for, and raises
+``UnsupportedTransformersVersion`` otherwise. ``apply`` is idempotent.
+
+The private internals hf_ring reads are read here too, through accessors that check the
+installed release line and the internal's shape first, so that a transformers release
+that renames or reshapes one fails with a clear error instead of a wrong answer (the same
+in 4.57.6 and 5.24.0):
+
+- ``attributes``: ``config._attn_implementation`` (``attn_implementation``; transformers
+  has no public reader of it), ``Trainer._train_batch_size`` (``train_batch_size``:
+  ``auto_find_batch_size`` changes it, so the argument's value may be stale),
+  ``Trainer._prepare_inputs`` (``prepare_inputs``: what moves a batch to the device before
+  the model's forward; the stock ``prediction_step`` calls it first),
+  ``PreTrainedModel._set_gradient_checkpointing`` (``set_checkpoint_function``: to
+  checkpoint layers with hf_ring's CPU-offloading checkpoint);
+- ``sources``: what is read from the modeling code itself: a causal LM's logit transform
+  (``logit_transform``, for the chunked loss), whether a forward passes a keyword
+  (``forward_passes_keyword``), a modeling module's attention-class tables and whether it
+  dispatches through the attention interface (``attention_class_tables``,
+  ``uses_attention_interface``), for model support.
+
+transformers is imported only when a function runs: ``import hf_ring`` needs only torch.
+"""
+
+from .attributes import attn_implementation, prepare_inputs, set_checkpoint_function, train_batch_size
+from .hooks import apply
+from .sources import attention_class_tables, forward_passes_keyword, logit_transform, uses_attention_interface
+from .versions import WRITTEN_FOR, UnsupportedTransformersVersion, release_line
+
+__all__ = [
+    "WRITTEN_FOR",
+    "UnsupportedTransformersVersion",
+    "apply",
+    "attention_class_tables",
+    "attn_implementation",
+    "forward_passes_keyword",
+    "logit_transform",
+    "prepare_inputs",
+    "release_line",
+    "set_checkpoint_function",
+    "train_batch_size",
+    "uses_attention_interface",
+]

@@ -1,0 +1,84 @@
+"""The private attributes of transformers' configs, models and ``Trainer`` that hf_ring reads
+or calls, each through an accessor that checks the release line and the attribute's shape
+first (the same in 4.57.6 and 5.24.0).
+
+Owns: ``attn_implementation``, ``train_batch_size``, ``prepare_inputs``,
+``set_checkpoint_function``. Imports nothing of transformers itself (it is handed the objects).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Callable
+
+from .versions import fail, installed_version
+
+
+def attn_implementation(config: Any) -> str | None:
+    """``config._attn_implementation``: the attention implementation the model of ``config``
+    runs (``"sdpa"``, ``"ring_flash"``, ...), or None when the config names none yet.
+
+    Raises:
+        UnsupportedTransformersVersion: an unsupported transformers version, or a config
+            class whose ``_attn_implementation`` is not the property 4.57.6 and 5.24.0 have.
+    """
+    version = installed_version()
+    if not isinstance(getattr(type(config), "_attn_implementation", None), property):
+        raise fail(f"{type(config).__name__}._attn_implementation is not a property", version)
+    name = config._attn_implementation
+    if name is not None and not isinstance(name, str):
+        raise fail(f"{type(config).__name__}._attn_implementation is {name!r}, not a name", version)
+    return name
+
+
+def train_batch_size(trainer: Any) -> int:
+    """``trainer._train_batch_size``: the per-device batch size of the current training run.
+
+    Raises:
+        UnsupportedTransformersVersion: an unsupported transformers version, or a Trainer
+            that holds no int ``_train_batch_size`` (set by ``Trainer.__init__``).
+    """
+    version = installed_version()
+    size = vars(trainer).get("_train_batch_size")
+    if not isinstance(size, int) or isinstance(size, bool):
+        raise fail(f"{type(trainer).__name__}._train_batch_size is {size!r}, not an int", version)
+    return size
+
+
+@functools.lru_cache(maxsize=None)
+def _prepare_inputs_parameters(trainer_class: type) -> list[str] | None:
+    method = getattr(trainer_class, "_prepare_inputs", None)
+    return list(inspect.signature(method).parameters) if callable(method) else None
+
+
+def prepare_inputs(trainer: Any, inputs: dict[str, Any]) -> dict[str, Any]:
+    """``trainer._prepare_inputs(inputs)``: the batch as the model's forward takes it (tensors
+    on the Trainer's device).
+
+    Raises:
+        UnsupportedTransformersVersion: an unsupported transformers version, or a Trainer
+            whose ``_prepare_inputs`` is missing or takes other parameters than ``inputs``.
+    """
+    version = installed_version()
+    params = _prepare_inputs_parameters(type(trainer))
+    if params != ["self", "inputs"]:
+        raise fail(f"{type(trainer).__name__}._prepare_inputs has parameters {params}", version)
+    return trainer._prepare_inputs(inputs)
+
+
+def set_checkpoint_function(model: Any, checkpoint_function: Callable) -> None:
+    """Make every checkpointed layer of ``model`` call ``checkpoint_function(fn, *args)``
+    instead of ``torch.utils.checkpoint.checkpoint`` (``PreTrainedModel._set_gradient_checkpointing``,
+    the same in 4.57.6 and 5.24.0). Activation checkpointing must already be enabled.
+
+    Raises:
+        UnsupportedTransformersVersion: an unsupported version, or a model whose
+            ``_set_gradient_checkpointing`` takes other parameters.
+    """
+    version = installed_version()
+    method = getattr(model, "_set_gradient_checkpointing", None)
+    params = list(inspect.signature(method).parameters) if callable(method) else None
+    if params is None or params[:2] != ["enable", "gradient_checkpointing_func"]:
+        raise fail(f"{type(model).__name__}._set_gradient_checkpointing has parameters {params}", version)
+    method(enable=True, gradient_checkpointing_func=checkpoint_function)
