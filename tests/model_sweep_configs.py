@@ -88,7 +88,7 @@ SHRINK: dict[str, Any] = dict(
     kv_lora_rank=16,
     qk_rope_head_dim=8,
     qk_nope_head_dim=8,
-    v_head_dim=16,
+    v_head_dim=12,  # another size than Q/K's 16, as in the released models (192 / 128)
     # sparse-attention indexers
     index_n_heads=2,
     index_head_dim=16,

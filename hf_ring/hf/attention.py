@@ -187,7 +187,7 @@ def _ring_attention(
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     try:
-        plan = context.plan(q, k.shape[2], scale, window, softcap)
+        plan = context.plan(q, k.shape[2], scale, window, softcap, v.shape[3])
     except NotImplementedError as e:
         # A feature the pattern or its kernel does not compute; every rank resolves the same
         # pattern and kernel, so all raise alike.
@@ -215,7 +215,7 @@ def _run_packed(
     query, key, value = one_dtype(query, key, value)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    out, _ = run_plan(q, k, v, context.plan(q, k.shape[2], scale), sinks)
+    out, _ = run_plan(q, k, v, context.plan(q, k.shape[2], scale, value_head_dim=v.shape[3]), sinks)
     return out
 
 

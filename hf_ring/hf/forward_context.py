@@ -66,16 +66,17 @@ class ForwardContext:
 
     def plan(
         self, q: torch.Tensor, n_kv_heads: int, scale: float, window: Optional[int] = None,
-        softcap: Optional[float] = None,
+        softcap: Optional[float] = None, value_head_dim: Optional[int] = None,
     ) -> AttentionPlan:
         """The plan for this forward's attention calls like ``q`` ``(batch, seq_local,
-        n_heads, head_dim)`` with ``n_kv_heads`` K/V heads, ``scale``, sliding ``window``
-        and logit ``softcap`` (None: none): the state's pattern (``"auto"`` resolved here,
+        n_heads, head_dim)`` with ``n_kv_heads`` K/V heads (of ``value_head_dim`` for V when
+        it differs: multi-head latent attention), ``scale``, sliding ``window`` and logit
+        ``softcap`` (None: none): the state's pattern (``"auto"`` resolved here,
         once per kind of layer and forward), the state's kernel choice resolved for q's
         device, dtype and these features, built on first use and then shared by every
         layer with the same settings (a model alternating sliding and full layers gets
         two plans, each with its own schedule cache)."""
-        key = (q.device, q.dtype, q.shape[1], q.shape[2], n_kv_heads, scale, window, softcap)
+        key = (q.device, q.dtype, *q.shape[1:], n_kv_heads, value_head_dim, scale, window, softcap)
         plan = self._plans.get(key)
         if plan is None:
             s = self.state
@@ -95,6 +96,7 @@ class ForwardContext:
                 n_heads=q.shape[2],
                 n_kv_heads=n_kv_heads,
                 head_dim=q.shape[3],
+                value_head_dim=value_head_dim,
                 seq=q.shape[1] * world,
                 window=window,
                 softcap=softcap,

@@ -16,7 +16,7 @@ cannot be run exactly.
 One module per kind of model feature, each a detector: ``token_mixers`` (convolutions,
 SSM / linear-recurrence mixers), ``layer_kinds`` (the config's layer kinds),
 ``interface`` (attention that bypasses transformers' attention interface),
-``head_sizes`` (latent attention's value heads), ``rope`` (length-dependent RoPE),
+``rope`` (length-dependent RoPE),
 ``windows`` (sliding windows and chunks), ``temperature`` (Llama 4's temperature tuning);
 ``reading`` holds what they share, ``detectors`` their list and the two entry points,
 :func:`check_model_under_cp` and :func:`check_model_supported`.
