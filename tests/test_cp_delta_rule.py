@@ -129,3 +129,119 @@ def test_refusals():
         context_parallel_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"][:, :8])
     with pytest.raises(ValueError, match="do not make up"):
         context_parallel_gated_delta_rule(*x.values(), local_doc_lens=[8, 7])
+
+
+# ------------------------------------------------------------- context parallel (b)
+
+# piece: tokens per piece (dense) or per piece of each document (packed); chunk: the
+# scan's chunk size (64 > piece: pieces shorter than a chunk; 8 < 20: several, padded).
+CASES = [
+    dict(layout="zigzag", piece=8, chunk=64, dtype=torch.float64, l2=True, init=True, final=True),
+    dict(layout="zigzag", piece=20, chunk=8, dtype=torch.float64, l2=False, init=False, final=True),
+    dict(layout="contiguous", piece=8, chunk=64, dtype=torch.float64, l2=False, init=True, final=True),
+    # No final state: contiguous rank 0 then needs no summary, yet must join the backward's exchange.
+    dict(layout="contiguous", piece=20, chunk=8, dtype=torch.float64, l2=True, init=False, final=False),
+    dict(layout="packed", piece=[3, 1, 5], chunk=4, dtype=torch.float64, l2=True, init=False, final=True),
+    dict(layout="zigzag", piece=24, chunk=16, dtype=torch.float32, l2=True, init=True, final=True),
+    dict(layout="contiguous", piece=24, chunk=16, dtype=torch.float32, l2=False, init=False, final=False),
+]
+SHAPE = dict(b=2, hk=2, hv=4, dk=8, dv=6)
+
+
+def case_problem(i: int, world: int):
+    """Full-sequence float64 inputs, initial state, output cotangent, the per-rank
+    final-state cotangents, the documents' global lengths (packed) and the sharders."""
+    case = CASES[i]
+    per_rank = 2 if case["layout"] != "contiguous" else 1
+    doc_lens = [2 * world * n for n in case["piece"]] if case["layout"] == "packed" else None
+    seq = sum(doc_lens) if doc_lens else case["piece"] * per_rank * world
+    x, init = make_inputs(100 + i, SHAPE["b"], seq, SHAPE["hk"], SHAPE["hv"], SHAPE["dk"], SHAPE["dv"], l2=case["l2"])
+    gen = torch.Generator().manual_seed(200 + i)
+    go = torch.randn(SHAPE["b"], seq, SHAPE["hv"], SHAPE["dv"], generator=gen, dtype=torch.float64)
+    n_docs = len(doc_lens) if doc_lens else 1
+    gfs = torch.randn(world, SHAPE["b"], n_docs, SHAPE["hv"], SHAPE["dk"], SHAPE["dv"], generator=gen,
+                      dtype=torch.float64)
+    if doc_lens:
+        cu = torch.tensor([0, *torch.tensor(doc_lens).cumsum(0).tolist()])
+        shard = lambda t, r: shard_packed(t, cu, world, r)  # noqa: E731
+        join = lambda ts: unshard_packed(ts, cu)  # noqa: E731
+    else:
+        shard = lambda t, r: shard_sequence(t, world, r, layout=case["layout"])  # noqa: E731
+        join = lambda ts: unshard_sequence(ts, layout=case["layout"])  # noqa: E731
+    return case, x, (init if case["init"] else None), go, gfs, doc_lens, shard, join
+
+
+def _world_cases(rank: int, world: int) -> list[dict]:
+    """Every case on this rank: the CP op's output, final state and gradients."""
+    results = []
+    for i in range(len(CASES)):
+        case, x, init, go, gfs, doc_lens, shard, _ = case_problem(i, world)
+        dt = case["dtype"]
+        leaves = {n: shard(t, rank).to(dt).requires_grad_() for n, t in x.items()}
+        init_leaf = init.to(dt).requires_grad_() if init is not None else None
+        out, final = context_parallel_gated_delta_rule(
+            *leaves.values(), layout="zigzag" if doc_lens else case["layout"],
+            local_doc_lens=[n // world for n in doc_lens] if doc_lens else None, chunk_size=case["chunk"],
+            initial_state=init_leaf, use_qk_l2norm_in_kernel=case["l2"], output_final_state=case["final"])
+        loss = (out * shard(go, rank).to(dt)).sum()
+        if case["final"]:
+            loss = loss + (final * (gfs[rank] if doc_lens else gfs[rank][:, 0]).to(dt)).sum()
+        loss.backward()
+        results.append({"out": out.detach(), "final": None if final is None else final.detach(),
+                        "grads": {n: t.grad for n, t in leaves.items()},
+                        "init_grad": None if init_leaf is None else init_leaf.grad})
+    return results
+
+
+def full_reference(case, x, init, go, gfs, doc_lens, dtype=torch.float64, op=None):
+    """Output, final state(s) and gradients over the full sequence on one process: the
+    step recurrence per document in float64, or ``op`` (the one-process scan) in ``dtype``."""
+    leaves = {n: t.detach().to(dtype, copy=True).requires_grad_() for n, t in x.items()}
+    init_leaf = init.detach().to(dtype, copy=True).requires_grad_() if init is not None else None
+    bounds = [0, *torch.tensor(doc_lens).cumsum(0).tolist()] if doc_lens else [0, go.shape[1]]
+    outs, finals = [], []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        args = [t[:, a:b] for t in leaves.values()]
+        o, f = (op or step_reference)(*args, init_leaf, case["l2"])
+        outs.append(o)
+        finals.append(f)
+    out, final = torch.cat(outs, 1), torch.stack(finals, 1)  # final: (b, n_docs, hv, dk, dv)
+    loss = (out * go.to(dtype)).sum() + (case["final"] * (final * gfs.sum(0).to(dtype)).sum())
+    loss.backward()
+    return {"out": out.detach(), "final": final.detach() if doc_lens else final[:, 0].detach(),
+            "grads": {n: t.grad for n, t in leaves.items()},
+            "init_grad": None if init_leaf is None else init_leaf.grad}
+
+
+def _errors(got: dict, ref: dict) -> dict:
+    errs = {"out": rel(got["out"], ref["out"])}
+    errs |= {f"d{n}": rel(got["grads"][n], ref["grads"][n]) for n in NAMES}
+    if got["final"] is not None:
+        errs["final"] = rel(got["final"], ref["final"])
+    if ref["init_grad"] is not None:
+        errs["dinit"] = rel(got["init_grad"], ref["init_grad"])
+    return errs
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_cp_matches_the_full_sequence(world):
+    per_rank = run_world(world, _world_cases)  # one spawn: every case
+    for i in range(len(CASES)):
+        case, x, init, go, gfs, doc_lens, _, join = case_problem(i, world)
+        ranks = [r[i] for r in per_rank]
+        got = {"out": join([r["out"] for r in ranks]),
+               "grads": {n: join([r["grads"][n] for r in ranks]) for n in NAMES},
+               "final": ranks[0]["final"],
+               "init_grad": sum(r["init_grad"] for r in ranks) if init is not None else None}
+        if case["final"]:  # the same final state on every rank
+            assert all(torch.equal(r["final"], ranks[0]["final"]) for r in ranks)
+        ref = full_reference(case, x, init, go, gfs, doc_lens)
+        errs = _errors(got, ref)
+        if case["dtype"] == torch.float64:
+            bound = {k: 1e-9 for k in errs}
+        else:  # no further from the float64 truth than one process in float32 over the full sequence
+            one = full_reference(case, x, init, go, gfs, doc_lens, torch.float32,
+                                 lambda *a: local_gated_delta_rule(*a[:5], case["chunk"], a[5], a[6]))
+            bound = {k: 4 * e + 1e-6 for k, e in _errors(one, ref).items()}
+        bad = {k: (e, bound[k]) for k, e in errs.items() if not e <= bound[k]}
+        assert not bad, f"case {i} {case}: {bad}"

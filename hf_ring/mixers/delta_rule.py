@@ -143,7 +143,7 @@ def gated_delta_rule_op(
         outs.append(out)
     out = torch.cat(outs, 2).transpose(1, 2).to(q.dtype)  # (b, s, hv, dv)
     if world > 1:
-        out = depend_on(out, every)
+        out = depend_on(out, every, initial_state)
     if not output_final_state:
         return out, None
     finals = [leaving[(p.doc, p.chunk)] for p in docs_last.values()]

@@ -50,27 +50,29 @@ def gather_summaries(x: torch.Tensor, coll: Collectives) -> torch.Tensor:
 
 
 class _DependOn(torch.autograd.Function):
-    """``x`` itself; the backward also hands ``anchor`` a zero gradient."""
+    """``x`` itself; the backward also hands each anchor a zero gradient."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
-        ctx.anchor = (anchor.shape, anchor.dtype, anchor.device)
+    def forward(ctx, x: torch.Tensor, *anchors: torch.Tensor) -> torch.Tensor:
+        ctx.anchors = [(a.shape, a.dtype, a.device) for a in anchors]
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        shape, dtype, device = ctx.anchor
-        return grad, torch.zeros(shape, dtype=dtype, device=device)
+        return grad, *(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.anchors)
 
 
-def depend_on(x: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
-    """``x``, with a backward that always reaches ``anchor`` (with a zero gradient).
+def depend_on(x: torch.Tensor, *anchors: Optional[torch.Tensor]) -> torch.Tensor:
+    """``x``, with a backward that always reaches every anchor (None: skipped) that
+    requires grad, with a zero gradient where ``x`` does not use it.
 
     A rank whose outputs use none of the gathered summaries (contiguous rank 0: its only
     piece starts the row) would otherwise skip the gather's backward, and the other ranks
-    would wait in its reduce-scatter forever.
+    would wait in its reduce-scatter forever; an input only one rank uses (the initial
+    state) gets a zero gradient, not None, on the others.
     """
-    return _DependOn.apply(x, anchor) if torch.is_grad_enabled() and anchor.requires_grad else x
+    anchors = tuple(a for a in anchors if a is not None and a.requires_grad)
+    return _DependOn.apply(x, *anchors) if torch.is_grad_enabled() and anchors else x
 
 
 Key = tuple[int, int]  # (doc, chunk)
