@@ -19,7 +19,7 @@ import torch
 from distributed import run_world
 from hf_ring.distributed.collectives import VirtualCollectives
 from hf_ring.mixers.delta_rule import context_parallel_gated_delta_rule, gated_delta_rule_op
-from hf_ring.mixers.delta_rule_chunk import local_gated_delta_rule
+from hf_ring.mixers.delta_rule_chunk import chunk_terms, heads_first, local_gated_delta_rule, scan, summary_scan
 from hf_ring.sharding import shard_packed, shard_sequence, unshard_packed, unshard_sequence
 
 NAMES = ("q", "k", "v", "g", "beta")
@@ -108,6 +108,31 @@ def test_world_one_packed_rows_reset_the_state_per_document():
         ref_out, ref_final = step_reference(*(t[:, start:start + n] for t in x.values()))
         assert rel(out[:, start:start + n], ref_out) < 1e-9 and rel(final[:, d], ref_final) < 1e-9
         start += n
+
+
+def test_summary_of_a_fast_decaying_run_keeps_its_precision_without_subnormals():
+    """256 tokens at g = -0.35: the transition falls to ~1e-41 and the late rows of Qhat
+    below float32's smallest normal number. The float32 summary matches the float64 one
+    row by row (rows above 1e4 x that number: relative error < 1e-4), holds no subnormal
+    entries (every later CPU operation on them would be slow), and the float64 summary is
+    the affine response of the scan to its entering state."""
+    x, _ = make_inputs(3, 1, 256, 1, 2, 16, 16, l2=True)
+    x["g"] = torch.full_like(x["g"], -0.35)
+    terms = {dt: chunk_terms(*heads_first(*(t.to(dt) for t in x.values()), True), 32)
+             for dt in (torch.float32, torch.float64)}
+    (qhat32, summ32), (qhat64, summ64) = (summary_scan(terms[dt]) for dt in (torch.float32, torch.float64))
+    s_in = torch.randn(1, 2, 16, 16, dtype=torch.float64)
+    (out1, end1), (out0, end0) = scan(terms[torch.float64], s_in), scan(terms[torch.float64])
+    assert rel(out0 + qhat64 @ s_in, out1) < 1e-12 and rel(end0 + summ64[..., 16:] @ s_in, end1) < 1e-12
+    assert rel(summ64[..., :16], end0) < 1e-12
+    tiny = torch.finfo(torch.float32).tiny
+    for got in (qhat32, summ32):
+        assert not ((got != 0) & (got.abs() < tiny)).any()
+    scale = qhat64.abs().amax(-1)  # (1, 2, 256): each row's size
+    assert scale.min() < tiny < 1e4 * tiny < scale.max()
+    err = (qhat32.double() - qhat64).abs().amax(-1) / scale
+    assert err[scale > 1e4 * tiny].max() < 1e-4
+    assert (summ32[..., 16:].double() - summ64[..., 16:]).abs().max() <= 1e-4 * summ64[..., 16:].abs().max() + tiny
 
 
 def test_refusals():

@@ -4,23 +4,31 @@ Computes exactly what one process computes over the full sequence (transformers'
 ``torch_chunk_gated_delta_rule``), each rank holding its pieces of the sequence
 (``hf_ring.sharding.pieces``: zigzag, contiguous, packed rows):
 
-1. every piece that does not start its document runs the chunked scan once from a zero
-   state on the widened state ``[S | P]`` (``delta_rule_chunk``), which gives its outputs
-   from a zero state ``O_ext``, its queries seen through its transition ``Qhat``, the
-   state it leaves ``S_ext`` and its transition ``M`` (``dk x dk`` per head). A piece that
-   starts its document runs the plain scan from its true entering state (zeros, or the
-   caller's ``initial_state``) and its summary is the state it really leaves;
-2. one all-gather of every piece's ``[S_ext | M]`` (``(pieces, batch, hv, dk, dv + dk)``
-   per rank, whatever the sequence length);
-3. every rank composes, in sequence order, the state entering each of its pieces:
-   ``S_in(j + 1) = M_j @ S_in(j) + S_ext(j)``, zero at each document's start;
-4. its outputs are corrected: ``O = O_ext + Qhat @ S_in`` (linear in ``S_in``).
+1. every piece's batched chunk terms (``delta_rule_chunk.chunk_terms``), with autograd;
+2. every piece that does not start its document runs the scan once from a zero state on
+   the widened state ``[S | P]``, without autograd (``summary_scan``): the state it leaves
+   ``S_ext``, its transition ``M`` (``dk x dk`` per head) and its queries seen through
+   the transition ``Qhat``. A piece that starts its document runs the plain scan from its
+   true entering state (zeros, or the caller's ``initial_state``); its summary is the
+   state it really leaves;
+3. one all-gather of every piece's ``[S_ext | M]`` (``(pieces, batch, hv, dk, dv + dk)``
+   per rank, whatever the sequence length); every rank composes, in sequence order, the
+   state entering each of its pieces, ``S_in(j + 1) = M_j @ S_in(j) + S_ext(j)``, zero at
+   each document's start (``state_exchange.compose_in_order``);
+4. each piece runs the plain scan from its ``S_in`` (a constant to autograd).
 
-Backward: every step is differentiable torch; the all-gather's backward reduce-scatters
-the summaries' gradients onto their owners (``state_exchange``). Under context
-parallelism the final state (``output_final_state``) is returned on every rank: the last
-piece's leaving state of each row or document, composed from the gathered summaries. Its
-gradient on each rank is that rank's part (the parts are summed, like the ranks' losses).
+Backward (``_StateGradients``): autograd differentiates each piece's plain scan, given the
+gradient of the state the piece leaves. That gradient ``D`` comes from the later pieces:
+each piece's share ``G = Qhat^T dO`` (the gradient its outputs give its entering state)
+is all-gathered once, and ``D(j - 1) = G(j) + M(j)^T D(j)`` is composed in reverse order
+(``compose_in_reverse``). The widened scan is never differentiated, so the backward costs
+the plain scan's backward plus ``G``.
+
+Under context parallelism the final state (``output_final_state``) is returned on every
+rank, composed from the gathered summaries; its gradient on each rank is that rank's part
+(the ranks' parts are summed, like their losses). ``initial_state``'s gradient is likewise
+each rank's part: the whole of it on the rank holding the row's first piece, zeros on the
+others.
 
 Must not import transformers, accelerate, or hf_ring's integration or training layers.
 """
@@ -33,8 +41,8 @@ import torch
 import torch.distributed as dist
 
 from hf_ring.distributed.collectives import Collectives, GroupCollectives
-from hf_ring.mixers.delta_rule_chunk import chunk_scan, heads_first
-from hf_ring.mixers.state_exchange import compose_in_order, depend_on, gather_summaries
+from hf_ring.mixers.delta_rule_chunk import ChunkTerms, chunk_terms, heads_first, scan, summary_scan
+from hf_ring.mixers.state_exchange import compose_in_order, compose_in_reverse
 from hf_ring.patterns.api import group_coords
 from hf_ring.sharding.pieces import Piece, in_sequence_order, row_pieces
 
@@ -83,17 +91,43 @@ def _pieces(layout: str, rank: int, world: int, local_len: int,
     return every[rank], in_sequence_order(every)
 
 
-def _scan_pieces(xs: tuple[torch.Tensor, ...], pieces: list[Piece], chunk_size: int,
-                 state: Optional[torch.Tensor], summary: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One chunked scan over ``pieces`` of one length, stacked along the batch (one loop
-    over their chunks instead of one per piece). ``xs``: heads-first q, k, v, g, beta of
-    the local row. Returns each piece's ``(out, final)`` as :func:`chunk_scan` does."""
-    b = xs[0].shape[0]
-    stacked = [torch.cat([x[:, :, p.local_start:p.local_start + p.length] for p in pieces]) for x in xs]
-    if state is not None:
-        state = state.repeat(len(pieces), 1, 1, 1)
-    out, final = chunk_scan(*stacked, chunk_size, state, summary)
-    return list(zip(out.split(b), final.split(b)))
+def _stack(xs: tuple[torch.Tensor, ...], pieces: list[Piece], chunk_size: int) -> ChunkTerms:
+    """The chunk terms of ``pieces`` (one length), stacked along the batch: one scan over
+    their chunks instead of one per piece. ``xs``: heads-first q, k, v, g, beta of the row."""
+    return chunk_terms(*(torch.cat([x[:, :, p.local_start:p.local_start + p.length] for p in pieces])
+                         for x in xs), chunk_size)
+
+
+class _StateGradients(torch.autograd.Function):
+    """Forward: this rank's outputs as they are and the final states (composed, the same
+    on every rank). Backward: the gradient of the state each of this rank's pieces leaves,
+    composed in reverse order from every later piece's share, handed to the plain scans'
+    leaving states ``s_end`` so that autograd finishes each piece (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, out, s_end, final, initial_state, plan):
+        # out (b, hv, s, dv); s_end (slots, b, hv, dk, dv); final (docs, b, hv, dk, dv).
+        ctx.plan, ctx.has_init = plan, initial_state is not None and initial_state.requires_grad
+        return out.view_as(out), final.clone()
+
+    @staticmethod
+    def backward(ctx, d_out, d_final):
+        mine, order, qhat, every, coll = ctx.plan
+        dv = d_out.shape[-1]
+        shares = torch.zeros((len(mine), *every.shape[2:-1], dv), dtype=d_out.dtype, device=d_out.device)
+        for p in mine:
+            if not p.first:  # G = Qhat^T dO: (b, hv, dk, dv)
+                shares[p.slot] = qhat[p.slot].transpose(-1, -2) @ d_out[:, :, p.local_start:p.local_start + p.length]
+        gathered = coll.all_gather(torch.cat([shares, d_final]))  # (world, slots + docs, b, hv, dk, dv)
+        terminal = gathered[:, len(mine):].sum(0)  # every rank's part of each final state's gradient
+        grads = compose_in_reverse(
+            order, lambda p: (every[p.owner, p.slot, ..., dv:], gathered[p.owner, p.slot]),
+            lambda m, d: m.transpose(-1, -2) @ d, lambda doc: terminal[doc], {(p.doc, p.chunk) for p in mine})
+        d_s_end = torch.stack([grads[(p.doc, p.chunk)] for p in mine])
+        d_init = None
+        if ctx.has_init:  # the rank holding the row's first piece gets the real one through its scan
+            d_init = torch.zeros_like(terminal[0])
+        return d_out, d_s_end, None, d_init, None
 
 
 def gated_delta_rule_op(
@@ -109,45 +143,53 @@ def gated_delta_rule_op(
     mine, order = _pieces(layout, rank, world, q.shape[1], local_doc_lens)
     xs = heads_first(q, k, v, g, beta, use_qk_l2norm_in_kernel)  # (b, hv, s, d) in float32 / float64
     b, hv, _, dk = xs[1].shape
-    dv = xs[2].shape[-1]
     init = None if initial_state is None else initial_state.to(xs[0].dtype)
 
-    # 1. Each piece's scan, pieces of one kind and length together.
-    done: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    for first in (True, False):
-        for length in sorted({p.length for p in mine if p.first == first}):
-            group = [p for p in mine if p.first == first and p.length == length]
-            for p, res in zip(group, _scan_pieces(xs, group, chunk_size, init if first else None, not first)):
-                done[p.slot] = res
-    # A first piece's summary is the state it really leaves; its transition is never applied.
-    summaries = [done[p.slot][1] if not p.first else
-                 torch.cat([done[p.slot][1], done[p.slot][1].new_zeros(b, hv, dk, dk)], -1) for p in mine]
+    # 1-2. Terms, summaries, and the plain scans of the pieces that start their document;
+    # pieces of one kind and length together.
+    groups = {}
+    for p in mine:
+        groups.setdefault((p.first, p.length), []).append(p)
+    terms, results, qhat, summaries = {}, {}, {}, {}
+    for (first, _), group in groups.items():
+        t = terms[group[0].slot] = _stack(xs, group, chunk_size)
+        if first:
+            res = scan(t, None if init is None else init.repeat(len(group), 1, 1, 1))
+            for p, out, end in zip(group, res[0].split(b), res[1].split(b)):
+                results[p.slot] = (out, end)
+                summaries[p.slot] = torch.cat([end.detach(), end.new_zeros(b, hv, dk, dk)], -1)
+        else:
+            q_hat, summ = summary_scan(t.detach())
+            qhat.update(zip((p.slot for p in group), q_hat.split(b)))
+            summaries.update(zip((p.slot for p in group), summ.split(b)))
 
-    # 2. The exchange, 3. the composition in sequence order.
-    docs_last = {p.doc: p for p in order if p.chunk == p.chunks - 1}
-    needed = {(p.doc, p.chunk) for p in mine if not p.first}
-    if output_final_state:
-        needed |= {(p.doc, p.chunk) for p in docs_last.values()}
-    every = torch.stack(summaries)[None]  # (1, slots, b, hv, dk, dv + dk)
-    if world > 1:  # every rank takes part, even one that needs no state (it owes the backward's reduce-scatter)
-        every = gather_summaries(every[0], coll)  # (world, slots, b, hv, dk, dv + dk)
+    # 3. The exchange and the composition in sequence order (no autograd: _StateGradients).
+    dv = xs[2].shape[-1]
+    every = torch.stack([summaries[p.slot] for p in mine])[None]  # (1, slots, b, hv, dk, dv + dk)
+    if world > 1:  # every rank takes part, even one that needs no state
+        every = coll.all_gather(every[0])  # (world, slots, b, hv, dk, dv + dk)
+    last = [p for p in order if p.chunk == p.chunks - 1]  # each document's last piece
+    needed = {(p.doc, p.chunk) for p in mine if not p.first} | {(p.doc, p.chunk) for p in last}
     entering, leaving = compose_in_order(
         order, lambda p: (every[p.owner, p.slot, ..., dv:], every[p.owner, p.slot, ..., :dv]), torch.matmul, needed)
 
-    # 4. Each piece's outputs with its true entering state.
-    outs = []
-    for p in mine:
-        out = done[p.slot][0]
-        if not p.first:  # O = O_ext + Qhat @ S_in
-            out = out[..., :dv] + out[..., dv:] @ entering[(p.doc, p.chunk)]
-        outs.append(out)
-    out = torch.cat(outs, 2).transpose(1, 2).to(q.dtype)  # (b, s, hv, dv)
-    if world > 1:
-        out = depend_on(out, every, initial_state)
+    # 4. The plain scans from the true entering states.
+    for (first, _), group in groups.items():
+        if not first:
+            res = scan(terms[group[0].slot], torch.cat([entering[(p.doc, p.chunk)] for p in group]))
+            results.update(zip((p.slot for p in group), zip(res[0].split(b), res[1].split(b))))
+    out = torch.cat([results[p.slot][0] for p in mine], 2)  # (b, hv, s, dv)
+    if world == 1:  # every piece is a whole document: its leaving state is the final one
+        final = torch.stack([results[p.slot][1] for p in mine])
+    else:
+        final = torch.stack([leaving[(p.doc, p.chunk)] for p in last])  # (docs, b, hv, dk, dv)
+        plan = (mine, order, qhat, every, coll)
+        out, final = _StateGradients.apply(out, torch.stack([results[p.slot][1] for p in mine]), final,
+                                           initial_state, plan)
+    out = out.transpose(1, 2).to(q.dtype)  # (b, s, hv, dv)
     if not output_final_state:
         return out, None
-    finals = [leaving[(p.doc, p.chunk)] for p in docs_last.values()]
-    return out, (finals[0] if local_doc_lens is None else torch.stack(finals, 1))
+    return out, (final[0] if local_doc_lens is None else final.transpose(0, 1))
 
 
 def context_parallel_gated_delta_rule(

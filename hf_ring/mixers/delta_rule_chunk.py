@@ -20,19 +20,22 @@ so ``U = U0 - W S_0`` with ``U0 = T^-1 V beta`` and ``W = T^-1 K beta exp(gam)``
 
 Everything but the scan over chunks is batched over the chunks.
 
-Summaries for context parallelism. Each chunk's output and final state are affine in its
+Summaries for context parallelism. A chunk's outputs and leaving state are affine in its
 ``S_0``, hence so are a whole run's: ``S_end = M S_in + S_ext`` and ``O = O_ext + Qhat
-S_in``, with ``M = A_L ... A_1`` the run's transition and ``Qhat`` row ``t`` = ``q_t^T
-A_t ... A_1`` (the query seen through the transition). Running the same scan on the
-widened state ``[S | P]`` (``dv + dk`` columns), entering ``[0 | I]`` with values ``[V |
-0]``, returns all four at once: outputs ``[O_ext | Qhat]`` and final state ``[S_ext | M]``.
-One scan, wider matrices: no rerun after the states are known.
+S_in``, with ``M = A_L ... A_1`` the run's transition (``dk x dk``) and ``Qhat``'s row
+``t`` = ``q_t^T A_t ... A_1`` (the query seen through the transition). The same scan on
+the widened state ``[S | P]`` (``dv + dk`` columns), entering ``[0 | I]`` with values
+``[V | 0]``, leaves ``[S_ext | M]`` and reads ``Qhat`` off ``P``'s outputs
+(:func:`summary_scan`): one scan with wider matrices, no run on the identity apart.
+
+The batched terms (:func:`chunk_terms`) are computed once per run and serve both scans.
 
 Must not import transformers or torch.distributed.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
 from typing import Optional
 
 import torch
@@ -70,26 +73,45 @@ def heads_first(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     return q * q.shape[-1] ** -0.5, k, v, g, beta
 
 
-def chunk_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-               chunk_size: int, state: Optional[torch.Tensor] = None,
-               summary: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunked gated delta rule over one run (see the module docstring).
+@dataclass
+class ChunkTerms:
+    """What the scan over chunks reads, batched over the chunks (``n`` chunks of ``c``).
+
+    Attributes:
+        u: ``U0`` ``(B, H, n, c, dv)``; w: ``W`` ``(B, H, n, c, dk)``.
+        attn: ``Q K^T o D`` ``(B, H, n, c, c)``.
+        q_read: ``Q exp(gam)`` ``(B, H, n, c, dk)``: reads the entering state.
+        k_write: ``K exp(gam_C - gam)`` ``(B, H, n, c, dk)``: writes to the leaving state.
+        chunk_decay: ``exp(gam_C)`` ``(B, H, n, 1, 1)``.
+        length: the run's tokens (before padding to ``n * c``).
+    """
+
+    u: torch.Tensor
+    w: torch.Tensor
+    attn: torch.Tensor
+    q_read: torch.Tensor
+    k_write: torch.Tensor
+    chunk_decay: torch.Tensor
+    length: int
+
+    def detach(self) -> "ChunkTerms":
+        return ChunkTerms(*(getattr(self, f.name).detach() for f in fields(self)[:-1]), self.length)
+
+    def by_chunk(self) -> list[tuple[torch.Tensor, ...]]:
+        """Per chunk: ``(u, w, attn, q_read, k_write, chunk_decay)``. ``unbind`` once: indexing
+        chunk ``i`` out of each tensor would cost the backward a full-size gradient per chunk."""
+        return list(zip(*(getattr(self, f.name).unbind(2) for f in fields(self)[:-1])))
+
+
+def chunk_terms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                chunk_size: int) -> ChunkTerms:
+    """The batched part of the chunked form (see the module docstring).
 
     Args:
-        q, k: ``(B, H, L, dk)``; v ``(B, H, L, dv)``; g, beta ``(B, H, L)``; one float
-            dtype (float32 or float64), as :func:`heads_first` returns them.
+        q, k: ``(B, H, L, dk)``; v ``(B, H, L, dv)``; g, beta ``(B, H, L)``; one float dtype
+            (float32 or float64), as :func:`heads_first` returns them.
         chunk_size: tokens per chunk; a run shorter than it is one chunk of its own length.
-        state: the entering state ``(B, H, dk, dv)``, or None for zeros. Must be None with
-            ``summary`` (the summary is taken from a zero state).
-        summary: also return the run's transition and its queries seen through it.
-
-    Returns:
-        ``(out, final)``: without ``summary``, ``out`` ``(B, H, L, dv)`` and the final state
-        ``(B, H, dk, dv)``; with it, ``out`` ``(B, H, L, dv + dk)`` = ``[O_ext | Qhat]`` and
-        ``final`` ``(B, H, dk, dv + dk)`` = ``[S_ext | M]``. Differentiable in every input.
     """
-    if summary and state is not None:
-        raise ValueError("chunk_scan(summary=True) summarises from a zero state; pass state=None")
     b, h, length, dk = k.shape
     dv = v.shape[-1]
     c = min(chunk_size, length)
@@ -111,28 +133,78 @@ def chunk_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     rhs = torch.cat([v * beta[..., None], kb * gam.exp()[..., None]], -1)
     eye_c = torch.eye(c, dtype=q.dtype, device=q.device)
     u, w = torch.linalg.solve_triangular(tri + eye_c, rhs, upper=False, unitriangular=True).split([dv, dk], -1)
-    attn = q @ k.transpose(-1, -2) * decay  # (b, h, n, c, c), causal within the chunk
-    q_read = q * gam.exp()[..., None]  # (b, h, n, c, dk): reads the entering state
-    k_write = k * (gam[..., -1:] - gam).exp()[..., None]  # (b, h, n, c, dk): decayed to the chunk's end
-    chunk_decay = gam[..., -1].exp()[..., None, None]  # (b, h, n, 1, 1)
+    return ChunkTerms(u, w, attn=q @ k.transpose(-1, -2) * decay, q_read=q * gam.exp()[..., None],
+                      k_write=k * (gam[..., -1:] - gam).exp()[..., None],
+                      chunk_decay=gam[..., -1].exp()[..., None, None], length=length)
 
-    if summary:  # widened state [S | P] entering [0 | I], values [V | 0]
-        u = F.pad(u, (0, dk))
-        eye_k = torch.eye(dk, dtype=q.dtype, device=q.device).expand(b, h, dk, dk)
-        state = torch.cat([q.new_zeros(b, h, dk, dv), eye_k], -1)
-    width = u.shape[-1]
+
+def scan(terms: ChunkTerms, state: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scan over chunks from ``state`` ``(B, H, dk, dv)`` (None: zeros).
+
+    Returns:
+        out ``(B, H, L, dv)`` and the leaving state ``(B, H, dk, dv)``; differentiable.
+    """
     outs = []
-    for i in range(n):
-        if state is None:  # zero entering state: skip the reads of it
-            v_new = u[:, :, i]
-            outs.append(attn[:, :, i] @ v_new)
-            state = k_write[:, :, i].transpose(-1, -2) @ v_new
+    for u, w, attn, q_read, k_write, decay in terms.by_chunk():
+        if state is None:  # zero entering state: nothing to read
+            v_new = u
+            outs.append(attn @ v_new)
+            state = k_write.transpose(-1, -2) @ v_new
             continue
-        v_new = u[:, :, i] - w[:, :, i] @ state  # (b, h, c, width)
-        outs.append(q_read[:, :, i] @ state + attn[:, :, i] @ v_new)
-        state = state * chunk_decay[:, :, i] + k_write[:, :, i].transpose(-1, -2) @ v_new
-    out = torch.stack(outs, 2).reshape(b, h, n * c, width)[:, :, :length]
-    return out, state
+        v_new = u - w @ state  # (B, H, c, dv): what the chunk writes
+        outs.append(q_read @ state + attn @ v_new)
+        state = state * decay + k_write.transpose(-1, -2) @ v_new
+    out = torch.stack(outs, 2)
+    return out.reshape(*out.shape[:2], -1, out.shape[-1])[:, :, :terms.length], state
+
+
+def _flush(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with its subnormal entries set to zero (flush to zero, as GPUs do): they carry
+    less than the dtype's precision, and every later CPU operation on them is very slow."""
+    return x.masked_fill(x.abs() < torch.finfo(x.dtype).tiny, 0)
+
+
+@torch.no_grad()
+def summary_scan(terms: ChunkTerms) -> tuple[torch.Tensor, torch.Tensor]:
+    """The run's summary from a zero state: the scan on the widened state ``[S | P]``
+    entering ``[0 | I]`` with values ``[V | 0]`` (only ``P``'s outputs are kept).
+
+    ``P`` decays like the product of the run's decays (``exp(-100)`` over 2048 tokens at
+    ``g = -0.05``: subnormal in float32, and subnormal arithmetic is tens of times slower
+    on CPUs). So the scan carries ``P / s`` with ``s`` its largest entry, renormalised
+    every chunk, and ``log s`` beside it (one per batch and head; the scan is linear, so
+    ``P``'s columns scale apart from ``S``'s); ``Qhat`` and ``M`` are scaled back at the
+    end, entries below the dtype's smallest normal number flushed to zero.
+
+    Returns:
+        ``qhat`` ``(B, H, L, dk)`` (row ``t``: ``q_t^T A_t ... A_1``) and ``[S_ext | M]``
+        ``(B, H, dk, dv + dk)``. Not differentiable: the backward never needs its graph
+        (see ``delta_rule``).
+    """
+    b, h, _, c, dv = terms.u.shape
+    dk = terms.w.shape[-1]
+    tiny = torch.finfo(terms.u.dtype).tiny
+    qhats, log_scales, state = [], [], None
+    log_scale = terms.u.new_zeros(b, h, 1, 1)  # log of P's scale entering the chunk
+    for u, w, attn, q_read, k_write, decay in terms.by_chunk():
+        if state is None:  # [S | P] = [0 | I]: W [S | P] = [0 | W]
+            v_new = torch.cat([u, -w], -1)
+            qhat = q_read + attn @ v_new[..., dv:]
+            eye = torch.eye(dk, dtype=u.dtype, device=u.device).expand(b, h, dk, dk)
+            state = torch.cat([u.new_zeros(b, h, dk, dv), eye * decay], -1) + k_write.transpose(-1, -2) @ v_new
+        else:
+            v_new = -(w @ state)  # (B, H, c, dv + dk)
+            v_new[..., :dv] += u
+            qhat = q_read @ state[..., dv:] + attn @ v_new[..., dv:]
+            state = state * decay + k_write.transpose(-1, -2) @ v_new
+        qhats.append(qhat)
+        log_scales.append(log_scale)
+        scale = state[..., dv:].abs().amax((-1, -2), keepdim=True).clamp_min(tiny)  # (B, H, 1, 1)
+        state[..., dv:] /= scale
+        log_scale = log_scale + scale.log()
+    qhat = torch.stack(qhats, 2) * torch.stack(log_scales, 2).exp()  # (B, H, n, c, dk)
+    state[..., dv:] *= log_scale.exp()
+    return _flush(qhat.reshape(b, h, -1, dk)[:, :, :terms.length]), _flush(state)
 
 
 def local_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -150,8 +222,8 @@ def local_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     """
     qh, kh, vh, gh, bh = heads_first(q, k, v, g, beta, use_qk_l2norm_in_kernel)
     state = None if initial_state is None else initial_state.to(qh.dtype)
-    out, final = chunk_scan(qh, kh, vh, gh, bh, chunk_size, state)
+    out, final = scan(chunk_terms(qh, kh, vh, gh, bh, chunk_size), state)
     return out.transpose(1, 2).to(q.dtype), final
 
 
-__all__ = ["accum_dtype", "chunk_scan", "heads_first", "local_gated_delta_rule"]
+__all__ = ["ChunkTerms", "accum_dtype", "chunk_terms", "heads_first", "local_gated_delta_rule", "scan", "summary_scan"]
