@@ -108,6 +108,11 @@ def test_world_one_packed_rows_reset_the_state_per_document():
         ref_out, ref_final = step_reference(*(t[:, start:start + n] for t in x.values()))
         assert rel(out[:, start:start + n], ref_out) < 1e-9 and rel(final[:, d], ref_final) < 1e-9
         start += n
+    # bfloat16 inputs: outputs in bfloat16, states accumulated and returned in float32.
+    out16, final16 = context_parallel_gated_delta_rule(*(t.bfloat16() for t in x.values()), local_doc_lens=lens,
+                                                       chunk_size=8, output_final_state=True)
+    assert out16.dtype == torch.bfloat16 and final16.dtype == torch.float32
+    assert rel(out16, out) < 3e-2 and rel(final16, final) < 3e-2  # bfloat16 inputs' own rounding
 
 
 def test_summary_of_a_fast_decaying_run_keeps_its_precision_without_subnormals():

@@ -34,6 +34,6 @@ def test_mixer_efficiency_tiny_json():
         # Forward: [S_ext | M] per piece, float32 (b=1, hv=2, dk=dv=16), to the other rank.
         pieces = 2 if r["layout"] == "zigzag" else 1
         summary = pieces * 2 * 16 * (16 + 16) * 4
-        # Backward: each piece's share G (dk x dv) and the final-state gradient (one document).
-        shares = (pieces + 1) * 2 * 16 * 16 * 4
+        # Backward: each piece's share G (dk x dv); no final state was returned, so no gradient of it.
+        shares = pieces * 2 * 16 * 16 * 4
         assert r["bytes_sent_per_rank"] == (summary if r["pass"] == "forward" else summary + shares), r

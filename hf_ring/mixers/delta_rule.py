@@ -112,14 +112,15 @@ class _StateGradients(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_out, d_final):
-        mine, order, qhat, every, coll = ctx.plan
+        mine, order, qhat, every, coll, with_final = ctx.plan
         dv = d_out.shape[-1]
         shares = torch.zeros((len(mine), *every.shape[2:-1], dv), dtype=d_out.dtype, device=d_out.device)
         for p in mine:
             if not p.first:  # G = Qhat^T dO: (b, hv, dk, dv)
                 shares[p.slot] = qhat[p.slot].transpose(-1, -2) @ d_out[:, :, p.local_start:p.local_start + p.length]
-        gathered = coll.all_gather(torch.cat([shares, d_final]))  # (world, slots + docs, b, hv, dk, dv)
-        terminal = gathered[:, len(mine):].sum(0)  # every rank's part of each final state's gradient
+        # (world, slots [+ docs], b, hv, dk, dv); the final states' gradients only where they were returned
+        gathered = coll.all_gather(torch.cat([shares, d_final]) if with_final else shares)
+        terminal = gathered[:, len(mine):].sum(0) if with_final else torch.zeros_like(d_final)
         grads = compose_in_reverse(
             order, lambda p: (every[p.owner, p.slot, ..., dv:], gathered[p.owner, p.slot]),
             lambda m, d: m.transpose(-1, -2) @ d, lambda doc: terminal[doc], {(p.doc, p.chunk) for p in mine})
@@ -183,7 +184,7 @@ def gated_delta_rule_op(
         final = torch.stack([results[p.slot][1] for p in mine])
     else:
         final = torch.stack([leaving[(p.doc, p.chunk)] for p in last])  # (docs, b, hv, dk, dv)
-        plan = (mine, order, qhat, every, coll)
+        plan = (mine, order, qhat, every, coll, output_final_state)
         out, final = _StateGradients.apply(out, torch.stack([results[p.slot][1] for p in mine]), final,
                                            initial_state, plan)
     out = out.transpose(1, 2).to(q.dtype)  # (b, s, hv, dv)
