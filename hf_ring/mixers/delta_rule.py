@@ -107,7 +107,8 @@ class _StateGradients(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out, s_end, final, initial_state, plan):
         # out (b, hv, s, dv); s_end (slots, b, hv, dk, dv); final (docs, b, hv, dk, dv).
-        ctx.plan, ctx.has_init = plan, initial_state is not None and initial_state.requires_grad
+        ctx.plan = plan
+        ctx.init = initial_state.detach() if initial_state is not None and initial_state.requires_grad else None
         return out.view_as(out), final.clone()
 
     @staticmethod
@@ -125,9 +126,8 @@ class _StateGradients(torch.autograd.Function):
             order, lambda p: (every[p.owner, p.slot, ..., dv:], gathered[p.owner, p.slot]),
             lambda m, d: m.transpose(-1, -2) @ d, lambda doc: terminal[doc], {(p.doc, p.chunk) for p in mine})
         d_s_end = torch.stack([grads[(p.doc, p.chunk)] for p in mine])
-        d_init = None
-        if ctx.has_init:  # the rank holding the row's first piece gets the real one through its scan
-            d_init = torch.zeros_like(terminal[0])
+        # Zeros here: the rank holding the row's first piece gets the real one through its scan.
+        d_init = None if ctx.init is None else torch.zeros_like(ctx.init)
         return d_out, d_s_end, None, d_init, None
 
 
