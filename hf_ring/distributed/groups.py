@@ -43,6 +43,15 @@ def local_world_size(world: int) -> int:
     return int(value) if value.isdigit() and int(value) > 0 else world
 
 
+def group_coords(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
+    """``(rank, world)`` of this process in ``group``; ``(0, 1)`` without torch.distributed."""
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise RuntimeError("a process group was passed but torch.distributed is not initialised")
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
 def build_dp_cp_groups(cp_size: int, dist_backend: Optional[str], timeout: timedelta) -> DpCpGroups:
     """Build the dp x cp groups over the initialised default process group.
 
@@ -77,4 +86,4 @@ def build_dp_cp_groups(cp_size: int, dist_backend: Optional[str], timeout: timed
     return DpCpGroups(cp_group, rank % cp_size, cp_size, dp_group, rank // cp_size, dp_size)
 
 
-__all__ = ["DEFAULT_CP_TIMEOUT", "DpCpGroups", "build_dp_cp_groups", "local_world_size"]
+__all__ = ["DEFAULT_CP_TIMEOUT", "DpCpGroups", "build_dp_cp_groups", "group_coords", "local_world_size"]

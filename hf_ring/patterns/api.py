@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from hf_ring.distributed.comm import CommWaitStats
-from hf_ring.distributed.groups import local_world_size
+from hf_ring.distributed.groups import group_coords, local_world_size
 from hf_ring.patterns.build import build_plan, check_settings
 from hf_ring.patterns.plan import PATTERNS
 from hf_ring.patterns.run import run_plan
@@ -40,15 +40,6 @@ from hf_ring.patterns.validation import check_across_ranks, check_local, float_b
 from hf_ring.sharding.packed import check_cu_seqlens
 
 Output = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
-
-
-def group_coords(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
-    """``(rank, world)`` of this process in ``group``; ``(0, 1)`` without torch.distributed."""
-    if not (dist.is_available() and dist.is_initialized()):
-        if group is not None:
-            raise RuntimeError("a process group was passed but torch.distributed is not initialised")
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
 
 
 def _placement(group: Optional[dist.ProcessGroup], world: int) -> tuple[int, int]:
@@ -298,5 +289,5 @@ def ring_flash_attn_varlen_func(
     return (out, lse) if return_lse else out
 
 
-__all__ = ["agreement_fields", "context_parallel_attn_func", "documents_fields", "group_coords",
+__all__ = ["agreement_fields", "context_parallel_attn_func", "documents_fields",
            "ring_flash_attn_func", "ring_flash_attn_varlen_func"]

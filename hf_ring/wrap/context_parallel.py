@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from hf_ring.patterns.api import group_coords
+from hf_ring.distributed.groups import group_coords
 from hf_ring.kernels.autocast import one_dtype
 from hf_ring.patterns.state import check_pattern
 from hf_ring.patterns.api import context_parallel_attn_func
