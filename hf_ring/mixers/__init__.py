@@ -1,0 +1,21 @@
+"""Context-parallel token mixers: the layers of hybrid models that mix tokens along the
+sequence without attention, computed exactly when the sequence is split across the ranks
+of a context-parallel group.
+
+- :func:`~hf_ring.mixers.conv.context_parallel_causal_conv1d`: the short causal depthwise
+  convolution of Mamba-2, gated delta nets, LFM2 and the other hybrids; every run of
+  tokens a rank holds gets the ``width - 1`` inputs before it (its halo) from the ranks
+  that hold them, and the halo's gradient goes back to them.
+
+Each rank's runs of consecutive tokens and their place in sequence order come from
+:mod:`hf_ring.sharding.pieces`; what travels goes through :mod:`hf_ring.distributed`'s
+collectives. Usable without transformers: a user with their own model calls the ops
+directly.
+
+This layer must not import transformers, accelerate, or hf_ring's hf, memory, training or
+wrap layers.
+"""
+
+from hf_ring.mixers.conv import CONV_ACTIVATIONS, causal_conv1d_pieces, context_parallel_causal_conv1d
+
+__all__ = ["CONV_ACTIVATIONS", "causal_conv1d_pieces", "context_parallel_causal_conv1d"]
