@@ -6,7 +6,8 @@ Worlds 1 (no process group), 2, 3 and 4 (one spawned gloo world each, running ev
 the world of 4 also runs cases on subgroups of 2 and of 1), zigzag and contiguous, packed
 rows, widths 1-4, pieces of 1 and 2 tokens (halos spanning up to 3 pieces on other ranks):
 output and the gradients of x, weight and bias (weight and bias summed over the ranks of the
-group, each rank holding its tokens' share), for a fixed output gradient.
+group, each rank holding its tokens' share), for a fixed output gradient; and per call one
+all-gather and one reduce-scatter whose size does not change with the sequence length.
 
 Tolerances, relative to the largest entry of the reference: float64 1e-12 (the op and the
 reference sum the same <= 4 products per output and <= 2 * 40 per weight gradient in other
@@ -63,11 +64,13 @@ def _cases(world: int) -> list[dict]:
     for width in (2, 3, 4):  # packed rows: documents of 3, 1 and 2 tokens per piece
         cases.append({"layout": "zigzag", "width": width, "docs": (3, 1, 2), "dtype": torch.float64,
                       "bias": True, "act": "swish" if width == 3 else None})
-    cases.append({"layout": "zigzag", "width": 4, "docs": (1, 2, 1), "dtype": torch.float32, "bias": True, "act": "silu"})
+    cases.append({"layout": "zigzag", "width": 4, "docs": (1, 2, 1), "dtype": torch.float32,
+                  "bias": True, "act": "silu"})
     cases.append({"layout": "zigzag", "width": 4, "piece": 3, "dtype": torch.bfloat16, "bias": True, "act": "silu"})
     if world == 4:  # two CP groups of 2 and four of 1 inside the world
-        cases += [{"layout": "zigzag", "width": 4, "piece": 1, "dtype": torch.float64, "bias": True, "act": None, "cp": 2},
-                  {"layout": "contiguous", "width": 3, "docs": None, "piece": 4, "dtype": torch.float64,
+        cases += [{"layout": "zigzag", "width": 4, "piece": 1, "dtype": torch.float64, "bias": True, "act": None,
+                   "cp": 2},
+                  {"layout": "contiguous", "width": 3, "piece": 4, "dtype": torch.float64,
                    "bias": True, "act": "silu", "cp": 1}]
     return cases
 
@@ -130,6 +133,8 @@ def _run_cases(rank: int, world: int, cases: list, refused: list) -> tuple[list,
         else:
             results.append(_rank_case(rank, world, case))
     errors = []
+    if dist.is_initialized():
+        errors.append(_traffic(rank, world))
     for case, _ in refused:
         try:
             _rank_case(rank, world, case)
@@ -137,6 +142,25 @@ def _run_cases(rank: int, world: int, cases: list, refused: list) -> tuple[list,
         except ValueError as e:
             errors.append(str(e))
     return results, errors
+
+
+def _traffic(rank: int, world: int) -> list:
+    """The collectives one forward + backward calls, with the elements each rank puts in,
+    at two sequence lengths (8x apart)."""
+    from hf_ring.distributed.collectives import GroupCollectives
+    calls, saved = [], (GroupCollectives.all_gather, GroupCollectives.reduce_scatter)
+    GroupCollectives.all_gather = lambda self, t: calls.append(("all_gather", t.numel())) or saved[0](self, t)
+    GroupCollectives.reduce_scatter = lambda self, t: calls.append(("reduce_scatter", t.numel())) or saved[1](self, t)
+    try:
+        per_len = []
+        for piece in (2, 16):
+            calls.clear()
+            _rank_case(rank, world, {"layout": "zigzag", "width": 4, "piece": piece, "dtype": torch.float32,
+                                     "bias": True, "act": "silu"})
+            per_len.append(list(calls))
+        return per_len
+    finally:
+        GroupCollectives.all_gather, GroupCollectives.reduce_scatter = saved
 
 
 def _err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -171,9 +195,14 @@ def _check_world(world: int, out: list) -> None:
         cp = case.get("cp", world)
         for start in range(0, world, cp):
             _check(case, [out[r][0][i] for r in range(start, start + cp)], cp)
-    for j, (_, pattern) in enumerate(refused):
-        for r in range(world):
-            assert out[r][1][j] is not None and re.search(pattern, out[r][1][j]), (j, out[r][1][j])
+    for r in range(world):
+        errors = out[r][1]
+        if world > 1:  # one all-gather of 2 pieces' tails (batch, channels, 3) and its reduce-scatter back
+            tails = 2 * B * C * 3
+            assert errors[0] == [[("all_gather", tails), ("reduce_scatter", world * tails)]] * 2, errors[0]
+            errors = errors[1:]
+        for j, (_, pattern) in enumerate(refused):
+            assert errors[j] is not None and re.search(pattern, errors[j]), (j, errors[j])
     print(f"world {world}: largest relative errors {MAX_ERR}")
 
 
@@ -237,3 +266,22 @@ def test_bad_arguments_raise_value_error():
     # a packed row given as a tensor of lengths is read as ints: the documents stay apart
     y = cp_conv(x, w, b, local_doc_lens=torch.tensor([3, 5]))
     assert torch.allclose(y.double(), reference_conv(x.double(), w.double(), b.double(), None, [3, 5]), atol=1e-5)
+
+
+def test_mixers_import_no_higher_layer():
+    """The layer rule of DESIGN.md, read from the sources: no transformers, accelerate, or
+    hf_ring's hf, memory, training or wrap layers."""
+    import ast
+    import pathlib
+
+    import hf_ring.mixers
+
+    forbidden = ("transformers", "accelerate", "hf_ring.hf", "hf_ring.memory", "hf_ring.training", "hf_ring.wrap")
+    folder = pathlib.Path(hf_ring.mixers.__file__).parent
+    assert "must not import" in hf_ring.mixers.__doc__
+    for path in folder.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            for name in names:
+                assert not any(name == f or name.startswith(f + ".") for f in forbidden), (path.name, name)
