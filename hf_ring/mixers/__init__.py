@@ -1,7 +1,28 @@
-"""Context-parallel token mixers: causal convolutions with a halo and linear recurrences
-(the gated delta rule, Mamba, KDA) whose pieces summarise themselves in small fixed-size
-objects composed in global order; forward and backward exact.
+"""Context-parallel token mixers: the layers of hybrid models that mix tokens along the
+sequence without attention, computed exactly when the sequence is split across the ranks
+of a context-parallel group.
 
-This folder must not import transformers, accelerate, or hf_ring's hf, memory, training
-or wrap layers: it is core, usable by anyone with their own model.
+- :func:`~hf_ring.mixers.conv.context_parallel_causal_conv1d`: the short causal depthwise
+  convolution of Mamba-2, gated delta nets, LFM2 and the other hybrids; every run of
+  tokens a rank holds gets the ``width - 1`` inputs before it (its halo) from the ranks
+  that hold them, and the halo's gradient goes back to them.
+- :func:`~hf_ring.mixers.delta_rule.context_parallel_gated_delta_rule`: the gated delta
+  rule (Qwen3-Next, Qwen3.5, OLMo hybrid); each run summarises itself in its transition
+  and its state from zero, one all-gather composes them in sequence order, and each run
+  reruns from its true incoming state (``state_exchange`` composes, ``delta_rule_chunk``
+  is the chunked scan).
+
+Each rank's runs of consecutive tokens and their place in sequence order come from
+:mod:`hf_ring.sharding.pieces`; what travels goes through :mod:`hf_ring.distributed`'s
+collectives. Usable without transformers: a user with their own model calls the ops
+directly.
+
+This layer must not import transformers, accelerate, or hf_ring's patterns, hf, memory,
+training or wrap layers.
 """
+
+from hf_ring.mixers.conv import CONV_ACTIVATIONS, causal_conv1d_pieces, context_parallel_causal_conv1d
+from hf_ring.mixers.delta_rule import context_parallel_gated_delta_rule
+
+__all__ = ["CONV_ACTIVATIONS", "causal_conv1d_pieces", "context_parallel_causal_conv1d",
+           "context_parallel_gated_delta_rule"]
