@@ -118,10 +118,16 @@ def run_delta_rule(original, query, key, value, g=None, beta=None, chunk_size=64
                         output_final_state=output_final_state,
                         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
     layer = _layer_of(context, "torch_chunk_gated_delta_rule")
-    if initial_state is not None or output_final_state or kwargs.get("cu_seqlens") is not None:
+    if initial_state is not None or output_final_state:
         raise NotImplementedError(
-            f"the gated delta rule got a recurrent state or cu_seqlens {_where(context)}; hf_ring "
-            "runs it from a zero state per row (per document on packed rows): pass use_cache=False"
+            f"the gated delta rule got a recurrent state {_where(context)}; hf_ring runs it from a "
+            "zero state per row (per document on packed rows): pass use_cache=False"
+        )
+    if kwargs.get("cu_seqlens") is not None and context.doc_lens is None:
+        raise NotImplementedError(
+            f"the gated delta rule got cu_seqlens {_where(context)} on a row hf_ring's guard did not "
+            "validate as packed; pass packed rows as RingDataCollator makes them (cu_seq_lens_q/k, "
+            "max_length_q/k and per-document position_ids)"
         )
     docs = _local_docs(context)
     if context.state is not None:
