@@ -12,7 +12,7 @@ ranks is the full-sequence loss). The gradients of a gated delta net's decay par
 measured against a float64 run of the full sequence (its delta rule hf_ring's op in one
 process: transformers' own computes in float32 whatever the input): CP's error there must stay within
 1e-4 or within twice the float32 single process's own. Packed rows (each document zigzag-sharded on its own)
-are compared with the documents run one by one. The world of 2 also checks that a layer
+are compared with the documents run one by one, at cp 2 and 4 and without CP. The world of 2 also checks that a layer
 whose mixer bypasses hf_ring's CP ops is refused after the forward.
 """
 
@@ -195,3 +195,18 @@ def test_bypassed_mixer_is_refused_after_the_forward():
     _, ranks = _run(2)
     for r in ranks:
         assert "token mixer was bypassed" in r["bypass"] and "linear_attn" in r["bypass"], r["bypass"]
+
+
+@pytest.mark.parametrize("family", ("qwen3_next", "olmo_hybrid"))
+def test_packed_rows_without_cp_run_each_document_alone(family):
+    case = _case(family, 1, seed=3, doc_lens=[6, 10, 8])
+    reference = _reference(case)
+    model = tiny_model(case["config"], "ring_flash", case["state_dict"]).train()
+    cu = torch.tensor([0, 6, 16, 24], dtype=torch.int32)
+    positions = torch.cat([torch.arange(n) for n in case["doc_lens"]])[None]
+    logits = model(case["ids"], position_ids=positions, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                   max_length_q=10, max_length_k=10).logits
+    (logits * case["weights"]).sum().backward()
+    assert rel_err(logits.detach(), reference["logits"]) <= TOL
+    errors = {n: rel_err(p.grad, reference["grads"][n]) for n, p in model.named_parameters() if p.grad is not None}
+    assert max(errors.values()) <= TOL, errors
