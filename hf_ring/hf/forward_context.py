@@ -47,6 +47,9 @@ class ForwardContext:
             a context passed by hand without it is refused.
         ran_ring: ids of the attention modules that ran across the CP group (any
             pattern) in this forward.
+        ran_mixers: ``(id(layer), step)`` for each step (``"conv"``, ``"delta_rule"``) that
+            a routed token-mixer layer ran on its CP path in this forward (``hf.mixers``).
+        mixer_layer: the id of the routed token-mixer layer running now, else None.
     """
 
     state: Optional[ContextParallelState]
@@ -54,6 +57,8 @@ class ForwardContext:
     comm_stats: Optional[CommWaitStats] = None
     made_by_guard: bool = False
     ran_ring: set[int] = field(default_factory=set)
+    ran_mixers: set[tuple[int, str]] = field(default_factory=set)
+    mixer_layer: Optional[int] = None
     _plans: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:

@@ -30,6 +30,7 @@ import torch.nn as nn
 
 from hf_ring.hf.cp_inputs import inputs_device, packed_document_lengths, rows_and_length, validate_cp_inputs
 from hf_ring.hf.forward_context import COMM_STATS_KWARG, CONTEXT_KWARG, ForwardContext
+from hf_ring.hf.mixers import MIXER_STEPS, route_mixers
 from hf_ring.hf.support import RING_FLASH, check_model_supported, check_model_under_cp
 from hf_ring.patches.transformers import attn_implementation
 from hf_ring.patterns.state import get_context_parallel_state
@@ -39,6 +40,7 @@ from hf_ring.patterns.state import get_context_parallel_state
 _GUARDED_MODEL = "_hf_ring_guarded_model"
 _GUARDED_LAYER = "_hf_ring_guarded_layer"
 _GUARDED_LOSS = "_hf_ring_guarded_loss"
+_GUARDED_MIXER = "_hf_ring_guarded_mixer"
 # Set while a caller that reads only per-token outputs passes labels (see per_token_labels).
 _PER_TOKEN_LABELS: ContextVar[bool] = ContextVar("hf_ring_per_token_labels", default=False)
 
@@ -64,8 +66,12 @@ def _is_attention_module(module: nn.Module) -> bool:
     return type(module).__name__.endswith("Attention") and hasattr(module, "layer_idx")
 
 
+def _flagged(model: nn.Module, flag: str) -> dict[str, nn.Module]:
+    return {name: m for name, m in model.named_modules() if m.__dict__.get(flag)}
+
+
 def _attention_layers(model: nn.Module) -> dict[str, nn.Module]:
-    return {name: m for name, m in model.named_modules() if m.__dict__.get(_GUARDED_LAYER)}
+    return _flagged(model, _GUARDED_LAYER)
 
 
 @functools.lru_cache(maxsize=None)
@@ -207,6 +213,16 @@ def _post_forward(model: nn.Module, args: tuple, kwargs: dict, output: Any):
             "know, or a patched layer), which computes attention over this rank's shard only. "
             "Use a supported transformers release, or report the model"
         )
+    mixers = [name for name, m in _flagged(model, _GUARDED_MIXER).items()
+              if any((id(m), step) not in context.ran_mixers for step in MIXER_STEPS)]
+    if mixers:
+        raise RuntimeError(
+            f"a token mixer was bypassed: under context parallelism these layers of {type(model).__name__} "
+            f"did not run hf_ring's context-parallel convolution and gated delta rule in this forward: "
+            f"{', '.join(mixers)}. They went to other functions (a GPU kernel or a transformers "
+            "version hf_ring does not know), which mix this rank's shard only. Use transformers 5.24 "
+            "without hub kernels, or report the model"
+        )
     return None
 
 
@@ -227,6 +243,8 @@ def guard_model(model: nn.Module) -> None:
     for m in base.modules():
         if _is_attention_module(m):
             m.__dict__[_GUARDED_LAYER] = True
+    for m in route_mixers(base):
+        m.__dict__[_GUARDED_MIXER] = True
     base.register_forward_pre_hook(_pre_forward, with_kwargs=True)
     base.register_forward_hook(_post_forward, with_kwargs=True)
     base.__dict__[_GUARDED_MODEL] = True

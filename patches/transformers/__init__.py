@@ -23,6 +23,12 @@ The patches (``hooks.apply``):
    for ``ring_flash`` gets the guard that detects a bypassed ring
    (``hf_ring.hf.guard``) without the user doing anything.
 
+3. ``mixers.route`` (5.x only; ``hf_ring.hf.guard`` calls it for each guarded model): the
+   gated delta net layers of Qwen3.5 (dense, MoE), Qwen3-Next and OLMo hybrid call
+   ``causal_conv1d_fn`` and ``torch_chunk_gated_delta_rule`` of their modeling module, which
+   under context parallelism would see only this rank's shard; both names are replaced
+   with wrappers that run hf_ring's context-parallel mixers when the forward's context asks.
+
 Each patch checks that what it replaces has the shape it was written for, and raises
 ``UnsupportedTransformersVersion`` otherwise. ``apply`` is idempotent.
 

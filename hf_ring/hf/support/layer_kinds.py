@@ -15,6 +15,7 @@ from typing import Any, Iterator, Optional
 import torch.nn as nn
 
 from hf_ring.hf.support.reading import RING_FLASH, Modules, first, listed
+from hf_ring.patches.transformers.mixers import is_routed
 
 # Layer kinds (config.layer_types and the older per-family lists) that mix tokens only
 # through attention the ring computes, or not at all (MLP / MoE layers are per token).
@@ -59,6 +60,16 @@ def uncomputed_attention(model: nn.Module) -> Optional[str]:
     )
 
 
+def _routed_layers(modules: Modules) -> set[int]:
+    """Indices of the decoder layers (``layers.N``) holding a mixer routed to hf_ring's CP ops."""
+    found = set()
+    for path, m in modules:
+        parts = path.split(".")
+        if len(parts) > 2 and parts[0] == "layers" and parts[1].isdigit() and is_routed(type(m)):
+            found.add(int(parts[1]))
+    return found
+
+
 def refusals(config: Any, modules: Modules) -> Iterator[str]:
     """One refusal (formatted with ``{where}``) for the first layer-kind field that names a
     kind other than the ring's attention or per-token layers, or none."""
@@ -69,6 +80,11 @@ def refusals(config: Any, modules: Modules) -> Iterator[str]:
         if not isinstance(kinds, (list, tuple)):
             continue
         others = sorted({str(k) for k in kinds} - _RING_LAYER_KINDS - _PER_TOKEN_LAYER_KINDS)
+        # Linear-attention layers whose mixer hf_ring routes to its CP ops run exactly.
+        routed = _routed_layers(modules)
+        others = [k for k in others if not (
+            k == "linear_attention" and all(i in routed for i, kind in enumerate(kinds) if str(kind) == k)
+        )]
         if not others:
             continue
         layers = [i for i, k in enumerate(kinds) if str(k) in others]

@@ -1,7 +1,9 @@
 """Detector: modules that mix tokens along the sequence without attention (causal
 convolutions, Mamba / SSM mixers, linear attention, RWKV, xLSTM, RG-LRU, ...). The ring
 computes only attention across ranks, so under CP such a module sees only its rank's shard
-(on packed rows: the whole row across documents). Refused under CP and on packed rows.
+(on packed rows: the whole row across documents). Refused under CP and on packed rows,
+except the layers whose class hf_ring routes to its context-parallel mixers
+(``hf_ring.hf.mixers``: the gated delta nets of transformers 5.24), with what they hold.
 
 Read from the modules themselves: a convolution over the sequence, the parameters of a
 state-space or linear-recurrence mixer, a mixer's class name or the attribute it is held
@@ -19,6 +21,7 @@ from typing import Any, Iterator, Optional
 import torch.nn as nn
 
 from hf_ring.hf.support.reading import Modules, in_tower, listed
+from hf_ring.patches.transformers.mixers import is_routed
 
 # Names of sequence mixers that are not attention: a further signal next to the
 # structural ones below (a convolution over time, SSM parameters). Matched on the class
@@ -66,10 +69,15 @@ def _token_mixer_reason(path: str, module: nn.Module, family: str) -> Optional[s
 def refusals(config: Any, modules: Modules) -> Iterator[str]:
     """One refusal (formatted with ``{where}``) listing every token mixer, or none."""
     family = _FAMILY_SUFFIX.sub("", type(modules[0][1]).__name__) if modules else ""
+    # A routed layer runs exactly under CP and on packed rows, its convolution included; the
+    # decoder layer around it is named after it (OLMo hybrid's ...LinearAttentionDecoderLayer).
+    routed = [p for p, m in modules if is_routed(type(m))]
     reasons = {
         path: reason
         for path, m in modules
-        if not in_tower(path) and (reason := _token_mixer_reason(path, m, family)) is not None
+        if not in_tower(path) and not any(path == r or path.startswith(r + ".") for r in routed)
+        and (reason := _token_mixer_reason(path, m, family)) is not None
+        and not (reason.startswith("a sequence mixer") and any(r.startswith(path + ".") for r in routed))
     }
     # One entry per mixer, the innermost that says why: a Jamba Mamba layer's mixer, not
     # the layer around it; a convolution inside a reported mixer is part of it.

@@ -1,0 +1,212 @@
+"""Gated delta net hybrids (Qwen3.5 dense and MoE, Qwen3-Next, OLMo hybrid) under context
+parallelism on gloo worlds of 2 and 4, zigzag, transformers 5.24.
+
+Each model has linear-attention (gated delta net) and full-attention layers (the sweep's
+tiny configs). Each rank feeds its zigzag shard with the global ``position_ids``; the
+ranks' logits, put back in order, must match one process running "sdpa" on the full
+sequence within 1e-4 relative error (float32), and every parameter's gradient, summed over
+the ranks, within 1e-4; the loss is a fixed random weighting of the logits (its sum over
+ranks is the full-sequence loss). The gradients of a gated delta net's decay parameters
+(``A_log``, ``dt_bias``: a few entries, sums over every token that nearly cancel) are
+~1e-3 apart between float32 and float64 even in one process, so each gradient is also
+measured against a float64 run of the full sequence (its delta rule hf_ring's op in one
+process: transformers' own computes in float32 whatever the input): CP's error there must stay within
+1e-4 or within twice the float32 single process's own. Packed rows (each document zigzag-sharded on its own)
+are compared with the documents run one by one, at cp 2 and 4 and without CP. The world of 2 also checks that a layer
+whose mixer bypasses hf_ring's CP ops is refused after the forward.
+"""
+
+from __future__ import annotations
+
+import importlib
+import types
+
+import pytest
+import torch
+
+import hf_ring
+from distributed import run_world
+from hf_ring.mixers import context_parallel_gated_delta_rule
+from hf_ring.patches.transformers import release_line
+from hf_ring.sharding import shard_packed
+from model_sweep_configs import build_config
+from reference_attention import rel_err
+from test_hf_attention import tiny_model
+
+pytestmark = pytest.mark.skipif(
+    release_line(__import__("transformers").__version__) != "5",
+    reason="gated delta nets are routed to hf_ring's CP mixers on transformers 5.x only",
+)
+
+TOL = 1e-4
+BATCH = 2
+FAMILIES = ("qwen3_5_text", "qwen3_next", "olmo_hybrid", "qwen3_5_moe_text")
+
+
+def _case(family: str, world: int, seed: int, doc_lens=None) -> dict:
+    config = build_config(family)
+    kinds = set(config.layer_types)
+    assert {"linear_attention", "full_attention"} <= kinds, kinds
+    vocab = config.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    rows, seq = (1, sum(doc_lens)) if doc_lens else (BATCH, 16 * world)
+    return {
+        "config": config,
+        "state_dict": tiny_model(config, "sdpa", seed=seed).state_dict(),
+        "ids": torch.randint(3, vocab, (rows, seq), generator=g),
+        "weights": torch.randn(rows, seq, vocab, generator=g),
+        "doc_lens": doc_lens,
+    }
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _on_rank(case: dict, rank: int, world: int) -> dict:
+    model = tiny_model(case["config"], "ring_flash", case["state_dict"])
+    dtype = case.get("dtype", torch.float32)
+    if dtype != torch.float32:
+        model.set_experts_implementation("eager")  # grouped_mm takes no float64
+    model = model.to(dtype).train()
+    if case["doc_lens"]:
+        lens = case["doc_lens"]
+        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+        shard = lambda x: shard_packed(x, cu, world, rank)  # noqa: E731
+        positions = torch.cat([torch.arange(n) for n in lens])[None]
+        extra = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lens), max_length_k=max(lens))
+    else:
+        shard = lambda x: hf_ring.shard_sequence(x, world, rank)  # noqa: E731
+        positions = torch.arange(case["ids"].shape[1]).expand(BATCH, -1)
+        extra = {}
+    logits = model(shard(case["ids"]), position_ids=shard(positions), **extra).logits
+    (logits * shard(case["weights"]).to(dtype)).sum().backward()
+    return {"logits": logits.detach(), "grads": _grads(model)}
+
+
+def _bypass(case: dict, rank: int, world: int) -> str:
+    """A gated delta net layer whose forward no longer calls the routed functions."""
+    model = tiny_model(case["config"], "ring_flash", case["state_dict"])
+    layer = next(m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet"))
+    layer.forward = types.MethodType(lambda self, hidden_states, **kwargs: hidden_states, layer)
+    ids = hf_ring.shard_sequence(case["ids"], world, rank)
+    positions = hf_ring.shard_sequence(torch.arange(case["ids"].shape[1]).expand(BATCH, -1), world, rank)
+    try:
+        model(ids, position_ids=positions)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def _rank_main(rank: int, world: int, cases: dict) -> dict:
+    hf_ring.setup_context_parallel(world)
+    result = {name: _on_rank(case, rank, world) for name, case in cases.items()}
+    if world == 2:
+        result["qwen3_next_float64"] = _on_rank({**cases["qwen3_next"], "dtype": torch.float64}, rank, world)
+        result["bypass"] = _bypass(cases["qwen3_next"], rank, world)
+    return result
+
+
+def _reference(case: dict, dtype: torch.dtype = torch.float32) -> dict:
+    model = tiny_model(case["config"], "sdpa", case["state_dict"])
+    if dtype != torch.float32 and hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation("eager")  # grouped_mm takes no float64
+    model = model.to(dtype).train()
+    module = importlib.import_module(type(model).__module__)
+    routed = module.torch_chunk_gated_delta_rule
+    if dtype == torch.float64:
+        module.torch_chunk_gated_delta_rule = _float64_delta_rule
+    try:
+        return _reference_logits(model, case, dtype)
+    finally:
+        module.torch_chunk_gated_delta_rule = routed
+
+
+def _float64_delta_rule(query, key, value, g, beta, initial_state=None, output_final_state=False,
+                        use_qk_l2norm_in_kernel=False, **kwargs):
+    return context_parallel_gated_delta_rule(query, key, value, g, beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+
+
+def _reference_logits(model, case: dict, dtype: torch.dtype) -> dict:
+    if case["doc_lens"]:
+        cu = [0] + torch.tensor(case["doc_lens"]).cumsum(0).tolist()
+        logits = torch.cat([model(case["ids"][:, a:b]).logits for a, b in zip(cu[:-1], cu[1:])], dim=1)
+    else:
+        logits = model(case["ids"]).logits
+    (logits * case["weights"].to(dtype)).sum().backward()
+    return {"logits": logits.detach(), "grads": _grads(model)}
+
+
+_RUNS: dict[int, tuple] = {}
+
+
+def _run(world: int) -> tuple:
+    """One spawn per world size, shared by every test of this module."""
+    if world not in _RUNS:
+        cases = {family: _case(family, world, seed=i) for i, family in enumerate(FAMILIES)}
+        cases["qwen3_next_packed"] = _case("qwen3_next", world, seed=9, doc_lens=[2 * world, 6 * world, 4 * world])
+        _RUNS[world] = (cases, run_world(world, _rank_main, cases))
+    return _RUNS[world]
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
+def world_run(request):
+    return request.param, *_run(request.param)
+
+
+@pytest.mark.parametrize("name", (*FAMILIES, "qwen3_next_packed"))
+def test_logits_and_grads_match_full_sequence(world_run, name):
+    world, cases, ranks = world_run
+    case = cases[name]
+    reference = _reference(case)
+    mine = [r[name] for r in ranks]
+    if case["doc_lens"]:
+        lens = case["doc_lens"]
+        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+        pieces = [shard_packed(reference["logits"], cu, world, r) for r in range(world)]
+        errors = {"logits": max(rel_err(m["logits"], p) for m, p in zip(mine, pieces))}
+    else:
+        errors = {"logits": rel_err(hf_ring.unshard_sequence([m["logits"] for m in mine]), reference["logits"])}
+    exact = _reference(case, torch.float64)["grads"]
+    for n, ref in reference["grads"].items():
+        cp = sum(r["grads"][n] for r in mine)
+        errors[n] = rel_err(cp, ref)
+        if errors[n] > TOL:
+            single = rel_err(ref.double(), exact[n])
+            mine64 = rel_err(cp.double(), exact[n])
+            assert mine64 <= max(TOL, 2 * single), (n, errors[n], mine64, single)
+            errors[n] = 0.0
+    worst = max(errors, key=errors.get)
+    print(f"{name} world {world}: logits {errors['logits']:.1e}, worst {worst} {errors[worst]:.1e}")
+    assert max(errors.values()) <= TOL, errors
+
+
+def test_float64_decay_gradients_are_exact():
+    """In float64 the decay parameters' gradients match too (within the float32 that attention
+    accumulates in): their float32 misses are rounding."""
+    cases, ranks = _run(2)
+    exact = _reference(cases["qwen3_next"], torch.float64)
+    mine = [r["qwen3_next_float64"] for r in ranks]
+    errors = {n: rel_err(sum(r["grads"][n] for r in mine), ref) for n, ref in exact["grads"].items()}
+    assert max(errors.values()) <= 1e-6, sorted(errors.items(), key=lambda e: -e[1])[:3]
+
+
+def test_bypassed_mixer_is_refused_after_the_forward():
+    _, ranks = _run(2)
+    for r in ranks:
+        assert "token mixer was bypassed" in r["bypass"] and "linear_attn" in r["bypass"], r["bypass"]
+
+
+@pytest.mark.parametrize("family", ("qwen3_next", "olmo_hybrid"))
+def test_packed_rows_without_cp_run_each_document_alone(family):
+    case = _case(family, 1, seed=3, doc_lens=[6, 10, 8])
+    reference = _reference(case)
+    model = tiny_model(case["config"], "ring_flash", case["state_dict"]).train()
+    cu = torch.tensor([0, 6, 16, 24], dtype=torch.int32)
+    positions = torch.cat([torch.arange(n) for n in case["doc_lens"]])[None]
+    logits = model(case["ids"], position_ids=positions, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                   max_length_q=10, max_length_k=10).logits
+    (logits * case["weights"]).sum().backward()
+    assert rel_err(logits.detach(), reference["logits"]) <= TOL
+    errors = {n: rel_err(p.grad, reference["grads"][n]) for n, p in model.named_parameters() if p.grad is not None}
+    assert max(errors.values()) <= TOL, errors
