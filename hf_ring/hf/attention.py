@@ -22,7 +22,8 @@ down through the forward's keyword arguments; what this function does depends on
   without CP: the varlen ring, documents never attending to each other; batch size 1.
 
 Attention sinks (GPT-OSS's ``s_aux``) are computed, with and without CP, and so are the
-sliding windows a layer passes as ``sliding_window`` and logit softcapping (Gemma 2's
+sliding windows a layer passes as ``sliding_window`` or applies through its mask only
+(handed down by the guard, ``hf_ring.hf.sequence_features``), and logit softcapping (Gemma 2's
 ``softcap``) on dense rows (without CP: sinks and softcapping eagerly, local_eager.py;
 under CP: by the pattern, which refuses, naming one that computes it, what it or its
 kernel does not; windows and softcapping on packed rows are refused). What
@@ -44,6 +45,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from hf_ring.hf.forward_context import CONTEXT_KWARG, ForwardContext
 from hf_ring.hf.guard import RING_FLASH, guard_model
 from hf_ring.hf.local_eager import eager_attention
+from hf_ring.hf.sequence_features import global_query_temperature, layer_window
 from hf_ring.patterns.api import ring_flash_attn_varlen_func
 from hf_ring.patterns.run import run_plan
 from hf_ring.kernels.autocast import one_dtype
@@ -311,6 +313,11 @@ def ring_flash_attention_forward(
     context: Optional[ForwardContext] = kwargs.pop(CONTEXT_KWARG, None)
     if context is None:
         _refuse_without_context(module)
+    elif context.state is not None or kwargs.get("cu_seq_lens_q") is not None:
+        # The ring runs: what the model applies outside this call (its mask's window, the
+        # temperature of its shard's positions) is computed here over the whole sequence.
+        sliding_window = layer_window(module, sliding_window, context)
+        query = global_query_temperature(module, query, context)
     if kwargs.get("cu_seq_lens_q") is not None:
         _refuse_softcap_on_packed(module, softcap)
         return _packed_attention(module, query, key, value, scaling, sliding_window, context, kwargs)

@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from hf_ring.distributed.comm import CommWaitStats
+from hf_ring.hf.support.detectors import Handed
 from hf_ring.patterns.state import ContextParallelState
 from hf_ring.patterns.build import build_plan
 from hf_ring.patterns.plan import AttentionPlan
@@ -45,15 +46,24 @@ class ForwardContext:
         comm_stats: where the ring adds the time it waited on transfers, or None.
         made_by_guard: set by the guard, the only place that validates a forward's inputs;
             a context passed by hand without it is refused.
+        token_index: under CP, int64 ``(seq_local,)`` on the CPU: the global row index of
+            each of this rank's tokens (for Llama 4's temperature, sequence_features.py).
+        handed: what the model computes outside its attention function that the ring
+            computes in it, by layer (windows applied through the mask only, Llama 4's
+            temperature), read by model support.
         ran_ring: ids of the attention modules that ran across the CP group (any
             pattern) in this forward.
+        cache: what the layers of this forward share besides plans (sequence_features.py).
     """
 
     state: Optional[ContextParallelState]
     doc_lens: Optional[tuple[int, ...]] = None
     comm_stats: Optional[CommWaitStats] = None
     made_by_guard: bool = False
+    token_index: Optional[torch.Tensor] = None
+    handed: Handed = field(default_factory=Handed)
     ran_ring: set[int] = field(default_factory=set)
+    cache: dict = field(default_factory=dict, repr=False)
     _plans: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
