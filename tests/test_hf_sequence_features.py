@@ -5,7 +5,8 @@ Each was refused before (hf_ring.hf.support bounded it by length): RoPE whose fr
 depend on the length (dynamic NTK Llama, Phi-3 LongRoPE: the rotary is handed the batch's
 largest position), Llama 4's attention temperature tuning on a NoPE layer (queries
 rescaled to the tokens' global positions), and the sliding windows Qwen2-MoE and PhiMoE
-apply through their mask only (read from the config and handed to the ring). Each case's
+apply through their mask only and Llama 4's chunked attention (read from the config and
+handed to the ring, which cuts its blocks to them). Each case's
 thresholds sit between the positions one rank holds and the sequence's, so a rank that
 read its own shard would compute another function.
 
@@ -75,18 +76,26 @@ def _config(name: str, threshold: int):
         return AutoConfig.for_model("phi3", **_COMMON, original_max_position_embeddings=threshold, **parameters)
     if name == "llama4_temperature":
         return AutoConfig.for_model("llama4_text", **_COMMON, **_LLAMA4)
+    if name == "llama4_chunked":
+        # Layer 0 (RoPE) attends within chunks of 6 tokens, which straddle the zigzag
+        # pieces of 4 (blocks on a chunk edge are masked); layer 1 tunes its temperature.
+        return AutoConfig.for_model("llama4_text", **_COMMON, **{**_LLAMA4, "attention_chunk_size": 6,
+                                                                 "layer_types": None})
     if name == "qwen2_moe_window":
         # Layer 0 slides (layer_types from max_window_layers), layer 1 does not.
         return AutoConfig.for_model("qwen2_moe", **_COMMON, **_MOE, use_sliding_window=True,
                                     sliding_window=WINDOW, max_window_layers=2)
     if name == "phimoe_window":
-        return AutoConfig.for_model("phimoe", **_COMMON, num_local_experts=4, sliding_window=WINDOW)
+        # No router jitter: in training, PhiMoE's sparsemixer samples among the experts within
+        # it (Gumbel), which no two runs draw alike; at 0 only the top expert is a candidate.
+        return AutoConfig.for_model("phimoe", **_COMMON, num_local_experts=4, sliding_window=WINDOW,
+                                    router_jitter_noise=0.0)
     raise ValueError(name)
 
 
 # Qwen2-MoE and PhiMoE pick their attention class from a table in 4.57, which ring_flash
 # refuses at creation (test_model_support): their mask-only windows are transformers 5's.
-DENSE = ("llama_dynamic", "phi3_longrope", "llama4_temperature",
+DENSE = ("llama_dynamic", "phi3_longrope", "llama4_temperature", "llama4_chunked",
          *(("qwen2_moe_window", "phimoe_window") if TRANSFORMERS_5 else ()))
 PACKED = ("llama_dynamic", "llama4_temperature")
 

@@ -211,15 +211,20 @@ def test_mask_only_windows_are_told_apart_by_the_call():
     assert windows.mask_windows(model.config, list(model.model.named_modules())) == {0: 16}
 
 
-def test_llama4_chunked_attention_is_refused_beyond_the_chunk():
+def test_llama4_chunked_attention_is_computed_on_dense_rows_refused_on_packed_rows_past_the_chunk():
     model = tiny(
         "llama4_text", head_dim=8, num_local_experts=2, intermediate_size_mlp=64,
-        attention_chunk_size=32, attn_temperature_tuning=False,
+        attention_chunk_size=32, attn_temperature_tuning=False, no_rope_layers=[1, 0],
     )
-    # Query i sees key j when both are in the same 32-token chunk.
-    assert refusal(model, seq_len=32) == ""
-    message = refusal(model, seq_len=33)
-    assert "config.attention_chunk_size=32" in message and "chunked attention" in message, message
+    # Query i sees key j when both are in the same 32-token chunk of the row: handed to the
+    # ring on the chunked layers (layer 0 uses RoPE and chunks, layer 1 neither).
+    assert detectors.handed_to_the_ring(model).chunks == {0: 32}
+    assert refusal(model, seq_len=4096) == ""
+    # Packed rows: not computed yet, and a chunk boundary cuts a document wherever it falls
+    # in the row, so the row counts, not its longest document.
+    assert refusal(model, seq_len=32, doc_lens=[16, 16]) == ""
+    message = refusal(model, seq_len=34, doc_lens=[16, 18])
+    assert "config.attention_chunk_size=32" in message and "packed row has 34 tokens" in message, message
 
 
 _LLAMA4_TEMPERATURE = dict(

@@ -76,17 +76,17 @@ class ForwardContext:
 
     def plan(
         self, q: torch.Tensor, n_kv_heads: int, scale: float, window: Optional[int] = None,
-        softcap: Optional[float] = None, value_head_dim: Optional[int] = None,
+        softcap: Optional[float] = None, value_head_dim: Optional[int] = None, chunk: Optional[int] = None,
     ) -> AttentionPlan:
         """The plan for this forward's attention calls like ``q`` ``(batch, seq_local,
         n_heads, head_dim)`` with ``n_kv_heads`` K/V heads (of ``value_head_dim`` for V when
-        it differs: multi-head latent attention), ``scale``, sliding ``window`` and logit
-        ``softcap`` (None: none): the state's pattern (``"auto"`` resolved here,
-        once per kind of layer and forward), the state's kernel choice resolved for q's
-        device, dtype and these features, built on first use and then shared by every
-        layer with the same settings (a model alternating sliding and full layers gets
-        two plans, each with its own schedule cache)."""
-        key = (q.device, q.dtype, *q.shape[1:], n_kv_heads, value_head_dim, scale, window, softcap)
+        it differs: multi-head latent attention), ``scale``, sliding ``window``, logit
+        ``softcap`` and attention ``chunk`` (None: none): the state's pattern (``"auto"``
+        resolved here, once per kind of layer and forward), the state's kernel choice
+        resolved for q's device, dtype and these features, built on first use and then
+        shared by every layer with the same settings (a model alternating sliding and full
+        layers gets two plans, each with its own schedule cache)."""
+        key = (q.device, q.dtype, *q.shape[1:], n_kv_heads, value_head_dim, scale, window, softcap, chunk)
         plan = self._plans.get(key)
         if plan is None:
             s = self.state
@@ -110,6 +110,7 @@ class ForwardContext:
                 seq=q.shape[1] * world,
                 window=window,
                 softcap=softcap,
+                chunk=chunk,
                 local_doc_lens=local_docs,
                 ulysses_size=s.ulysses_size if s is not None else None,
                 comm_stats=self.comm_stats,

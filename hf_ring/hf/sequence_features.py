@@ -14,12 +14,13 @@ the attention function, from what the forward holds:
 - Llama 4's attention temperature tuning scales the queries of its NoPE layers by their
   token's position numbered from 0 within the forward: the shard's. The ring rescales
   them to the position of each token in the full row (:func:`global_query_temperature`).
-- Windows a model applies through its mask only (Qwen2-MoE, PhiMoE): read from the config
-  and given to the ring as the layer's window (:func:`layer_window`).
+- Windows a model applies through its mask only (Qwen2-MoE, PhiMoE), and Llama 4's
+  attention chunks (its mask too): read from the config and given to the ring as the
+  layer's window and chunk (:func:`layer_window_and_chunk`), which it cuts its blocks to.
 
-Which layers have a temperature or a window of the mask is read by model support, once
-per model (``support.detectors.handed_to_the_ring``), and travels in the forward's
-:class:`ForwardContext`; the rotaries hold what the guard set for the current forward.
+Which layers have a temperature, or a window or chunks of the mask, is read by model
+support once per model (``support.detectors.handed_to_the_ring``) and travels in the
+forward's :class:`ForwardContext`; the rotaries hold what the guard set for the forward.
 Nothing here is a global. How transformers computes each of these is read through
 ``hf_ring.patches.transformers``.
 """
@@ -62,12 +63,15 @@ def hand_max_position(base: nn.Module, max_position: Optional[int]) -> None:
         set_max_position(m, max_position)
 
 
-def layer_window(module: nn.Module, sliding_window: Optional[int], context: ForwardContext) -> Optional[int]:
-    """The window the ring applies in ``module``: the one it passes, else the one its model
-    applies through the mask only (by ``layer_idx``), else None."""
-    if sliding_window is not None:
-        return sliding_window
-    return context.handed.windows.get(getattr(module, "layer_idx", None))
+def layer_window_and_chunk(
+    module: nn.Module, sliding_window: Optional[int], context: ForwardContext
+) -> tuple[Optional[int], Optional[int]]:
+    """The window and the attention chunk the ring applies in ``module``: the window it
+    passes, else the one its model applies through the mask only, and the chunk its model
+    applies through the mask (by ``layer_idx``); None where there is none."""
+    layer = getattr(module, "layer_idx", None)
+    window = sliding_window if sliding_window is not None else context.handed.windows.get(layer)
+    return window, context.handed.chunks.get(layer)
 
 
 def global_query_temperature(module: nn.Module, query: torch.Tensor, context: ForwardContext) -> torch.Tensor:

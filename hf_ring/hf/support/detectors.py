@@ -6,8 +6,8 @@
   the first call (every detector of ``REFUSALS`` and ``BOUNDS``) and cached in the model's
   ``__dict__``; later calls only compare the forward's lengths with the cached bounds.
 - :func:`handed_to_the_ring`: what the model computes outside its attention function that
-  the ring computes in it (windows applied through the mask only, Llama 4's temperature),
-  read with the rest and handed down by the guard.
+  the ring computes in it (windows and chunks applied through the mask only, Llama 4's
+  temperature), read with the rest and handed down by the guard.
 - :func:`check_model_supported`: when a model asks for ``ring_flash`` (model creation,
   ``set_attn_implementation``): the detectors of ``AT_CREATION``, which refuse models that
   ``ring_flash`` cannot run with or without CP.
@@ -65,10 +65,13 @@ class Handed:
         temperatures: ``(floor_scale, attn_scale)`` of each layer that scales its queries by
             Llama 4's temperature of positions numbered within the forward
             (``temperature.rescaled_layers``).
+        chunks: the attention chunk of each layer that applies one through the mask only
+            (``windows.mask_chunks``).
     """
 
     windows: dict[int, int] = field(default_factory=dict)
     temperatures: dict[int, tuple[float, float]] = field(default_factory=dict)
+    chunks: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,8 @@ def read_model(model: nn.Module) -> _Support:
     modules = list(text_stack(model).named_modules())
     refusals = [found for detect in REFUSALS for found in detect(config, modules)]
     bounds = [found for detect in BOUNDS for found in detect(config, modules)]
-    handed = Handed(windows.mask_windows(config, modules), temperature.rescaled_layers(config, modules))
+    handed = Handed(windows.mask_windows(config, modules), temperature.rescaled_layers(config, modules),
+                    windows.mask_chunks(config, modules))
     return _Support(id(config), tuple(refusals), tuple(bounds), handed)
 
 
@@ -133,9 +137,9 @@ def check_model_under_cp(
         raise NotImplementedError(support.refusals[0].format(where=where))
     span = max(doc_lens) if doc_lens else seq_len
     for b in support.bounds:
-        if b.measure == "packed" and not doc_lens:
+        if b.measure in ("packed", "packed_row") and not doc_lens:
             continue
-        length = seq_len if b.measure == "row" else span
+        length = seq_len if b.measure in ("row", "packed_row") else span
         if length >= b.bound:
             raise NotImplementedError(b.message.format(length=length, where=where, limit=b.bound - 1))
 

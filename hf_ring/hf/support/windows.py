@@ -5,13 +5,14 @@ The ring computes a sliding window on dense rows. Most families hand it to the a
 function as ``sliding_window=`` (Mistral, Mixtral, Gemma 2/3, Qwen2, GPT-OSS, Cohere 2,
 ...); Qwen2-MoE and PhiMoE apply theirs through the mask only, which ring_flash under CP
 (and on packed rows) does not take, so their windows are read from the config here
-(:func:`mask_windows`, per layer) and handed to the ring by the guard. Windows are
-bounded on packed rows only (the ring does not compute them there yet). Llama 4's
-attention chunks live in the mask only too, and are bounded wherever the ring runs.
+(:func:`mask_windows`, per layer) and handed to the ring by the guard. Llama 4's
+attention chunks live in the mask only too; they are read the same way, on the layers
+``config.layer_types`` marks chunked (:func:`mask_chunks`). Windows and chunks are
+bounded on packed rows only (the ring does not compute them there yet).
 
 Whether a layer passes its window is read from its forward's source, through
 ``hf_ring.patches.transformers`` (how transformers writes a forward is its implementation
-detail). Owns: ``bounds``, ``mask_windows``. Must not import: Trainer,
+detail). Owns: ``bounds``, ``mask_windows``, ``mask_chunks``. Must not import: Trainer,
 TRL, hf_ring's training or memory layers.
 """
 
@@ -33,9 +34,26 @@ def bounds(config: Any, modules: Modules) -> Iterator[Bound]:
                                   "packed")
     chunk = smallest(config, "attention_chunk_size")
     if chunk is not None:
-        # Query i sees key j only in the same chunk (i // chunk == j // chunk): a chunk of
-        # at least the span masks nothing.
-        yield from _masked_layers(config, "attention_chunk_size", chunk, "chunked_attention", "chunked attention")
+        # Query i sees key j only in the same chunk of the row (i // chunk == j // chunk,
+        # row indices: on a packed row too, whose documents a chunk boundary may cut): a
+        # chunk of at least the row masks nothing. Dense rows get it from mask_chunks, where
+        # the config's layer types say which layers chunk.
+        handed = isinstance(first(config, "layer_types"), (list, tuple))
+        yield from _masked_layers(config, "attention_chunk_size", chunk, "chunked_attention", "chunked attention",
+                                  "packed_row" if handed else "span")
+
+
+def mask_chunks(config: Any, modules: Modules) -> dict[int, int]:
+    """The attention chunk of each attention layer (by ``layer_idx``) that
+    ``config.layer_types`` marks ``"chunked_attention"`` (Llama 4's RoPE layers): its model
+    applies ``config.attention_chunk_size`` through the mask only, as transformers' chunked
+    mask builder reads it. A config without layer types says no layer: bounded instead."""
+    chunk = smallest(config, "attention_chunk_size")
+    kinds = first(config, "layer_types")
+    if chunk is None or not isinstance(kinds, (list, tuple)):
+        return {}
+    layers = [getattr(m, "layer_idx", None) for _, m in attention_modules(modules)]
+    return {i: chunk for i in layers if isinstance(i, int) and i < len(kinds) and kinds[i] == "chunked_attention"}
 
 
 def mask_windows(config: Any, modules: Modules) -> dict[int, int]:
@@ -76,7 +94,7 @@ def _masked_layers(
 ) -> Iterator[Bound]:
     """The bound of a window or chunk of ``size`` tokens on the layers of ``kind`` (every
     layer when the config has no layer_types: Mistral, Mixtral, PhiMoE, Starcoder2);
-    ``measure`` ``"packed"`` where the ring computes it on dense rows."""
+    ``measure`` ``"packed"`` or ``"packed_row"`` where the ring computes it on dense rows."""
     kinds = first(config, "layer_types")
     layers = [i for i, k in enumerate(kinds) if k == kind] if isinstance(kinds, (list, tuple)) else None
     if layers == []:
@@ -87,6 +105,12 @@ def _masked_layers(
             f"config.{field}={size} gives {on} {what} of {size} tokens, which ring_flash computes "
             "on dense rows but not yet {where} (packed rows); this forward's longest document has "
             "{length} tokens. Use documents of at most {limit} tokens, or dense rows (no packing)"
+        )
+    elif measure == "packed_row":
+        message = (
+            f"config.{field}={size} gives {on} {what} of {size} tokens of the row, which ring_flash "
+            "computes on dense rows but not yet {where} (packed rows); this packed row has {length} "
+            "tokens. Use packed rows of at most {limit} tokens, or dense rows (no packing)"
         )
     else:
         message = (
