@@ -25,6 +25,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from hf_ring.hf.support import detectors, windows
 from hf_ring.hf.support import check_model_supported, check_model_under_cp
+from hf_ring.patches.transformers import reads_max_position
 from test_hf_attention import _COMMON
 
 TRANSFORMERS_5 = Version(transformers.__version__) >= Version("5.0.0.dev0")
@@ -111,40 +112,64 @@ def test_layer_types_the_ring_does_not_compute_are_refused():
 # --- RoPE whose frequencies depend on the sequence length ---------------------------
 
 
-def test_dynamic_rope_refused_from_max_position_embeddings_on():
-    # Dynamic NTK recomputes the frequencies once max(position_ids) + 1 reaches
-    # max_position_embeddings (256): below it no rank recomputes, from it on each rank
-    # would pick its own.
-    model = tiny("llama", **rope(rope_type="dynamic", factor=2.0))
-    assert refusal(model, seq_len=255) == ""
-    message = refusal(model, seq_len=256)
-    assert "rope_type='dynamic'" in message and "at most 255 tokens" in message, message
-
-
-def test_longrope_refused_beyond_original_max_position_embeddings():
-    # Phi-3 style longrope switches to the long factors when max(position_ids) + 1 exceeds
-    # original_max_position_embeddings (64): exact up to 64 tokens.
+def _longrope_phi3():
     factors = dict(short_factor=[1.0] * 4, long_factor=[2.0] * 4)
     if TRANSFORMERS_5:
         parameters = rope(rope_type="longrope", original_max_position_embeddings=64, **factors)
     else:  # 4.57's Phi-3 config wants exactly these three fields
         parameters = {"rope_scaling": {"type": "longrope", **factors}}
-    model = tiny("phi3", original_max_position_embeddings=64, **parameters)
-    assert refusal(model, seq_len=64) == ""
-    message = refusal(model, seq_len=65)
-    assert "rope_type='longrope'" in message and "65" in message, message
+    return tiny("phi3", original_max_position_embeddings=64, **parameters)
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "longrope"])
+def test_transformers_length_dependent_rope_is_handed_the_sequence_length(kind):
+    # transformers' dynamic_rope_update picks the frequencies from max(position_ids) + 1;
+    # the guard hands its rotaries the sequence's largest position, so no length is bounded
+    # (exactness: test_hf_sequence_features).
+    model = tiny("llama", **rope(rope_type="dynamic", factor=2.0)) if kind == "dynamic" else _longrope_phi3()
+    assert reads_max_position(model.model.rotary_emb)
+    assert refusal(model, seq_len=4096) == ""
+    assert refusal(model, seq_len=4096, doc_lens=[2000, 2096]) == ""
+    assert refusal(model, seq_len=4096, cp_size=1, doc_lens=[2000, 2096]) == ""
+
+
+class _OwnRotary(torch.nn.Module):
+    """A family's own rotary embedding with a length-dependent rope_type, which transformers'
+    dynamic_rope_update does not drive (so nothing hands it the sequence's length)."""
+
+    rope_type = "dynamic"
+
+    def forward(self, x, position_ids):
+        return x, x
+
+
+def test_length_dependent_rope_of_another_rotary_is_bounded_from_max_position_embeddings_on():
+    # Dynamic NTK recomputes the frequencies once max(position_ids) + 1 reaches
+    # max_position_embeddings (256): below it no rank recomputes, from it on each rank
+    # would pick its own.
+    model = tiny("llama", **rope(rope_type="dynamic", factor=2.0))
+    model.model.rotary_emb = _OwnRotary()
+    assert refusal(model, seq_len=255) == ""
+    message = refusal(model, seq_len=256)
+    assert "rope_type='dynamic'" in message and "at most 255 tokens" in message, message
+    assert "not transformers' dynamic_rope_update" in message, message
     # Packed rows: positions restart per document, so the longest document counts.
-    assert refusal(model, seq_len=128, doc_lens=[64, 64]) == ""
-    assert "rope_type='longrope'" in refusal(model, seq_len=128, doc_lens=[66, 62])
+    assert refusal(model, seq_len=400, doc_lens=[200, 200]) == ""
+    assert "rope_type='dynamic'" in refusal(model, seq_len=400, doc_lens=[256, 144])
 
 
 @pytest.mark.skipif(not TRANSFORMERS_5, reason="per-layer-type rope_parameters are transformers 5")
-def test_dynamic_rope_in_a_per_layer_type_dict_is_refused():
+def test_dynamic_rope_in_a_per_layer_type_dict_is_handed_the_sequence_length():
     per_type = {
         "full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
     }
-    model = tiny("gemma3_text", head_dim=8, rope_parameters=per_type)
+    gemma3 = dict(head_dim=8, rope_parameters=per_type, layer_types=["sliding_attention", "full_attention"])
+    model = tiny("gemma3_text", **gemma3)
+    assert reads_max_position(model.model.rotary_emb)
+    assert refusal(model, seq_len=4096) == ""
+    model = tiny("gemma3_text", **gemma3)
+    model.model.rotary_emb = _OwnRotary()
     message = refusal(model, seq_len=256)
     assert "config.rope_parameters['full_attention']" in message and "'dynamic'" in message, message
 
@@ -153,37 +178,23 @@ def test_dynamic_rope_in_a_per_layer_type_dict_is_refused():
 
 
 @pytest.mark.parametrize(
-    "model_type, overrides",
+    "model_type, overrides, layers",
     [
-        # Qwen2-MoE applies its window through the mask only (its attention passes none).
-        ("qwen2_moe", dict(use_sliding_window=True, sliding_window=16, max_window_layers=2)),
+        # Qwen2-MoE applies its window through the mask only (its attention passes none),
+        # on the layers config.layer_types makes sliding (0 of 2 with max_window_layers=2).
+        ("qwen2_moe", dict(use_sliding_window=True, sliding_window=16, max_window_layers=2), {0: 16}),
         # PhiMoE likewise, on every layer (no layer_types).
-        ("phimoe", dict(sliding_window=16)),
+        ("phimoe", dict(sliding_window=16), {0: 16, 1: 16}),
+        # Mistral and Qwen2 pass their window to the attention function: nothing to hand.
+        ("mistral", dict(sliding_window=16), {}),
+        ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1), {}),
     ],
 )
-def test_mask_only_sliding_window_shorter_than_the_sequence_is_refused(model_type, overrides):
+def test_sliding_windows_are_computed_on_dense_rows_refused_on_packed(model_type, overrides, layers):
     model = tiny(model_type, **overrides)
-    # Key j is visible to query i when 0 <= i - j < 16: over 16 tokens nothing is masked.
-    assert refusal(model, seq_len=16) == ""
-    message = refusal(model, seq_len=17)
-    assert "config.sliding_window=16" in message and "17 tokens" in message, message
-    # Packed rows: documents of at most 16 tokens are exact, one of 17 is not.
-    assert refusal(model, seq_len=48, doc_lens=[16, 16, 16]) == ""
-    assert "config.sliding_window=16" in refusal(model, seq_len=48, doc_lens=[17, 15, 16])
-
-
-@pytest.mark.parametrize(
-    "model_type, overrides",
-    [
-        # Mistral and Qwen2 pass their window to the attention function, which the ring
-        # computes on dense rows; Qwen2 on its sliding layers only.
-        ("mistral", dict(sliding_window=16)),
-        ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1)),
-    ],
-)
-def test_passed_sliding_window_is_computed_on_dense_rows_refused_on_packed(model_type, overrides):
-    model = tiny(model_type, **overrides)
-    assert windows.passes_window(list(model.model.named_modules()))
+    if TRANSFORMERS_5:  # 4.57's Qwen2-MoE and PhiMoE pick their attention class from a table: refused
+        assert detectors.handed_to_the_ring(model).windows == layers
+    # Dense rows: the ring computes the window (handed down where the mask alone applies it).
     assert refusal(model, seq_len=17) == ""
     assert refusal(model, seq_len=4096) == ""
     # Packed rows: not computed yet, so documents longer than the window are refused.
@@ -192,33 +203,53 @@ def test_passed_sliding_window_is_computed_on_dense_rows_refused_on_packed(model
     assert "config.sliding_window=16" in message and "packed rows" in message, message
 
 
+@pytest.mark.skipif(not TRANSFORMERS_5, reason="4.57's Qwen2-MoE attention has no sliding_window attribute")
 def test_mask_only_windows_are_told_apart_by_the_call():
     # Qwen2-MoE sets a sliding_window attribute on its attention but never passes it.
     model = tiny("qwen2_moe", use_sliding_window=True, sliding_window=16, max_window_layers=2)
-    if TRANSFORMERS_5:  # 4.57's Qwen2-MoE attention has no such attribute
-        assert model.model.layers[0].self_attn.sliding_window == 16
-    assert not windows.passes_window(list(model.model.named_modules()))
+    assert model.model.layers[0].self_attn.sliding_window == 16
+    assert windows.mask_windows(model.config, list(model.model.named_modules())) == {0: 16}
 
 
-def test_llama4_chunked_attention_is_refused_beyond_the_chunk():
+def test_llama4_chunked_attention_is_computed_on_dense_rows_refused_on_packed_rows_past_the_chunk():
     model = tiny(
         "llama4_text", head_dim=8, num_local_experts=2, intermediate_size_mlp=64,
-        attention_chunk_size=32, attn_temperature_tuning=False,
+        attention_chunk_size=32, attn_temperature_tuning=False, no_rope_layers=[1, 0],
     )
-    # Query i sees key j when both are in the same 32-token chunk.
-    assert refusal(model, seq_len=32) == ""
-    message = refusal(model, seq_len=33)
-    assert "config.attention_chunk_size=32" in message and "chunked attention" in message, message
+    # Query i sees key j when both are in the same 32-token chunk of the row: handed to the
+    # ring on the chunked layers (layer 0 uses RoPE and chunks, layer 1 neither).
+    assert detectors.handed_to_the_ring(model).chunks == {0: 32}
+    assert refusal(model, seq_len=4096) == ""
+    # Packed rows: not computed yet, and a chunk boundary cuts a document wherever it falls
+    # in the row, so the row counts, not its longest document.
+    assert refusal(model, seq_len=32, doc_lens=[16, 16]) == ""
+    message = refusal(model, seq_len=34, doc_lens=[16, 18])
+    assert "config.attention_chunk_size=32" in message and "packed row has 34 tokens" in message, message
 
 
-def test_llama4_temperature_tuning_is_refused_where_it_scales():
+_LLAMA4_TEMPERATURE = dict(
+    head_dim=8, num_local_experts=2, intermediate_size_mlp=64, no_rope_layers=[1, 0], floor_scale=32,
+    attention_chunk_size=1024,
+)
+
+
+def test_llama4_temperature_tuning_is_rescaled_by_the_ring():
     # Layer 1 is a NoPE layer (no_rope_layers[1] == 0): its queries are scaled by
-    # log1p(floor((p + 1) / 32)) * attn_scale + 1 with p the local token index; that is
-    # 1 for every p < 31, so rows of up to 31 tokens are exact.
-    model = tiny(
-        "llama4_text", head_dim=8, num_local_experts=2, intermediate_size_mlp=64,
-        no_rope_layers=[1, 0], floor_scale=32, attention_chunk_size=1024,
-    )
+    # log1p(floor((p + 1) / 32)) * attn_scale + 1 with p the local token index, which the
+    # ring rescales to the global one (exactness: test_hf_sequence_features).
+    model = tiny("llama4_text", **_LLAMA4_TEMPERATURE)
+    assert detectors.handed_to_the_ring(model).temperatures == {1: (32.0, 0.1)}
+    assert refusal(model, seq_len=1024) == ""
+    assert refusal(model, seq_len=64, cp_size=1, doc_lens=[32, 32]) == ""
+
+
+def test_llama4_temperature_computed_another_way_is_refused_where_it_scales():
+    # A layer whose forward is not the one hf_ring read: bounded where the scale is 1
+    # (every p + 1 < 32: rows of up to 31 tokens).
+    model = tiny("llama4_text", **_LLAMA4_TEMPERATURE)
+    layer = model.model.layers[1].self_attn
+    layer.__class__ = type("OtherAttention", (type(layer),), {"forward": lambda self, *a, **k: None})
+    assert detectors.handed_to_the_ring(model).temperatures == {}
     assert refusal(model, seq_len=31) == ""
     message = refusal(model, seq_len=32)
     assert "temperature tuning" in message and "NoPE layers 1" in message, message

@@ -22,14 +22,16 @@ down through the forward's keyword arguments; what this function does depends on
   without CP: the varlen ring, documents never attending to each other; batch size 1.
 
 Attention sinks (GPT-OSS's ``s_aux``) are computed, with and without CP, and so are the
-sliding windows a layer passes as ``sliding_window`` and logit softcapping (Gemma 2's
-``softcap``) on dense rows (without CP: sinks and softcapping eagerly, local_eager.py;
-under CP: by the pattern, which refuses, naming one that computes it, what it or its
-kernel does not; windows and softcapping on packed rows are refused). What
-``ring_flash`` cannot compute is refused, naming the model feature: attention dropout, keywords such as a sparse indexer's ``indices`` or a
-``position_bias``, non-causal attention and KV caches under CP; what is read from the
-model's config and structure once per forward (windows, token mixers, length-dependent
-RoPE, ...) is refused by ``hf_ring.hf.support``.
+sliding windows a layer passes as ``sliding_window`` or applies through its mask only,
+Llama 4's attention chunks (handed down by the guard, ``hf_ring.hf.sequence_features``) and
+logit softcapping (Gemma 2's ``softcap``) on dense rows (without CP: sinks and softcapping
+eagerly, local_eager.py, windows and chunks through transformers' mask; under CP: by the
+pattern, which refuses, naming one that computes it, what it or its kernel does not;
+windows, chunks and softcapping on packed rows are refused). What ``ring_flash`` cannot
+compute is refused, naming the model feature (attention_refusals.py): attention dropout,
+keywords such as a sparse indexer's ``indices`` or a ``position_bias``, non-causal
+attention and KV caches under CP; what is read from the model's config and structure once
+per forward (token mixers, windows on packed rows, ...) is refused by ``hf_ring.hf.support``.
 """
 
 from __future__ import annotations
@@ -41,93 +43,21 @@ import torch.distributed as dist
 import torch.nn as nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from hf_ring.hf.attention_refusals import (
+    is_causal, layer_name, refuse_dropout, refuse_short_window, refuse_softcap_on_packed, refuse_uncomputed,
+    refuse_under_ring, refuse_without_context,
+)
 from hf_ring.hf.forward_context import CONTEXT_KWARG, ForwardContext
 from hf_ring.hf.guard import RING_FLASH, guard_model
 from hf_ring.hf.local_eager import eager_attention
+from hf_ring.hf.sequence_features import global_query_temperature, layer_window_and_chunk
 from hf_ring.patterns.api import ring_flash_attn_varlen_func
 from hf_ring.patterns.run import run_plan
 from hf_ring.kernels.autocast import one_dtype
-from hf_ring.patterns.state import get_context_parallel_state
 
 # guard_model is re-exported: models loaded with "ring_flash" are guarded automatically,
 # one whose config was set by hand is guarded with hf_ring.hf.attention.guard_model(model).
 __all__ = ["guard_model", "ring_flash_attention_forward"]
-
-
-def _name(module: nn.Module) -> str:
-    layer = getattr(module, "layer_idx", None)
-    return type(module).__name__ + (f" (layer {layer})" if layer is not None else "")
-
-
-def _refuse_dropout(module: nn.Module, dropout: float) -> None:
-    if dropout > 0:
-        raise NotImplementedError(
-            f"{_name(module)} asks for attention dropout {dropout} in training, which ring_flash does "
-            "not compute; set the config's attention_dropout to 0.0"
-        )
-
-
-def _refuse_softcap_on_packed(module: nn.Module, softcap: Optional[float]) -> None:
-    if softcap is not None:
-        raise NotImplementedError(
-            f"{_name(module)} uses attention logit softcapping (softcap={softcap}, e.g. Gemma 2's "
-            "attn_logit_softcapping), which ring_flash computes on dense rows (with and without "
-            "context parallelism) but not on packed rows; use dense rows (no packing)"
-        )
-
-
-# Attention-function keywords that change what attention computes and that ring_flash does
-# not compute: refused rather than ignored (ignoring one is a silently different model).
-_UNCOMPUTED_KWARGS = {
-    "indices": "sparse attention over top-k selected keys (a DeepSeek-V3.2-style indexer)",
-    "position_bias": "a relative position bias added to the scores",
-    "attn_bias": "a bias added to the scores",
-    "alibi": "ALiBi position biases",
-    "sinks": "attention sinks passed under another name than s_aux",
-}
-
-
-def _refuse_uncomputed(module: nn.Module, kwargs: dict[str, Any]) -> None:
-    for name, what in _UNCOMPUTED_KWARGS.items():
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(
-                f"{_name(module)} passes {name}= to its attention function: {what}, which ring_flash "
-                "does not compute; use the attention implementation the model documents (e.g. "
-                "'eager') without context parallelism"
-            )
-
-
-def _is_causal(module: nn.Module, kwargs: dict[str, Any]) -> bool:
-    is_causal = kwargs.get("is_causal")
-    return getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
-
-
-def _refuse_under_ring(
-    module: nn.Module, query: torch.Tensor, key: torch.Tensor, kwargs: dict[str, Any], what: str
-) -> None:
-    if not _is_causal(module, kwargs):
-        raise NotImplementedError(
-            f"{_name(module)} runs non-causal attention, but {what} computes causal self-attention "
-            "only (a decoder's); encoders and cross-attention are not supported"
-        )
-    if key.shape[-2] != query.shape[-2]:
-        raise NotImplementedError(
-            f"{_name(module)} got {key.shape[-2]} keys for {query.shape[-2]} queries: a KV cache "
-            f"(generation) is not supported by {what}; pass use_cache=False, and generate without "
-            "context parallelism"
-        )
-
-
-def _refuse_short_window(module: nn.Module, sliding_window: Optional[int], span: int, what: str) -> None:
-    # transformers' window keeps key j for query i when i - j < window: a window of at least
-    # `span` tokens masks nothing.
-    if sliding_window is not None and sliding_window < span:
-        raise NotImplementedError(
-            f"{_name(module)} uses sliding-window attention (window {sliding_window} tokens) over "
-            f"{span} tokens, which {what} does not compute (it attends to the whole causal past); "
-            f"use sequences (documents) of at most {sliding_window} tokens, or a model without "
-            "sliding windows"
-        )
 
 
 def _local_attention(
@@ -144,14 +74,14 @@ def _local_attention(
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     if attention_mask is not None and attention_mask.dim() != 4:
         raise ValueError(
-            f"{_name(module)} passed a {attention_mask.dim()}-D attention mask to ring_flash: this "
+            f"{layer_name(module)} passed a {attention_mask.dim()}-D attention mask to ring_flash: this "
             "model treats ring_flash as a flash-attention kernel (flash masks are 2-D), but ring_flash "
             "takes the 4-D masks transformers builds for SDPA; the model is not supported"
         )
     sinks = kwargs.pop("s_aux", None)
     if sinks is not None or softcap is not None:
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        out = eager_attention(query, key, value, attention_mask, scale, _is_causal(module, kwargs), sinks, softcap)
+        out = eager_attention(query, key, value, attention_mask, scale, is_causal(module, kwargs), sinks, softcap)
         return out, None
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
     return sdpa(
@@ -169,13 +99,14 @@ def _ring_attention(
     scaling: Optional[float],
     sliding_window: Optional[int],
     softcap: Optional[float],
+    chunk: Optional[int],
     context: ForwardContext,
     kwargs: dict[str, Any],
 ) -> tuple[torch.Tensor, None]:
-    _refuse_under_ring(module, query, key, kwargs, "ring_flash under context parallelism")
+    refuse_under_ring(module, query, key, kwargs, "ring_flash under context parallelism")
     if attention_mask is not None:
         raise ValueError(
-            f"{_name(module)} received a {attention_mask.dim()}-D attention mask under context "
+            f"{layer_name(module)} received a {attention_mask.dim()}-D attention mask under context "
             "parallelism; ring_flash computes causal attention over the global positions and takes "
             "no mask (right padding is accepted at the model's input and needs none)"
         )
@@ -187,13 +118,14 @@ def _ring_attention(
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     try:
-        plan = context.plan(q, k.shape[2], scale, window, softcap, v.shape[3])
+        plan = context.plan(q, k.shape[2], scale, window, softcap, v.shape[3], chunk)
     except NotImplementedError as e:
         # A feature the pattern or its kernel does not compute; every rank resolves the same
         # pattern and kernel, so all raise alike.
-        features = ", ".join(f"{n}={v}" for n, v in (("sliding_window", window), ("softcap", softcap)) if v is not None)
+        features = ", ".join(f"{n}={v}" for n, v in (("sliding_window", window), ("softcap", softcap),
+                                                      ("attention_chunk_size", chunk)) if v is not None)
         raise NotImplementedError(
-            f"{_name(module)} under context parallelism (pattern {context.state.pattern!r}, "
+            f"{layer_name(module)} under context parallelism (pattern {context.state.pattern!r}, "
             f"{seq} tokens{', ' + features if features else ''}): {e}"
         ) from e
     out, _ = run_plan(q, k, v, plan, kwargs.get("s_aux"))
@@ -208,14 +140,16 @@ def _run_packed(
     scaling: Optional[float],
     context: ForwardContext,
     sinks: Optional[torch.Tensor],
+    chunk: Optional[int],
 ) -> torch.Tensor:
     """transformers' ``(batch, heads, seq_local, dim)`` through the forward's (varlen) ring
-    plan, with the layer's attention sinks (``s_aux``, ``(heads,)``) if it has them;
-    returns ``(batch, seq_local, heads, dim)``. No collective but the ring's transfers."""
+    plan, with the layer's attention sinks (``s_aux``, ``(heads,)``) if it has them and its
+    attention chunk (refused by the plan where it cuts the row); returns ``(batch,
+    seq_local, heads, dim)``. No collective but the ring's transfers."""
     query, key, value = one_dtype(query, key, value)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    out, _ = run_plan(q, k, v, context.plan(q, k.shape[2], scale, value_head_dim=v.shape[3]), sinks)
+    out, _ = run_plan(q, k, v, context.plan(q, k.shape[2], scale, value_head_dim=v.shape[3], chunk=chunk), sinks)
     return out
 
 
@@ -226,6 +160,7 @@ def _packed_attention(
     value: torch.Tensor,
     scaling: Optional[float],
     sliding_window: Optional[int],
+    chunk: Optional[int],
     context: Optional[ForwardContext],
     kwargs: dict[str, Any],
 ) -> tuple[torch.Tensor, None]:
@@ -235,14 +170,14 @@ def _packed_attention(
             f"packed rows (cu_seq_lens_q given) must come with batch size 1, got {query.shape[0]}; "
             "concatenate the documents into one row"
         )
-    _refuse_under_ring(module, query, key, kwargs, what)
+    refuse_under_ring(module, query, key, kwargs, what)
     if context is None:
         # An unguarded model without context parallelism: the boundaries are read here.
         _refuse_unguarded_packed()
         out = _packed_without_context(module, query, key, value, scaling, sliding_window, kwargs, what)
         return out, None
-    _refuse_short_window(module, sliding_window, max(context.doc_lens), what)
-    out = _run_packed(query, key, value, scaling, context, kwargs.get("s_aux"))
+    refuse_short_window(module, sliding_window, max(context.doc_lens), what)
+    out = _run_packed(query, key, value, scaling, context, kwargs.get("s_aux"), chunk)
     if context.state is not None:
         context.ran_ring.add(id(module))
     return out, None
@@ -263,7 +198,7 @@ def _packed_without_context(module, query, key, value, scaling, sliding_window, 
     cu_k = kwargs.get("cu_seq_lens_k")
     if cu_k is not None and not torch.equal(cu_k.to(cu_q.device), cu_q):
         raise ValueError("cu_seq_lens_k must equal cu_seq_lens_q: ring_flash computes self-attention")
-    _refuse_short_window(module, sliding_window, int((cu_q[1:] - cu_q[:-1]).max()), what)
+    refuse_short_window(module, sliding_window, int((cu_q[1:] - cu_q[:-1]).max()), what)
     query, key, value = one_dtype(query, key, value)
     # (1, heads, tokens, dim) -> (tokens, heads, dim)
     out = ring_flash_attn_varlen_func(
@@ -306,31 +241,22 @@ def ring_flash_attention_forward(
         ``(attn_output, None)``, attn_output ``(batch, seq_local, n_heads, head_dim)`` in the
         query's dtype.
     """
-    _refuse_dropout(module, dropout)
-    _refuse_uncomputed(module, kwargs)
+    refuse_dropout(module, dropout)
+    refuse_uncomputed(module, kwargs)
     context: Optional[ForwardContext] = kwargs.pop(CONTEXT_KWARG, None)
+    chunk = None
     if context is None:
-        _refuse_without_context(module)
+        refuse_without_context(module)
+    elif context.state is not None or kwargs.get("cu_seq_lens_q") is not None:
+        # The ring runs: what the model applies outside this call (its mask's window and
+        # chunks, the temperature of its shard's positions) is computed here over the row.
+        sliding_window, chunk = layer_window_and_chunk(module, sliding_window, context)
+        query = global_query_temperature(module, query, context)
     if kwargs.get("cu_seq_lens_q") is not None:
-        _refuse_softcap_on_packed(module, softcap)
-        return _packed_attention(module, query, key, value, scaling, sliding_window, context, kwargs)
+        refuse_softcap_on_packed(module, softcap)
+        return _packed_attention(module, query, key, value, scaling, sliding_window, chunk, context, kwargs)
     if context is None or context.state is None:
         return _local_attention(module, query, key, value, attention_mask, dropout, scaling, sliding_window,
                                 softcap, kwargs)
-    return _ring_attention(module, query, key, value, attention_mask, scaling, sliding_window, softcap, context,
-                           kwargs)
-
-
-def _refuse_without_context(module: nn.Module) -> None:
-    """Under context parallelism the ring needs the forward's validated context; without
-    it this layer would attend within its own shard only."""
-    state = get_context_parallel_state()
-    if state is not None and state.cp_size > 1:
-        raise RuntimeError(
-            f"ring_flash ran under context parallelism (cp_size={state.cp_size}) in {_name(module)} "
-            "without the context that hf_ring's model guard validates once per forward: either the "
-            f"model is not guarded (create it with attn_implementation={RING_FLASH!r} after `import "
-            "hf_ring`, or call hf_ring.hf.attention.guard_model(model)), or this model does not hand "
-            "its forward's keyword arguments to its attention layers, which hf_ring needs; such a "
-            "model is not supported under context parallelism"
-        )
+    return _ring_attention(module, query, key, value, attention_mask, scaling, sliding_window, softcap, chunk,
+                           context, kwargs)

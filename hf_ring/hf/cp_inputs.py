@@ -3,8 +3,8 @@
 Why here and not in every attention layer: these properties belong to the batch (shapes,
 padding, positions, documents, cache), so one check per forward is enough. Under context
 parallelism it is collective: one all-gather of a fixed-length header over the CP group
-(batch, local length, documents, layout, pattern, and whether this rank found a problem), plus,
-only when a padding mask is given, one all-gather of a ``(batch, 2)`` summary of it. So
+(batch, local length, documents, layout, pattern, largest position, whether this rank found a
+problem), plus, only when a padding mask is given, one all-gather of a ``(batch, 2)`` summary. So
 ranks that disagree, or a rank whose inputs are refused, raise an error on *every* rank
 instead of leaving the others waiting in the ring (or, with different shapes, aborting
 gloo or hanging NCCL). The number of collectives does not depend on the number of layers.
@@ -20,7 +20,7 @@ then dropped; every other mask is refused.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -28,7 +28,7 @@ from hf_ring.patterns.api import documents_fields
 from hf_ring.distributed.comm import peer_failed
 from hf_ring.patterns.state import ContextParallelState
 from hf_ring.patterns.plan import PATTERNS
-from hf_ring.patterns.validation import check_agreement, dtype_code, layout_code
+from hf_ring.patterns.validation import check_agreement, dtype_code, layout_code, name_code
 from hf_ring.sharding.layouts import shard_indices
 from hf_ring.sharding.packed import check_cu_seqlens, packed_shard_indices
 
@@ -90,12 +90,13 @@ def packed_document_lengths(inputs: dict[str, Any], cp_size: int) -> Optional[tu
 
 def _refuse_local(inputs: dict[str, Any], state: ContextParallelState) -> Optional[tuple[int, ...]]:
     """What a rank can refuse from its own inputs; returns the packed document lengths."""
-    if _cache_argument(inputs) is not None:
+    # cache_position too: Llama 4's 4.57 layers number tokens from it (sequence_features.py).
+    if _cache_argument(inputs) is not None or inputs.get("cache_position") is not None:
         raise NotImplementedError(
             "KV cache / generate() is not supported under context parallelism "
             f"(cp_size={state.cp_size}): each rank holds only a shard of the sequence, so a cache "
-            "would hold a shard of K/V. Generate without CP (hf_ring.set_context_parallel_state(None)) "
-            "on the full sequence"
+            "would hold a shard of K/V (pass no cache and no cache_position). Generate without CP "
+            "(hf_ring.set_context_parallel_state(None)) on the full sequence"
         )
     if inputs.get("use_cache") is True:
         raise NotImplementedError(
@@ -190,10 +191,21 @@ def _check_right_padding(mask: torch.Tensor, index: torch.Tensor, state: Context
         )
 
 
+class CheckedInputs(NamedTuple):
+    """What :func:`validate_cp_inputs` learnt of a forward: a packed row's global document
+    lengths (None: dense rows), the global batch's largest position id (padding included:
+    what the full sequence's RoPE reads its length from), and ``token_index``, int64
+    ``(seq_local,)`` on the CPU: the global row index of each of this rank's tokens."""
+
+    doc_lens: Optional[tuple[int, ...]]
+    max_position: int
+    token_index: torch.Tensor
+
+
 def validate_cp_inputs(
     inputs: dict[str, Any], state: ContextParallelState, compute_dtype: Optional[torch.dtype] = None,
     autocast: bool = False,
-) -> Optional[tuple[int, ...]]:
+) -> CheckedInputs:
     """Validate one forward's inputs under CP (``state.cp_size > 1``); collective over
     ``state.cp_group``: one all-gather of a fixed-length header, plus one of a ``(batch, 2)``
     mask summary when an ``attention_mask`` is given; one host sync for each.
@@ -210,10 +222,10 @@ def validate_cp_inputs(
         autocast: whether the forward runs under autocast.
 
     Returns:
-        The packed row's global document lengths, or None for dense rows.
+        The documents, largest position and this rank's token indices (:class:`CheckedInputs`).
 
     Raises (on every rank of the CP group):
-        NotImplementedError: a KV cache or ``use_cache=True``.
+        NotImplementedError: a KV cache, ``cache_position`` or ``use_cache=True``.
         ValueError: inputs that differ across the ranks, missing or non-global
             ``position_ids``, a mask other than right padding, packed rows with batch size > 1
             or a padding mask.
@@ -222,11 +234,12 @@ def validate_cp_inputs(
     doc_lens = None
     batch, seq_local = rows_and_length(inputs)
     device = inputs_device(inputs)
-    wrong = None
+    wrong = top = None
     try:
         doc_lens = _refuse_local(inputs, state)
         index = _global_indices(seq_local, doc_lens, state)
         wrong = _positions_wrong(inputs, index, doc_lens)
+        top = inputs["position_ids"].max()
     except Exception as e:  # noqa: BLE001 - re-raised below, after the header went round
         # Whatever this rank's inputs broke, the other ranks must hear of it rather than
         # wait for a header that never comes.
@@ -235,6 +248,8 @@ def validate_cp_inputs(
     fields = [
         ("refused", int(problem is not None)),
         ("positions_not_global", 0),
+        # Each rank's largest position id: the batch's is their maximum (dynamic RoPE reads it).
+        ("max_position", -1),
         ("batch", batch),
         ("local_seq", seq_local),
         ("attention_mask", int(mask is not None)),
@@ -243,6 +258,8 @@ def validate_cp_inputs(
         # pattern="auto" picks from these on every rank: ranks that differ would pick apart.
         ("pattern", _PATTERN_CODES.index(state.pattern)),
         ("ulysses_size", state.ulysses_size or 0),
+        # Kernels that differ in what they compute would refuse a layer on some ranks only.
+        ("kernel", name_code(state.backend)),
         ("local_world_size", state.local_world_size),
         ("autocast", int(autocast)),
         ("compute_dtype", dtype_code(compute_dtype)),
@@ -251,9 +268,10 @@ def validate_cp_inputs(
     header = torch.tensor([v for _, v in fields], dtype=torch.int64, device=device)
     if wrong is not None:
         header[1] = wrong
+        header[2] = top
     try:
         rows = check_agreement(state.cp_group, fields, device, "the model's inputs", _HINT,
-                               ignore=("refused", "positions_not_global"), values=header)
+                               ignore=("refused", "positions_not_global", "max_position"), values=header)
     except RuntimeError as e:
         if not peer_failed(e):
             raise
@@ -280,4 +298,4 @@ def validate_cp_inputs(
         )
     if mask is not None:
         _check_right_padding(mask, index, state)
-    return doc_lens
+    return CheckedInputs(doc_lens, max(row[2] for row in rows), index)

@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from hf_ring.distributed.comm import CommWaitStats
+from hf_ring.hf.support.detectors import Handed
 from hf_ring.patterns.state import ContextParallelState
 from hf_ring.patterns.build import build_plan
 from hf_ring.patterns.plan import AttentionPlan
@@ -45,20 +46,29 @@ class ForwardContext:
         comm_stats: where the ring adds the time it waited on transfers, or None.
         made_by_guard: set by the guard, the only place that validates a forward's inputs;
             a context passed by hand without it is refused.
+        token_index: under CP, int64 ``(seq_local,)`` on the CPU: the global row index of
+            each of this rank's tokens (for Llama 4's temperature, sequence_features.py).
+        handed: what the model computes outside its attention function that the ring
+            computes in it, by layer (windows applied through the mask only, Llama 4's
+            temperature), read by model support.
         ran_ring: ids of the attention modules that ran across the CP group (any
             pattern) in this forward.
         ran_mixers: ``(id(layer), step)`` for each step (``"conv"``, ``"delta_rule"``) that
             a routed token-mixer layer ran on its CP path in this forward (``hf.mixers``).
         mixer_layer: the id of the routed token-mixer layer running now, else None.
+        cache: what the layers of this forward share besides plans (sequence_features.py).
     """
 
     state: Optional[ContextParallelState]
     doc_lens: Optional[tuple[int, ...]] = None
     comm_stats: Optional[CommWaitStats] = None
     made_by_guard: bool = False
+    token_index: Optional[torch.Tensor] = None
+    handed: Handed = field(default_factory=Handed)
     ran_ring: set[int] = field(default_factory=set)
     ran_mixers: set[tuple[int, str]] = field(default_factory=set)
     mixer_layer: Optional[int] = None
+    cache: dict = field(default_factory=dict, repr=False)
     _plans: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -71,17 +81,17 @@ class ForwardContext:
 
     def plan(
         self, q: torch.Tensor, n_kv_heads: int, scale: float, window: Optional[int] = None,
-        softcap: Optional[float] = None, value_head_dim: Optional[int] = None,
+        softcap: Optional[float] = None, value_head_dim: Optional[int] = None, chunk: Optional[int] = None,
     ) -> AttentionPlan:
         """The plan for this forward's attention calls like ``q`` ``(batch, seq_local,
         n_heads, head_dim)`` with ``n_kv_heads`` K/V heads (of ``value_head_dim`` for V when
-        it differs: multi-head latent attention), ``scale``, sliding ``window`` and logit
-        ``softcap`` (None: none): the state's pattern (``"auto"`` resolved here,
-        once per kind of layer and forward), the state's kernel choice resolved for q's
-        device, dtype and these features, built on first use and then shared by every
-        layer with the same settings (a model alternating sliding and full layers gets
-        two plans, each with its own schedule cache)."""
-        key = (q.device, q.dtype, *q.shape[1:], n_kv_heads, value_head_dim, scale, window, softcap)
+        it differs: multi-head latent attention), ``scale``, sliding ``window``, logit
+        ``softcap`` and attention ``chunk`` (None: none): the state's pattern (``"auto"``
+        resolved here, once per kind of layer and forward), the state's kernel choice
+        resolved for q's device, dtype and these features, built on first use and then
+        shared by every layer with the same settings (a model alternating sliding and full
+        layers gets two plans, each with its own schedule cache)."""
+        key = (q.device, q.dtype, *q.shape[1:], n_kv_heads, value_head_dim, scale, window, softcap, chunk)
         plan = self._plans.get(key)
         if plan is None:
             s = self.state
@@ -105,6 +115,7 @@ class ForwardContext:
                 seq=q.shape[1] * world,
                 window=window,
                 softcap=softcap,
+                chunk=chunk,
                 local_doc_lens=local_docs,
                 ulysses_size=s.ulysses_size if s is not None else None,
                 comm_stats=self.comm_stats,

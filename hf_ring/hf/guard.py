@@ -28,10 +28,11 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.nn as nn
 
+from hf_ring.hf import sequence_features
 from hf_ring.hf.cp_inputs import inputs_device, packed_document_lengths, rows_and_length, validate_cp_inputs
 from hf_ring.hf.forward_context import COMM_STATS_KWARG, CONTEXT_KWARG, ForwardContext
 from hf_ring.hf.mixers import MIXER_STEPS, route_mixers
-from hf_ring.hf.support import RING_FLASH, check_model_supported, check_model_under_cp
+from hf_ring.hf.support import RING_FLASH, check_model_supported, check_model_under_cp, handed_to_the_ring
 from hf_ring.patches.transformers import attn_implementation
 from hf_ring.patterns.state import get_context_parallel_state
 
@@ -142,18 +143,25 @@ def _pre_forward(model: nn.Module, args: tuple, kwargs: dict):
         return None  # arguments the forward does not take: let it raise its own error
     state = get_context_parallel_state()
     if state is None or state.cp_size == 1:
+        # The forward holds whole rows: rotaries read the length from their own positions.
+        sequence_features.hand_max_position(model, None)
         doc_lens = packed_document_lengths(inputs, 1)
+        context = ForwardContext(None, doc_lens, comm_stats, made_by_guard=True)
         if doc_lens is not None:
             # Packed rows run the ring (varlen) even without CP: the same model features apply.
             check_model_under_cp(model, 1, sum(doc_lens), doc_lens=doc_lens)
+            context.handed = handed_to_the_ring(model)
         if not takes_kwargs:
             return args, kwargs
-        return args, {**kwargs, CONTEXT_KWARG: ForwardContext(None, doc_lens, comm_stats, made_by_guard=True)}
+        return args, {**kwargs, CONTEXT_KWARG: context}
     _check_guarded_model(model, state.cp_size, takes_kwargs)
-    doc_lens = validate_cp_inputs(inputs, state, *_compute_dtype(model, inputs_device(inputs)))
+    checked = validate_cp_inputs(inputs, state, *_compute_dtype(model, inputs_device(inputs)))
     # After the collective check: every rank has the same lengths, so raises alike.
-    check_model_under_cp(model, state.cp_size, rows_and_length(inputs)[1] * state.cp_size, doc_lens=doc_lens)
-    kwargs = {**kwargs, CONTEXT_KWARG: ForwardContext(state, doc_lens, comm_stats, made_by_guard=True)}
+    check_model_under_cp(model, state.cp_size, rows_and_length(inputs)[1] * state.cp_size, doc_lens=checked.doc_lens)
+    sequence_features.hand_max_position(model, checked.max_position)
+    context = ForwardContext(state, checked.doc_lens, comm_stats, made_by_guard=True,
+                             token_index=checked.token_index, handed=handed_to_the_ring(model))
+    kwargs = {**kwargs, CONTEXT_KWARG: context}
     if inputs.get("use_cache") is None and "use_cache" in signature.parameters:
         # A cache filled under CP holds only this rank's shard of K/V: useless to continue
         # from, so none is built unless asked for (and asking is refused above).
@@ -245,6 +253,7 @@ def guard_model(model: nn.Module) -> None:
             m.__dict__[_GUARDED_LAYER] = True
     for m in route_mixers(base):
         m.__dict__[_GUARDED_MIXER] = True
+    sequence_features.prepare(base)
     base.register_forward_pre_hook(_pre_forward, with_kwargs=True)
     base.register_forward_hook(_post_forward, with_kwargs=True)
     base.__dict__[_GUARDED_MODEL] = True

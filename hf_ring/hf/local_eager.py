@@ -31,8 +31,8 @@ def eager_attention(
     """Attention with a sink logit per head and / or softcapped scores.
 
     Args:
-        query: ``(batch, n_heads, q_len, head_dim)``; key, value: ``(batch, n_kv_heads,
-            k_len, head_dim)``; one float dtype.
+        query: ``(batch, n_heads, q_len, head_dim)``; key ``(batch, n_kv_heads, k_len,
+            head_dim)``, value ``(batch, n_kv_heads, k_len, value_head_dim)``; one float dtype.
         attention_mask: transformers' 4-D SDPA mask ``(batch or 1, 1, q_len, k_len)``, bool
             (True: attend) or additive float, or None (then causal, aligned bottom-right
             when ``k_len > q_len``, or nothing when not ``causal``).
@@ -42,7 +42,7 @@ def eager_attention(
         softcap: scores become ``softcap * tanh(scores / softcap)`` before the mask, or None.
 
     Returns:
-        ``(batch, q_len, n_heads, head_dim)`` in the query's dtype.
+        ``(batch, q_len, n_heads, value_head_dim)`` in the query's dtype.
     """
     b, hq, sq, d = query.shape
     hk, sk = key.shape[1], key.shape[2]
@@ -65,4 +65,4 @@ def eager_attention(
         sink_column = sinks.to(acc).view(1, hq, 1, 1).expand(b, hq, sq, 1)
         probs = torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1)[..., :-1]
     out = torch.einsum("bhgqk,bhkd->bqhgd", probs.view(b, hk, hq // hk, sq, sk), value.to(acc))
-    return out.reshape(b, sq, hq, d).to(query.dtype)
+    return out.reshape(b, sq, hq, value.shape[-1]).to(query.dtype)  # V heads may be narrower (MLA)

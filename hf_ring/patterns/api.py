@@ -36,7 +36,7 @@ from hf_ring.distributed.groups import group_coords, local_world_size
 from hf_ring.patterns.build import build_plan, check_settings
 from hf_ring.patterns.plan import PATTERNS
 from hf_ring.patterns.run import run_plan
-from hf_ring.patterns.validation import check_across_ranks, check_local, float_bits
+from hf_ring.patterns.validation import check_across_ranks, check_local, float_bits, name_code
 from hf_ring.sharding.packed import check_cu_seqlens
 
 Output = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
@@ -58,15 +58,18 @@ def _check_sinks(sinks: Optional[torch.Tensor], n_heads: int) -> None:
         raise ValueError(f"sinks must be a float tensor of shape (n_heads,) = ({n_heads},), got {got}")
 
 
-def agreement_fields(pattern: str, window, softcap, sinks, ulysses_size) -> list[tuple[str, int]]:
-    """What the ranks must agree on besides shapes, layout, mask and scale (as ints)."""
+def agreement_fields(pattern: str, window, softcap, sinks, ulysses_size, backend: str) -> list[tuple[str, int]]:
+    """What the ranks must agree on besides shapes, layout, mask and scale (as ints); the
+    kernel too: ranks on kernels that differ in what they compute would refuse apart, one
+    raising while the others wait in the first transfer."""
     names = (*PATTERNS, "auto")
     return [("pattern", names.index(pattern) if pattern in names else -1),
             ("window", window if isinstance(window, int) and not isinstance(window, bool) else -1
              if window is not None else 0),
             ("softcap_scale", float_bits(softcap) if isinstance(softcap, (int, float)) else 0),
             ("sinks", int(sinks is not None)),
-            ("ulysses_size", ulysses_size if isinstance(ulysses_size, int) else 0)]
+            ("ulysses_size", ulysses_size if isinstance(ulysses_size, int) else 0),
+            ("kernel", name_code(backend))]
 
 
 _HASH_PRIME = (1 << 61) - 1  # a Mersenne prime: a polynomial hash over it rarely collides
@@ -153,7 +156,7 @@ def context_parallel_attn_func(
     if world > 1 and check_ranks:
         # Agreement first: a setting that is wrong on one rank only must fail on all of them.
         check_across_ranks(group, q, k, v, layout, causal, scale,
-                           agreement_fields(pattern, window, softcap, sinks, ulysses_size))
+                           agreement_fields(pattern, window, softcap, sinks, ulysses_size, backend))
     check_settings(pattern, causal, window, softcap, ulysses_size, world)
     check_local(q, k, v, layout, causal)
     _check_sinks(sinks, q.shape[2])
@@ -267,7 +270,8 @@ def ring_flash_attn_varlen_func(
     if world > 1 and check_ranks:
         # Agreement first: a rank whose boundaries are invalid must not raise alone.
         check_across_ranks(group, q, k, v, "zigzag", causal, scale,
-                           [*documents_fields(bounds), ("sinks", int(sinks is not None))])
+                           [*documents_fields(bounds), ("sinks", int(sinks is not None)),
+                            ("kernel", name_code(backend))])
     doc_lens = check_cu_seqlens(torch.as_tensor(cu_seqlens), world)
     if q.dim() != 3:
         raise ValueError(f"varlen q must be (total_local, n_heads, head_dim), got shape {tuple(q.shape)}")

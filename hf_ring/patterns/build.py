@@ -82,6 +82,7 @@ def build_plan(
     softcap: Optional[float] = None,
     local_doc_lens: Optional[tuple[int, ...]] = None,
     ulysses_size: Optional[int] = None,
+    chunk: Optional[int] = None,
     comm_stats: Optional[CommWaitStats] = None,
     need_lse: bool = True,
     local_world_size: Optional[int] = None,
@@ -99,6 +100,8 @@ def build_plan(
         layout, causal, scale, window, softcap, ulysses_size, comm_stats, need_lse: as in
             ``hf_ring.context_parallel_attn_func``; a window of at least ``seq`` tokens masks
             nothing and is dropped.
+        chunk: attention chunks in tokens (``AttentionPlan.chunk``), or None; dropped like
+            a window when at least ``seq``.
         backend: the kernel choice, ``"auto"`` or a registered name.
         device, dtype: where and in what the call's tensors are (the kernel must run there).
         n_heads, n_kv_heads, head_dim: the call's query and K/V head counts and q/k head size.
@@ -119,6 +122,7 @@ def build_plan(
                   device=device, dtype=dtype, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
                   value_head_dim=value_head_dim or head_dim, seq=seq,
                   window=window if window is not None and window < seq else None, softcap=softcap,
+                  chunk=chunk if chunk is not None and chunk < seq else None,
                   local_doc_lens=local_doc_lens, comm_stats=comm_stats, need_lse=need_lse, transport=transport,
                   collectives=collectives)
     if world == 1:
@@ -133,7 +137,8 @@ def build_plan(
         return _build(pattern, ulysses_size, **common)
     candidates = pattern_candidates(n_heads, n_kv_heads, seq, world, local_world_size or world, first_rank)
     plan, choice = first_that_runs(candidates, lambda c: _build(c.pattern, c.ulysses_size, **common))
-    features = [f for f, on in (("window", common["window"]), ("softcap", softcap)) if on is not None]
+    features = [f for f, on in (("window", common["window"]), ("chunk", common["chunk"]), ("softcap", softcap))
+                if on is not None]
     log_choice_once(choice, (n_heads, n_kv_heads, *features),
                     f"{seq} tokens over cp={world}, {n_heads}/{n_kv_heads} heads"
                     + (f", {', '.join(features)}" if features else ""))
@@ -142,7 +147,7 @@ def build_plan(
 
 def _build(pattern: str, ulysses_size: Optional[int], *, group, rank, world, layout, causal, scale, backend, device,
            dtype, n_heads, n_kv_heads, head_dim, value_head_dim, seq, window, softcap, local_doc_lens, comm_stats,
-           need_lse, transport, collectives) -> AttentionPlan:
+           need_lse, transport, collectives, chunk) -> AttentionPlan:
     if pattern == "hybrid" and ulysses_size == 1:  # Ulysses groups of one rank: the ring over all of them
         pattern, ulysses_size = "ring", None
     if pattern == "hybrid" and ulysses_size == world:  # one Ulysses group: no ring
@@ -150,10 +155,10 @@ def _build(pattern: str, ulysses_size: Optional[int], *, group, rank, world, lay
     if pattern in ("ulysses", "hybrid"):
         kv_repeat(n_heads, n_kv_heads, world if pattern == "ulysses" else ulysses_size, pattern)
     position_ring = pattern == "hybrid" and layout not in RING_SHARD_LAYOUTS and causal
-    needs = KernelNeeds(masked=window is not None or position_ring, softcap=softcap is not None,
-                        head_dim=max(head_dim, value_head_dim))
+    masked = window is not None or chunk is not None or position_ring
+    needs = KernelNeeds(masked=masked, softcap=softcap is not None, head_dim=max(head_dim, value_head_dim))
     kernel = with_value_head_dim(get_backend(backend, device, dtype, needs), head_dim, value_head_dim)
-    settings = dict(window=window, softcap=softcap, comm_stats=comm_stats)
+    settings = dict(window=window, chunk=chunk, softcap=softcap, comm_stats=comm_stats)
     if pattern == "ring":
         return AttentionPlan(group, rank, world, layout, causal, scale, kernel, local_doc_lens=local_doc_lens,
                              transport=transport, **settings)
@@ -162,12 +167,13 @@ def _build(pattern: str, ulysses_size: Optional[int], *, group, rank, world, lay
                              collectives=collectives or GroupCollectives(group, comm_stats), **settings)
     if pattern == "ulysses":
         # Every rank attends the whole sequence (in its global order) for its heads: one process's plan.
-        inner = AttentionPlan(None, 0, 1, "contiguous", causal, scale, kernel, window=window, softcap=softcap)
+        inner = AttentionPlan(None, 0, 1, "contiguous", causal, scale, kernel, window=window, softcap=softcap,
+                              chunk=chunk)
         return AttentionPlan(group, rank, world, layout, causal, scale, kernel, pattern=pattern, need_lse=need_lse,
                              collectives=collectives or GroupCollectives(group, comm_stats), inner=inner,
                              **settings)
     groups = hybrid_groups(group, ulysses_size)
-    inner = hybrid_ring_plan(groups, seq, layout, causal, scale, kernel, window, softcap, comm_stats)
+    inner = hybrid_ring_plan(groups, seq, layout, causal, scale, kernel, window, softcap, comm_stats, chunk)
     return AttentionPlan(group, rank, world, layout, causal, scale, kernel, pattern=pattern,
                          ulysses_size=ulysses_size, need_lse=need_lse,
                          collectives=collectives or GroupCollectives(groups.ulysses, comm_stats), inner=inner,

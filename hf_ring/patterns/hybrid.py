@@ -116,6 +116,7 @@ def hybrid_groups(group: Optional[dist.ProcessGroup], ulysses_size: int) -> Hybr
 def hybrid_ring_plan(
     groups: HybridGroups, seq: int, layout: str, causal: bool, scale: float, backend: AttentionBackend,
     window: Optional[int] = None, softcap: Optional[float] = None, comm_stats: Optional[CommWaitStats] = None,
+    chunk: Optional[int] = None,
 ) -> AttentionPlan:
     """The plan of the ring across the Ulysses groups for a ``seq``-token sequence sharded
     by ``layout`` over ``U * R`` ranks: the layout's own ring shards under zigzag and
@@ -123,7 +124,7 @@ def hybrid_ring_plan(
     world = groups.ulysses_size * groups.ring_size
     positions = None if layout in RING_SHARD_LAYOUTS else group_positions(seq, world, groups.ulysses_size, layout)
     return AttentionPlan(groups.ring, groups.group_index, groups.ring_size, layout, causal, scale, backend,
-                         window=window, comm_stats=comm_stats, softcap=softcap, positions=positions)
+                         window=window, comm_stats=comm_stats, softcap=softcap, positions=positions, chunk=chunk)
 
 
 def hybrid_attention(

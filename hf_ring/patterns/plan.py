@@ -9,7 +9,7 @@ attention they run after their all-to-all (``inner``): one process over the whol
 sequence, or the ring across the Ulysses groups.
 
 It also caches what is the same in the forward and the backward and across the layers of
-one model forward: each ring step's block schedule (cut to the window, see
+one model forward: each ring step's block schedule (cut to the window and chunks, see
 ring/window.py), the window masks on the device and, for packed rows on a varlen kernel,
 each step's index tensors on the device. Building a plan does no communication and no
 host sync (the hybrid pattern's subgroups are built by build.py before the plan).
@@ -61,13 +61,16 @@ class AttentionPlan:
         window: sliding window in tokens (key j visible to query i iff ``0 <= i - j <
             window``, global positions), or None; causal dense rows only, and a backend
             with a masked kernel. Blocks outside it are skipped, blocks on its edge masked.
+        chunk: attention chunks in tokens (Llama 4's ``attention_chunk_size``: key j visible
+            to query i iff ``i // chunk == j // chunk``, on top of causal), or None; like
+            ``window``, causal dense rows only, on a masked kernel; both may be given.
         softcap: logit softcapping (scores become ``softcap * tanh(scores / softcap)``), or
             None; dense rows, and a backend whose kernels take it (``backend.softcap``).
         positions: instead of the layout's shards, each ring rank's global token positions
             (int64 ``(local_len,)`` CPU tensors, in the order the rank holds its tokens;
             ``layout`` is then ignored), for token sets no layout describes (the hybrid
             pattern's stripe groups). Each step is then one block cut to what the causal
-            mask (and window) keep, so causal plans need a masked kernel.
+            mask (and window, chunks) keep, so causal plans need a masked kernel.
         comm_stats: a sink for the time transfers were waited on.
         pattern: which of :data:`PATTERNS` runs the call.
         ulysses_size: hybrid only, the ranks per Ulysses group.
@@ -89,6 +92,7 @@ class AttentionPlan:
     transport: Optional[Transport] = None
     window: Optional[int] = None
     comm_stats: Optional[CommWaitStats] = None
+    chunk: Optional[int] = None
     softcap: Optional[float] = None
     positions: Optional[tuple[torch.Tensor, ...]] = None
     pattern: str = "ring"
@@ -111,8 +115,9 @@ class AttentionPlan:
             if any(n <= 0 for n in self.local_doc_lens):
                 raise ValueError(f"every packed document needs local tokens, got {self.local_doc_lens}")
             object.__setattr__(self, "local_doc_lens", tuple(self.local_doc_lens))
-        if self.window is not None:
-            self._check_window()
+        for name in ("window", "chunk"):
+            if getattr(self, name) is not None:
+                self._check_cut(name)
         if self.softcap is not None:
             self._check_softcap()
         if self.positions is not None:
@@ -125,22 +130,24 @@ class AttentionPlan:
         if self.world > 1 and self.pattern == "ring" and self.transport is None:
             object.__setattr__(self, "transport", process_group_transport(self.group, self.comm_stats))
 
-    def _check_window(self) -> None:
-        w = self.window
+    def _check_cut(self, name: str) -> None:
+        """A window or chunks (``name``): what cuts the causal blocks to fewer pairs."""
+        w = getattr(self, name)
+        what = "a sliding window" if name == "window" else "chunked attention"
         if isinstance(w, bool) or not isinstance(w, int) or w < 1:
-            raise ValueError(f"window must be a positive int (tokens), got {w!r}")
+            raise ValueError(f"{name} must be a positive int (tokens), got {w!r}")
         if not self.causal:
-            raise ValueError("a sliding window is defined on top of causal attention; pass causal=True")
+            raise ValueError(f"{what} is defined on top of causal attention; pass causal=True")
         if self.local_doc_lens is not None:
             raise NotImplementedError(
-                "sliding windows on packed rows (several documents per row) are not computed by the "
-                "ring yet; use dense rows, or documents no longer than the window"
+                f"{what} on packed rows (several documents per row) is not computed by the ring yet; use "
+                f"dense rows, or documents no longer than the {name}"
             )
         if not self.backend.masked:
             raise NotImplementedError(
-                f"attention backend {self.backend.name!r} has no masked kernel, which a sliding window "
-                f"inside the ring needs (for the blocks on its edge); use {backends_that('masked')}, "
-                "or sequences no longer than the window (window=None)"
+                f"attention backend {self.backend.name!r} has no masked kernel, which {what} inside the "
+                f"ring needs (for the blocks on its edge); use {backends_that('masked')}, or sequences no "
+                f"longer than the {name} ({name}=None)"
             )
 
     def _check_softcap(self) -> None:
@@ -188,22 +195,24 @@ class AttentionPlan:
     def _layout_blocks(self, src: int, local_len: int) -> list[Block]:
         blocks = step_blocks(self.layout, self.causal, local_len, self.rank, src, self.local_doc_lens)
         seq = local_len * self.world
-        if self.window is not None and self.window < seq:  # a window >= seq masks nothing
+        # A window or a chunk of at least seq tokens masks nothing.
+        window = self.window if self.window is not None and self.window < seq else None
+        chunk = self.chunk if self.chunk is not None and self.chunk < seq else None
+        if window is not None or chunk is not None:
             q_pos = shard_indices(seq, self.world, self.rank, self.layout)
             k_pos = shard_indices(seq, self.world, src, self.layout)
-            blocks = window_blocks(blocks, q_pos, k_pos, self.window)
+            blocks = window_blocks(blocks, q_pos, k_pos, window, chunk)
         return blocks
 
     def _position_blocks(self, src: int, local_len: int) -> list[Block]:
         """One step's block from explicit positions: everything without a causal mask, else
-        the pairs the causal mask and the window keep (trimmed, masked where needed)."""
+        the pairs the causal mask, the window and the chunks keep (trimmed, masked where needed)."""
         whole = [Block(0, local_len, 0, local_len, False)]
         if not self.causal:
             return whole
         q_pos, k_pos = self.positions[self.rank], self.positions[src]
-        # A window of every position keeps exactly the causal pairs (i - j >= 0).
-        span = self.window if self.window is not None else int(max(q_pos.max(), k_pos.max())) + 1
-        return window_blocks(whole, q_pos, k_pos, span)
+        # Without a window or chunks this keeps exactly the causal pairs (i - j >= 0).
+        return window_blocks(whole, q_pos, k_pos, self.window, self.chunk)
 
     def mask(self, block: Block, device: torch.device) -> torch.Tensor:
         """A masked block's mask on ``device``, copied there once per plan (the blocks live

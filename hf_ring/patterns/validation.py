@@ -18,6 +18,7 @@ any check across ranks.
 from __future__ import annotations
 
 import struct
+import zlib
 from typing import Optional, Sequence
 
 import torch
@@ -90,6 +91,12 @@ def _shown(name: str, value: int):
     if name.endswith("dtype"):
         return str(_DTYPES[value]).removeprefix("torch.") if 0 <= value < len(_DTYPES) else "other"
     return value
+
+
+def name_code(name: str) -> int:
+    """A name (a kernel's) as an agreement field: a checksum that is the same in every
+    process (Python's ``hash`` of a str is not)."""
+    return zlib.crc32(str(name).encode())
 
 
 def layout_code(layout: str) -> int:

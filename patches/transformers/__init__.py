@@ -48,14 +48,22 @@ in 4.57.6 and 5.24.0):
   (``logit_transform``, for the chunked loss), whether a forward passes a keyword
   (``forward_passes_keyword``), a modeling module's attention-class tables and whether it
   dispatches through the attention interface (``attention_class_tables``,
-  ``uses_attention_interface``), for model support.
+  ``uses_attention_interface``), for model support;
+- ``rope``: which rotary embeddings pick their frequencies from the largest position they
+  are given (``length_dependent_rope``, ``reads_max_position``), and hooks that hand them
+  the full sequence's under context parallelism (``hand_max_position``, ``set_max_position``);
+- ``temperature``: the query scale of Llama 4's attention temperature tuning, which its
+  layers compute from positions numbered within the forward (``query_temperature``,
+  ``temperature_scale``).
 
 transformers is imported only when a function runs: ``import hf_ring`` needs only torch.
 """
 
 from .attributes import attn_implementation, prepare_inputs, set_checkpoint_function, train_batch_size
 from .hooks import apply
+from .rope import hand_max_position, length_dependent_rope, reads_max_position, set_max_position
 from .sources import attention_class_tables, forward_passes_keyword, logit_transform, uses_attention_interface
+from .temperature import query_temperature, temperature_scale
 from .versions import WRITTEN_FOR, UnsupportedTransformersVersion, release_line
 
 __all__ = [
@@ -65,10 +73,16 @@ __all__ = [
     "attention_class_tables",
     "attn_implementation",
     "forward_passes_keyword",
+    "hand_max_position",
+    "length_dependent_rope",
     "logit_transform",
     "prepare_inputs",
+    "query_temperature",
+    "reads_max_position",
     "release_line",
     "set_checkpoint_function",
+    "set_max_position",
+    "temperature_scale",
     "train_batch_size",
     "uses_attention_interface",
 ]

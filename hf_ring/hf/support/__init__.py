@@ -19,13 +19,14 @@ SSM / linear-recurrence mixers), ``layer_kinds`` (the config's layer kinds),
 ``rope`` (length-dependent RoPE),
 ``windows`` (sliding windows and chunks), ``temperature`` (Llama 4's temperature tuning);
 ``reading`` holds what they share, ``detectors`` their list and the two entry points,
-:func:`check_model_under_cp` and :func:`check_model_supported`.
+:func:`check_model_under_cp` and :func:`check_model_supported`, and what the ring is handed from
+the reading (:func:`handed_to_the_ring`).
 
 Part of the transformers integration: must not import Trainer, TRL, or hf_ring's training
 or memory layers.
 """
 
-from hf_ring.hf.support.detectors import check_model_supported, check_model_under_cp
+from hf_ring.hf.support.detectors import check_model_supported, check_model_under_cp, handed_to_the_ring
 from hf_ring.hf.support.reading import RING_FLASH
 
-__all__ = ["RING_FLASH", "check_model_supported", "check_model_under_cp"]
+__all__ = ["RING_FLASH", "check_model_supported", "check_model_under_cp", "handed_to_the_ring"]

@@ -1,10 +1,13 @@
-"""The list of detectors and the two entry points of model support.
+"""The list of detectors and the entry points of model support.
 
 - :func:`check_model_under_cp`: whenever the ring runs (``cp_size > 1``, or packed rows
   without CP), once per guarded forward, after the inputs were validated (so every rank
   passes the same lengths and raises the same error). The model's structure is read on
   the first call (every detector of ``REFUSALS`` and ``BOUNDS``) and cached in the model's
   ``__dict__``; later calls only compare the forward's lengths with the cached bounds.
+- :func:`handed_to_the_ring`: what the model computes outside its attention function that
+  the ring computes in it (windows and chunks applied through the mask only, Llama 4's
+  temperature), read with the rest and handed down by the guard.
 - :func:`check_model_supported`: when a model asks for ``ring_flash`` (model creation,
   ``set_attn_implementation``): the detectors of ``AT_CREATION``, which refuse models that
   ``ring_flash`` cannot run with or without CP.
@@ -20,7 +23,7 @@ hf_ring's training or memory layers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch.nn as nn
@@ -52,10 +55,31 @@ BOUNDS: tuple[Callable[[Any, Modules], Iterable[Bound]], ...] = (
 
 
 @dataclass(frozen=True)
+class Handed:
+    """What the model computes outside its attention function that the ring computes in
+    it, by ``layer_idx``.
+
+    Attributes:
+        windows: the sliding window of each layer that applies it through the mask only
+            (``windows.mask_windows``).
+        temperatures: ``(floor_scale, attn_scale)`` of each layer that scales its queries by
+            Llama 4's temperature of positions numbered within the forward
+            (``temperature.rescaled_layers``).
+        chunks: the attention chunk of each layer that applies one through the mask only
+            (``windows.mask_chunks``).
+    """
+
+    windows: dict[int, int] = field(default_factory=dict)
+    temperatures: dict[int, tuple[float, float]] = field(default_factory=dict)
+    chunks: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class _Support:
     config_id: int
     refusals: tuple[str, ...]  # formatted with {where}
     bounds: tuple[Bound, ...]
+    handed: Handed
 
 
 def read_model(model: nn.Module) -> _Support:
@@ -64,7 +88,24 @@ def read_model(model: nn.Module) -> _Support:
     modules = list(text_stack(model).named_modules())
     refusals = [found for detect in REFUSALS for found in detect(config, modules)]
     bounds = [found for detect in BOUNDS for found in detect(config, modules)]
-    return _Support(id(config), tuple(refusals), tuple(bounds))
+    handed = Handed(windows.mask_windows(config, modules), temperature.rescaled_layers(config, modules),
+                    windows.mask_chunks(config, modules))
+    return _Support(id(config), tuple(refusals), tuple(bounds), handed)
+
+
+def _support(model: nn.Module) -> _Support:
+    """The model's reading, cached in its ``__dict__`` (re-read when its ``config`` object is
+    replaced; a config edited in place is not re-read)."""
+    support = model.__dict__.get(_CACHE)
+    if support is None or support.config_id != id(getattr(model, "config", None)):
+        support = read_model(model)
+        model.__dict__[_CACHE] = support
+    return support
+
+
+def handed_to_the_ring(model: nn.Module) -> Handed:
+    """What the ring must be handed of ``model``'s layers (read once, with the rest)."""
+    return _support(model).handed
 
 
 def check_model_under_cp(
@@ -90,19 +131,15 @@ def check_model_under_cp(
     """
     if cp_size <= 1 and doc_lens is None:
         return  # the ring does not run: ring_flash is transformers' SDPA
-    support = model.__dict__.get(_CACHE)
-    config = getattr(model, "config", None)
-    if support is None or support.config_id != id(config):
-        support = read_model(model)
-        model.__dict__[_CACHE] = support
+    support = _support(model)
     where = f"under context parallelism (cp_size={cp_size})" if cp_size > 1 else "on packed rows"
     if support.refusals:
         raise NotImplementedError(support.refusals[0].format(where=where))
     span = max(doc_lens) if doc_lens else seq_len
     for b in support.bounds:
-        if b.measure == "packed" and not doc_lens:
+        if b.measure in ("packed", "packed_row") and not doc_lens:
             continue
-        length = seq_len if b.measure == "row" else span
+        length = seq_len if b.measure in ("row", "packed_row") else span
         if length >= b.bound:
             raise NotImplementedError(b.message.format(length=length, where=where, limit=b.bound - 1))
 

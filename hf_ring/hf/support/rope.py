@@ -1,7 +1,12 @@
 """Detector: RoPE variants whose frequencies depend on the largest position in the forward
 (``dynamic`` NTK scaling, ``longrope``). Under CP each rank would pick them from the
-positions it holds, not from the full sequence's, and the ranks would disagree; such a
-model is exact only below the length where the frequencies change, and bounded there.
+positions it holds, not from the full sequence's. Transformers' own rotary embeddings
+(``dynamic_rope_update``) are handed the sequence's largest position by the guard
+(``hf_ring.hf.sequence_features``), which makes them exact, on packed rows too (where,
+as transformers does on a packed row, the frequencies follow the row's largest position,
+its longest document). A config asking for such RoPE in a model whose rotary modules
+transformers' wrapper does not drive is exact only below the length where the
+frequencies change, and bounded there.
 
 Owns: the RoPE parameter readers, ``bounds``. Must not import: Trainer, TRL, hf_ring's
 training or memory layers.
@@ -12,6 +17,7 @@ from __future__ import annotations
 from typing import Any, Iterator
 
 from hf_ring.hf.support.reading import Bound, Modules, config_values, smallest
+from hf_ring.patches.transformers import length_dependent_rope, reads_max_position
 
 
 def _rope_dicts(config: Any) -> Iterator[tuple[str, dict]]:
@@ -29,8 +35,19 @@ def _rope_dicts(config: Any) -> Iterator[tuple[str, dict]]:
                 yield f"config.{field}", value
 
 
+def handed_max_position(modules: Modules) -> bool:
+    """Whether the text stack has rotary embeddings with a length-dependent ``rope_type`` and
+    every one is driven by transformers' ``dynamic_rope_update``, which the guard hands the
+    sequence's largest position (a family's own would read its shard's positions)."""
+    rotaries = [m for _, m in modules if length_dependent_rope(m)]
+    return bool(rotaries) and all(reads_max_position(m) for m in rotaries)
+
+
 def bounds(config: Any, modules: Modules) -> Iterator[Bound]:
-    """One bound per length-dependent RoPE parameter dict of the config."""
+    """One bound per length-dependent RoPE parameter dict of the config, unless the model's
+    rotary embeddings are handed the sequence's largest position."""
+    if handed_max_position(modules):
+        return
     max_positions = smallest(config, "max_position_embeddings")
     # The rotary modules' own threshold for recomputing frequencies (transformers sets it
     # from max_position_embeddings; read in case a family sets it otherwise).
@@ -55,9 +72,10 @@ def bounds(config: Any, modules: Modules) -> Iterator[Bound]:
 def _rope_message(rope_type: str, where_found: str, threshold: str) -> str:
     return (
         f"{where_found} has rope_type={rope_type!r}, whose frequencies depend on the largest position "
-        "in the forward: {where} each rank would pick them from the positions it holds, not from the "
-        "full sequence's, and the ranks would disagree. It is exact only for sequences (documents) "
-        f"of at most {{limit}} tokens (below {threshold}); this forward has {{length}}. Use shorter "
-        "sequences, a RoPE type that does not depend on the length (default, linear, yarn, llama3), "
-        "or train without context parallelism and without packed rows"
+        "in the forward, and this model's rotary embedding is not transformers' dynamic_rope_update, "
+        "which hf_ring hands the full sequence's largest position: {where} each rank would pick them "
+        "from the positions it holds, and the ranks would disagree. It is exact only for sequences "
+        f"(documents) of at most {{limit}} tokens (below {threshold}); this forward has {{length}}. Use "
+        "shorter sequences, a RoPE type that does not depend on the length (default, linear, yarn, "
+        "llama3), or train without context parallelism and without packed rows"
     )

@@ -1,18 +1,21 @@
-"""Sliding windows inside the ring: which parts of each step's blocks a window keeps.
+"""Sliding windows and attention chunks inside the ring: which parts of each step's blocks
+they keep.
 
 transformers' ``sliding_window`` (Mistral, Gemma 2/3, Qwen2, GPT-OSS, ...) lets query ``i``
-see key ``j`` iff ``0 <= i - j < window`` (global positions), on top of causal. The causal
-schedule (schedule.py) gives each step's blocks; with a window, each block's visible
-pairs are read from the global positions the layout gives its rows and columns
-(``hf_ring.sharding.shard_indices``) and the block becomes one of:
+see key ``j`` iff ``0 <= i - j < window`` (global positions), on top of causal; Llama 4's
+``attention_chunk_size`` iff ``i // chunk == j // chunk`` (the same chunk of the row), on
+top of causal. The causal schedule (schedule.py) gives each step's blocks; with a window
+or chunks, each block's visible pairs are read from the global positions the layout gives
+its rows and columns (``hf_ring.sharding.shard_indices``) and the block becomes one of:
 
 - nothing: no pair visible. The block is dropped, so its kernel call never happens: with
-  a window much shorter than the sequence most steps of a long ring compute nothing.
+  a window (or chunks) much shorter than the sequence most steps of a long ring compute
+  nothing.
 - a smaller block: the rectangle is trimmed to the rows and columns that see anything,
   which then is either wholly visible (non-causal) or a causal square; it runs on the
   ordinary kernel, as without a window.
-- a masked block (on the window's edge): the trimmed rectangle with its exact mask, run
-  on the backend's masked kernel.
+- a masked block (on the window's edge, or across a chunk boundary): the trimmed
+  rectangle with its exact mask, run on the backend's masked kernel.
 
 Computed once per plan and step (the plan caches it) from Python-side index tensors: no
 device work, no host sync on the hot path.
@@ -20,21 +23,24 @@ device work, no host sync on the hot path.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from hf_ring.patterns.ring.schedule import Block
 
 
-def window_block(blk: Block, q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> list[Block]:
-    """``blk`` cut to a window of ``window`` tokens.
+def window_block(
+    blk: Block, q_pos: torch.Tensor, k_pos: torch.Tensor, window: Optional[int], chunk: Optional[int] = None
+) -> list[Block]:
+    """``blk`` cut to a window of ``window`` tokens and to chunks of ``chunk`` tokens.
 
     Args:
         blk: a causal-schedule block (its pairs are exactly the causally visible ones).
         q_pos: int64 ``(local_len,)``, global position of each local query row.
         k_pos: int64 ``(local_len,)``, global position of each received key row.
-        window: the window in tokens (>= 1).
+        window: the window in tokens (>= 1), or None: none.
+        chunk: the chunk in tokens (>= 1), or None: none.
 
     Returns:
         ``[]`` when no pair is visible, else one block as described in the module docstring.
@@ -42,7 +48,11 @@ def window_block(blk: Block, q_pos: torch.Tensor, k_pos: torch.Tensor, window: i
     qp = q_pos[blk.q_start:blk.q_end]
     kp = k_pos[blk.k_start:blk.k_end]
     dist = qp[:, None] - kp[None, :]  # (nq, nk)
-    visible = (dist >= 0) & (dist < window)
+    visible = dist >= 0
+    if window is not None:
+        visible &= dist < window
+    if chunk is not None:
+        visible &= (qp[:, None] // chunk) == (kp[None, :] // chunk)
     if blk.causal:  # the schedule's own mask, kept so a window can only remove pairs
         visible &= torch.ones(visible.shape, dtype=torch.bool).tril()
     rows = visible.any(dim=1).nonzero().flatten()
@@ -62,7 +72,8 @@ def window_block(blk: Block, q_pos: torch.Tensor, k_pos: torch.Tensor, window: i
 
 
 def window_blocks(
-    blocks: Sequence[Block], q_pos: torch.Tensor, k_pos: torch.Tensor, window: int
+    blocks: Sequence[Block], q_pos: torch.Tensor, k_pos: torch.Tensor, window: Optional[int],
+    chunk: Optional[int] = None,
 ) -> list[Block]:
-    """Every block of a step cut to the window (see :func:`window_block`)."""
-    return [w for blk in blocks for w in window_block(blk, q_pos, k_pos, window)]
+    """Every block of a step cut to the window and the chunks (see :func:`window_block`)."""
+    return [w for blk in blocks for w in window_block(blk, q_pos, k_pos, window, chunk)]
