@@ -82,6 +82,8 @@ def reads_max_position(module: nn.Module) -> bool:
 
 
 def _with_max_position(module: nn.Module, args: tuple, kwargs: dict):
+    """Forward pre-hook: ``position_ids`` ``(..., seq_local)`` (int, positional or by name)
+    become ``(..., seq_local + 1)``, the set largest position appended."""
     top = module.__dict__.get(_MAX_POSITION)
     if top is None:
         return None
@@ -100,6 +102,8 @@ def _with_max_position(module: nn.Module, args: tuple, kwargs: dict):
 
 
 def _without_max_position(module: nn.Module, args: tuple, kwargs: dict, output: Any):
+    """Forward hook: each output ``(..., seq_local + 1, dim)`` (cos and sin, or Llama 4's
+    ``freqs_cis``) loses the appended position: ``(..., seq_local, dim)``."""
     if module.__dict__.get(_MAX_POSITION) is None:
         return None
     local = module.__dict__.pop(_LOCAL_LEN)
