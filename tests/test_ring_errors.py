@@ -22,7 +22,7 @@ def _qkv(b=1, s=8, hq=4, hk=2, d=16, dtype=torch.float32):
         (lambda: (_qkv()[0].transpose(1, 2), *_qkv()[1:]), "must agree on batch, local_seq"),
         (lambda: (_qkv()[0][0], *_qkv()[1:]), "flash-attn layout"),
         (lambda: (_qkv()[0].double(), *_qkv()[1:]), "share a dtype"),
-        (lambda: (_qkv()[0], _qkv()[1], _qkv(hk=1)[2]), "same shape"),
+        (lambda: (_qkv()[0], _qkv()[1], _qkv(hk=1)[2]), "must agree on batch, local_seq and n_kv_heads"),
     ],
 )
 def test_local_errors(make, match):
