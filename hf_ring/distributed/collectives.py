@@ -10,7 +10,9 @@ dimension indexes the ranks of one group:
   the reduce-scatter and the all-to-all, whose results depend on ranks not yet run, move
   the same number of bytes but deliver this rank's own values.
 
-:func:`all_to_all` is the differentiable all-to-all Ulysses is built from.
+:func:`all_to_all` is the differentiable all-to-all Ulysses is built from;
+:func:`all_gather` the differentiable all-gather the token mixers exchange their pieces'
+summaries with (its backward sums, on each rank, every rank's gradient of its tensor).
 """
 
 from __future__ import annotations
@@ -136,4 +138,25 @@ def all_to_all(x: torch.Tensor, coll: Collectives) -> torch.Tensor:
     return _AllToAll.apply(x, coll)
 
 
-__all__ = ["Collectives", "GroupCollectives", "VirtualCollectives", "all_to_all"]
+class _AllGather(torch.autograd.Function):
+    """All-gather whose backward reduce-scatters: each rank's tensor was read by every
+    rank, so its gradient is the sum of theirs."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, coll: Collectives) -> torch.Tensor:
+        ctx.coll = coll
+        return coll.all_gather(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.coll.reduce_scatter(grad.contiguous()), None
+
+
+def all_gather(x: torch.Tensor, coll: Collectives) -> torch.Tensor:
+    """Differentiable all-gather: ``x`` (any shape, one per rank) -> ``(world, *x.shape)``
+    in rank order; the gradient of ``x`` is the sum over the ranks of their gradient of
+    entry ``rank`` (every rank must run the backward). Floating dtypes."""
+    return _AllGather.apply(x, coll)
+
+
+__all__ = ["Collectives", "GroupCollectives", "VirtualCollectives", "all_gather", "all_to_all"]
