@@ -53,9 +53,9 @@ class ForwardContext:
             temperature), read by model support.
         ran_ring: ids of the attention modules that ran across the CP group (any
             pattern) in this forward.
-        ran_mixers: ``(id(layer), step)`` for each step (``"conv"``, ``"delta_rule"``) that
-            a routed token-mixer layer ran on its CP path in this forward (``hf.mixers``).
-        mixer_layer: the id of the routed token-mixer layer running now, else None.
+        ran_mixers: ``(id(layer), function)`` for each mixing function (``"causal_conv1d_fn"``,
+            ``"mamba2_chunk_scan"``, ...) a routed token-mixer layer ran on its CP path in
+            this forward (``hf.mixers``).
         cache: what the layers of this forward share besides plans (sequence_features.py).
     """
 
@@ -67,7 +67,6 @@ class ForwardContext:
     handed: Handed = field(default_factory=Handed)
     ran_ring: set[int] = field(default_factory=set)
     ran_mixers: set[tuple[int, str]] = field(default_factory=set)
-    mixer_layer: Optional[int] = None
     cache: dict = field(default_factory=dict, repr=False)
     _plans: dict = field(default_factory=dict, repr=False)
 

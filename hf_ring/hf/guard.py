@@ -31,7 +31,7 @@ import torch.nn as nn
 from hf_ring.hf import sequence_features
 from hf_ring.hf.cp_inputs import inputs_device, packed_document_lengths, rows_and_length, validate_cp_inputs
 from hf_ring.hf.forward_context import COMM_STATS_KWARG, CONTEXT_KWARG, ForwardContext
-from hf_ring.hf.mixers import MIXER_STEPS, route_mixers
+from hf_ring.hf.mixers import required_steps, route_mixers
 from hf_ring.hf.support import RING_FLASH, check_model_supported, check_model_under_cp, handed_to_the_ring
 from hf_ring.patches.transformers import attn_implementation
 from hf_ring.patterns.state import get_context_parallel_state
@@ -103,11 +103,11 @@ def _check_guarded_model(model: nn.Module, cp_size: int, takes_kwargs: bool) -> 
             f"now says {implementation!r}; under context parallelism (cp_size={cp_size}) every "
             f"attention layer must run the ring: call model.set_attn_implementation({RING_FLASH!r})"
         )
-    if not _attention_layers(model):
+    if not _attention_layers(model) and not _flagged(model, _GUARDED_MIXER):
         raise NotImplementedError(
             f"found no attention layers in {type(model).__name__} (modules named *Attention with a "
-            "layer_idx), so hf_ring cannot check that each runs the ring; this model is not "
-            "supported under context parallelism"
+            "layer_idx) and no token mixer hf_ring routes, so hf_ring cannot check that each runs "
+            "its context-parallel path; this model is not supported under context parallelism"
         )
     if not takes_kwargs:
         raise NotImplementedError(
@@ -222,11 +222,11 @@ def _post_forward(model: nn.Module, args: tuple, kwargs: dict, output: Any):
             "Use a supported transformers release, or report the model"
         )
     mixers = [name for name, m in _flagged(model, _GUARDED_MIXER).items()
-              if any((id(m), step) not in context.ran_mixers for step in MIXER_STEPS)]
+              if any((id(m), step) not in context.ran_mixers for step in required_steps(m))]
     if mixers:
         raise RuntimeError(
             f"a token mixer was bypassed: under context parallelism these layers of {type(model).__name__} "
-            f"did not run hf_ring's context-parallel convolution and gated delta rule in this forward: "
+            f"did not run hf_ring's context-parallel convolution and recurrence in this forward: "
             f"{', '.join(mixers)}. They went to other functions (a GPU kernel or a transformers "
             "version hf_ring does not know), which mix this rank's shard only. Use transformers 5.24 "
             "without hub kernels, or report the model"

@@ -1,34 +1,41 @@
-"""Runs the token mixers of hybrid models (gated delta nets) exactly under context
-parallelism and on packed rows: the runners that ``patches/transformers/mixers.py`` puts
-in place of the modeling module's ``causal_conv1d_fn`` and ``torch_chunk_gated_delta_rule``
-and around the layer's forward.
+"""Runs the token mixers of hybrid and recurrent models exactly under context parallelism
+and on packed rows: the runners that ``patches/transformers/mixers.py`` puts in place of
+the modeling modules' mixing functions and around the mixer layers' forwards.
 
 Why: those functions see only this rank's shard under CP (and a packed row's documents
-as one sequence). When the layer's keyword arguments carry a guarded
-:class:`ForwardContext` under CP, the runners call :mod:`hf_ring.mixers`' ops on the shard
-(group and layout from the context's state; packed rows: each document zigzag-sharded on
-its own, ``local_doc_lens = doc_lens // cp_size``); on packed rows without CP they call
-the original function once per document; otherwise the original, unchanged. Each layer
-notes in the context that both its functions ran their CP path, so that the guard can
-check, after the forward, that none was bypassed.
+as one sequence). A routed layer's forward finds the guarded :class:`ForwardContext` in
+its keyword arguments (or, for the Mamba-1 mixers that their blocks call without them,
+in its carrier's) and, under CP or on packed rows, makes it the active one for the
+functions it calls (a context variable set only for the layer's call: the functions get
+no other channel). Under CP they call :mod:`hf_ring.mixers`' ops on the shard (group and
+layout from the context's state; packed rows: each document zigzag-sharded on its own,
+``local_doc_lens = doc_lens // cp_size``); on packed rows without CP, the original once
+per document; otherwise the original, unchanged. The fused whole-layer GPU shortcuts are
+declined (they return None, as without a kernel), so the layer takes its split path.
+Each layer notes in the context every function that ran its CP path, so that the guard
+can check, after the forward, that none was bypassed.
 
-Owns: the runners, ``route_mixers``. Must not import: Trainer, TRL, hf_ring's training or
-memory layers.
+Owns: the runners, ``route_mixers``, ``required_steps``. Must not import: Trainer, TRL,
+hf_ring's training or memory layers.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
 
 from hf_ring.hf.forward_context import CONTEXT_KWARG, ForwardContext
 from hf_ring.mixers import context_parallel_causal_conv1d, context_parallel_gated_delta_rule
-from hf_ring.patches.transformers.mixers import is_routed, route
+from hf_ring.patches.transformers.mixers import is_routed, route, route_of
 
-# What each routed layer must have run in a forward under CP (the guard checks both).
-MIXER_STEPS = ("conv", "delta_rule")
+# The routed layer running now and its context (set only for the layer's call).
+_ACTIVE: ContextVar[Optional[tuple[ForwardContext, int]]] = ContextVar("hf_ring_mixer_layer", default=None)
+# The context a carrier received, for a mixer its caller runs without keyword arguments.
+_CARRIED: ContextVar[Optional[ForwardContext]] = ContextVar("hf_ring_carried_context", default=None)
 
 
 def _routing(kwargs: dict) -> Optional[ForwardContext]:
@@ -44,34 +51,36 @@ def _where(context: ForwardContext) -> str:
     return f"under context parallelism (cp_size={context.cp_size})" if context.state else "on packed rows"
 
 
-def _layer_of(context: ForwardContext, name: str) -> int:
-    if context.mixer_layer is None:
-        raise RuntimeError(
-            f"{name} was called {_where(context)} outside a gated delta net layer that hf_ring routes, "
-            "so hf_ring cannot tell which layer it serves; use a supported transformers release "
-            "(5.24) or report the model"
+@contextmanager
+def _set(var: ContextVar, value) -> Iterator[None]:
+    token = var.set(value)
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
+def run_carrier(original, module: nn.Module, *args, **kwargs):
+    """The carrier's forward: hands its context to the mixers it calls without it."""
+    context = _routing(kwargs)
+    if context is None:
+        return original(module, *args, **kwargs)
+    if getattr(module, "gradient_checkpointing", False) and module.training and torch.is_grad_enabled():
+        raise NotImplementedError(
+            f"{type(module).__name__} runs its Mamba blocks without keyword arguments, so a block "
+            f"recomputed by gradient checkpointing in the backward would not know it runs {_where(context)} "
+            "and would mix this rank's tokens only. Turn gradient checkpointing off for this model "
+            "(model.gradient_checkpointing_disable(), or gradient_checkpointing=False in the training "
+            "arguments)"
         )
-    return context.mixer_layer
-
-
-def _local_docs(context: ForwardContext) -> Optional[list[int]]:
-    return None if context.doc_lens is None else [n // context.cp_size for n in context.doc_lens]
-
-
-def _layout(context: ForwardContext) -> str:
-    # Packed rows are zigzag-sharded per document whatever the state's layout (as the ring).
-    return "zigzag" if context.doc_lens is not None else context.state.layout
-
-
-def _spans(docs: list[int]) -> list[tuple[int, int]]:
-    starts = [sum(docs[:i]) for i in range(len(docs))]
-    return [(s, s + n) for s, n in zip(starts, docs)]
+    with _set(_CARRIED, context):
+        return original(module, *args, **kwargs)
 
 
 def run_layer(original, module: nn.Module, *args, **kwargs):
-    """The layer's forward; refuses a cache under CP or on packed rows (each rank's cache
-    would hold its shard's states only), and tells the runners below which layer runs."""
-    context = _routing(kwargs)
+    """The mixer layer's forward; refuses a cache under CP or on packed rows (each rank's
+    cache would hold its shard's states only), and makes its context the active one."""
+    context = _routing(kwargs) or _CARRIED.get()
     if context is None:
         return original(module, *args, **kwargs)
     cache = kwargs.get("cache", kwargs.get("cache_params", args[1] if len(args) > 1 else None))
@@ -80,30 +89,59 @@ def run_layer(original, module: nn.Module, *args, **kwargs):
             f"{type(module).__name__} got a cache {_where(context)}: a conv / recurrent state cache "
             "filled there holds only this rank's shard (or mixes documents). Pass use_cache=False"
         )
-    context.mixer_layer = id(module)
-    try:
+    with _set(_CARRIED, None), _set(_ACTIVE, (context, id(module))):
         return original(module, *args, **kwargs)
-    finally:
-        context.mixer_layer = None
+
+
+def _active(name: str, kwargs: dict) -> Optional[tuple[ForwardContext, int]]:
+    """The active layer's context and id, or None: run the original."""
+    active = _ACTIVE.get()
+    if active is None and _routing(kwargs) is not None:
+        raise RuntimeError(
+            f"{name} was called {_where(_routing(kwargs))} outside a token-mixer layer that hf_ring "
+            "routes, so hf_ring cannot tell which layer it serves; use a supported transformers "
+            "release (5.24) or report the model"
+        )
+    return active
+
+
+def _local_docs(context: ForwardContext) -> Optional[list[int]]:
+    return None if context.doc_lens is None else [n // context.cp_size for n in context.doc_lens]
+
+
+def _cp_args(context: ForwardContext) -> dict:
+    # Packed rows are zigzag-sharded per document whatever the state's layout (as the ring).
+    layout = "zigzag" if context.doc_lens is not None else context.state.layout
+    return dict(group=context.state.cp_group, layout=layout, local_doc_lens=_local_docs(context))
+
+
+def _per_document(context: ForwardContext, run: Callable[[int, int], torch.Tensor], dim: int) -> torch.Tensor:
+    """Packed rows without CP: ``run(start, end)`` on each document's tokens, concatenated."""
+    starts = [sum(context.doc_lens[:i]) for i in range(len(context.doc_lens))]
+    return torch.cat([run(s, s + n) for s, n in zip(starts, context.doc_lens)], dim=dim)
+
+
+def _refuse_state(context: ForwardContext, what: str, given: bool) -> None:
+    if given:
+        raise NotImplementedError(
+            f"{what} got a recurrent state {_where(context)}; hf_ring runs it from a zero state per "
+            "row (per document on packed rows): pass use_cache=False"
+        )
 
 
 def run_conv(original, hidden_states: torch.Tensor, weight: torch.Tensor, bias=None, activation=None, **kwargs):
     """``causal_conv1d_fn``: hidden_states ``(batch, channels, local_seq)``, weight
     ``(channels, width)``; returns ``(batch, channels, local_seq)``."""
-    context = _routing(kwargs)
-    if context is None:
+    active = _active("causal_conv1d_fn", kwargs)
+    if active is None:
         return original(hidden_states, weight, bias, activation=activation, **kwargs)
-    layer = _layer_of(context, "causal_conv1d_fn")
-    docs = _local_docs(context)
+    context, layer = active
     if context.state is not None:
-        out = context_parallel_causal_conv1d(
-            hidden_states, weight, bias, activation=activation, group=context.state.cp_group,
-            layout=_layout(context), local_doc_lens=docs,
-        )
+        out = context_parallel_causal_conv1d(hidden_states, weight, bias, activation=activation, **_cp_args(context))
     else:
-        out = torch.cat([original(hidden_states[..., s:e], weight, bias, activation=activation)
-                         for s, e in _spans(docs)], dim=-1)
-    context.ran_mixers.add((layer, "conv"))
+        out = _per_document(context, lambda s, e: original(hidden_states[..., s:e], weight, bias,
+                                                           activation=activation), -1)
+    context.ran_mixers.add((layer, "causal_conv1d_fn"))
     return out
 
 
@@ -112,46 +150,62 @@ def run_delta_rule(original, query, key, value, g=None, beta=None, chunk_size=64
     """``torch_chunk_gated_delta_rule``: query, key ``(batch, local_seq, heads, k_dim)``, value
     ``(batch, local_seq, heads, v_dim)``, g and beta ``(batch, local_seq, heads)``; returns
     ``(out (batch, local_seq, heads, v_dim), None)``."""
-    context = _routing(kwargs)
-    if context is None:
+    active = _active("torch_chunk_gated_delta_rule", kwargs)
+    if active is None:
         return original(query, key, value, g=g, beta=beta, chunk_size=chunk_size, initial_state=initial_state,
                         output_final_state=output_final_state,
                         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
-    layer = _layer_of(context, "torch_chunk_gated_delta_rule")
-    if initial_state is not None or output_final_state:
-        raise NotImplementedError(
-            f"the gated delta rule got a recurrent state {_where(context)}; hf_ring runs it from a "
-            "zero state per row (per document on packed rows): pass use_cache=False"
-        )
+    context, layer = active
+    _refuse_state(context, "the gated delta rule", initial_state is not None or output_final_state)
     if kwargs.get("cu_seqlens") is not None and context.doc_lens is None:
         raise NotImplementedError(
             f"the gated delta rule got cu_seqlens {_where(context)} on a row hf_ring's guard did not "
             "validate as packed; pass packed rows as RingDataCollator makes them (cu_seq_lens_q/k, "
             "max_length_q/k and per-document position_ids)"
         )
-    docs = _local_docs(context)
     if context.state is not None:
         out, _ = context_parallel_gated_delta_rule(
-            query, key, value, g, beta, group=context.state.cp_group, layout=_layout(context),
-            local_doc_lens=docs, chunk_size=chunk_size, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            query, key, value, g, beta, chunk_size=chunk_size, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            **_cp_args(context),
         )
     else:
-        out = torch.cat([
-            original(query[:, s:e], key[:, s:e], value[:, s:e], g=g[:, s:e], beta=beta[:, s:e],
-                     chunk_size=chunk_size, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)[0]
-            for s, e in _spans(docs)
-        ], dim=1)
-    context.ran_mixers.add((layer, "delta_rule"))
+        out = _per_document(context, lambda s, e: original(
+            query[:, s:e], key[:, s:e], value[:, s:e], g=g[:, s:e], beta=beta[:, s:e], chunk_size=chunk_size,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)[0], 1)
+    context.ran_mixers.add((layer, "torch_chunk_gated_delta_rule"))
     return out, None
 
 
+def run_fused(original, *args, **kwargs):
+    """A fused whole-layer GPU shortcut: declined (None) under CP and on packed rows, so the
+    layer takes its split path through the functions above."""
+    if _ACTIVE.get() is not None:
+        return None
+    return original(*args, **kwargs)
+
+
+# The runner of each routed module function.
+RUNNERS: dict[str, Callable] = {
+    "causal_conv1d_fn": run_conv,
+    "torch_chunk_gated_delta_rule": run_delta_rule,
+    "mamba2_split_conv1d_scan_combined": run_fused,
+    "mamba_inner_fn": run_fused,
+}
+
+
 def route_mixers(model: nn.Module) -> list[nn.Module]:
-    """Route every gated delta net layer class of ``model`` that hf_ring knows (idempotent);
+    """Route every token-mixer layer class of ``model`` that hf_ring knows (idempotent);
     returns the model's layers that are routed."""
-    routed = {cls for cls in {type(m) for m in model.modules()} if route(cls, run_layer, run_conv, run_delta_rule)}
+    routed = set()
+    for cls in {type(m) for m in model.modules()}:
+        spec = route_of(cls)
+        if spec is not None and all(name in RUNNERS for name in spec.runs + spec.fused):
+            if route(cls, run_layer, run_carrier, RUNNERS):
+                routed.add(cls)
     return [m for m in model.modules() if type(m) in routed]
 
 
-def routed_mixer(module: nn.Module) -> bool:
-    """Whether ``module``'s class runs through the runners above."""
-    return is_routed(type(module))
+def required_steps(module: nn.Module) -> tuple[str, ...]:
+    """The functions a routed layer must have run on hf_ring's path in a forward under CP."""
+    spec = route_of(type(module))
+    return spec.runs if spec is not None and is_routed(type(module)) else ()

@@ -1,20 +1,26 @@
-"""Routes the gated delta net layers of transformers 5.x to hf_ring's context-parallel
-token mixers.
+"""Routes the token-mixer layers of transformers 5.x's hybrid and recurrent models to
+hf_ring's context-parallel token mixers.
 
-Why: a gated delta net layer (Qwen3.5 dense and MoE, Qwen3-Next, OLMo hybrid) mixes tokens
-with a causal depthwise convolution and the gated delta rule, which it calls as the
-module-level functions ``causal_conv1d_fn`` and ``torch_chunk_gated_delta_rule`` of its
-modeling module, handing them the layer's ``**kwargs`` (hf_ring's forward context among
-them). Under context parallelism each would see only this rank's shard; ``route`` replaces
-those two names in the modeling module with wrappers, and the layer's ``forward`` with one
-that tells the wrappers which layer calls them. What the wrappers do (the CP op, or the
-original function unchanged) is passed in by hf_ring's transformers integration.
+Why: these layers (gated delta nets, Mamba-2 and Mamba-1 mixers, Kimi delta attention,
+LFM2's short convolutions) mix tokens with module-level functions of their modeling
+module (``causal_conv1d_fn``, ``torch_chunk_gated_delta_rule``, ``mamba2_chunk_scan``,
+``mamba_selective_scan``, ``chunk_kimi_delta_attention``) that would see only this rank's
+shard under context parallelism. ``route`` replaces those names in the modeling module
+with wrappers, the layer's ``forward`` with one that tells the wrappers which layer calls
+them, and the fused GPU shortcuts (``mamba2_split_conv1d_scan_combined``,
+``mamba_inner_fn``: a whole layer in one kernel call) with wrappers that can decline. What
+the wrappers do (the CP op, or the original function unchanged) is passed in by hf_ring's
+transformers integration.
 
-Written for transformers 5.24.0: each modeling module below, its layer class, and the
-parameters of both functions are checked before anything is replaced; on another release
+Where a layer is called without the model's keyword arguments (the Mamba-1 mixers inside
+their blocks), ``ROUTES`` names the class whose forward still receives them (its carrier),
+which is wrapped too.
+
+Written for transformers 5.24.0: each modeling module below, its classes, and the
+parameters of every function are checked before anything is replaced; on another release
 line (4.57.x) or another shape nothing is routed and the layers stay refused under CP.
 
-Owns: ``GATED_DELTA_NETS``, ``route``, ``is_routed``. Must not import hf_ring.
+Owns: ``ROUTES``, ``route``, ``is_routed``, ``route_of``. Must not import hf_ring.
 """
 
 from __future__ import annotations
@@ -22,100 +28,173 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional
 
 from .versions import installed_version, release_line
 
 _MARK = "_hf_ring_routed_mixer"
-# Modeling module -> its gated delta net layer class (transformers 5.24.0).
-GATED_DELTA_NETS = {
-    "transformers.models.qwen3_5.modeling_qwen3_5": "Qwen3_5GatedDeltaNet",
-    "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe": "Qwen3_5MoeGatedDeltaNet",
-    "transformers.models.qwen3_next.modeling_qwen3_next": "Qwen3NextGatedDeltaNet",
-    "transformers.models.olmo_hybrid.modeling_olmo_hybrid": "OlmoHybridGatedDeltaNet",
+
+
+@dataclass(frozen=True)
+class Route:
+    """How one family's token-mixer layer reaches hf_ring.
+
+    Attributes:
+        layer: the mixer layer class.
+        runs: the module functions its forward must run on hf_ring's path in every forward
+            under CP (the guard checks each).
+        fused: module functions that compute the whole layer in one GPU kernel when one
+            is installed, and return None otherwise; under CP they must return None.
+        carrier: the class whose forward receives the model's keyword arguments when the
+            layer's own does not (its caller drops them), or None.
+    """
+
+    layer: str
+    runs: tuple[str, ...]
+    fused: tuple[str, ...] = ()
+    carrier: Optional[str] = None
+
+
+_GDN = ("causal_conv1d_fn", "torch_chunk_gated_delta_rule")
+_MAMBA2 = ("causal_conv1d_fn", "mamba2_chunk_scan")
+_MAMBA1 = ("causal_conv1d_fn", "mamba_selective_scan")
+_KDA = ("causal_conv1d_fn", "chunk_kimi_delta_attention")
+_M = "transformers.models."
+# Modeling module -> its token-mixer layer (transformers 5.24.0).
+ROUTES: dict[str, Route] = {
+    _M + "qwen3_5.modeling_qwen3_5": Route("Qwen3_5GatedDeltaNet", _GDN),
+    _M + "qwen3_5_moe.modeling_qwen3_5_moe": Route("Qwen3_5MoeGatedDeltaNet", _GDN),
+    _M + "qwen3_next.modeling_qwen3_next": Route("Qwen3NextGatedDeltaNet", _GDN),
+    _M + "olmo_hybrid.modeling_olmo_hybrid": Route("OlmoHybridGatedDeltaNet", _GDN),
+    _M + "lara_mini.modeling_lara_mini": Route("LaraMiniGatedDeltaNet", _GDN),
+    _M + "qwen4_exp.modeling_qwen4_exp": Route("Qwen4ExpTextGatedDeltaNet", _GDN),
+    _M + "mamba2.modeling_mamba2": Route("Mamba2Mixer", _MAMBA2, ("mamba2_split_conv1d_scan_combined",)),
+    _M + "bamba.modeling_bamba": Route("BambaMixer", _MAMBA2, ("mamba2_split_conv1d_scan_combined",)),
+    _M + "granitemoehybrid.modeling_granitemoehybrid": Route(
+        "GraniteMoeHybridMambaLayer", _MAMBA2, ("mamba2_split_conv1d_scan_combined",)),
+    _M + "nemotron_h.modeling_nemotron_h": Route(
+        "NemotronHMamba2Mixer", _MAMBA2, ("mamba2_split_conv1d_scan_combined",)),
+    _M + "falcon_h1.modeling_falcon_h1": Route("FalconH1Mixer", _MAMBA2, ("mamba2_split_conv1d_scan_combined",)),
+    _M + "zamba2.modeling_zamba2": Route("Zamba2MambaMixer", _MAMBA2, ("mamba2_split_conv1d_scan_combined",)),
+    _M + "mamba.modeling_mamba": Route("MambaMixer", _MAMBA1, ("mamba_inner_fn",), carrier="MambaModel"),
+    _M + "falcon_mamba.modeling_falcon_mamba": Route(
+        "FalconMambaMixer", _MAMBA1, ("mamba_inner_fn",), carrier="FalconMambaModel"),
+    _M + "jamba.modeling_jamba": Route("JambaMambaMixer", _MAMBA1, carrier="JambaMambaDecoderLayer"),
+    _M + "zamba.modeling_zamba": Route("ZambaMambaMixer", _MAMBA1),
+    _M + "lfm2.modeling_lfm2": Route("Lfm2ShortConv", ("causal_conv1d_fn",)),
+    _M + "lfm2_moe.modeling_lfm2_moe": Route("Lfm2MoeShortConv", ("causal_conv1d_fn",)),
+    _M + "lfm3.modeling_lfm3": Route("Lfm3ShortConv", ("causal_conv1d_fn",)),
+    _M + "kimi_linear.modeling_kimi_linear": Route("KimiLinearDeltaAttention", _KDA),
+    _M + "bailing_hybrid.modeling_bailing_hybrid": Route("BailingHybridDeltaAttention", _KDA),
+    _M + "glm5_next.modeling_glm5_next": Route("Glm5NextTextLinearAttention", _KDA),
 }
-# The functions each layer's forward calls, with the parameters they were written for.
-_FUNCTIONS = {
-    "causal_conv1d_fn": ["hidden_states", "weight", "bias", "activation", "kwargs"],
-    "torch_chunk_gated_delta_rule": [
+# The parameters each function was written for (its first ones; the rest must have defaults).
+_PARAMETERS = {
+    "causal_conv1d_fn": ("hidden_states", "weight", "bias", "activation", "kwargs"),
+    "torch_chunk_gated_delta_rule": (
         "query", "key", "value", "g", "beta", "chunk_size", "initial_state", "output_final_state",
         "use_qk_l2norm_in_kernel", "kwargs",
-    ],
+    ),
+    "mamba2_chunk_scan": (
+        "hidden_states", "dt", "A", "B", "C", "chunk_size", "D", "dt_bias", "initial_states", "dt_softplus",
+        "dt_limit", "return_final_states", "kwargs",
+    ),
+    "mamba_selective_scan": (
+        "hidden_states", "dt", "A", "B", "C", "D", "z", "delta_bias", "delta_softplus", "return_last_state",
+        "use_mambapy", "use_associative_scan", "kwargs",
+    ),
+    "chunk_kimi_delta_attention": (
+        "query", "key", "value", "g", "beta", "chunk_size", "initial_state", "output_final_state",
+        "use_qk_l2norm_in_kernel", "kwargs",
+    ),
+    "mamba2_split_conv1d_scan_combined": ("zxbcdt", "conv1d_weight", "conv1d_bias", "dt_bias", "A", "D"),
+    "mamba_inner_fn": ("xz", "conv1d_weight", "conv1d_bias", "x_proj_weight", "delta_proj_weight"),
 }
 
 
-def _shape_ok(module, cls) -> bool:
-    """Whether ``module`` and its layer class have the shape these wrappers were written for."""
-    for name, params in _FUNCTIONS.items():
-        fn = vars(module).get(name)
-        fn = getattr(fn, "original", fn)
-        if not callable(fn) or list(inspect.signature(fn).parameters) != params:
+def _unwrapped(fn):
+    return getattr(fn, "original", fn)
+
+
+def _shape_ok(module, route: Route) -> bool:
+    """Whether ``module`` and its classes have the shape the wrappers were written for."""
+    for name in route.runs + route.fused:
+        fn = _unwrapped(vars(module).get(name))
+        if not callable(fn):
             return False
-    forward = getattr(cls.forward, "original", cls.forward)
+        params = tuple(inspect.signature(fn).parameters)
+        if params[:len(_PARAMETERS[name])] != _PARAMETERS[name]:
+            return False
+    classes = [getattr(module, route.layer, None)] + ([getattr(module, route.carrier, None)] if route.carrier else [])
+    if any(not isinstance(c, type) for c in classes):
+        return False
     try:
-        source = inspect.getsource(forward)
+        source = inspect.getsource(_unwrapped(classes[0].forward))
     except (OSError, TypeError):
         return False
-    return all(f"{name}(" in source for name in _FUNCTIONS) and "**kwargs" in source
+    return all(f"{name}(" in source for name in route.runs + route.fused)
 
 
-def _wrap_function(module, name: str, runner: Callable) -> None:
-    original = vars(module)[name]
+def _wrap(owner, name: str, runner: Callable, method: bool) -> None:
+    original = getattr(owner, name) if method else vars(owner)[name]
     if getattr(original, _MARK, False):
         return
 
-    @functools.wraps(original)
-    def wrapper(*args, **kwargs):
-        return runner(original, *args, **kwargs)
+    if method:
+        @functools.wraps(original)
+        def wrapper(self, *args, **kwargs):
+            return runner(original, self, *args, **kwargs)
+    else:
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            return runner(original, *args, **kwargs)
 
     setattr(wrapper, _MARK, True)
     wrapper.original = original
-    setattr(module, name, wrapper)
+    setattr(owner, name, wrapper)
 
 
-def _wrap_forward(cls, runner: Callable) -> None:
-    original = cls.forward
-    if getattr(original, _MARK, False):
-        return
-
-    @functools.wraps(original)
-    def forward(self, *args, **kwargs):
-        return runner(original, self, *args, **kwargs)
-
-    setattr(forward, _MARK, True)
-    forward.original = original
-    cls.forward = forward
+def route_of(cls: type) -> Optional[Route]:
+    """The route of ``cls`` when it is a mixer layer class of ``ROUTES``, else None."""
+    route = ROUTES.get(cls.__module__)
+    return route if route is not None and route.layer == cls.__name__ else None
 
 
-def route(cls: type, layer: Callable, conv: Callable, delta_rule: Callable) -> bool:
-    """Route ``cls`` (a gated delta net layer class) through the given runners; idempotent.
+def route(cls: type, layer: Callable, carrier: Callable, functions: Mapping[str, Callable]) -> bool:
+    """Route ``cls`` (a token-mixer layer class) through the given runners; idempotent.
 
     Args:
-        cls: a layer class; only those of ``GATED_DELTA_NETS`` are routed.
+        cls: a layer class; only those of ``ROUTES`` are routed.
         layer: ``layer(original_forward, module, *args, **kwargs)``, run as the layer's forward.
-        conv: ``conv(original, hidden_states (batch, channels, seq), weight (channels, width),
-            bias, activation=None, **kwargs)`` in place of ``causal_conv1d_fn``.
-        delta_rule: ``delta_rule(original, query, key, value, g=, beta=, ..., **kwargs)`` in
-            place of ``torch_chunk_gated_delta_rule`` (q, k ``(batch, seq, heads, k_dim)``).
+        carrier: ``carrier(original_forward, module, *args, **kwargs)``, run as the forward of
+            the route's carrier class, if it has one.
+        functions: by function name, ``runner(original, *args, **kwargs)`` run in place of
+            that module function (every name of the route's ``runs`` and ``fused``).
 
     Returns:
         True when ``cls`` is routed; False for any other class, another release line than
         5.x, or a modeling module whose shape differs from 5.24.0's.
     """
-    if GATED_DELTA_NETS.get(cls.__module__) != cls.__name__ or release_line(installed_version()) != "5":
+    spec = route_of(cls)
+    if spec is None or release_line(installed_version()) != "5":
         return False
     module = importlib.import_module(cls.__module__)
-    if getattr(module, cls.__name__, None) is not cls or not _shape_ok(module, cls):
+    if getattr(module, cls.__name__, None) is not cls or not _shape_ok(module, spec):
         return False
-    _wrap_function(module, "causal_conv1d_fn", conv)
-    _wrap_function(module, "torch_chunk_gated_delta_rule", delta_rule)
-    _wrap_forward(cls, layer)
+    for name in spec.runs + spec.fused:
+        _wrap(module, name, functions[name], method=False)
+    if spec.carrier:
+        _wrap(getattr(module, spec.carrier), "forward", carrier, method=True)
+    _wrap(cls, "forward", layer, method=True)
     return True
 
 
 def is_routed(cls: type) -> bool:
     """Whether ``cls``'s forward and the functions it calls go through hf_ring's runners."""
-    if not getattr(cls.__dict__.get("forward"), _MARK, False):
+    spec = route_of(cls)
+    if spec is None or not getattr(cls.__dict__.get("forward"), _MARK, False):
         return False
     module = importlib.import_module(cls.__module__)
-    return all(getattr(vars(module).get(name), _MARK, False) for name in _FUNCTIONS)
+    carried = not spec.carrier or getattr(getattr(module, spec.carrier).__dict__.get("forward"), _MARK, False)
+    return carried and all(getattr(vars(module).get(name), _MARK, False) for name in spec.runs + spec.fused)

@@ -80,10 +80,10 @@ def refusals(config: Any, modules: Modules) -> Iterator[str]:
         if not isinstance(kinds, (list, tuple)):
             continue
         others = sorted({str(k) for k in kinds} - _RING_LAYER_KINDS - _PER_TOKEN_LAYER_KINDS)
-        # Linear-attention layers whose mixer hf_ring routes to its CP ops run exactly.
+        # Token-mixing layers whose mixer hf_ring routes to its CP ops run exactly.
         routed = _routed_layers(modules)
         others = [k for k in others if not (
-            k == "linear_attention" and all(i in routed for i, kind in enumerate(kinds) if str(kind) == k)
+            k.lower() in _TOKEN_MIXING_LAYER_KINDS and all(i in routed for i, kind in enumerate(kinds) if str(kind) == k)
         )]
         if not others:
             continue
