@@ -204,13 +204,20 @@ def _world_cases(rank: int, world: int) -> list[dict]:
         dt = case["dtype"]
         leaves = {k: (shard(t, rank) if k in SHARDED else t).to(dt, copy=True).requires_grad_() for k, t in x.items()}
         init_leaf = init.to(dt).requires_grad_() if init is not None else None
-        y, final = context_parallel_ssd(
-            *(leaves[k] for k in "x dt A B C".split()), chunk_size=case["chunk"], **_kwargs(case, leaves),
-            initial_states=init_leaf, return_final_states=case["final"],
-            layout="zigzag" if doc_lens else case["layout"],
-            local_doc_lens=[n // world for n in doc_lens] if doc_lens else None)
+
+        def call():
+            return context_parallel_ssd(
+                *(leaves[k] for k in "x dt A B C".split()), chunk_size=case["chunk"], **_kwargs(case, leaves),
+                initial_states=init_leaf, return_final_states=case["final"],
+                layout="zigzag" if doc_lens else case["layout"],
+                local_doc_lens=[n // world for n in doc_lens] if doc_lens else None)
+
+        with torch.no_grad():  # inference: the same exchange, no backward to join
+            y_inference = call()[0]
+        y, final = call()
         d_final = (gfs[rank] if doc_lens else gfs[rank][:, 0]) if case["final"] else None
         results.append(backward_result(y, final, leaves, init_leaf, shard(go, rank), d_final))
+        results[-1]["same_without_grad"] = torch.equal(y_inference, results[-1]["out"])
     return results
 
 
@@ -256,6 +263,7 @@ def test_cp_matches_the_full_sequence(world):
                  for k in NAMES if ranks[0]["grads"][k] is not None}
         got = {"out": join([r["out"] for r in ranks]), "grads": grads, "final": ranks[0]["final"],
                "init_grad": sum(r["init_grad"] for r in ranks) if init is not None else None}
+        assert all(r["same_without_grad"] for r in ranks)
         if case["final"]:  # the same final state on every rank
             assert all(torch.equal(r["final"], ranks[0]["final"]) for r in ranks)
         if init is not None:  # applied by rank 0 (the row's first piece) only: zeros elsewhere

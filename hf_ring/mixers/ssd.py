@@ -117,13 +117,11 @@ def ssd_op(
     groups: dict[int, list] = {}
     for piece in mine:
         groups.setdefault(piece.length, []).append(piece)
-    terms = {}
-    for n, group in groups.items():
-        xp, dtp, bp, cp = (torch.cat([t[:, q.local_start:q.local_start + n] for q in group]) for t in xs)
-        terms[n] = chunk_terms(xp, dtp, A.to(cd), bp, cp, chunk_size)
-    summaries = {}
-    for n, group in groups.items():
-        summaries.update(zip((q.slot for q in group), _pack(terms[n]).split(b)))
+    terms, summaries = {}, {}
+    for length, group in groups.items():
+        xq, dtq, bq, cq = (torch.cat([t[:, q.local_start:q.local_start + length] for q in group]) for t in xs)
+        terms[length] = chunk_terms(xq, dtq, A.to(cd), bq, cq, chunk_size)
+        summaries.update(zip((q.slot for q in group), _pack(terms[length]).split(b)))
     owns_init = init is not None and any(q.first for q in mine)
     if owns_init:  # the row's first piece leaves a S_in + S_ext: the state it really leaves
         first = next(q for q in mine if q.first)
@@ -147,11 +145,11 @@ def ssd_op(
 
     ys = {}
     zero = xs[0].new_zeros(b, x.shape[2], p, B.shape[3])  # (b, h, p, n)
-    for n, group in groups.items():
+    for length, group in groups.items():
         states = [s_in(q) for q in group]
         batched = None if all(st is None for st in states) else torch.cat([zero if st is None else st
                                                                              for st in states])
-        ys.update(zip((q.slot for q in group), chunk_outputs(terms[n], batched).split(b)))
+        ys.update(zip((q.slot for q in group), chunk_outputs(terms[length], batched).split(b)))
     out = torch.cat([ys[q.slot] for q in mine], 1)  # (b, s, h, p)
     if world > 1 and all(q.first for q in mine):  # join the backward's exchange (module docstring)
         out = out + every.reshape(-1)[:0].sum()
