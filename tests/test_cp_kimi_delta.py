@@ -106,7 +106,7 @@ def errors(got: dict, ref: dict) -> dict:
 def test_local_op_matches_step_recurrence_and_transformers(l2):
     from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delta_attention
 
-    x, init = make_inputs(0, 100, l2=l2)  # 100 tokens: chunks of 32 (two blocks each), the last padded
+    x, init = make_inputs(0, 100, l2=l2)  # 100 tokens: chunks of 32 (four blocks each), the last padded
     gen = torch.Generator().manual_seed(1)
     go = torch.randn(2, 100, 2, 6, generator=gen, dtype=torch.float64)
     gf = torch.randn(2, 2, 8, 6, generator=gen, dtype=torch.float64)
@@ -132,6 +132,25 @@ def test_low_precision_inputs():
     assert final16.shape == (2, 3, 2, 8, 6)
     assert out16.dtype == torch.bfloat16 and final16.dtype == torch.float32
     assert rel(out16, out) < 3e-2 and rel(final16, final) < 3e-2  # bfloat16 inputs' own rounding
+
+
+def test_widened_scan_of_a_fast_decaying_run_stays_exact_without_near_subnormals():
+    """256 tokens at g = -0.35: the transition falls to ~1e-39. The float32 widened scan
+    holds no entry between 0 and tiny / eps (products of those are subnormal: slow on
+    CPUs), and O0 + Qhat S_in, M S_in + S_ext still match the float64 scan from S_in."""
+    from hf_ring.mixers.delta_rule_chunk import heads_first, scan
+    from hf_ring.mixers.kimi_delta_chunk import chunk_terms, widened_scan
+
+    x, s_in = make_inputs(3, 256, l2=True)
+    x["g"] = torch.full_like(x["g"], -0.35)
+    out, end = scan(chunk_terms(*heads_first(*x.values(), True), 32), s_in)
+    o0, qhat, summary = widened_scan(chunk_terms(*heads_first(*(t.float() for t in x.values()), True), 32))
+    floor = torch.finfo(torch.float32).tiny / torch.finfo(torch.float32).eps
+    for got in (o0, qhat, summary):
+        assert not ((got != 0) & (got.abs() < floor)).any()
+    assert qhat.abs().amax((0, 1, 3))[-1] == 0 < qhat.abs().amax((0, 1, 3))[0]  # late rows flushed, early ones kept
+    s32 = s_in.float()
+    assert rel(o0 + qhat @ s32, out) < 1e-5 and rel(summary[..., 6:] @ s32 + summary[..., :6], end) < 1e-5
 
 
 def test_refusals():
@@ -164,11 +183,11 @@ def test_refusals():
 # ------------------------------------------------------------- context parallel
 
 # piece: tokens per piece (dense) or per piece of each document (packed); chunk: the
-# scan's chunk size (64 > piece: pieces shorter than a chunk; 24 < 30: two chunks, blocks
-# of 16 and 8, the last chunk padded).
+# scan's chunk size (64 > piece: pieces shorter than a chunk; 20 < 30: two chunks of
+# blocks of 8, 8 and 4 tokens, the last chunk padded).
 CASES = [
     dict(layout="zigzag", piece=8, chunk=64, dtype=torch.float64, l2=True, init=True, final=True),
-    dict(layout="zigzag", piece=30, chunk=24, dtype=torch.float64, l2=False, init=False, final=True),
+    dict(layout="zigzag", piece=30, chunk=20, dtype=torch.float64, l2=False, init=False, final=True),
     dict(layout="contiguous", piece=8, chunk=64, dtype=torch.float64, l2=False, init=True, final=True),
     # No final state: contiguous rank 0 then reads no summary, yet must join the backward's exchange.
     dict(layout="contiguous", piece=20, chunk=8, dtype=torch.float64, l2=True, init=False, final=False),
