@@ -1,17 +1,20 @@
-"""Gated delta net hybrids (Qwen3.5 dense and MoE, Qwen3-Next, OLMo hybrid) under context
-parallelism on gloo worlds of 2 and 4, zigzag, transformers 5.24.
+"""Hybrid and recurrent models under context parallelism on gloo worlds of 2 and 4, zigzag,
+transformers 5.24: gated delta nets (Qwen3.5 dense and MoE, Qwen3-Next, OLMo hybrid,
+LARA-mini), short convolutions (LFM2, LFM2-MoE, LFM3), Mamba-2 (Granite 4 hybrid,
+Nemotron-H, Falcon-H1, Bamba, Zamba2, Mamba-2), Mamba-1 (Jamba, Zamba, Mamba,
+Falcon-Mamba) and Kimi delta attention (Kimi Linear, Bailing hybrid).
 
-Each model has linear-attention (gated delta net) and full-attention layers (the sweep's
-tiny configs). Each rank feeds its zigzag shard with the global ``position_ids``; the
+Each model is the sweep's tiny config: token-mixer layers, and full-attention layers
+where the family has them. Each rank feeds its zigzag shard with the global ``position_ids``; the
 ranks' logits, put back in order, must match one process running "sdpa" on the full
 sequence within 1e-4 relative error (float32), and every parameter's gradient, summed over
 the ranks, within 1e-4; the loss is a fixed random weighting of the logits (its sum over
 ranks is the full-sequence loss). The gradients of a gated delta net's decay parameters
-(``A_log``, ``dt_bias``: a few entries, sums over every token that nearly cancel) are
-~1e-3 apart between float32 and float64 even in one process, so each gradient is also
-measured against a float64 run of the full sequence (its delta rule hf_ring's op in one
-process: transformers' own computes in float32 whatever the input): CP's error there must stay within
-1e-4 or within twice the float32 single process's own. Packed rows (each document zigzag-sharded on its own)
+and of an SSM's (``A_log``, ``dt_bias``, ``D``: a few entries, sums over every token that
+nearly cancel) are ~1e-3 apart between float32 and float64 even in one process, so each
+gradient is also measured against a float64 run of the full sequence (its recurrences
+hf_ring's ops in one process: transformers' own compute in float32 whatever the input):
+CP's error there must stay within 1e-4 or within twice the float32 single process's own. Packed rows (each document zigzag-sharded on its own)
 are compared with the documents run one by one, at cp 2 and 4 and without CP. The world of 2 also checks that a layer
 whose mixer bypasses hf_ring's CP ops is refused after the forward.
 """
@@ -26,7 +29,12 @@ import torch
 
 import hf_ring
 from distributed import run_world
-from hf_ring.mixers import context_parallel_gated_delta_rule
+from hf_ring.mixers import (
+    context_parallel_gated_delta_rule,
+    context_parallel_kimi_delta_attention,
+    context_parallel_selective_scan,
+    context_parallel_ssd,
+)
 from hf_ring.patches.transformers import release_line
 from hf_ring.sharding import shard_packed
 from model_sweep_configs import build_config
@@ -35,24 +43,38 @@ from test_hf_attention import tiny_model
 
 pytestmark = pytest.mark.skipif(
     release_line(__import__("transformers").__version__) != "5",
-    reason="gated delta nets are routed to hf_ring's CP mixers on transformers 5.x only",
+    reason="token mixers are routed to hf_ring's CP mixers on transformers 5.x only",
 )
 
 TOL = 1e-4
 BATCH = 2
-FAMILIES = ("qwen3_5_text", "qwen3_next", "olmo_hybrid", "qwen3_5_moe_text")
+FAMILIES = (
+    "qwen3_5_text", "qwen3_next", "olmo_hybrid", "qwen3_5_moe_text", "lara_mini",  # gated delta nets
+    "lfm2", "lfm2_moe", "lfm3",  # short convolutions
+    "granitemoehybrid", "nemotron_h", "falcon_h1", "bamba", "zamba2", "mamba2",  # Mamba-2
+    "jamba", "zamba", "mamba", "falcon_mamba",  # Mamba-1
+    "kimi_linear", "bailing_hybrid",  # Kimi delta attention
+)
+# Packed rows, one family per kind of mixer.
+PACKED = ("qwen3_next", "lfm2", "granitemoehybrid", "jamba", "kimi_linear", "mamba")
+
+
+def _plain_model(config, state_dict=None, seed: int = 0):
+    """The one-process reference: SDPA, or eager for a family without it (pure Mamba)."""
+    try:
+        return tiny_model(config, "sdpa", state_dict, seed=seed)
+    except ValueError:
+        return tiny_model(config, "eager", state_dict, seed=seed)
 
 
 def _case(family: str, world: int, seed: int, doc_lens=None) -> dict:
     config = build_config(family)
-    kinds = set(config.layer_types)
-    assert {"linear_attention", "full_attention"} <= kinds, kinds
     vocab = config.vocab_size
     g = torch.Generator().manual_seed(seed)
     rows, seq = (1, sum(doc_lens)) if doc_lens else (BATCH, 16 * world)
     return {
         "config": config,
-        "state_dict": tiny_model(config, "sdpa", seed=seed).state_dict(),
+        "state_dict": _plain_model(config, seed=seed).state_dict(),
         "ids": torch.randint(3, vocab, (rows, seq), generator=g),
         "weights": torch.randn(rows, seq, vocab, generator=g),
         "doc_lens": doc_lens,
@@ -66,7 +88,7 @@ def _grads(model) -> dict[str, torch.Tensor]:
 def _on_rank(case: dict, rank: int, world: int) -> dict:
     model = tiny_model(case["config"], "ring_flash", case["state_dict"])
     dtype = case.get("dtype", torch.float32)
-    if dtype != torch.float32:
+    if dtype != torch.float32 and hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation("eager")  # grouped_mm takes no float64
     model = model.to(dtype).train()
     if case["doc_lens"]:
@@ -108,23 +130,35 @@ def _rank_main(rank: int, world: int, cases: dict) -> dict:
 
 
 def _reference(case: dict, dtype: torch.dtype = torch.float32) -> dict:
-    model = tiny_model(case["config"], "sdpa", case["state_dict"])
+    model = _plain_model(case["config"], case["state_dict"])
     if dtype != torch.float32 and hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation("eager")  # grouped_mm takes no float64
     model = model.to(dtype).train()
     module = importlib.import_module(type(model).__module__)
-    routed = module.torch_chunk_gated_delta_rule
-    if dtype == torch.float64:
-        module.torch_chunk_gated_delta_rule = _float64_delta_rule
+    swapped = {name: fn for name, fn in _FLOAT64.items() if name in vars(module)} if dtype == torch.float64 else {}
+    routed = {name: getattr(module, name) for name in swapped}
+    vars(module).update(swapped)
     try:
         return _reference_logits(model, case, dtype)
     finally:
-        module.torch_chunk_gated_delta_rule = routed
+        vars(module).update(routed)
 
 
-def _float64_delta_rule(query, key, value, g, beta, initial_state=None, output_final_state=False,
-                        use_qk_l2norm_in_kernel=False, **kwargs):
-    return context_parallel_gated_delta_rule(query, key, value, g, beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+# hf_ring's one-process ops in float64, in place of transformers' recurrences (float32 inside).
+_FLOAT64 = {
+    "torch_chunk_gated_delta_rule": lambda q, k, v, g, beta, initial_state=None, output_final_state=False,
+    use_qk_l2norm_in_kernel=False, **kw: context_parallel_gated_delta_rule(
+        q, k, v, g, beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel),
+    "chunk_kimi_delta_attention": lambda q, k, v, g, beta, chunk_size=64, initial_state=None,
+    output_final_state=False, use_qk_l2norm_in_kernel=False, **kw: context_parallel_kimi_delta_attention(
+        q, k, v, g, beta, chunk_size=chunk_size, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel),
+    "mamba2_chunk_scan": lambda x, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None,
+    dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, **kw: context_parallel_ssd(
+        x, dt, A, B, C, chunk_size=chunk_size, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)[0],
+    "mamba_selective_scan": lambda u, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+    return_last_state=False, **kw: context_parallel_selective_scan(
+        u, dt, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus)[0],
+}
 
 
 def _reference_logits(model, case: dict, dtype: torch.dtype) -> dict:
@@ -144,7 +178,8 @@ def _run(world: int) -> tuple:
     """One spawn per world size, shared by every test of this module."""
     if world not in _RUNS:
         cases = {family: _case(family, world, seed=i) for i, family in enumerate(FAMILIES)}
-        cases["qwen3_next_packed"] = _case("qwen3_next", world, seed=9, doc_lens=[2 * world, 6 * world, 4 * world])
+        for family in PACKED:
+            cases[f"{family}_packed"] = _case(family, world, seed=9, doc_lens=[2 * world, 6 * world, 4 * world])
         _RUNS[world] = (cases, run_world(world, _rank_main, cases))
     return _RUNS[world]
 
@@ -154,7 +189,7 @@ def world_run(request):
     return request.param, *_run(request.param)
 
 
-@pytest.mark.parametrize("name", (*FAMILIES, "qwen3_next_packed"))
+@pytest.mark.parametrize("name", (*FAMILIES, *(f"{family}_packed" for family in PACKED)))
 def test_logits_and_grads_match_full_sequence(world_run, name):
     world, cases, ranks = world_run
     case = cases[name]
@@ -197,7 +232,7 @@ def test_bypassed_mixer_is_refused_after_the_forward():
         assert "token mixer was bypassed" in r["bypass"] and "linear_attn" in r["bypass"], r["bypass"]
 
 
-@pytest.mark.parametrize("family", ("qwen3_next", "olmo_hybrid"))
+@pytest.mark.parametrize("family", ("qwen3_next", "olmo_hybrid", *PACKED[1:]))
 def test_packed_rows_without_cp_run_each_document_alone(family):
     case = _case(family, 1, seed=3, doc_lens=[6, 10, 8])
     reference = _reference(case)

@@ -1,5 +1,6 @@
 """The HF Trainer trains hybrid models under context parallelism exactly as without it: token
-mixers other than attention (Qwen3.5's gated delta nets, LFM2's short convolutions).
+mixers other than attention (Qwen3.5's gated delta nets, LFM2's short convolutions, Granite
+4.0 hybrid's Mamba-2 layers).
 
 Runs examples/finetune_llama_long.py for real, as tests/test_trainer_cp.py does (float32, a
 fixed seed, `accelerate launch`, gloo on CPU; 4 examples per optimizer step: batch 2 x
@@ -22,7 +23,8 @@ run at cp 1 would need more to be a reference: only a model built with "ring_fla
 documents of a row apart in the convolutions and recurrences too (hf_ring runs each mixer once
 per document); built with "sdpa" (the example's default at cp 1), a packed Qwen3.5 is refused
 by transformers and a packed LFM2 silently mixes each document's first tokens with the
-previous document's last. test_packed_reference_keeps_documents_apart checks in-process that
+previous document's last (RingTrainer now refuses such a model with packed rows:
+test_packing_a_model_with_unrouted_mixers_is_refused). test_packed_reference_keeps_documents_apart checks in-process that
 ring_flash's logits on a packed row of the example's documents are each document's own (sdpa
 on the document alone) and that sdpa's are not; the SFT case's cp 1 reference (TRL packing)
 runs ring_flash for that reason.
@@ -41,8 +43,8 @@ Token-by-token exactness at every shard and document boundary is the ops' tests'
 finetune_llama_long.py has no --gradient_checkpointing (its --offload_checkpoints checkpoints
 every decoder layer: packed_cp2); sft_long.py's is used in the SFT case. FSDP2: transformers
 5.24's Qwen3_5ForCausalLM lists Qwen3_5VisionBlock, a block it does not have, in
-``_no_split_modules``, which accelerate's transformer-based wrap policy refuses; the run names
-the decoder layer (--fsdp_transformer_layer_cls_to_wrap), as a user must.
+``_no_split_modules``, which accelerate's transformer-based wrap policy refuses; RingTrainer
+drops absent classes from the list, so the run names no layer class to wrap.
 
 More families: add them to FAMILIES (and their mixing functions to MIXING).
 """
@@ -63,7 +65,9 @@ import transformers
 from hf_ring.patches.transformers import release_line
 from model_sweep_configs import build_config
 from reference_attention import rel_err
-from test_trainer_cp import COMMON, EXAMPLE, REL_TOL, STEPS, _assert_same, _eval_losses, _grad_norms, _launch, _losses
+from test_trainer_cp import (  # noqa: F401  (fresh_process_state: a fixture)
+    COMMON, EXAMPLE, REL_TOL, STEPS, _assert_same, _eval_losses, _grad_norms, _launch, _losses, fresh_process_state,
+)
 from test_trainer_fsdp import _accelerate_fsdp, _run as _run_command, _state
 
 pytestmark = pytest.mark.skipif(
@@ -75,13 +79,15 @@ pytestmark = pytest.mark.skipif(
 FAMILIES = {
     "qwen3_5_text": ("linear_attention", "full_attention"),
     "lfm2": ("conv", "full_attention"),
+    "granitemoehybrid": ("linear_attention", "full_attention"),  # Granite 4.0 hybrid: Mamba-2
 }
 # The modeling modules' mixing functions: the arguments that run along the sequence, and their dim.
 MIXING = {
     "causal_conv1d_fn": (("hidden_states",), -1),
     "torch_chunk_gated_delta_rule": (("query", "key", "value", "g", "beta"), 1),
+    "mamba2_chunk_scan": (("hidden_states", "dt", "B", "C"), 1),
 }
-FSDP_FAMILY, FSDP_WRAP = "qwen3_5_text", "Qwen3_5DecoderLayer"
+FSDP_FAMILY = "qwen3_5_text"
 SFT_FAMILY = "lfm2"
 INIT_STD = 0.1  # see the module docstring
 SEQ, SEED = 256, 3  # the example's --seq_len and --seed (test_trainer_cp.COMMON)
@@ -115,7 +121,7 @@ def _finetune(nproc: int, *args: str):
 
 def _fsdp(config_dir: str, out: str) -> dict:
     script = [EXAMPLE, "--output_dir", out, *COMMON, *HYBRID, "--config_name", config_dir, "--cp_size", "2"]
-    log = _run_command(_accelerate_fsdp(2) + ["--fsdp_transformer_layer_cls_to_wrap", FSDP_WRAP, *script])
+    log = _run_command(_accelerate_fsdp(2) + script)
     assert "[hf_ring] gradients: fsdp2 mesh (2,) over 2 processes" in log, log[-3000:]
     return _state(out)
 
@@ -296,3 +302,22 @@ def test_the_logged_figures_see_the_mixers(family, monkeypatch):
     moved = abs(wrong[1] - right[1]) / right[1]
     print(f"\n{family}: mixers cut at the chunks move the first gradient norm by {moved:.1e}")
     assert moved > 3 * REL_TOL, (right, wrong)
+
+
+def test_packing_a_model_with_unrouted_mixers_is_refused(tmp_path, fresh_process_state):
+    """RingTrainer with packed rows and a hybrid built with "sdpa" (whose convolutions would
+    reach across documents) refuses, naming the mixer and ring_flash; built with ring_flash,
+    or without packing, it is accepted."""
+    from transformers import TrainingArguments
+
+    from hf_ring import RingAttentionPlugin, RingTrainer
+
+    config, tokenizer = _tokenized("lfm2")
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=1)
+    plugin = RingAttentionPlugin(cp_size=1)
+    packed = plugin.make_collator(tokenizer.pad_token_id, packing=True)
+    with pytest.raises(ValueError, match=r"packing=True: .*Lfm2ShortConv.*ring_flash"):
+        RingTrainer(model=_model(config, "sdpa"), args=args, ring_plugin=plugin, data_collator=packed)
+    RingTrainer(model=_model(config, "sdpa"), args=args, ring_plugin=plugin,
+                data_collator=plugin.make_collator(tokenizer.pad_token_id))
+    RingTrainer(model=_model(config, "ring_flash"), args=args, ring_plugin=plugin, data_collator=packed)

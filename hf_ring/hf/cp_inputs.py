@@ -116,7 +116,9 @@ def _refuse_local(inputs: dict[str, Any], state: ContextParallelState) -> Option
         raise ValueError(
             "ring_flash under context parallelism needs the global position_ids of this rank's "
             "shard (shard_sequence(arange(seq_len)[None], cp_size, cp_rank), as RingDataCollator "
-            "emits): without them the model numbers the local tokens 0..local_len-1 and RoPE is wrong"
+            "emits): without them the model numbers the local tokens 0..local_len-1 and RoPE is wrong. "
+            "A model without positions (Mamba) takes them through its keyword arguments too: hf_ring "
+            "checks the shard's layout from them"
         )
     if not isinstance(positions, torch.Tensor) or positions.dim() not in (1, 2) or positions.dtype.is_floating_point:
         raise ValueError(

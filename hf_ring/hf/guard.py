@@ -31,9 +31,10 @@ import torch.nn as nn
 from hf_ring.hf import sequence_features
 from hf_ring.hf.cp_inputs import inputs_device, packed_document_lengths, rows_and_length, validate_cp_inputs
 from hf_ring.hf.forward_context import COMM_STATS_KWARG, CONTEXT_KWARG, ForwardContext
-from hf_ring.hf.mixers import required_steps, route_mixers
+from hf_ring.hf.mixers import head_inputs, required_steps, route_mixers
 from hf_ring.hf.support import RING_FLASH, check_model_supported, check_model_under_cp, handed_to_the_ring
 from hf_ring.patches.transformers import attn_implementation
+from hf_ring.patches.transformers.mixers import is_routed_layer
 from hf_ring.patterns.state import get_context_parallel_state
 
 # Flags kept in the modules' own __dict__, so that copies of a model (copy.deepcopy for a
@@ -41,7 +42,6 @@ from hf_ring.patterns.state import get_context_parallel_state
 _GUARDED_MODEL = "_hf_ring_guarded_model"
 _GUARDED_LAYER = "_hf_ring_guarded_layer"
 _GUARDED_LOSS = "_hf_ring_guarded_loss"
-_GUARDED_MIXER = "_hf_ring_guarded_mixer"
 # Set while a caller that reads only per-token outputs passes labels (see per_token_labels).
 _PER_TOKEN_LABELS: ContextVar[bool] = ContextVar("hf_ring_per_token_labels", default=False)
 
@@ -75,6 +75,10 @@ def _attention_layers(model: nn.Module) -> dict[str, nn.Module]:
     return _flagged(model, _GUARDED_LAYER)
 
 
+def _mixer_layers(model: nn.Module) -> dict[str, nn.Module]:
+    return {name: m for name, m in model.named_modules() if is_routed_layer(m)}
+
+
 @functools.lru_cache(maxsize=None)
 def _forward_signature(model_type: type) -> tuple[inspect.Signature, bool]:
     """The forward's signature, and whether it takes ``**kwargs`` (through which the
@@ -103,7 +107,7 @@ def _check_guarded_model(model: nn.Module, cp_size: int, takes_kwargs: bool) -> 
             f"now says {implementation!r}; under context parallelism (cp_size={cp_size}) every "
             f"attention layer must run the ring: call model.set_attn_implementation({RING_FLASH!r})"
         )
-    if not _attention_layers(model) and not _flagged(model, _GUARDED_MIXER):
+    if not _attention_layers(model) and not _mixer_layers(model):
         raise NotImplementedError(
             f"found no attention layers in {type(model).__name__} (modules named *Attention with a "
             "layer_idx) and no token mixer hf_ring routes, so hf_ring cannot check that each runs "
@@ -138,7 +142,8 @@ def _pre_forward(model: nn.Module, args: tuple, kwargs: dict):
     signature, takes_kwargs = _forward_signature(type(model))
     comm_stats = kwargs.pop(COMM_STATS_KWARG, None)
     try:
-        inputs = _bind(model, args, kwargs)
+        # A head that drops its keyword arguments (pure Mamba models) left them readable.
+        inputs = {**head_inputs(), **_bind(model, args, kwargs)}
     except TypeError:
         return None  # arguments the forward does not take: let it raise its own error
     state = get_context_parallel_state()
@@ -221,7 +226,7 @@ def _post_forward(model: nn.Module, args: tuple, kwargs: dict, output: Any):
             "know, or a patched layer), which computes attention over this rank's shard only. "
             "Use a supported transformers release, or report the model"
         )
-    mixers = [name for name, m in _flagged(model, _GUARDED_MIXER).items()
+    mixers = [name for name, m in _mixer_layers(model).items()
               if any((id(m), step) not in context.ran_mixers for step in required_steps(m))]
     if mixers:
         raise RuntimeError(
@@ -248,11 +253,11 @@ def guard_model(model: nn.Module) -> None:
         model.__dict__[_GUARDED_LOSS] = True
     if base.__dict__.get(_GUARDED_MODEL):
         return
+    # A routed mixer named *Attention (Kimi delta attention) runs hf_ring's mixers, not the ring.
+    mixers = {id(m) for m in route_mixers(base)}
     for m in base.modules():
-        if _is_attention_module(m):
+        if _is_attention_module(m) and id(m) not in mixers:
             m.__dict__[_GUARDED_LAYER] = True
-    for m in route_mixers(base):
-        m.__dict__[_GUARDED_MIXER] = True
     sequence_features.prepare(base)
     base.register_forward_pre_hook(_pre_forward, with_kwargs=True)
     base.register_forward_hook(_post_forward, with_kwargs=True)

@@ -15,7 +15,7 @@ declined (they return None, as without a kernel), so the layer takes its split p
 Each layer notes in the context every function that ran its CP path, so that the guard
 can check, after the forward, that none was bypassed.
 
-Owns: the runners, ``route_mixers``, ``required_steps``. Must not import: Trainer, TRL,
+Owns: the runners, ``route_mixers``, ``required_steps``, ``head_inputs``. Must not import: Trainer, TRL,
 hf_ring's training or memory layers.
 """
 
@@ -29,13 +29,22 @@ import torch
 import torch.nn as nn
 
 from hf_ring.hf.forward_context import CONTEXT_KWARG, ForwardContext
-from hf_ring.mixers import context_parallel_causal_conv1d, context_parallel_gated_delta_rule
-from hf_ring.patches.transformers.mixers import is_routed, route, route_of
+from hf_ring.mixers import (
+    context_parallel_causal_conv1d,
+    context_parallel_gated_delta_rule,
+    context_parallel_kimi_delta_attention,
+    context_parallel_selective_scan,
+    context_parallel_ssd,
+)
+from hf_ring.patches.transformers.mixers import is_routed_layer, mark_routed, route, route_of
 
 # The routed layer running now and its context (set only for the layer's call).
 _ACTIVE: ContextVar[Optional[tuple[ForwardContext, int]]] = ContextVar("hf_ring_mixer_layer", default=None)
 # The context a carrier received, for a mixer its caller runs without keyword arguments.
 _CARRIED: ContextVar[Optional[ForwardContext]] = ContextVar("hf_ring_carried_context", default=None)
+# What a head that drops its keyword arguments was given, for the guard of its base model.
+_HEAD_INPUTS: ContextVar[dict] = ContextVar("hf_ring_head_inputs", default={})
+HEAD_INPUT_NAMES = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
 def _routing(kwargs: dict) -> Optional[ForwardContext]:
@@ -75,6 +84,19 @@ def run_carrier(original, module: nn.Module, *args, **kwargs):
         )
     with _set(_CARRIED, context):
         return original(module, *args, **kwargs)
+
+
+def run_head(original, module: nn.Module, *args, **kwargs):
+    """The forward of a model with its head that calls its base model without its keyword
+    arguments (``MambaForCausalLM``): keeps the positions and packed-row lengths it was
+    given readable (``head_inputs``) while the base model runs."""
+    with _set(_HEAD_INPUTS, {k: v for k, v in kwargs.items() if k in HEAD_INPUT_NAMES and v is not None}):
+        return original(module, *args, **kwargs)
+
+
+def head_inputs() -> dict:
+    """What the running head (``run_head``) was given and dropped; empty outside one."""
+    return _HEAD_INPUTS.get()
 
 
 def run_layer(original, module: nn.Module, *args, **kwargs):
@@ -145,35 +167,87 @@ def run_conv(original, hidden_states: torch.Tensor, weight: torch.Tensor, bias=N
     return out
 
 
-def run_delta_rule(original, query, key, value, g=None, beta=None, chunk_size=64, initial_state=None,
-                   output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs):
-    """``torch_chunk_gated_delta_rule``: query, key ``(batch, local_seq, heads, k_dim)``, value
-    ``(batch, local_seq, heads, v_dim)``, g and beta ``(batch, local_seq, heads)``; returns
-    ``(out (batch, local_seq, heads, v_dim), None)``."""
-    active = _active("torch_chunk_gated_delta_rule", kwargs)
+def _delta_rule_runner(name: str, what: str, cp_op: Callable) -> Callable:
+    """The runner of a delta-rule function (``name``: the gated delta rule, Kimi delta
+    attention): query, key ``(batch, local_seq, heads, k_dim)``, value ``(batch, local_seq,
+    heads, v_dim)``, beta ``(batch, local_seq, heads)``, g ``(batch, local_seq, heads)`` (one
+    decay per head) or ``(..., heads, k_dim)`` (per channel); returns ``(out (batch,
+    local_seq, heads, v_dim), None)``."""
+
+    def run(original, query, key, value, g=None, beta=None, chunk_size=64, initial_state=None,
+            output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs):
+        active = _active(name, kwargs)
+        if active is None:
+            return original(query, key, value, g=g, beta=beta, chunk_size=chunk_size, initial_state=initial_state,
+                            output_final_state=output_final_state,
+                            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
+        context, layer = active
+        _refuse_state(context, what, initial_state is not None or output_final_state)
+        if kwargs.get("cu_seqlens") is not None and context.doc_lens is None:
+            raise NotImplementedError(
+                f"{what} got cu_seqlens {_where(context)} on a row hf_ring's guard did not validate as "
+                "packed; pass packed rows as RingDataCollator makes them (cu_seq_lens_q/k, "
+                "max_length_q/k and per-document position_ids)"
+            )
+        if context.state is not None:
+            out, _ = cp_op(query, key, value, g, beta, chunk_size=chunk_size,
+                           use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **_cp_args(context))
+        else:
+            out = _per_document(context, lambda s, e: original(
+                query[:, s:e], key[:, s:e], value[:, s:e], g=g[:, s:e], beta=beta[:, s:e], chunk_size=chunk_size,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)[0], 1)
+        context.ran_mixers.add((layer, name))
+        return out, None
+
+    return run
+
+
+def run_ssd(original, hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None,
+            dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, **kwargs):
+    """``mamba2_chunk_scan``: hidden_states ``(batch, local_seq, heads, head_dim)``, dt
+    ``(batch, local_seq, heads)``, A ``(heads,)``, B and C ``(batch, local_seq, groups,
+    state)``; returns float32 ``(batch, local_seq, heads, head_dim)``."""
+    active = _active("mamba2_chunk_scan", kwargs)
+    options = dict(D=D, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
     if active is None:
-        return original(query, key, value, g=g, beta=beta, chunk_size=chunk_size, initial_state=initial_state,
-                        output_final_state=output_final_state,
-                        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
+        return original(hidden_states, dt, A, B, C, chunk_size, initial_states=initial_states,
+                        return_final_states=return_final_states, **options, **kwargs)
     context, layer = active
-    _refuse_state(context, "the gated delta rule", initial_state is not None or output_final_state)
-    if kwargs.get("cu_seqlens") is not None and context.doc_lens is None:
+    _refuse_state(context, "the Mamba-2 scan", initial_states is not None or return_final_states)
+    if kwargs.get("z") is not None:
         raise NotImplementedError(
-            f"the gated delta rule got cu_seqlens {_where(context)} on a row hf_ring's guard did not "
-            "validate as packed; pass packed rows as RingDataCollator makes them (cu_seq_lens_q/k, "
-            "max_length_q/k and per-document position_ids)"
+            f"the Mamba-2 scan got a gate z {_where(context)}: transformers' torch scan ignores it while "
+            "the mamba-ssm kernel applies it, so hf_ring cannot tell which one the model means; report the model"
         )
     if context.state is not None:
-        out, _ = context_parallel_gated_delta_rule(
-            query, key, value, g, beta, chunk_size=chunk_size, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-            **_cp_args(context),
-        )
+        out, _ = context_parallel_ssd(hidden_states, dt, A, B, C, chunk_size=chunk_size, **options,
+                                      **_cp_args(context))
     else:
         out = _per_document(context, lambda s, e: original(
-            query[:, s:e], key[:, s:e], value[:, s:e], g=g[:, s:e], beta=beta[:, s:e], chunk_size=chunk_size,
-            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)[0], 1)
-    context.ran_mixers.add((layer, "torch_chunk_gated_delta_rule"))
-    return out, None
+            hidden_states[:, s:e], dt[:, s:e], A, B[:, s:e], C[:, s:e], chunk_size, **options), 1)
+    context.ran_mixers.add((layer, "mamba2_chunk_scan"))
+    return out
+
+
+def run_selective_scan(original, hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None,
+                       delta_softplus=False, return_last_state=False, **kwargs):
+    """``mamba_selective_scan`` (Mamba-1), channels first: hidden_states, dt and z ``(batch,
+    channels, local_seq)``, A ``(channels, state)``, B and C ``(batch, state, local_seq)``;
+    returns ``(batch, channels, local_seq)``."""
+    active = _active("mamba_selective_scan", kwargs)
+    options = dict(D=D, delta_bias=delta_bias, delta_softplus=delta_softplus)
+    if active is None:
+        return original(hidden_states, dt, A, B, C, z=z, return_last_state=return_last_state, **options, **kwargs)
+    context, layer = active
+    _refuse_state(context, "the Mamba selective scan", return_last_state)
+    if context.state is not None:
+        out, _ = context_parallel_selective_scan(hidden_states, dt, A, B, C, z=z, **options, **_cp_args(context))
+    else:
+        out = _per_document(context, lambda s, e: original(
+            hidden_states[..., s:e], dt[..., s:e], A, B[..., s:e], C[..., s:e],
+            z=None if z is None else z[..., s:e], **options, **kwargs), -1)
+    context.ran_mixers.add((layer, "mamba_selective_scan"))
+    return out
 
 
 def run_fused(original, *args, **kwargs):
@@ -187,25 +261,33 @@ def run_fused(original, *args, **kwargs):
 # The runner of each routed module function.
 RUNNERS: dict[str, Callable] = {
     "causal_conv1d_fn": run_conv,
-    "torch_chunk_gated_delta_rule": run_delta_rule,
+    "torch_chunk_gated_delta_rule": _delta_rule_runner(
+        "torch_chunk_gated_delta_rule", "the gated delta rule", context_parallel_gated_delta_rule),
+    "chunk_kimi_delta_attention": _delta_rule_runner(
+        "chunk_kimi_delta_attention", "Kimi delta attention", context_parallel_kimi_delta_attention),
+    "mamba2_chunk_scan": run_ssd,
+    "mamba_selective_scan": run_selective_scan,
     "mamba2_split_conv1d_scan_combined": run_fused,
     "mamba_inner_fn": run_fused,
 }
 
 
 def route_mixers(model: nn.Module) -> list[nn.Module]:
-    """Route every token-mixer layer class of ``model`` that hf_ring knows (idempotent);
-    returns the model's layers that are routed."""
+    """Route every token-mixer layer class of ``model`` that hf_ring knows (idempotent) and
+    mark its layers; returns the model's layers that are routed."""
     routed = set()
     for cls in {type(m) for m in model.modules()}:
         spec = route_of(cls)
         if spec is not None and all(name in RUNNERS for name in spec.runs + spec.fused):
-            if route(cls, run_layer, run_carrier, RUNNERS):
+            if route(cls, run_layer, run_carrier, run_head, RUNNERS):
                 routed.add(cls)
-    return [m for m in model.modules() if type(m) in routed]
+    layers = [m for m in model.modules() if type(m) in routed]
+    for m in layers:
+        mark_routed(m)
+    return layers
 
 
 def required_steps(module: nn.Module) -> tuple[str, ...]:
     """The functions a routed layer must have run on hf_ring's path in a forward under CP."""
     spec = route_of(type(module))
-    return spec.runs if spec is not None and is_routed(type(module)) else ()
+    return spec.runs if spec is not None and is_routed_layer(module) else ()

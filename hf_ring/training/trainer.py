@@ -110,6 +110,12 @@ class RingTrainer(Trainer):
         on_cpu = training_args is None or training_args.device.type == "cpu"
         if on_cpu and weight_sharding.fsdp_requested(training_args, None):
             accelerate_patches.enable_fsdp_on_cpu()
+        model = kwargs.get("model", args[0] if args else None)
+        if model is not None and weight_sharding.fsdp_requested(training_args, None):
+            dropped = transformers_patches.drop_absent_no_split_modules(model)
+            if dropped:
+                logger.info(f"[hf_ring] FSDP: {type(model).__name__} lists layer classes it does not have "
+                            f"({', '.join(dropped)}) among those to wrap; dropped")
         self.chunked_loss = chunked_loss if isinstance(chunked_loss, ChunkedLossConfig) else ChunkedLossConfig(chunked_loss)
         self._chunked_loss_notice_given = False
         super().__init__(*args, **kwargs)

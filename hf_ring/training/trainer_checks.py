@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from hf_ring.hf.support import unrouted_token_mixers
 from hf_ring.patches import transformers as transformers_patches
 from hf_ring.training import weight_sharding
 from hf_ring.training.collator import RingDataCollator
@@ -82,6 +83,16 @@ def check_trainer_supported(trainer: Any, subclass_loss: bool) -> None:
             "process per device with accelerate launch or torchrun"
         )
     collator = trainer.data_collator
+    ring = collator if isinstance(collator, RingDataCollator) else getattr(collator, "ring", None)  # TRL's wraps one
+    if isinstance(ring, RingDataCollator) and ring.config.packing:
+        # Stock transformers keeps packed documents apart in attention (from position_ids) but
+        # not in convolutions and recurrences; hf_ring's ring_flash model does both.
+        mixers = unrouted_token_mixers(trainer.model)
+        if mixers:
+            raise ValueError(
+                f"packing=True: {mixers}. Build the model with attn_implementation={RING_ATTENTION!r} (after "
+                "`import hf_ring`; at cp_size=1 too), whose mixers run each document on its own, or pack no rows"
+            )
     if isinstance(collator, RingDataCollator):
         cfg = collator.config
         if not collator.matches(state):

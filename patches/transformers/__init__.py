@@ -59,7 +59,13 @@ in 4.57.6 and 5.24.0):
 transformers is imported only when a function runs: ``import hf_ring`` needs only torch.
 """
 
-from .attributes import attn_implementation, prepare_inputs, set_checkpoint_function, train_batch_size
+from .attributes import (
+    attn_implementation,
+    drop_absent_no_split_modules,
+    prepare_inputs,
+    set_checkpoint_function,
+    train_batch_size,
+)
 from .hooks import apply
 from .rope import hand_max_position, length_dependent_rope, reads_max_position, set_max_position
 from .sources import attention_class_tables, forward_passes_keyword, logit_transform, uses_attention_interface
@@ -72,6 +78,7 @@ __all__ = [
     "apply",
     "attention_class_tables",
     "attn_implementation",
+    "drop_absent_no_split_modules",
     "forward_passes_keyword",
     "hand_max_position",
     "length_dependent_rope",

@@ -3,7 +3,7 @@ or calls, each through an accessor that checks the release line and the attribut
 first (the same in 4.57.6 and 5.24.0).
 
 Owns: ``attn_implementation``, ``train_batch_size``, ``prepare_inputs``,
-``set_checkpoint_function``. Imports nothing of transformers itself (it is handed the objects).
+``set_checkpoint_function``, ``drop_absent_no_split_modules``. Imports nothing of transformers itself (it is handed the objects).
 """
 
 from __future__ import annotations
@@ -82,3 +82,21 @@ def set_checkpoint_function(model: Any, checkpoint_function: Callable) -> None:
     if params is None or params[:2] != ["enable", "gradient_checkpointing_func"]:
         raise fail(f"{type(model).__name__}._set_gradient_checkpointing has parameters {params}", version)
     method(enable=True, gradient_checkpointing_func=checkpoint_function)
+
+
+def drop_absent_no_split_modules(model: Any) -> list[str]:
+    """Drop from ``model._no_split_modules`` the class names that no module of ``model`` has;
+    returns the names dropped.
+
+    Why: accelerate's FSDP auto-wrap wraps the classes the model lists there and raises
+    when one is missing, and transformers 5.24's ``Qwen3_5ForCausalLM`` (text only) lists
+    its vision block. The list is set on the model itself, shadowing the class's.
+    """
+    names = getattr(model, "_no_split_modules", None)
+    if not isinstance(names, (list, tuple, set)):
+        return []
+    present = {type(m).__name__ for m in model.modules()}
+    dropped = [n for n in names if n not in present]
+    if dropped:
+        model._no_split_modules = [n for n in names if n in present]
+    return dropped

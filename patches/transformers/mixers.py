@@ -14,13 +14,14 @@ transformers integration.
 
 Where a layer is called without the model's keyword arguments (the Mamba-1 mixers inside
 their blocks), ``ROUTES`` names the class whose forward still receives them (its carrier),
-which is wrapped too.
+which is wrapped too; where the model with its head drops them before its base model
+(the pure Mamba models), the head's forward is wrapped so that they can still be read.
 
 Written for transformers 5.24.0: each modeling module below, its classes, and the
 parameters of every function are checked before anything is replaced; on another release
 line (4.57.x) or another shape nothing is routed and the layers stay refused under CP.
 
-Owns: ``ROUTES``, ``route``, ``is_routed``, ``route_of``. Must not import hf_ring.
+Owns: ``ROUTES``, ``route``, ``is_routed``, ``route_of``, ``mark_routed``, ``is_routed_layer``. Must not import hf_ring.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ from typing import Callable, Mapping, Optional
 from .versions import installed_version, release_line
 
 _MARK = "_hf_ring_routed_mixer"
+# Set on each layer of a model hf_ring routed (the class alone is not enough: another
+# model of the same family, not built for hf_ring, has no guard checking its layers).
+_ROUTED_LAYER = "_hf_ring_routed_layer"
 
 
 @dataclass(frozen=True)
@@ -48,12 +52,16 @@ class Route:
             is installed, and return None otherwise; under CP they must return None.
         carrier: the class whose forward receives the model's keyword arguments when the
             layer's own does not (its caller drops them), or None.
+        head: the model-with-head class whose forward drops its keyword arguments (the
+            positions, a packed row's lengths) instead of handing them to its base model,
+            or None.
     """
 
     layer: str
     runs: tuple[str, ...]
     fused: tuple[str, ...] = ()
     carrier: Optional[str] = None
+    head: Optional[str] = None
 
 
 _GDN = ("causal_conv1d_fn", "torch_chunk_gated_delta_rule")
@@ -69,7 +77,8 @@ ROUTES: dict[str, Route] = {
     _M + "olmo_hybrid.modeling_olmo_hybrid": Route("OlmoHybridGatedDeltaNet", _GDN),
     _M + "lara_mini.modeling_lara_mini": Route("LaraMiniGatedDeltaNet", _GDN),
     _M + "qwen4_exp.modeling_qwen4_exp": Route("Qwen4ExpTextGatedDeltaNet", _GDN),
-    _M + "mamba2.modeling_mamba2": Route("Mamba2Mixer", _MAMBA2, ("mamba2_split_conv1d_scan_combined",)),
+    _M + "mamba2.modeling_mamba2": Route(
+        "Mamba2Mixer", _MAMBA2, ("mamba2_split_conv1d_scan_combined",), head="Mamba2ForCausalLM"),
     _M + "bamba.modeling_bamba": Route("BambaMixer", _MAMBA2, ("mamba2_split_conv1d_scan_combined",)),
     _M + "granitemoehybrid.modeling_granitemoehybrid": Route(
         "GraniteMoeHybridMambaLayer", _MAMBA2, ("mamba2_split_conv1d_scan_combined",)),
@@ -77,9 +86,10 @@ ROUTES: dict[str, Route] = {
         "NemotronHMamba2Mixer", _MAMBA2, ("mamba2_split_conv1d_scan_combined",)),
     _M + "falcon_h1.modeling_falcon_h1": Route("FalconH1Mixer", _MAMBA2, ("mamba2_split_conv1d_scan_combined",)),
     _M + "zamba2.modeling_zamba2": Route("Zamba2MambaMixer", _MAMBA2, ("mamba2_split_conv1d_scan_combined",)),
-    _M + "mamba.modeling_mamba": Route("MambaMixer", _MAMBA1, ("mamba_inner_fn",), carrier="MambaModel"),
+    _M + "mamba.modeling_mamba": Route(
+        "MambaMixer", _MAMBA1, ("mamba_inner_fn",), carrier="MambaModel", head="MambaForCausalLM"),
     _M + "falcon_mamba.modeling_falcon_mamba": Route(
-        "FalconMambaMixer", _MAMBA1, ("mamba_inner_fn",), carrier="FalconMambaModel"),
+        "FalconMambaMixer", _MAMBA1, ("mamba_inner_fn",), carrier="FalconMambaModel", head="FalconMambaForCausalLM"),
     _M + "jamba.modeling_jamba": Route("JambaMambaMixer", _MAMBA1, carrier="JambaMambaDecoderLayer"),
     _M + "zamba.modeling_zamba": Route("ZambaMambaMixer", _MAMBA1),
     _M + "lfm2.modeling_lfm2": Route("Lfm2ShortConv", ("causal_conv1d_fn",)),
@@ -126,7 +136,7 @@ def _shape_ok(module, route: Route) -> bool:
         params = tuple(inspect.signature(fn).parameters)
         if params[:len(_PARAMETERS[name])] != _PARAMETERS[name]:
             return False
-    classes = [getattr(module, route.layer, None)] + ([getattr(module, route.carrier, None)] if route.carrier else [])
+    classes = [getattr(module, name, None) for name in (route.layer, route.carrier, route.head) if name]
     if any(not isinstance(c, type) for c in classes):
         return False
     try:
@@ -161,7 +171,7 @@ def route_of(cls: type) -> Optional[Route]:
     return route if route is not None and route.layer == cls.__name__ else None
 
 
-def route(cls: type, layer: Callable, carrier: Callable, functions: Mapping[str, Callable]) -> bool:
+def route(cls: type, layer: Callable, carrier: Callable, head: Callable, functions: Mapping[str, Callable]) -> bool:
     """Route ``cls`` (a token-mixer layer class) through the given runners; idempotent.
 
     Args:
@@ -169,6 +179,8 @@ def route(cls: type, layer: Callable, carrier: Callable, functions: Mapping[str,
         layer: ``layer(original_forward, module, *args, **kwargs)``, run as the layer's forward.
         carrier: ``carrier(original_forward, module, *args, **kwargs)``, run as the forward of
             the route's carrier class, if it has one.
+        head: ``head(original_forward, module, *args, **kwargs)``, run as the forward of the
+            route's head class, if it has one.
         functions: by function name, ``runner(original, *args, **kwargs)`` run in place of
             that module function (every name of the route's ``runs`` and ``fused``).
 
@@ -184,8 +196,9 @@ def route(cls: type, layer: Callable, carrier: Callable, functions: Mapping[str,
         return False
     for name in spec.runs + spec.fused:
         _wrap(module, name, functions[name], method=False)
-    if spec.carrier:
-        _wrap(getattr(module, spec.carrier), "forward", carrier, method=True)
+    for name, runner in ((spec.carrier, carrier), (spec.head, head)):
+        if name:
+            _wrap(getattr(module, name), "forward", runner, method=True)
     _wrap(cls, "forward", layer, method=True)
     return True
 
@@ -196,5 +209,16 @@ def is_routed(cls: type) -> bool:
     if spec is None or not getattr(cls.__dict__.get("forward"), _MARK, False):
         return False
     module = importlib.import_module(cls.__module__)
-    carried = not spec.carrier or getattr(getattr(module, spec.carrier).__dict__.get("forward"), _MARK, False)
+    carried = all(getattr(getattr(module, name).__dict__.get("forward"), _MARK, False)
+                  for name in (spec.carrier, spec.head) if name)
     return carried and all(getattr(vars(module).get(name), _MARK, False) for name in spec.runs + spec.fused)
+
+
+def mark_routed(module) -> None:
+    """Note on ``module`` itself that its model routes and guards it."""
+    module.__dict__[_ROUTED_LAYER] = True
+
+
+def is_routed_layer(module) -> bool:
+    """Whether ``module`` was marked by ``mark_routed`` and its class is routed."""
+    return bool(module.__dict__.get(_ROUTED_LAYER)) and is_routed(type(module))

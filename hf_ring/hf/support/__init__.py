@@ -26,7 +26,12 @@ Part of the transformers integration: must not import Trainer, TRL, or hf_ring's
 or memory layers.
 """
 
-from hf_ring.hf.support.detectors import check_model_supported, check_model_under_cp, handed_to_the_ring
+from hf_ring.hf.support.detectors import (
+    check_model_supported,
+    check_model_under_cp,
+    handed_to_the_ring,
+    unrouted_token_mixers,
+)
 from hf_ring.hf.support.reading import RING_FLASH
 
-__all__ = ["RING_FLASH", "check_model_supported", "check_model_under_cp", "handed_to_the_ring"]
+__all__ = ["RING_FLASH", "check_model_supported", "check_model_under_cp", "handed_to_the_ring", "unrouted_token_mixers"]

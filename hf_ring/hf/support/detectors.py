@@ -171,3 +171,12 @@ def check_model_supported(model: nn.Module) -> None:
         refusal = detect(model)
         if refusal is not None:
             raise NotImplementedError(refusal)
+
+
+def unrouted_token_mixers(model: nn.Module) -> Optional[str]:
+    """The refusal naming ``model``'s token mixers that hf_ring does not run (its routed
+    layers excluded: only a guarded ``ring_flash`` model's are), formatted for packed rows
+    without CP, or None. For callers that pack rows for a model that may not be guarded."""
+    config = getattr(model, "config", None)
+    found = list(token_mixers.refusals(config, list(text_stack(model).named_modules())))
+    return found[0].format(where="on packed rows") if found else None

@@ -15,7 +15,7 @@ from typing import Any, Iterator, Optional
 import torch.nn as nn
 
 from hf_ring.hf.support.reading import RING_FLASH, Modules, first, listed
-from hf_ring.patches.transformers.mixers import is_routed
+from hf_ring.patches.transformers.mixers import is_routed_layer
 
 # Layer kinds (config.layer_types and the older per-family lists) that mix tokens only
 # through attention the ring computes, or not at all (MLP / MoE layers are per token).
@@ -65,7 +65,7 @@ def _routed_layers(modules: Modules) -> set[int]:
     found = set()
     for path, m in modules:
         parts = path.split(".")
-        if len(parts) > 2 and parts[0] == "layers" and parts[1].isdigit() and is_routed(type(m)):
+        if len(parts) > 2 and parts[0] == "layers" and parts[1].isdigit() and is_routed_layer(m):
             found.add(int(parts[1]))
     return found
 

@@ -2,8 +2,10 @@
 convolutions, Mamba / SSM mixers, linear attention, RWKV, xLSTM, RG-LRU, ...). The ring
 computes only attention across ranks, so under CP such a module sees only its rank's shard
 (on packed rows: the whole row across documents). Refused under CP and on packed rows,
-except the layers whose class hf_ring routes to its context-parallel mixers
-(``hf_ring.hf.mixers``: the gated delta nets of transformers 5.24), with what they hold.
+except the layers of a guarded model that hf_ring routes to its context-parallel mixers
+(``hf_ring.hf.mixers``: on transformers 5.24 the gated delta nets, Mamba-1 and -2 mixers,
+Kimi delta attention and short convolutions of ``patches/transformers/mixers.py``'s
+``ROUTES``), with what they hold.
 
 Read from the modules themselves: a convolution over the sequence, the parameters of a
 state-space or linear-recurrence mixer, a mixer's class name or the attribute it is held
@@ -21,7 +23,7 @@ from typing import Any, Iterator, Optional
 import torch.nn as nn
 
 from hf_ring.hf.support.reading import Modules, in_tower, listed
-from hf_ring.patches.transformers.mixers import is_routed
+from hf_ring.patches.transformers.mixers import is_routed_layer
 
 # Names of sequence mixers that are not attention: a further signal next to the
 # structural ones below (a convolution over time, SSM parameters). Matched on the class
@@ -71,7 +73,7 @@ def refusals(config: Any, modules: Modules) -> Iterator[str]:
     family = _FAMILY_SUFFIX.sub("", type(modules[0][1]).__name__) if modules else ""
     # A routed layer runs exactly under CP and on packed rows, its convolution included; the
     # decoder layer around it is named after it (OLMo hybrid's ...LinearAttentionDecoderLayer).
-    routed = [p for p, m in modules if is_routed(type(m))]
+    routed = [p for p, m in modules if is_routed_layer(m)]
     reasons = {
         path: reason
         for path, m in modules
