@@ -245,3 +245,20 @@ def test_packed_rows_without_cp_run_each_document_alone(family):
     assert rel_err(logits.detach(), reference["logits"]) <= TOL
     errors = {n: rel_err(p.grad, reference["grads"][n]) for n, p in model.named_parameters() if p.grad is not None}
     assert max(errors.values()) <= TOL, errors
+
+
+def test_gradient_checkpointing_of_pure_mamba_blocks_is_refused():
+    """MambaModel calls its blocks without keyword arguments: a block recomputed in the
+    backward would not know it runs on packed rows (or under CP), so checkpointing is refused
+    there, naming the fix; without it (or on dense rows without CP) the model runs."""
+    case = _case("mamba", 1, seed=3, doc_lens=[6, 10, 8])
+    model = tiny_model(case["config"], "ring_flash", case["state_dict"]).train()
+    cu = torch.tensor([0, 6, 16, 24], dtype=torch.int32)
+    positions = torch.cat([torch.arange(n) for n in case["doc_lens"]])[None]
+    packed = dict(position_ids=positions, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=10, max_length_k=10)
+    model.gradient_checkpointing_enable()
+    with pytest.raises(NotImplementedError, match="gradient_checkpointing_disable"):
+        model(case["ids"], **packed)
+    model(case["ids"])  # dense rows without CP: nothing is routed, checkpointing works
+    model.gradient_checkpointing_disable()
+    model(case["ids"], **packed)
