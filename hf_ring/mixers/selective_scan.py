@@ -23,7 +23,8 @@ sum(delta))``, both ``(batch, d_inner, d_state)``:
    decayed to it) corrects the chunk's outputs, ``y_t += C_t . (exp(A cs_t) * S_chunk)``
    (``cs_t``: the chunk's cumulative ``delta`` up to ``t``); then ``D u`` and the gate.
 
-Everything is plain autograd: the all-gather is differentiable (its backward
+Everything is autograd (the loop within chunks with its own backward, ``_ChunkScan``, so
+that no step copies a full-size tensor); the all-gather is differentiable (its backward
 reduce-scatters), so the gradient of every input is exact, and each rank's gradient of
 the replicated ``A``, ``D``, ``delta_bias`` is its part (the ranks' parts sum to the
 full one, as their losses do).
