@@ -23,7 +23,8 @@ sum(delta))``, both ``(batch, d_inner, d_state)``:
    decayed to it) corrects the chunk's outputs, ``y_t += C_t . (exp(A cs_t) * S_chunk)``
    (``cs_t``: the chunk's cumulative ``delta`` up to ``t``); then ``D u`` and the gate.
 
-Everything is plain autograd: the all-gather is differentiable (its backward
+Everything is autograd (the loop within chunks with its own backward, ``_ChunkScan``, so
+that no step copies a full-size tensor); the all-gather is differentiable (its backward
 reduce-scatters), so the gradient of every input is exact, and each rank's gradient of
 the replicated ``A``, ``D``, ``delta_bias`` is its part (the ranks' parts sum to the
 full one, as their losses do).
@@ -100,29 +101,52 @@ def _chunked(x: torch.Tensor, pieces: list[Piece], L: int) -> torch.Tensor:
     return x.reshape(*x.shape[:2], -1, L).permute(3, 0, 2, 1).contiguous()
 
 
+class _ChunkScan(torch.autograd.Function):
+    """The states of every chunk from a zero state, ``h_i = a_i * h_{i-1} + x_i`` along
+    the first dimension: a, x ``(L, ...)`` -> h ``(L, ...)``. Its own backward, the same
+    loop in reverse, ``g_i += a_{i+1} * g_{i+1}``: autograd over the loop would index or
+    stack full-size tensors once a step; here every step writes into one buffer."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        h = torch.empty_like(x)
+        h[0] = x[0]
+        for i in range(1, len(x)):
+            torch.addcmul(x[i], a[i], h[i - 1], out=h[i])
+        ctx.save_for_backward(a, h)
+        return h
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        a, h = ctx.saved_tensors
+        g = grad.clone()  # becomes the gradient of every state, hence of x
+        for i in range(len(g) - 2, -1, -1):
+            g[i].addcmul_(a[i + 1], g[i + 1])
+        d_a = torch.empty_like(a)
+        d_a[0] = 0  # the first state is x_0 alone
+        torch.mul(g[1:], h[:-1], out=d_a[1:])
+        return d_a, g
+
+
 def _scan_pieces(u: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                  pieces: list[Piece], L: int) -> _Pieces:
     """Every piece from a zero state (module docstring, 1). u, dt ``(b, d, s)``, B, C
     ``(b, n, s)``, A ``(d, n)``, all in the compute dtype; dt after bias and softplus."""
     u, dt, B, C = (_chunked(x, pieces, L) for x in (u, dt, B, C))  # (L, b, k, ·)
     d_a = torch.exp(dt[..., None] * A)  # (L, b, k, d, n): each token's transition
-    x = (dt * u)[..., None] * B[..., None, :]  # (L, b, k, d, n): what each token adds
-    h, states = x[0], [x[0]]
-    for i in range(1, L):  # vectorised over every chunk: L steps whatever the length
-        h = torch.addcmul(x[i], d_a[i], h)
-        states.append(h)
-    y0 = (torch.stack(states) @ C[..., None])[..., 0]
+    states = _ChunkScan.apply(d_a, (dt * u)[..., None] * B[..., None, :])  # (L, b, k, d, n)
+    y0 = (states @ C[..., None])[..., 0]  # (L, b, k, d)
     decay = torch.exp(dt.cumsum(0)[..., None] * A)  # within one chunk: a sum of <= L deltas
-    ends, chunk_trans = states[-1], decay[-1]  # (b, k, d, n): each chunk's leaving state, transition
+    ends, chunk_trans = states[-1].unbind(1), decay[-1].unbind(1)  # per chunk (b, d, n): leaving state, transition
     zero_in, spans, to_chunk, s_ext, trans, k = [], [], [], [], [], 0
     for p in pieces:  # the chunks of each piece composed from zero, in order
         n_chunks = -(-p.length // L)
-        state, reach, reaches = torch.zeros_like(ends[:, 0]), torch.ones_like(ends[:, 0]), []
+        state, reach, reaches = torch.zeros_like(ends[0]), torch.ones_like(ends[0]), []
         for c in range(k, k + n_chunks):
             zero_in.append(state)
             reaches.append(reach)
-            state = chunk_trans[:, c] * state + ends[:, c]
-            reach = chunk_trans[:, c] * reach if not p.first else reach  # a first piece's start is zero
+            state = torch.addcmul(ends[c], chunk_trans[c], state)
+            reach = chunk_trans[c] * reach if not p.first else reach  # a first piece's start is zero
         spans.append((k, n_chunks))
         to_chunk.append(None if p.first else torch.stack(reaches, 1))
         s_ext.append(state)
