@@ -222,7 +222,9 @@ def _check_head_under_cp(model: nn.Module, args: tuple, kwargs: dict) -> None:
             "train with RingTrainer, which does"
         )
     keep = inputs.get("logits_to_keep")
-    if keep is not None and not (isinstance(keep, int) and keep == 0):
+    # generate() keeps 1 with a cache: the base model refuses the cache, naming generate().
+    caching = inputs.get("use_cache") is True or any(inputs.get(n) is not None for n in ("cache", "past_key_values"))
+    if keep is not None and not (isinstance(keep, int) and keep == 0) and not caching:
         raise ValueError(
             f"{type(model).__name__} got logits_to_keep={keep!r} under context parallelism (cp_size="
             f"{state.cp_size}): it would keep the last tokens of this rank's shard, which in the "
