@@ -48,7 +48,8 @@ from hf_ring.hf.attention_refusals import (
     refuse_under_ring, refuse_without_context,
 )
 from hf_ring.hf.forward_context import CONTEXT_KWARG, ForwardContext
-from hf_ring.hf.guard import RING_FLASH, guard_model
+from hf_ring.hf.guard import RING_FLASH
+from hf_ring.hf.multimodal import guard_model
 from hf_ring.hf.local_eager import eager_attention
 from hf_ring.hf.sequence_features import global_query_temperature, layer_window_and_chunk
 from hf_ring.patterns.api import ring_flash_attn_varlen_func

@@ -15,11 +15,18 @@ RoPE runs in the model on those positions, and the ring's causal mask follows th
 (held in the state). Right padding needs no mask at all under a causal mask (no real
 token attends to a later one), so a 2-D right-padding ``attention_mask`` is accepted and
 then dropped; every other mask is refused.
+
+A multimodal model runs differently (``hf_ring.hf.multimodal``): every rank holds the same
+full batch, the model merges its image features and computes its own positions (Qwen's 3-D
+M-RoPE) on the full sequence, and hf_ring shards them at the language model's entry. Those
+inputs come marked (:class:`FullBatchShards`): their positions are the model's, not
+``arange``'s, and the header carries a digest of the full batch, which must agree.
 """
 
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -33,10 +40,26 @@ from hf_ring.sharding.layouts import shard_indices
 from hf_ring.sharding.packed import check_cu_seqlens, packed_shard_indices
 
 _PATTERN_CODES = (*PATTERNS, "auto")
+# The keyword under which hf_ring's own sharding of a full batch marks a forward's inputs.
+SHARDED_KWARG = "hf_ring_sharded"
+
+
+@dataclass(frozen=True, eq=False)
+class FullBatchShards:
+    """Marks inputs that hf_ring sharded itself, from one full batch every rank of the CP
+    group holds (a multimodal model's merged embeddings and its own positions, sharded at
+    its language model's entry): their ``position_ids`` are the model's own (M-RoPE's
+    ``(3, batch, seq_local)`` ones included), so they are not checked against ``arange``;
+    ``digest``, 0-d int64 on the inputs' device, summarises the full batch (token ids,
+    grids) and must agree across the ranks."""
+
+    digest: torch.Tensor
+
 _HINT = (
     "every rank of a CP group must run the same forward on its shard of the same batch: "
     "build batches with RingDataCollator and feed them through RingAttentionPlugin (or "
-    "plugin.attach(accelerator)), which gives every rank of a CP group the same batch"
+    "plugin.attach(accelerator)), which gives every rank of a CP group the same batch (a "
+    "multimodal model takes the same full batch on every rank: hf_ring shards it at its language model)"
 )
 
 
@@ -88,7 +111,7 @@ def packed_document_lengths(inputs: dict[str, Any], cp_size: int) -> Optional[tu
     return tuple(check_cu_seqlens(torch.tensor(bounds), cp_size))
 
 
-def _refuse_local(inputs: dict[str, Any], state: ContextParallelState) -> Optional[tuple[int, ...]]:
+def _refuse_local(inputs: dict[str, Any], state: ContextParallelState, own_positions: bool) -> Optional[tuple[int, ...]]:
     """What a rank can refuse from its own inputs; returns the packed document lengths."""
     # cache_position too: Llama 4's 4.57 layers number tokens from it (sequence_features.py).
     if _cache_argument(inputs) is not None or inputs.get("cache_position") is not None:
@@ -120,13 +143,15 @@ def _refuse_local(inputs: dict[str, Any], state: ContextParallelState) -> Option
             "A model without positions (Mamba) takes them through its keyword arguments too: hf_ring "
             "checks the shard's layout from them"
         )
-    if not isinstance(positions, torch.Tensor) or positions.dim() not in (1, 2) or positions.dtype.is_floating_point:
+    # A model's own positions may come with a leading axis (M-RoPE's (3, batch, local_seq)).
+    dims = (1, 2, 3) if own_positions else (1, 2)
+    if not isinstance(positions, torch.Tensor) or positions.dim() not in dims or positions.dtype.is_floating_point:
         raise ValueError(
             f"position_ids must be an integer tensor (batch or 1, local_seq), got {type(positions).__name__} "
             f"{tuple(getattr(positions, 'shape', ()))}"
         )
     batch, seq_local = rows_and_length(inputs)
-    rows = positions.shape[0] if positions.dim() == 2 else 1
+    rows = positions.shape[-2] if positions.dim() >= 2 else 1
     if rows not in (1, batch) or positions.shape[-1] != seq_local or (
         mask is not None and tuple(mask.shape) != (batch, seq_local)
     ):
@@ -206,7 +231,7 @@ class CheckedInputs(NamedTuple):
 
 def validate_cp_inputs(
     inputs: dict[str, Any], state: ContextParallelState, compute_dtype: Optional[torch.dtype] = None,
-    autocast: bool = False,
+    autocast: bool = False, shards: Optional[FullBatchShards] = None,
 ) -> CheckedInputs:
     """Validate one forward's inputs under CP (``state.cp_size > 1``); collective over
     ``state.cp_group``: one all-gather of a fixed-length header, plus one of a ``(batch, 2)``
@@ -222,6 +247,8 @@ def validate_cp_inputs(
         compute_dtype: the dtype attention will run in (autocast's, else the model's), which
             every rank must share: the ring's messages are sized by it.
         autocast: whether the forward runs under autocast.
+        shards: set when hf_ring sharded these inputs itself from a full batch (a multimodal
+            model): the positions are the model's own, and the full batch's digest must agree.
 
     Returns:
         The documents, largest position and this rank's token indices (:class:`CheckedInputs`).
@@ -238,9 +265,10 @@ def validate_cp_inputs(
     device = inputs_device(inputs)
     wrong = top = None
     try:
-        doc_lens = _refuse_local(inputs, state)
+        doc_lens = _refuse_local(inputs, state, own_positions=shards is not None)
         index = _global_indices(seq_local, doc_lens, state)
-        wrong = _positions_wrong(inputs, index, doc_lens)
+        # The model's own positions (M-RoPE) are not arange's: the digest vouches for them.
+        wrong = _positions_wrong(inputs, index, doc_lens) if shards is None else torch.zeros((), dtype=torch.int64)
         top = inputs["position_ids"].max()
     except Exception as e:  # noqa: BLE001 - re-raised below, after the header went round
         # Whatever this rank's inputs broke, the other ranks must hear of it rather than
@@ -252,6 +280,8 @@ def validate_cp_inputs(
         ("positions_not_global", 0),
         # Each rank's largest position id: the batch's is their maximum (dynamic RoPE reads it).
         ("max_position", -1),
+        # hf_ring's shards of one full batch (a multimodal model): every rank must hold the same.
+        ("full_batch_digest", 0),
         ("batch", batch),
         ("local_seq", seq_local),
         ("attention_mask", int(mask is not None)),
@@ -271,6 +301,8 @@ def validate_cp_inputs(
     if wrong is not None:
         header[1] = wrong
         header[2] = top
+    if shards is not None:
+        header[3] = shards.digest
     try:
         rows = check_agreement(state.cp_group, fields, device, "the model's inputs", _HINT,
                                ignore=("refused", "positions_not_global", "max_position"), values=header)

@@ -11,10 +11,17 @@ every layer that ran the ring; the forward hook compares that with the model's a
 layers and raises if any is missing.
 
 Models created with ``attn_implementation="ring_flash"`` after ``import hf_ring`` are
-guarded automatically (``patches/transformers/hooks.py`` calls ``guard_if_requested`` after
-``PreTrainedModel.post_init`` and ``set_attn_implementation``); ``guard_model`` does it
-by hand. Without context parallelism (no active state, or ``cp_size == 1``) the guard
+guarded automatically (``patches/transformers/hooks.py`` calls
+``hf_ring.hf.multimodal.guard_if_requested`` after ``PreTrainedModel.post_init`` and
+``set_attn_implementation``, which guards a text model here); ``guard_model`` does it by
+hand. Without context parallelism (no active state, or ``cp_size == 1``) the guard
 checks packed-row inputs and hands their document lengths down.
+
+A multimodal model is guarded differently (``hf_ring.hf.multimodal``): the guard sits on its
+language model, whose inputs hf_ring shards itself from the full batch (marked with
+:class:`~hf_ring.hf.cp_inputs.FullBatchShards`); its vision tower, which sees whole images
+on every rank, is unguarded (:func:`unguard`), and its head is flagged as one output per
+token (:func:`guard_head`).
 """
 
 from __future__ import annotations
@@ -29,12 +36,14 @@ import torch
 import torch.nn as nn
 
 from hf_ring.hf import sequence_features
-from hf_ring.hf.cp_inputs import inputs_device, packed_document_lengths, rows_and_length, validate_cp_inputs
+from hf_ring.hf.cp_inputs import (
+    SHARDED_KWARG, inputs_device, packed_document_lengths, rows_and_length, validate_cp_inputs,
+)
 from hf_ring.hf.forward_context import COMM_STATS_KWARG, CONTEXT_KWARG, ForwardContext
 from hf_ring.hf.mixers import head_inputs, required_steps, route_mixers
-from hf_ring.hf.support import RING_FLASH, check_model_supported, check_model_under_cp, handed_to_the_ring
+from hf_ring.hf.support import RING_FLASH, check_model_under_cp, handed_to_the_ring
 from hf_ring.patches.transformers import attn_implementation
-from hf_ring.patches.transformers.mixers import is_routed_layer
+from hf_ring.patches.transformers.mixers import is_routed_layer, unmark_routed
 from hf_ring.patterns.state import get_context_parallel_state
 
 # Flags kept in the modules' own __dict__, so that copies of a model (copy.deepcopy for a
@@ -42,6 +51,10 @@ from hf_ring.patterns.state import get_context_parallel_state
 _GUARDED_MODEL = "_hf_ring_guarded_model"
 _GUARDED_LAYER = "_hf_ring_guarded_layer"
 _GUARDED_LOSS = "_hf_ring_guarded_loss"
+# A model whose guard was lifted (a vision tower: it runs outside the sharded sequence).
+_UNGUARDED = "_hf_ring_unguarded"
+# A head that computes one output per token though its class name does not say so.
+_PER_TOKEN_HEAD = "_hf_ring_per_token_head"
 # Set while a caller that reads only per-token outputs passes labels (see per_token_labels).
 _PER_TOKEN_LABELS: ContextVar[bool] = ContextVar("hf_ring_per_token_labels", default=False)
 
@@ -88,7 +101,7 @@ def _forward_signature(model_type: type) -> tuple[inspect.Signature, bool]:
     return signature, takes_kwargs
 
 
-def _bind(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
+def bind_arguments(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
     """The forward's arguments by name, ``**kwargs`` flattened in."""
     signature, _ = _forward_signature(type(model))
     bound = signature.bind_partial(model, *args, **kwargs).arguments
@@ -130,6 +143,8 @@ def _compute_dtype(model: nn.Module, device: torch.device) -> tuple[Optional[tor
 
 
 def _pre_forward(model: nn.Module, args: tuple, kwargs: dict):
+    if model.__dict__.get(_UNGUARDED):
+        return None
     context = kwargs.get(CONTEXT_KWARG)
     if context is not None:
         if not context.made_by_guard:
@@ -141,9 +156,10 @@ def _pre_forward(model: nn.Module, args: tuple, kwargs: dict):
         return None  # a guarded model run inside another's guarded forward: one context
     signature, takes_kwargs = _forward_signature(type(model))
     comm_stats = kwargs.pop(COMM_STATS_KWARG, None)
+    shards = kwargs.pop(SHARDED_KWARG, None)
     try:
         # A head that drops its keyword arguments (pure Mamba models) left them readable.
-        inputs = {**head_inputs(), **_bind(model, args, kwargs)}
+        inputs = {**head_inputs(), **bind_arguments(model, args, kwargs)}
     except TypeError:
         return None  # arguments the forward does not take: let it raise its own error
     state = get_context_parallel_state()
@@ -160,7 +176,7 @@ def _pre_forward(model: nn.Module, args: tuple, kwargs: dict):
             return args, kwargs
         return args, {**kwargs, CONTEXT_KWARG: context}
     _check_guarded_model(model, state.cp_size, takes_kwargs)
-    checked = validate_cp_inputs(inputs, state, *_compute_dtype(model, inputs_device(inputs)))
+    checked = validate_cp_inputs(inputs, state, *_compute_dtype(model, inputs_device(inputs)), shards=shards)
     # After the collective check: every rank has the same lengths, so raises alike.
     check_model_under_cp(model, state.cp_size, rows_and_length(inputs)[1] * state.cp_size, doc_lens=checked.doc_lens)
     sequence_features.hand_max_position(model, checked.max_position)
@@ -188,7 +204,7 @@ def _check_head_under_cp(model: nn.Module, args: tuple, kwargs: dict) -> None:
     if state is None or state.cp_size == 1:
         return None
     name = type(model).__name__
-    if not name.endswith(_PER_TOKEN_HEADS):
+    if not name.endswith(_PER_TOKEN_HEADS) and not model.__dict__.get(_PER_TOKEN_HEAD):
         raise NotImplementedError(
             f"{name} puts a head on the base model that is not one output per token (e.g. sequence "
             "classification pools the last real token of each row); under context parallelism "
@@ -197,7 +213,7 @@ def _check_head_under_cp(model: nn.Module, args: tuple, kwargs: dict) -> None:
             "(model.base_model) under CP; run this model without context parallelism"
         )
     try:
-        inputs = _bind(model, args, kwargs)
+        inputs = bind_arguments(model, args, kwargs)
     except TypeError:
         return None  # arguments the forward does not take: let it raise its own error
     given = [name for name in ("labels", "shift_labels") if inputs.get(name) is not None]
@@ -209,6 +225,15 @@ def _check_head_under_cp(model: nn.Module, args: tuple, kwargs: dict) -> None:
             "labels and take the loss with hf_ring.training.loss (token_loss_sum over this rank, divided by "
             "the valid tokens of the whole dp x cp world; tests/ring_custom_loop.py shows it), or "
             "train with RingTrainer, which does"
+        )
+    keep = inputs.get("logits_to_keep")
+    # generate() keeps 1 with a cache: the base model refuses the cache, naming generate().
+    caching = inputs.get("use_cache") is True or any(inputs.get(n) is not None for n in ("cache", "past_key_values"))
+    if keep is not None and not (isinstance(keep, int) and keep == 0) and not caching:
+        raise ValueError(
+            f"{type(model).__name__} got logits_to_keep={keep!r} under context parallelism (cp_size="
+            f"{state.cp_size}): it would keep the last tokens of this rank's shard, which in the "
+            f"{state.layout!r} layout are not the sequence's last; leave it 0 (every token's logits)"
         )
     return None
 
@@ -239,6 +264,29 @@ def _post_forward(model: nn.Module, args: tuple, kwargs: dict, output: Any):
     return None
 
 
+def guard_head(model: nn.Module, per_token: bool = False) -> None:
+    """Make ``model``, a head around a base model, refuse ``labels`` under CP (its loss
+    would be a per-shard mean) and any head that is not one output per token; ``per_token``:
+    this one is, whatever its class name says (a multimodal model's language-modeling head).
+    Idempotent."""
+    if per_token:
+        model.__dict__[_PER_TOKEN_HEAD] = True
+    if not model.__dict__.get(_GUARDED_LOSS):
+        model.register_forward_pre_hook(_check_head_under_cp, with_kwargs=True)
+        model.__dict__[_GUARDED_LOSS] = True
+
+
+def unguard(model: nn.Module, subtree: bool = True) -> None:
+    """Lift the guard of ``model`` (a vision tower that was guarded as a model of its own
+    when it was built: it runs outside the sharded sequence, on whole images on every rank;
+    a multimodal base model, whose language model holds the guard), and with ``subtree``
+    the flags of the attention layers and mixers under it."""
+    model.__dict__[_UNGUARDED] = True
+    for m in model.modules() if subtree else ():
+        m.__dict__.pop(_GUARDED_LAYER, None)
+        unmark_routed(m)
+
+
 def guard_model(model: nn.Module) -> None:
     """Install the ring guard on ``model``'s base model (idempotent).
 
@@ -248,11 +296,10 @@ def guard_model(model: nn.Module) -> None:
     around it refuses ``labels`` under CP (its loss would be a per-shard mean).
     """
     base = getattr(model, "base_model", model)
-    if base is not model and not model.__dict__.get(_GUARDED_LOSS):
-        model.register_forward_pre_hook(_check_head_under_cp, with_kwargs=True)
-        model.__dict__[_GUARDED_LOSS] = True
-    if base.__dict__.get(_GUARDED_MODEL):
-        return
+    if base is not model:
+        guard_head(model)
+    if base.__dict__.get(_GUARDED_MODEL) or base.__dict__.get(_UNGUARDED):
+        return  # guarded already, or a multimodal model's tower (hf_ring.hf.multimodal)
     # A routed mixer named *Attention (Kimi delta attention) runs hf_ring's mixers, not the ring.
     mixers = {id(m) for m in route_mixers(base)}
     for m in base.modules():
@@ -262,11 +309,3 @@ def guard_model(model: nn.Module) -> None:
     base.register_forward_pre_hook(_pre_forward, with_kwargs=True)
     base.register_forward_hook(_post_forward, with_kwargs=True)
     base.__dict__[_GUARDED_MODEL] = True
-
-
-def guard_if_requested(model: nn.Module) -> None:
-    """Guard ``model`` if its config asks for ``ring_flash`` (the transformers patch hook)."""
-    config = getattr(model, "config", None)
-    if config is not None and attn_implementation(config) == RING_FLASH:
-        check_model_supported(model)
-        guard_model(model)

@@ -12,7 +12,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from hf_ring.hf.attention import ring_flash_attention_forward
-from hf_ring.hf.guard import guard_if_requested
+from hf_ring.hf.multimodal import guard_if_requested
 from hf_ring.hf.support import RING_FLASH, check_model_supported
 from hf_ring.hf.mask import ring_flash_mask
 from hf_ring.patches import transformers as transformers_patches

@@ -21,7 +21,7 @@ Written for transformers 5.24.0: each modeling module below, its classes, and th
 parameters of every function are checked before anything is replaced; on another release
 line (4.57.x) or another shape nothing is routed and the layers stay refused under CP.
 
-Owns: ``ROUTES``, ``route``, ``is_routed``, ``route_of``, ``mark_routed``, ``is_routed_layer``. Must not import hf_ring.
+Owns: ``ROUTES``, ``route``, ``is_routed``, ``route_of``, ``mark_routed``, ``unmark_routed``, ``is_routed_layer``. Must not import hf_ring.
 """
 
 from __future__ import annotations
@@ -217,6 +217,11 @@ def is_routed(cls: type) -> bool:
 def mark_routed(module) -> None:
     """Note on ``module`` itself that its model routes and guards it."""
     module.__dict__[_ROUTED_LAYER] = True
+
+
+def unmark_routed(module) -> None:
+    """Undo ``mark_routed`` (a module that runs outside the sharded sequence)."""
+    module.__dict__.pop(_ROUTED_LAYER, None)
 
 
 def is_routed_layer(module) -> bool:

@@ -1,0 +1,115 @@
+"""Which image-text models hf_ring has checked under context parallelism, and how each one's
+language model takes its inputs.
+
+Why a table: the sharding at the language model's entry is exact only where everything
+the model computes along the sequence *before* that entry (the merge of image features
+into the placeholder positions, the positions) runs on the full batch, and everything
+after it is a text model the ring serves. That was read in each family's modeling code
+(transformers 5.24) and tested (``tests/test_cp_vlm.py``); a family nobody read is
+refused by name under CP rather than trusted.
+
+What was read, for the families below:
+
+- Qwen2-VL, Qwen2.5-VL (``Qwen2VLModel`` / ``Qwen2_5_VLModel.forward``): token embeddings,
+  the vision tower (``get_image_features`` / ``get_video_features``), ``masked_scatter`` of
+  the features into the image / video placeholders, then ``compute_3d_position_ids`` ->
+  ``get_rope_index`` (3-D M-RoPE, ``(3, batch, seq)``, from the full ``input_ids``, the grids
+  and ``mm_token_type_ids``; ``None`` without ``mm_token_type_ids``), all on the full
+  sequence; then ``language_model(inputs_embeds, position_ids, attention_mask)``. The text
+  model numbers ``arange(inputs_embeds.shape[1])`` only when ``position_ids`` is None, and
+  expands 2-D positions to 3-D itself.
+- Qwen3-VL, Qwen3-VL-MoE: the same, and ``visual_pos_masks`` ``(batch, seq)`` with
+  ``deepstack_visual_embeds`` (one ``(n_visual_tokens, hidden)`` per early layer, rows in
+  the order of the mask's True positions, added to those positions' hidden states); the
+  text model expands 2-D positions to 4-D (text, t, h, w).
+- LLaVA, LLaVA-OneVision, Mistral 3, InternVL: embeddings, tower, projector,
+  ``masked_scatter``; no positions of their own: the language model (a stock decoder,
+  e.g. ``LlamaModel``, ``Qwen2Model``) numbers ``arange(seq)`` when given none.
+
+Refused by name: Gemma 3 (its mask lets each image's tokens attend to each other both
+ways, a block mask the ring does not compute), and every family not listed.
+
+Owns the table. Must not import: the Trainer, TRL, hf_ring's training or memory layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch.nn as nn
+
+# The language model's inputs that run along the sequence in every family, with the
+# dimension they run along (positions: the last, behind M-RoPE's leading axis).
+SEQUENCE_INPUTS: dict[str, int] = {"input_ids": 1, "inputs_embeds": 1, "attention_mask": 1, "position_ids": -1}
+# Attribute names under which a multimodal base model holds its language model.
+LANGUAGE_MODEL_ATTRIBUTES = ("language_model", "text_model")
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one family's language model takes its inputs.
+
+    Attributes:
+        name: the family, for messages.
+        sequence_inputs: inputs besides :data:`SEQUENCE_INPUTS` that run along the sequence,
+            with their dimension (Qwen3-VL's ``visual_pos_masks``).
+        visual_rows: inputs whose rows follow the True positions of a mask input, by name
+            (Qwen3-VL's ``deepstack_visual_embeds`` -> ``visual_pos_masks``): a list of
+            ``(n_true, hidden)`` tensors.
+    """
+
+    name: str
+    sequence_inputs: dict[str, int] = field(default_factory=dict)
+    visual_rows: dict[str, str] = field(default_factory=dict)
+
+
+_QWEN3 = dict(sequence_inputs={"visual_pos_masks": 1}, visual_rows={"deepstack_visual_embeds": "visual_pos_masks"})
+
+# The base model's class name -> its family.
+FAMILIES: dict[str, Family] = {
+    "Qwen2VLModel": Family("Qwen2-VL"),
+    "Qwen2_5_VLModel": Family("Qwen2.5-VL"),
+    "Qwen3VLModel": Family("Qwen3-VL", **_QWEN3),
+    "Qwen3VLMoeModel": Family("Qwen3-VL-MoE", **_QWEN3),
+    "LlavaModel": Family("LLaVA"),
+    "LlavaOnevisionModel": Family("LLaVA-OneVision"),
+    "Mistral3Model": Family("Mistral 3"),
+    "InternVLModel": Family("InternVL"),
+}
+
+# Families read and refused, with the reason (formatted with {name}, {where}).
+REFUSED: dict[str, str] = {
+    "Gemma3Model": (
+        "{name} (Gemma 3) is not supported {where}: its mask lets the tokens of each image attend "
+        "to each other both ways (bidirectional image spans, built from token_type_ids), and the ring "
+        "computes causal attention (and packed documents) only, so the image tokens would see only "
+        "their causal past. Run Gemma 3 without context parallelism; for text alone, Gemma3ForCausalLM "
+        "runs under it"
+    ),
+}
+
+
+def language_model_of(base: nn.Module) -> Optional[nn.Module]:
+    """The language model inside a multimodal base model, or None for a text model."""
+    for name in LANGUAGE_MODEL_ATTRIBUTES:
+        module = getattr(base, name, None)
+        if isinstance(module, nn.Module) and module is not base:
+            return module
+    return None
+
+
+def family_refusal(base: nn.Module, where: str) -> Optional[str]:
+    """Why ``base`` (a multimodal base model) cannot run ``where``, or None if it can."""
+    name = type(base).__name__
+    if name in FAMILIES:
+        return None
+    if name in REFUSED:
+        return REFUSED[name].format(name=name, where=where)
+    checked = ", ".join(f"{f.name} ({n})" for n, f in FAMILIES.items())
+    return (
+        f"{name} is an image-text model hf_ring has not checked {where}: how it merges image features "
+        "into the sequence and computes positions was not read, so sharding its language model's "
+        f"inputs could train a different model. Checked: {checked}. Run it without context parallelism, "
+        "or report the model"
+    )

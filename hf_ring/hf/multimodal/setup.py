@@ -1,0 +1,124 @@
+"""Guarding an image-text model: where the hooks go, and what the outer model refuses.
+
+A model that asks for ``ring_flash`` and holds a language model inside its base model
+(``Qwen2_5_VLModel.language_model``, ``LlavaModel.language_model``) is set up so:
+
+- the **base model** (the outer ``*VLModel``) gets a pre-hook that, under context
+  parallelism, refuses a family hf_ring has not checked (``families.py``) and a cache, takes a
+  digest of the full batch, and marks the forward (``shard.CURRENT``) so that its language
+  model shards what it receives; a forward hook (run on errors too) ends the mark;
+- the **language model** gets the ring guard of a text model (``hf_ring.hf.guard``: its
+  attention layers, the validated context, the check after the forward) and, before it, the
+  sharding hook (``shard.py``);
+- the **vision tower** (everything else in the base model) runs on the full images on every
+  rank: its attention is set to ``"sdpa"`` (what ``ring_flash`` computes without context
+  parallelism anyway) and the guard it got as a model of its own is lifted;
+- the **head** (``*ForConditionalGeneration``: one logit per token) refuses ``labels`` under
+  CP as a text model's head does (its loss would be a mean over this rank's shard).
+
+Owns the setup and the outer model's refusals. Must not import: the Trainer, TRL, hf_ring's
+training or memory layers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+from transformers import PreTrainedModel
+
+from hf_ring.hf.guard import bind_arguments, guard_head, guard_model, unguard
+from hf_ring.hf.multimodal.families import FAMILIES, family_refusal, language_model_of
+from hf_ring.hf.multimodal.shard import CURRENT, FullBatch, shard_language_model_inputs
+from hf_ring.hf.support import RING_FLASH, check_model_supported
+from hf_ring.patches.transformers import attn_implementation
+from hf_ring.patterns.state import get_context_parallel_state
+
+# Flags in the modules' own __dict__ (copies of the model carry them, as the guard's do).
+_ENTRY = "_hf_ring_multimodal_entry"
+_SHARDING = "_hf_ring_multimodal_sharding"
+# What the digest of a full batch reads: integer inputs every rank of a CP group must share.
+_DIGESTED = ("input_ids", "mm_token_type_ids", "image_grid_thw", "video_grid_thw", "position_ids")
+
+
+def guard_multimodal(model: nn.Module) -> bool:
+    """Set ``model`` up as an image-text model if it is one (idempotent); False for a text model."""
+    base = getattr(model, "base_model", model)
+    language_model = language_model_of(base)
+    if language_model is None:
+        return False
+    if base is not model:
+        guard_head(model, per_token=type(model).__name__.endswith(("ForConditionalGeneration", "ForCausalLM")))
+    unguard(base, subtree=False)  # the guard sits on the language model
+    if not base.__dict__.get(_ENTRY):
+        base.register_forward_pre_hook(_enter, with_kwargs=True)
+        base.register_forward_hook(_leave, always_call=True)
+        base.__dict__[_ENTRY] = True
+    if type(base).__name__ not in FAMILIES:
+        return True  # refused by name under CP (_enter); without CP it runs as transformers' own
+    for child in base.children():
+        if child is not language_model:
+            _run_outside_the_ring(child)
+    check_model_supported(language_model)
+    guard_model(language_model)
+    if not language_model.__dict__.get(_SHARDING):
+        # Before the guard's own pre-hook: the guard must see the shards.
+        language_model.register_forward_pre_hook(shard_language_model_inputs, with_kwargs=True, prepend=True)
+        language_model.__dict__[_SHARDING] = True
+    return True
+
+
+def _run_outside_the_ring(tower: nn.Module) -> None:
+    """A vision tower or projector: whole images on every rank, transformers' SDPA attention."""
+    for m in tower.modules():
+        if isinstance(m, PreTrainedModel):
+            unguard(m)
+            if attn_implementation(m.config) == RING_FLASH:
+                m.config._attn_implementation = "sdpa"
+
+
+def _refuse(inputs: dict[str, Any], where: str) -> None:
+    cache = next((inputs[n] for n in ("cache", "past_key_values") if inputs.get(n) is not None), None)
+    if cache is not None or inputs.get("use_cache") is True or inputs.get("cache_position") is not None:
+        raise NotImplementedError(
+            f"a KV cache / generate() is not supported {where}: each rank's language model holds a shard "
+            "of the sequence, so a cache would hold a shard of K/V; pass no cache and use_cache=False, and "
+            "generate without context parallelism"
+        )
+
+
+def _digest(inputs: dict[str, Any], device: torch.device) -> torch.Tensor:
+    """0-d int64: a position-weighted sum of the full batch's integer inputs (token ids,
+    grids), equal on every rank that holds the same batch; no host sync."""
+    total = torch.zeros((), dtype=torch.int64, device=device)
+    for i, name in enumerate(_DIGESTED):
+        t = inputs.get(name)
+        if isinstance(t, torch.Tensor) and not t.is_floating_point():
+            flat = t.reshape(-1).to(device=device, dtype=torch.int64)
+            weights = torch.arange(flat.numel(), device=device) % 65521 + 2 * i + 1
+            total = total * 1000003 + (flat * weights).sum() + flat.numel()
+    return total
+
+
+def _enter(base: nn.Module, args: tuple, kwargs: dict):
+    state = get_context_parallel_state()
+    if state is None or state.cp_size == 1:
+        return None
+    where = f"under context parallelism (cp_size={state.cp_size})"
+    refusal = family_refusal(base, where)
+    if refusal is not None:
+        raise NotImplementedError(refusal)
+    try:
+        inputs = bind_arguments(base, args, kwargs)
+    except TypeError:
+        return None  # arguments the forward does not take: let it raise its own error
+    _refuse(inputs, f"for {type(base).__name__} {where}")
+    device = next((t.device for t in inputs.values() if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    CURRENT.set(FullBatch(FAMILIES[type(base).__name__], state, _digest(inputs, device)))
+    return None
+
+
+def _leave(base: nn.Module, args: tuple, output: Any):
+    CURRENT.set(None)
+    return None

@@ -1,0 +1,161 @@
+"""Tiny image-text models and synthetic batches for the multimodal CP tests (tests/test_cp_vlm.py).
+
+Nothing is downloaded: each config is made by hand, small enough to run forward and backward
+in well under a second on a CPU (vision towers of 1 to 3 blocks of width 32, patches of 2
+or 4 pixels; language models of 2 layers, hidden 64, 4 query heads over 2 KV heads of 16,
+a vocabulary of 128). A batch holds 2 rows of 32 tokens with synthetic images (random
+``pixel_values``, grids and sizes consistent with them, and exactly the placeholder tokens
+their features fill) placed so that images straddle the ranks' shards at cp=2 (zigzag
+chunks of 8 tokens); the Qwen families' second row holds a video (except Qwen2-VL's).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import torch
+from transformers import (
+    AutoModelForImageTextToText, CLIPVisionConfig, InternVLConfig, LlamaConfig, LlavaConfig, LlavaOnevisionConfig,
+    Mistral3Config, MistralConfig, PixtralVisionConfig, Qwen2_5_VLConfig, Qwen2Config, Qwen2VLConfig, Qwen3VLConfig,
+    Qwen3VLMoeConfig, SiglipVisionConfig,
+)
+
+ROWS, SEQ, VOCAB = 2, 32, 128
+IMAGE, VIDEO, START, END = 120, 121, 122, 123
+PATCH, MERGE, TEMPORAL = 4, 2, 2
+_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=VOCAB, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+_TOKENS = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
+_QWEN_VISION = dict(depth=2, num_heads=2, patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=TEMPORAL,
+                    in_channels=3)
+
+
+def qwen2_vl() -> Qwen2VLConfig:
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    vision = dict(_QWEN_VISION, embed_dim=32, mlp_ratio=2, hidden_size=64)
+    return Qwen2VLConfig(text_config=dict(_TEXT, rope_parameters=rope), vision_config=vision, **_TOKENS)
+
+
+def qwen2_5_vl() -> Qwen2_5_VLConfig:
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    # Window attention over 2 x 2 merged patches in block 0, full attention in block 1.
+    vision = dict(_QWEN_VISION, hidden_size=32, intermediate_size=64, out_hidden_size=64, window_size=16,
+                  fullatt_block_indexes=[1], tokens_per_second=2)
+    return Qwen2_5_VLConfig(text_config=dict(_TEXT, rope_parameters=rope), vision_config=vision, **_TOKENS)
+
+
+def qwen3_vl(moe: bool = False) -> Qwen3VLConfig:
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]}
+    # Deepstack features from blocks 0 and 1 are added to the first two decoder layers.
+    vision = dict(_QWEN_VISION, depth=3, hidden_size=32, intermediate_size=64, out_hidden_size=64,
+                  num_position_embeddings=16, deepstack_visual_indexes=[0, 1])
+    text = dict(_TEXT, head_dim=16, rope_parameters=rope)
+    if moe:  # 4 experts of 32, 2 per token, in every layer
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)
+        return Qwen3VLMoeConfig(text_config=text, vision_config=vision, **_TOKENS)
+    return Qwen3VLConfig(text_config=text, vision_config=vision, **_TOKENS)
+
+
+def llava() -> LlavaConfig:
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                              image_size=8, patch_size=PATCH, projection_dim=32)
+    text = LlamaConfig(**_TEXT, head_dim=16)
+    return LlavaConfig(vision_config=vision, text_config=text, image_token_id=IMAGE, image_seq_length=4)
+
+
+def llava_onevision() -> LlavaOnevisionConfig:
+    # anyres: an 8 x 16 image is a base view and a 1 x 2 grid of 8 x 8 crops (14 tokens with newlines).
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                image_size=8, patch_size=PATCH)
+    return LlavaOnevisionConfig(vision_config=vision, text_config=Qwen2Config(**_TEXT), image_token_index=IMAGE,
+                                video_token_index=VIDEO, image_grid_pinpoints=[[8, 8], [8, 16]])
+
+
+def mistral3() -> Mistral3Config:
+    # Pixtral: a 16 x 16 image is 4 x 4 patches, merged 2 x 2 into 4 tokens.
+    vision = PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                 head_dim=16, image_size=16, patch_size=PATCH)
+    text = MistralConfig(**_TEXT, head_dim=16, sliding_window=None)
+    return Mistral3Config(vision_config=vision, text_config=text, image_token_index=IMAGE, spatial_merge_size=MERGE)
+
+
+def internvl() -> InternVLConfig:
+    # An 8 x 8 image is 4 x 4 patches of 2, pixel-shuffled (ratio 0.5) into 4 tokens.
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=[8, 8],
+                  patch_size=[2, 2])
+    return InternVLConfig(vision_config=vision, text_config=Qwen2Config(**_TEXT), image_token_id=IMAGE,
+                          image_seq_length=4, downsample_ratio=0.5)
+
+
+def _qwen_batch(seed: int, video: bool = True, frames_apart: bool = False) -> dict[str, Any]:
+    """Row 0: images of 4 x 8 and 4 x 4 patches (8 and 4 tokens); row 1: a video of 2 x 4 x 4
+    patches (8 tokens; with ``frames_apart`` two frames of 4 with a timestamp token between,
+    as Qwen3-VL's positions read them), or a third image of 4 x 8 without ``video``."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 110, (ROWS, SEQ), generator=g)
+    kinds = torch.zeros(ROWS, SEQ, dtype=torch.int32)
+
+    def place(row: int, start: int, n: int, token: int, kind: int) -> None:
+        ids[row, start - 1], ids[row, start + n] = START, END
+        ids[row, start:start + n], kinds[row, start:start + n] = token, kind
+
+    place(0, 3, 8, IMAGE, 1)
+    place(0, 17, 4, IMAGE, 1)
+    images = [[1, 4, 8], [1, 4, 4]]
+    batch: dict[str, Any] = {}
+    if video:
+        if frames_apart:
+            place(1, 5, 4, VIDEO, 2)
+            place(1, 12, 4, VIDEO, 2)
+        else:
+            place(1, 5, 8, VIDEO, 2)
+        grid = torch.tensor([[2, 4, 4]])
+        batch.update(video_grid_thw=grid,
+                     pixel_values_videos=torch.randn(int(grid.prod(-1).sum()), 3 * TEMPORAL * PATCH**2, generator=g))
+    else:
+        place(1, 5, 8, IMAGE, 1)
+        images.append([1, 4, 8])
+    grid = torch.tensor(images)
+    pixels = torch.randn(int(grid.prod(-1).sum()), 3 * TEMPORAL * PATCH**2, generator=g)
+    return dict(batch, input_ids=ids, mm_token_type_ids=kinds, image_grid_thw=grid, pixel_values=pixels)
+
+
+def _placeholder_batch(seed: int, places: tuple[tuple[int, int], ...], n: int, pixels: tuple[int, ...],
+                       **extra: Any) -> dict[str, Any]:
+    """Random text with ``n`` image placeholders at each ``(row, start)`` of ``places``, and
+    random ``pixel_values`` of shape ``pixels`` (one image per place)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 110, (ROWS, SEQ), generator=g)
+    for row, start in places:
+        ids[row, start:start + n] = IMAGE
+    return dict(extra, input_ids=ids, pixel_values=torch.randn(*pixels, generator=g))
+
+
+_THREE = ((0, 5), (0, 14), (1, 6))
+
+
+# name -> (config, batch(seed))
+FAMILIES: dict[str, tuple[Callable[[], Any], Callable[[int], dict]]] = {
+    "qwen2_5_vl": (qwen2_5_vl, _qwen_batch),
+    "qwen2_vl": (qwen2_vl, lambda seed: _qwen_batch(seed, video=False)),
+    "qwen3_vl": (qwen3_vl, lambda seed: _qwen_batch(seed, frames_apart=True)),
+    "qwen3_vl_moe": (lambda: qwen3_vl(moe=True), lambda seed: _qwen_batch(seed, frames_apart=True)),
+    # Three 8 x 8 images of 4 tokens (2 x 2 patches, CLIP's class token dropped).
+    "llava": (llava, lambda seed: _placeholder_batch(seed, _THREE, 4, (3, 3, 8, 8))),
+    # One 8 x 16 image a row: 3 views of 8 x 8.
+    "llava_onevision": (llava_onevision, lambda seed: _placeholder_batch(
+        seed, ((0, 4), (1, 10)), 14, (2, 3, 3, 8, 8), image_sizes=torch.tensor([[8, 16], [8, 16]]))),
+    "mistral3": (mistral3, lambda seed: _placeholder_batch(
+        seed, _THREE, 4, (3, 3, 16, 16), image_sizes=torch.tensor([[16, 16]] * 3))),
+    "internvl": (internvl, lambda seed: _placeholder_batch(seed, _THREE, 4, (3, 3, 8, 8))),
+}
+
+
+def build(config, attn_implementation: str, state_dict=None):
+    """A float32 model of ``config`` in train mode (no dropout in these configs)."""
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(copy.deepcopy(config), attn_implementation=attn_implementation)
+    if state_dict is not None:
+        model.load_state_dict(state_dict)
+    return model.float().train()
