@@ -12,7 +12,8 @@ processes (benchmarks/step_world.py), for total sequence lengths 4096 and 8192.
 
 Figures, per family, length and cp:
 
-- ``seconds``: the slowest rank's step (median of ``--steps`` after a warm-up), by
+- ``seconds``: the slowest rank's step (median of ``--steps`` after a warm-up; of the
+  ``--rounds`` runs of each configuration, interleaved with the others', the fastest), by
   ``--clock``: ``process`` (default: each process's CPU time, which other work on a shared
   machine does not inflate; one thread per process; time blocked on transfers is left
   out, ``comm_wait`` gives it) or ``wall``.
@@ -76,15 +77,19 @@ def _kind_seconds(acc: dict, cpu: bool) -> dict:
     return {**out, "step": step}
 
 
-def _row(family: str, cp: int, impl: str, threads: int, res: dict, cpu: bool) -> dict:
+def _row(family: str, cp: int, impl: str, threads: int, rounds: list[dict], cpu: bool) -> dict:
+    """One configuration at one length from its rounds' results (run_step entries): the
+    round whose median step is fastest, the fastest step of all."""
+    key = "cpu_seconds" if cpu else "step_seconds"
+    res = min(rounds, key=lambda r: r[key])
     ranks = res["accounting_per_rank"]
     by_kind = max((_kind_seconds(a, cpu) for a in ranks), key=lambda k: k["step"])
     saved = {k: max(a["saved_bytes"][k] for a in ranks) for k in ("total", "mixers")}
     most = max(ranks, key=lambda a: a["saved_bytes"]["mixers"])["saved_bytes"]
     return {
         "family": family, "cp": cp, "mixer_impl": impl, "seq_len": res["seq_len"], "threads_per_process": threads,
-        "seconds": res["cpu_seconds"] if cpu else res["step_seconds"],
-        "seconds_min": res["cpu_seconds_min"] if cpu else res["step_seconds_min"],
+        "seconds": res[key], "seconds_per_round": [r[key] for r in rounds],
+        "seconds_min": min(r[key + "_min"] for r in rounds),
         "wall_seconds": res["step_seconds"], "cpu_seconds": res["cpu_seconds"],
         "comm_wait_seconds": res["comm_wait_seconds"],
         "kind_seconds": {k: by_kind[k] for k in KINDS}, "accounted_seconds": by_kind["step"],
@@ -151,14 +156,16 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", type=int, default=1,
                     help="threads of the cp=1 process; a cp rank gets max(1, threads // cp)")
     ap.add_argument("--clock", default="process", choices=["process", "wall"])
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per run (after one warm-up)")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="every configuration runs once per round, the cp sizes of a family one after another")
     ap.add_argument("--no-transformers-baseline", action="store_true",
-                    help="skip timing cp=1 with transformers' own mixer functions")
+                    help="skip timing cp=1 with transformers' own mixer functions (first round only)")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--quick", action="store_true", help="tiny run (smoke test)")
     args = ap.parse_args(argv)
     if args.quick:
-        args.seq_lens, args.steps = [512], 1
+        args.seq_lens, args.steps, args.rounds = [512], 1, 1
     cpu = args.clock == "process"
     if cpu and args.threads != 1:
         ap.error("--clock process counts one thread per process (several would add their spin-waits): "
@@ -168,22 +175,25 @@ def main(argv: list[str] | None = None) -> dict:
     cores = os.cpu_count() or 1
     seqs = tuple(sorted(args.seq_lens))
     runs = [(1, "hf_ring")] + ([] if args.no_transformers_baseline else [(1, "transformers")])
-    runs += [(cp, "transformers") for cp in sorted(set(args.cp_sizes) - {1})]  # under CP hf_ring's ops run
-    rows = []
-    for family in tqdm(args.families, desc="families", unit="family"):
-        for cp, impl in runs:
-            threads = max(1, args.threads // cp)
-            cfg = StepConfig(cp_size=cp, seq_lens=seqs, steps=args.steps, warmup=0 if args.quick else 1,
-                             threads_per_process=threads, family=family, account_layers=True,
-                             mixer_impl=impl, **MODEL)
-            for res in run_step(cfg):
-                rows.append(_row(family, cp, "hf_ring" if cp > 1 else impl, threads, res, cpu))
-                tqdm.write(f"{family} cp={cp} {impl if cp == 1 else ''} seq={res['seq_len']}: "
-                           f"{rows[-1]['seconds']:.2f} s")
+    runs += [(cp, "hf_ring") for cp in sorted(set(args.cp_sizes) - {1})]  # under CP the routed mixers run hf_ring's
+    configs = [(family, cp, impl) for family in args.families for cp, impl in runs]
+    # transformers' own mixers are timed for reference, in the first round only
+    jobs = [(r, c) for r in range(args.rounds) for c in configs if r == 0 or c[2] == "hf_ring"]
+    results: dict[tuple, list] = {}
+    for rnd, (family, cp, impl) in tqdm(jobs, desc="runs", unit="run"):
+        cfg = StepConfig(cp_size=cp, seq_lens=seqs, steps=args.steps, warmup=0 if args.quick else 1,
+                         threads_per_process=max(1, args.threads // cp), family=family, account_layers=True,
+                         mixer_impl=impl if cp == 1 else "transformers", **MODEL)  # (a cp=1 option)
+        results.setdefault((family, cp, impl), []).append(run_step(cfg))
+        tqdm.write(f"round {rnd}: {family} cp={cp} {impl}: "
+                   + ", ".join(f"{res['seq_len']}: {res['cpu_seconds' if cpu else 'step_seconds']:.2f} s"
+                               for res in results[(family, cp, impl)][-1]))
+    rows = [_row(family, cp, impl, max(1, args.threads // cp), [r[i] for r in rounds], cpu)
+            for (family, cp, impl), rounds in results.items() for i in range(len(seqs))]
     _derive(rows, cores, cpu)
     _print(rows, args.clock)
     result = {"device": "cpu", "cores": cores, "clock": args.clock, "threads": args.threads, "steps": args.steps,
-              "model": MODEL, "families": args.families, "rows": rows}
+              "rounds": args.rounds, "model": MODEL, "families": args.families, "rows": rows}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "hybrid_step.json"), "w") as f:
         json.dump(result, f, indent=2)

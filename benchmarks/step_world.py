@@ -27,7 +27,7 @@ import os
 import resource
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
@@ -235,8 +235,7 @@ def _worker(rank: int, cfg: StepConfig, init_file: str, out_dir: str) -> None:
     state = hf_ring.setup_context_parallel(cfg.cp_size)
     baseline_mb = _rss_mb()
     model = build_model(cfg).to(device)
-    if cfg.mixer_impl == "hf_ring":
-        hf_ring_one_process_mixers(model).__enter__()  # for this process's life
+    mixers = hf_ring_one_process_mixers(model) if cfg.mixer_impl == "hf_ring" else nullcontext()
     model.train()
     offload_stats: dict = {}
     if cfg.offload_checkpoints:
@@ -246,11 +245,12 @@ def _worker(rank: int, cfg: StepConfig, init_file: str, out_dir: str) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     results = []
-    for seq_len in cfg.seq_lens:
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        results.append(_measure(model, opt, cfg, state, seq_len, device, sync, baseline_mb))
-        results[-1]["offloaded_peak_mb"] = offload_stats.pop("peak_bytes", 0) / 2**20
+    with mixers:
+        for seq_len in cfg.seq_lens:
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            results.append(_measure(model, opt, cfg, state, seq_len, device, sync, baseline_mb))
+            results[-1]["offloaded_peak_mb"] = offload_stats.pop("peak_bytes", 0) / 2**20
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 

@@ -63,6 +63,9 @@ def test_hybrid_step_quick(tmp_path):
         assert one["ideal_seconds"] == one["seconds"] and two["ideal_seconds"] == one["seconds"] / 2
         assert one["comm_wait_seconds"] == 0.0 < two["comm_wait_seconds"]
         assert 0.4 < two["saved_ratio_to_cp1"]["mixers"] < 0.6, two["saved_ratio_to_cp1"]
+    # cp=1 with hf_ring's ops really ran them: Qwen3.5's scan saves other tensors than transformers'
+    qwen = {impl: rows[("qwen3_5_text", 1, impl)]["saved_bytes"]["mixers"] for impl in ("hf_ring", "transformers")}
+    assert qwen["hf_ring"] != qwen["transformers"], qwen
 
 
 def test_step_world_family_config_scales_the_sweep_config():
