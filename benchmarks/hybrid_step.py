@@ -27,13 +27,14 @@ Figures, per family, length and cp:
 - ``efficiency`` = ideal / seconds (1.0: CP splits the step perfectly, adds nothing);
   ``efficiency_of_minima`` the same from each run's fastest step (other work on the
   machine only ever adds time).
-- where the time goes: one more step with forward hooks and autograd tensor hooks timing
-  each layer kind's forward and backward (benchmarks/layer_accounting.py, same clock):
+- where the time goes: every timed step runs with forward hooks and autograd tensor hooks
+  timing each layer kind's forward and backward (benchmarks/layer_accounting.py, same
+  clock; a few clock readings per layer); the slowest rank's median step, split:
   ``mixers`` (the routed token mixers, their collectives included), ``attention`` (the
   ``self_attn`` modules: ring attention), ``grad_all_reduce`` (summing the ranks'
   gradients, one all-reduce per parameter), ``optimizer`` (AdamW's step), ``rest`` (that
   step's time minus all of those: MLPs, norms, embeddings, LM head and loss); mixers,
-  attention and rest each with its own efficiency against the cp=1 step's same kind (the
+  attention and rest each with its own efficiency against the cp=1 median step's same kind (the
   all-reduce and the optimizer do not split across ranks: a fixed cost per rank).
 - activation memory: the bytes of tensors saved for backward in one forward (storages
   counted once; parameters left out; custom autograd functions' ``ctx`` tensors
@@ -67,23 +68,28 @@ LISTED = 12
 
 
 def _kind_seconds(acc: dict, cpu: bool) -> dict:
-    """Seconds of one rank's accounted step by kind (``rest``: what the others leave)."""
-    suffix = "_cpu" if cpu else ""
+    """Seconds of one rank's step by kind (``rest``: what the others leave)."""
+    suffix, clock = ("_cpu", "cpu") if cpu else ("", "wall")
     out = {k: acc["layer_seconds"][k]["forward" + suffix] + acc["layer_seconds"][k]["backward" + suffix]
            for k in ("mixers", "attention")}
-    out.update({k: v["cpu" if cpu else "wall"] for k, v in acc["phase_seconds"].items()})
-    step = acc["accounted_cpu_seconds" if cpu else "accounted_step_seconds"]
-    out["rest"] = step - sum(out.values())
-    return {**out, "step": step}
+    out.update({k: v[clock] for k, v in acc["phase_seconds"].items()})
+    out["rest"] = acc["step"][clock] - sum(out.values())
+    return {**out, "step": acc["step"][clock]}
+
+
+def _median_step(steps: list[dict], cpu: bool) -> dict:
+    by_time = sorted((_kind_seconds(a, cpu) for a in steps), key=lambda k: k["step"])
+    return by_time[len(by_time) // 2]  # the step run_step's median is
 
 
 def _row(family: str, cp: int, impl: str, threads: int, rounds: list[dict], cpu: bool) -> dict:
     """One configuration at one length from its rounds' results (run_step entries): the
-    round whose median step is fastest, the fastest step of all."""
+    round whose median step is fastest, split by kind as the slowest rank's median step;
+    the fastest step of all."""
     key = "cpu_seconds" if cpu else "step_seconds"
     res = min(rounds, key=lambda r: r[key])
     ranks = res["accounting_per_rank"]
-    by_kind = max((_kind_seconds(a, cpu) for a in ranks), key=lambda k: k["step"])
+    by_kind = max((_median_step(a["step_accounts"], cpu) for a in ranks), key=lambda k: k["step"])
     saved = {k: max(a["saved_bytes"][k] for a in ranks) for k in ("total", "mixers")}
     most = max(ranks, key=lambda a: a["saved_bytes"]["mixers"])["saved_bytes"]
     return {
@@ -92,7 +98,7 @@ def _row(family: str, cp: int, impl: str, threads: int, rounds: list[dict], cpu:
         "seconds_min": min(r[key + "_min"] for r in rounds),
         "wall_seconds": res["step_seconds"], "cpu_seconds": res["cpu_seconds"],
         "comm_wait_seconds": res["comm_wait_seconds"],
-        "kind_seconds": {k: by_kind[k] for k in KINDS}, "accounted_seconds": by_kind["step"],
+        "kind_seconds": {k: by_kind[k] for k in KINDS},
         "kind_share": {k: by_kind[k] / by_kind["step"] for k in KINDS},
         "saved_bytes": saved,
         "saved_bytes_per_rank": [{k: a["saved_bytes"][k] for k in ("total", "mixers")} for a in ranks],
@@ -131,7 +137,7 @@ def _derive(rows: list[dict], cores: int, cpu: bool) -> None:
 def _print(rows: list[dict], clock: str) -> None:
     print(f"\n{clock} clock; efficiency = ideal / seconds; saved = bytes saved for backward per rank (MiB), "
           "x cp1 = ratio to cp=1 (hf_ring mixers)")
-    print("shares of the accounted step: mixers / attention / gradient all-reduce / optimizer / rest (%); "
+    print("shares of the step: mixers / attention / gradient all-reduce / optimizer / rest (%); "
           "eff per kind: mixers / attention / rest")
     print(f"{'family':>13} {'seq':>5} {'cp':>2} {'mixers':>12} {'thr':>3} {'seconds':>8} {'ideal':>7} {'eff':>5} "
           f"{'(min)':>5} {'wait%':>5} {'shares %':>24} {'eff per kind':>14} {'saved mix':>9} {'x cp1':>5} "
@@ -213,7 +219,7 @@ def _plot(rows: list[dict], path: str) -> None:
     labels = [f"{NAMES.get(r['family'], r['family'])}\n{r['seq_len'] // 1024}k cp{r['cp']}" for r in shown]
     bottom = [0.0] * len(shown)
     for name, kinds in PLOTTED.items():
-        # The kinds' shares of the accounted step, applied to the timed step.
+        # The kinds' shares of the slowest rank's median step.
         heights = [r["seconds"] * sum(r["kind_share"][k] for k in kinds) for r in shown]
         ax.bar(labels, heights, bottom=bottom, label=name)
         bottom = [b + h for b, h in zip(bottom, heights)]

@@ -1,18 +1,19 @@
 """One training step of a Llama (or a sweep family's) model under context parallelism,
 measured per process.
 
-Shared by memory_scaling.py, training_speed.py, long_context_memory.py and hybrid_step.py: spawns ``cp_size`` processes (gloo on
-CPU, NCCL on CUDA), each holding its zigzag shard of one sequence, runs forward + backward
-+ optimizer step with ``attn_implementation="ring_flash"`` for each requested sequence
-length (in increasing order), and reports per-process time, time blocked on ring
-transfers and peak memory.
+Shared by memory_scaling.py, training_speed.py, long_context_memory.py and hybrid_step.py:
+spawns ``cp_size`` processes (gloo on CPU, NCCL on CUDA), each holding its zigzag shard
+of one sequence, runs forward + backward + optimizer step with
+``attn_implementation="ring_flash"`` for each requested sequence length (in increasing
+order), and reports per-process time (wall and CPU), time blocked on ring transfers and
+peak memory.
 
 The model is the example's default (examples/finetune_llama_long.py: a Llama with hidden
 size 128, 2 layers, 8 query and 4 KV heads, a 259-token byte vocabulary), float32; with
 ``family``, that family's sweep config (tests/model_sweep_configs.py) scaled to the same
 sizes (``family_config``: hybrids keep their mix of token-mixer and attention layers).
-``account_layers`` adds, per length, one step timed by kind of layer and one forward's
-saved-for-backward bytes (layer_accounting.py).
+``account_layers`` adds, per length, the timed steps' split by kind of layer and one
+forward's saved-for-backward bytes (layer_accounting.py).
 
 Peak memory: on CUDA ``max_memory_allocated`` (reset per length). On CPU the peak resident
 set (``ru_maxrss``) minus the resident set after imports and process-group start-up,
@@ -61,9 +62,9 @@ class StepConfig:
     # A hybrid (or any) family of tests/model_sweep_configs.py instead of the Llama: its
     # tiny config scaled up to this config's sizes (family_config).
     family: Optional[str] = None
-    # After the timed steps: one step timed by kind of layer (layer_accounting.LayerTimer:
-    # ``layer_seconds``) and one forward whose saved-for-backward bytes are counted
-    # (``saved_bytes``), per sequence length.
+    # Every timed step also timed by kind of layer (layer_accounting.LayerTimer) and phase
+    # (``step_accounts``), and after them one forward whose saved-for-backward bytes are
+    # counted (``saved_bytes``), per sequence length.
     account_layers: bool = False
     # cp_size 1 only: what runs the family's token mixers. "transformers": the modeling
     # module's own functions (what runs without hf_ring); "hf_ring": hf_ring's mixer ops in
@@ -303,23 +304,31 @@ def _measure(model, opt, cfg: StepConfig, state, seq_len: int, device, sync, bas
 
     for _ in range(cfg.warmup):
         step()
-    times, cpu_times = [], []
+    times, cpu_times, accounts = [], [], []
     for _ in range(cfg.steps):
         sync()
         dist.barrier()
         if cfg.phase_peaks:
             _reset_hwm()
-        start, cpu_start = time.perf_counter(), time.process_time()
-        step(waits)
-        sync()
-        times.append(time.perf_counter() - start)
-        cpu_times.append(time.process_time() - cpu_start)
+        timer = _layer_timer(model) if cfg.account_layers else None
+        with timer.active() if timer is not None else nullcontext():
+            marks = [(time.perf_counter(), time.process_time())]
+            step(waits, marks)
+            sync()
+            marks[-1] = (time.perf_counter(), time.process_time())  # the step's end, synced
+        times.append(marks[-1][0] - marks[0][0])
+        cpu_times.append(marks[-1][1] - marks[0][1])
+        if timer is not None:
+            accounts.append(_step_account(timer, marks))
     peak = _peak_mb(device) - (baseline_mb if device.type == "cpu" else 0.0)
     if cfg.phase_peaks:
         phases = {"peak_backward_mb": phases["backward"] - baseline_mb, "peak_step_mb": _hwm_mb() - baseline_mb}
     if cfg.account_layers:
-        phases.update(_account_layers(model, step, lambda: token_loss_sum(
-            model(input_ids=ids_l, position_ids=pos_l).logits, labels_l), sync))
+        from layer_accounting import saved_bytes
+
+        phases["step_accounts"] = accounts
+        phases["saved_bytes"] = saved_bytes(
+            model, lambda: token_loss_sum(model(input_ids=ids_l, position_ids=pos_l).logits, labels_l), listing=True)
     return {
         **phases,
         "seq_len": seq_len,
@@ -332,23 +341,20 @@ def _measure(model, opt, cfg: StepConfig, state, seq_len: int, device, sync, bas
     }
 
 
-def _account_layers(model, step, forward, sync) -> dict:
-    """One more step timed by kind of layer, and one forward's saved-for-backward bytes."""
-    from layer_accounting import LayerTimer, saved_bytes
+def _layer_timer(model):
+    from layer_accounting import LayerTimer
 
-    timer = LayerTimer(model)
-    sync()
-    dist.barrier()
-    with timer.active():
-        marks = [(time.perf_counter(), time.process_time())]
-        step(marks=marks)
-        sync()
+    return LayerTimer(model)
+
+
+def _step_account(timer, marks: list) -> dict:
+    """One timed step by kind of layer (the timer's) and phase (``marks``: the step's start,
+    the ends of the backward, of the gradients' all-reduce, of the optimizer step; wall
+    and CPU clock readings)."""
     start, backward_done, reduced, end = marks
     span = lambda a, b: {"wall": b[0] - a[0], "cpu": b[1] - a[1]}  # noqa: E731
-    return {"layer_seconds": timer.seconds, "accounted_step_seconds": end[0] - start[0],
-            "accounted_cpu_seconds": end[1] - start[1],
-            "phase_seconds": {"grad_all_reduce": span(backward_done, reduced), "optimizer": span(reduced, end)},
-            "saved_bytes": saved_bytes(model, forward, listing=True)}
+    return {"layer_seconds": timer.seconds, "step": span(start, end),
+            "phase_seconds": {"grad_all_reduce": span(backward_done, reduced), "optimizer": span(reduced, end)}}
 
 
 def run_step(cfg: StepConfig) -> list[dict]:
@@ -372,8 +378,5 @@ def run_step(cfg: StepConfig) -> list[dict]:
             **{k: max(r[k] for r in per_rank) for k in ("peak_backward_mb", "peak_step_mb") if k in per_rank[0]},
         })
         if cfg.account_layers:  # every rank's
-            merged[-1]["accounting_per_rank"] = [
-                {k: r[k] for k in ("layer_seconds", "accounted_step_seconds", "accounted_cpu_seconds",
-                                   "phase_seconds", "saved_bytes")}
-                for r in per_rank]
+            merged[-1]["accounting_per_rank"] = [{k: r[k] for k in ("step_accounts", "saved_bytes")} for r in per_rank]
     return merged

@@ -56,6 +56,7 @@ def test_hybrid_step_quick(tmp_path):
     for (family, cp, impl), r in rows.items():
         assert r["efficiency"] == r["ideal_seconds"] / r["seconds"] > 0, r
         assert abs(sum(r["kind_share"].values()) - 1) < 1e-9, r["kind_share"]
+        assert abs(sum(r["kind_seconds"].values()) - r["seconds"]) < 1e-9, r  # the split is of the timed step
         assert r["kind_seconds"]["mixers"] > 0 and r["kind_seconds"]["attention"] > 0, r["kind_seconds"]
         assert r["mixer_storages_top"] and r["saved_bytes"]["mixers"] > 0, r
     for family in ("qwen3_5_text", "lfm2"):
