@@ -41,7 +41,7 @@ Figures, per family, length and cp:
   included), of the whole model and of the mixer layers alone, on the rank that saves
   most, and their ratio to cp=1's (ideal 1/cp).
 
-    python benchmarks/hybrid_step.py --out benchmarks/results             # ~10 min on 2 cores
+    python benchmarks/hybrid_step.py --out benchmarks/results             # ~9 min on 2 shared cores
     python benchmarks/hybrid_step.py --cp-sizes 1 2 4 --seq-lens 8192
     python benchmarks/hybrid_step.py --clock wall --threads 2             # training_speed.py's threads
     python benchmarks/hybrid_step.py --quick                              # smoke test
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> dict:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "hybrid_step.json"), "w") as f:
         json.dump(result, f, indent=2)
-    _plot(rows, os.path.join(args.out, "hybrid_step.png"))
+    _plot(rows, args.clock, os.path.join(args.out, "hybrid_step.png"))
     return result
 
 
@@ -212,7 +212,7 @@ PLOTTED = {"mixers": ("mixers",), "attention": ("attention",),
            "all-reduce + optimizer": ("grad_all_reduce", "optimizer"), "rest": ("rest",)}
 
 
-def _plot(rows: list[dict], path: str) -> None:
+def _plot(rows: list[dict], clock: str, path: str) -> None:
     """Per-rank step time by kind (stacked), the ideal as a black tick, every row of hf_ring's mixers."""
     fig, ax = new_axes()
     shown = [r for r in rows if r["mixer_impl"] == "hf_ring"]
@@ -232,7 +232,7 @@ def _plot(rows: list[dict], path: str) -> None:
                     ha="center", va="bottom", fontsize=7)
     ax.tick_params(axis="x", labelsize=7)
     save(fig, ax, path, "Hybrid training step per rank (efficiency, mixer memory vs cp=1)", "",
-         "step seconds, slowest rank")
+         f"step {'CPU ' if clock == 'process' else ''}seconds, slowest rank")
 
 
 if __name__ == "__main__":
