@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -39,3 +41,51 @@ def test_training_speed_quick(tmp_path):
     # The wait sink reaches the ring's transfers: none without CP, some at cp=2.
     assert one["comm_wait_share"] == 0.0, one
     assert 0.0 < two["comm_wait_share"] < 1.0, two
+
+
+def test_hybrid_step_quick(tmp_path):
+    """Both hybrids at cp 1 and 2: every figure present and consistent; the mixers' saved
+    bytes per rank about halve (tests/test_hybrid_activation_memory.py checks it closely)."""
+    script = os.path.join(ROOT, "benchmarks", "hybrid_step.py")
+    subprocess.run([sys.executable, script, "--quick", "--out", str(tmp_path)], check=True, cwd=ROOT, timeout=600)
+    result = json.loads((tmp_path / "hybrid_step.json").read_text())
+    assert (tmp_path / "hybrid_step.png").stat().st_size > 0
+    rows = {(r["family"], r["cp"], r["mixer_impl"]): r for r in result["rows"]}
+    assert set(rows) == {(f, cp, impl) for f in ("qwen3_5_text", "lfm2")
+                         for cp, impl in ((1, "hf_ring"), (1, "transformers"), (2, "hf_ring"))}
+    for (family, cp, impl), r in rows.items():
+        assert r["efficiency"] == r["ideal_seconds"] / r["seconds"] > 0, r
+        assert abs(sum(r["kind_share"].values()) - 1) < 1e-9, r["kind_share"]
+        assert abs(sum(r["kind_seconds"].values()) - r["seconds"]) < 1e-9, r  # the split is of the timed step
+        assert r["kind_seconds"]["mixers"] > 0 and r["kind_seconds"]["attention"] > 0, r["kind_seconds"]
+        assert r["mixer_storages_top"] and r["saved_bytes"]["mixers"] > 0, r
+    for family in ("qwen3_5_text", "lfm2"):
+        one, two = rows[(family, 1, "hf_ring")], rows[(family, 2, "hf_ring")]
+        assert one["ideal_seconds"] == one["seconds"] and two["ideal_seconds"] == one["seconds"] / 2
+        assert one["comm_wait_seconds"] == 0.0 < two["comm_wait_seconds"]
+        assert 0.4 < two["saved_ratio_to_cp1"]["mixers"] < 0.6, two["saved_ratio_to_cp1"]
+    # cp=1 with hf_ring's ops really ran them: Qwen3.5's scan saves other tensors than transformers'
+    qwen = {impl: rows[("qwen3_5_text", 1, impl)]["saved_bytes"]["mixers"] for impl in ("hf_ring", "transformers")}
+    assert qwen["hf_ring"] != qwen["transformers"], qwen
+
+
+def test_step_world_family_config_scales_the_sweep_config():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from step_world import StepConfig, family_config
+
+    cfg = StepConfig(cp_size=2, seq_lens=(4096,), family="qwen3_5_text", hidden_size=256, intermediate_size=512,
+                     num_layers=4)
+    config = family_config(cfg)
+    assert config.layer_types == ["linear_attention", "full_attention"] * 2
+    assert (config.hidden_size, config.intermediate_size, config.num_hidden_layers) == (256, 512, 4)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (8, 4, 32)
+    # the mixers' head sizes scale with the hidden size (64 -> 256), their head counts stay
+    assert (config.linear_key_head_dim, config.linear_value_head_dim) == (64, 64)
+    assert (config.linear_num_key_heads, config.linear_num_value_heads) == (2, 4)
+    assert config.max_position_embeddings == 4096 and not config.use_cache
+    assert family_config(StepConfig(cp_size=1, seq_lens=(8,), family="lfm2")).layer_types == ["conv", "full_attention"]
+    for bad in (dict(family="not_a_family"), dict(family="lfm2", num_layers=1), dict(family="lfm2", hidden_size=96),
+                dict(family="lfm2", mixer_impl="hf_ring", cp_size=2), dict(mixer_impl="hf_ring"),
+                dict(family="lfm2", mixer_impl="torch")):
+        with pytest.raises(ValueError):
+            StepConfig(**{"cp_size": 1, "seq_lens": (8,), **bad})
