@@ -262,3 +262,21 @@ def test_gradient_checkpointing_of_pure_mamba_blocks_is_refused():
     model(case["ids"])  # dense rows without CP: nothing is routed, checkpointing works
     model.gradient_checkpointing_disable()
     model(case["ids"], **packed)
+
+
+def test_gradient_checkpointing_of_jamba_runs_each_document_alone():
+    """Jamba's mixers get their context from their decoder layer, which gradient checkpointing
+    reruns with its keyword arguments: checkpointed, packed rows still match the documents
+    run one by one, gradients included."""
+    case = _case("jamba", 1, seed=3, doc_lens=[6, 10, 8])
+    reference = _reference(case)
+    model = tiny_model(case["config"], "ring_flash", case["state_dict"]).train()
+    model.gradient_checkpointing_enable()
+    cu = torch.tensor([0, 6, 16, 24], dtype=torch.int32)
+    positions = torch.cat([torch.arange(n) for n in case["doc_lens"]])[None]
+    logits = model(case["ids"], position_ids=positions, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                   max_length_q=10, max_length_k=10).logits
+    (logits * case["weights"]).sum().backward()
+    assert rel_err(logits.detach(), reference["logits"]) <= TOL
+    errors = {n: rel_err(p.grad, reference["grads"][n]) for n, p in model.named_parameters() if p.grad is not None}
+    assert max(errors.values()) <= TOL, errors

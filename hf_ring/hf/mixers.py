@@ -27,6 +27,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
+from transformers import PreTrainedModel
 
 from hf_ring.hf.forward_context import CONTEXT_KWARG, ForwardContext
 from hf_ring.mixers import (
@@ -74,7 +75,10 @@ def run_carrier(original, module: nn.Module, *args, **kwargs):
     context = _routing(kwargs)
     if context is None:
         return original(module, *args, **kwargs)
-    if getattr(module, "gradient_checkpointing", False) and module.training and torch.is_grad_enabled():
+    # A carrier that is a checkpointed layer itself (Jamba's) reruns with its kwargs; a base
+    # model (Mamba's) runs checkpointed blocks that get none.
+    if isinstance(module, PreTrainedModel) and module.is_gradient_checkpointing and module.training \
+            and torch.is_grad_enabled():
         raise NotImplementedError(
             f"{type(module).__name__} runs its Mamba blocks without keyword arguments, so a block "
             f"recomputed by gradient checkpointing in the backward would not know it runs {_where(context)} "
