@@ -232,11 +232,14 @@ def test_bypassed_mixer_is_refused_after_the_forward():
         assert "token mixer was bypassed" in r["bypass"] and "linear_attn" in r["bypass"], r["bypass"]
 
 
-@pytest.mark.parametrize("family", ("qwen3_next", "olmo_hybrid", *PACKED[1:]))
-def test_packed_rows_without_cp_run_each_document_alone(family):
+def _assert_packed_row_matches_its_documents(family: str, checkpointed: bool = False) -> None:
+    """A packed row of 3 documents without CP: logits and every gradient as the documents
+    run one by one (each mixer must run once per document)."""
     case = _case(family, 1, seed=3, doc_lens=[6, 10, 8])
     reference = _reference(case)
     model = tiny_model(case["config"], "ring_flash", case["state_dict"]).train()
+    if checkpointed:
+        model.gradient_checkpointing_enable()
     cu = torch.tensor([0, 6, 16, 24], dtype=torch.int32)
     positions = torch.cat([torch.arange(n) for n in case["doc_lens"]])[None]
     logits = model(case["ids"], position_ids=positions, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
@@ -245,6 +248,11 @@ def test_packed_rows_without_cp_run_each_document_alone(family):
     assert rel_err(logits.detach(), reference["logits"]) <= TOL
     errors = {n: rel_err(p.grad, reference["grads"][n]) for n, p in model.named_parameters() if p.grad is not None}
     assert max(errors.values()) <= TOL, errors
+
+
+@pytest.mark.parametrize("family", ("qwen3_next", "olmo_hybrid", *PACKED[1:]))
+def test_packed_rows_without_cp_run_each_document_alone(family):
+    _assert_packed_row_matches_its_documents(family)
 
 
 def test_gradient_checkpointing_of_pure_mamba_blocks_is_refused():
@@ -268,15 +276,4 @@ def test_gradient_checkpointing_of_jamba_runs_each_document_alone():
     """Jamba's mixers get their context from their decoder layer, which gradient checkpointing
     reruns with its keyword arguments: checkpointed, packed rows still match the documents
     run one by one, gradients included."""
-    case = _case("jamba", 1, seed=3, doc_lens=[6, 10, 8])
-    reference = _reference(case)
-    model = tiny_model(case["config"], "ring_flash", case["state_dict"]).train()
-    model.gradient_checkpointing_enable()
-    cu = torch.tensor([0, 6, 16, 24], dtype=torch.int32)
-    positions = torch.cat([torch.arange(n) for n in case["doc_lens"]])[None]
-    logits = model(case["ids"], position_ids=positions, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
-                   max_length_q=10, max_length_k=10).logits
-    (logits * case["weights"]).sum().backward()
-    assert rel_err(logits.detach(), reference["logits"]) <= TOL
-    errors = {n: rel_err(p.grad, reference["grads"][n]) for n, p in model.named_parameters() if p.grad is not None}
-    assert max(errors.values()) <= TOL, errors
+    _assert_packed_row_matches_its_documents("jamba", checkpointed=True)
