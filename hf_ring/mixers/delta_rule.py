@@ -42,9 +42,9 @@ import torch.distributed as dist
 
 from hf_ring.distributed.collectives import Collectives, GroupCollectives
 from hf_ring.mixers.delta_rule_chunk import ChunkTerms, chunk_terms, heads_first, scan, summary_scan
-from hf_ring.mixers.state_exchange import compose_in_order, compose_in_reverse
+from hf_ring.mixers.state_exchange import compose_in_order, compose_in_reverse, rank_pieces
 from hf_ring.distributed.groups import group_coords
-from hf_ring.sharding.pieces import Piece, in_sequence_order, row_pieces
+from hf_ring.sharding.pieces import Piece
 
 
 def _check_inputs(q, k, v, g, beta, initial_state, local_doc_lens, chunk_size) -> None:
@@ -74,21 +74,6 @@ def _check_inputs(q, k, v, g, beta, initial_state, local_doc_lens, chunk_size) -
         if tuple(initial_state.shape) != want:
             raise ValueError(f"initial_state must be (batch, n_v_heads, k_head_dim, v_head_dim) = {want}, got "
                              f"{tuple(initial_state.shape)}")
-
-
-def _pieces(layout: str, rank: int, world: int, local_len: int,
-            local_doc_lens: Optional[Sequence[int]]) -> tuple[list[Piece], list[Piece]]:
-    """``(this rank's pieces in local order, every piece in sequence order)``. One process:
-    one piece per document (the layout is still checked: stripe is refused everywhere)."""
-    every = row_pieces(layout, world, local_len, local_doc_lens) if world > 1 else None
-    if every is None:
-        row_pieces(layout, 1, 2)  # the same refusal of the stripe layout at world 1
-        lens = list(local_doc_lens) if local_doc_lens is not None else [local_len]
-        if sum(lens) != local_len or any(n <= 0 for n in lens):
-            raise ValueError(f"document local lengths {lens} do not make up {local_len} local tokens")
-        starts = [sum(lens[:i]) for i in range(len(lens))]
-        every = [[Piece(d, 0, 1, 0, d, starts[d], n) for d, n in enumerate(lens)]]
-    return every[rank], in_sequence_order(every)
 
 
 def _stack(xs: tuple[torch.Tensor, ...], pieces: list[Piece], chunk_size: int) -> ChunkTerms:
@@ -141,7 +126,7 @@ def gated_delta_rule_op(
     process); the benchmark passes virtual ones. No check across ranks."""
     _check_inputs(q, k, v, g, beta, initial_state, local_doc_lens, chunk_size)
     rank, world = (coll.rank, coll.world) if coll is not None else (0, 1)
-    mine, order = _pieces(layout, rank, world, q.shape[1], local_doc_lens)
+    mine, order = rank_pieces(layout, rank, world, q.shape[1], local_doc_lens)
     xs = heads_first(q, k, v, g, beta, use_qk_l2norm_in_kernel)  # (b, hv, s, d) in float32 / float64
     b, hv, _, dk = xs[1].shape
     init = None if initial_state is None else initial_state.to(xs[0].dtype)

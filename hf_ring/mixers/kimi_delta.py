@@ -42,10 +42,10 @@ import torch.distributed as dist
 from hf_ring.distributed.collectives import Collectives, GroupCollectives, all_gather
 from hf_ring.distributed.groups import group_coords
 # The gated delta rule's pieces (one per document at one process) and its input checks.
-from hf_ring.mixers.delta_rule import _check_inputs as check_gated_delta_inputs, _pieces
+from hf_ring.mixers.delta_rule import _check_inputs as check_gated_delta_inputs
 from hf_ring.mixers.delta_rule_chunk import heads_first, scan
 from hf_ring.mixers.kimi_delta_chunk import chunk_terms, widened_scan
-from hf_ring.mixers.state_exchange import compose_in_order
+from hf_ring.mixers.state_exchange import compose_in_order, rank_pieces
 from hf_ring.sharding.pieces import Piece
 
 
@@ -116,7 +116,7 @@ def kimi_delta_op(
     No check across ranks."""
     _check_inputs(q, k, v, g, beta, initial_state, local_doc_lens, chunk_size)
     rank, world = (coll.rank, coll.world) if coll is not None else (0, 1)
-    mine, order = _pieces(layout, rank, world, q.shape[1], local_doc_lens)
+    mine, order = rank_pieces(layout, rank, world, q.shape[1], local_doc_lens)
     # q, k, g (b, h, s, dk), v (b, h, s, dv), beta (b, h, s): float32 (float64 for float64); q scaled.
     xs = heads_first(q, k, v, g, beta, use_qk_l2norm_in_kernel)
     b = q.shape[0]

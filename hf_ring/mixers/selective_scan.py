@@ -49,8 +49,7 @@ import torch.nn.functional as F
 
 from hf_ring.distributed.collectives import Collectives, GroupCollectives, all_gather
 from hf_ring.distributed.groups import group_coords
-from hf_ring.mixers.delta_rule import _pieces
-from hf_ring.mixers.state_exchange import compose_in_order
+from hf_ring.mixers.state_exchange import compose_in_order, rank_pieces
 from hf_ring.sharding.pieces import Piece
 
 
@@ -191,7 +190,7 @@ def selective_scan_op(
     process); the benchmark passes virtual ones. No check across ranks."""
     _check_inputs(u, delta, A, B, C, D, z, delta_bias, chunk_size)
     rank, world = (coll.rank, coll.world) if coll is not None else (0, 1)
-    mine, order = _pieces(layout, rank, world, u.shape[-1], local_doc_lens)
+    mine, order = rank_pieces(layout, rank, world, u.shape[-1], local_doc_lens)
     cd = torch.float64 if torch.float64 in (u.dtype, delta.dtype, A.dtype, B.dtype, C.dtype) else torch.float32
     dt = delta if delta_bias is None else delta + delta_bias.to(delta.dtype)[:, None]  # as transformers:
     dt = (F.softplus(dt) if delta_softplus else dt).to(cd)  # bias and softplus in delta's dtype

@@ -44,10 +44,9 @@ import torch.distributed as dist
 
 from hf_ring.distributed.collectives import Collectives, GroupCollectives, all_gather
 from hf_ring.distributed.groups import group_coords
-from hf_ring.mixers.delta_rule import _pieces as rank_pieces  # the pieces, and the world-1 refusals
 from hf_ring.mixers.delta_rule_chunk import accum_dtype
 from hf_ring.mixers.ssd_chunk import SSDTerms, chunk_outputs, chunk_terms, discretize_dt
-from hf_ring.mixers.state_exchange import compose_in_order
+from hf_ring.mixers.state_exchange import compose_in_order, rank_pieces
 
 NO_LIMIT = (0.0, float("inf"))
 

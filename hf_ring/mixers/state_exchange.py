@@ -23,16 +23,19 @@ sends back through the transitions between them,
 with ``G(j)`` piece ``j``'s own share (the gradient its outputs give its entering state,
 linear in them; all-gathered once, like the summaries).
 
+:func:`rank_pieces` gives every recurrence op its rank's pieces and the row's sequence
+order (one place for the layout checks, the stripe refusal included).
+
 Must not import transformers or hf_ring's integration or training layers.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
-from hf_ring.sharding.pieces import Piece
+from hf_ring.sharding.pieces import Piece, in_sequence_order, row_pieces
 
 Key = tuple[int, int]  # (doc, chunk)
 Summary = Callable[[Piece], tuple[torch.Tensor, torch.Tensor]]
@@ -104,4 +107,19 @@ def compose_in_reverse(order: Iterable[Piece], summary: Summary, apply_transpose
     return {k: leaving[k] for k in needed}
 
 
-__all__ = ["compose_in_order", "compose_in_reverse"]
+def rank_pieces(layout: str, rank: int, world: int, local_len: int,
+            local_doc_lens: Optional[Sequence[int]]) -> tuple[list[Piece], list[Piece]]:
+    """``(this rank's pieces in local order, every piece in sequence order)``. One process:
+    one piece per document (the layout is still checked: stripe is refused everywhere)."""
+    every = row_pieces(layout, world, local_len, local_doc_lens) if world > 1 else None
+    if every is None:
+        row_pieces(layout, 1, 2)  # the same refusal of the stripe layout at world 1
+        lens = list(local_doc_lens) if local_doc_lens is not None else [local_len]
+        if sum(lens) != local_len or any(n <= 0 for n in lens):
+            raise ValueError(f"document local lengths {lens} do not make up {local_len} local tokens")
+        starts = [sum(lens[:i]) for i in range(len(lens))]
+        every = [[Piece(d, 0, 1, 0, d, starts[d], n) for d, n in enumerate(lens)]]
+    return every[rank], in_sequence_order(every)
+
+
+__all__ = ["compose_in_order", "compose_in_reverse", "rank_pieces"]
