@@ -57,19 +57,27 @@ class Family:
         visual_rows: inputs whose rows follow the True positions of a mask input, by name
             (Qwen3-VL's ``deepstack_visual_embeds`` -> ``visual_pos_masks``): a list of
             ``(n_true, hidden)`` tensors.
+        mrope: the model numbers its tokens itself (``compute_3d_position_ids``: 3-D M-RoPE);
+            packed, its positions are ``(4, 1, seq)``: row 0 the text positions restarting
+            per document (what its text model reads packed documents from, transformers'
+            convention), rows 1-3 each document's own M-RoPE. Otherwise the language model
+            numbers ``arange`` and a packed row's positions are ``(1, seq)``, restarting per
+            document.
     """
 
     name: str
     sequence_inputs: dict[str, int] = field(default_factory=dict)
     visual_rows: dict[str, str] = field(default_factory=dict)
+    mrope: bool = False
 
 
-_QWEN3 = dict(sequence_inputs={"visual_pos_masks": 1}, visual_rows={"deepstack_visual_embeds": "visual_pos_masks"})
+_QWEN3 = dict(sequence_inputs={"visual_pos_masks": 1}, visual_rows={"deepstack_visual_embeds": "visual_pos_masks"},
+              mrope=True)
 
 # The base model's class name -> its family.
 FAMILIES: dict[str, Family] = {
-    "Qwen2VLModel": Family("Qwen2-VL"),
-    "Qwen2_5_VLModel": Family("Qwen2.5-VL"),
+    "Qwen2VLModel": Family("Qwen2-VL", mrope=True),
+    "Qwen2_5_VLModel": Family("Qwen2.5-VL", mrope=True),
     "Qwen3VLModel": Family("Qwen3-VL", **_QWEN3),
     "Qwen3VLMoeModel": Family("Qwen3-VL-MoE", **_QWEN3),
     "LlavaModel": Family("LLaVA"),

@@ -104,6 +104,12 @@ def _digest(inputs: dict[str, Any], device: torch.device) -> torch.Tensor:
 def _enter(base: nn.Module, args: tuple, kwargs: dict):
     state = get_context_parallel_state()
     if state is None or state.cp_size == 1:
+        if kwargs.get("cu_seq_lens_q") is not None:
+            # Packed rows run ring_flash's varlen ring even without CP, which computes causal
+            # attention per document only: a family not in the table may need more (Gemma 3's spans).
+            refusal = family_refusal(base, "with packed rows (cu_seq_lens_q)")
+            if refusal is not None:
+                raise NotImplementedError(refusal)
         return None
     where = f"under context parallelism (cp_size={state.cp_size})"
     refusal = family_refusal(base, where)
