@@ -39,7 +39,9 @@ import hf_ring
 from distributed import run_world
 from hf_ring.patches.transformers import release_line
 from reference_attention import rel_err
-from vlm_cases import FAMILIES, ROWS, SEQ, VOCAB, build
+from vlm_cases import (
+    FAMILIES, ROWS, SEQ, VOCAB, assert_refused_on_every_rank, assert_tower_gradient_split, build, tiny_gemma,
+)
 
 pytestmark = pytest.mark.skipif(
     release_line(__import__("transformers").__version__) != "5",
@@ -96,21 +98,6 @@ def _error(call) -> str:
     return "no error"
 
 
-def _tiny_gemma(kind: str):
-    from transformers import Gemma3Config, PaliGemmaConfig, SiglipVisionConfig
-
-    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                image_size=8, patch_size=4)
-    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                head_dim=16, vocab_size=VOCAB, pad_token_id=0)
-    if kind == "gemma3":
-        config = Gemma3Config(text_config=dict(text, model_type="gemma3_text", sliding_window=8), vision_config=vision,
-                              mm_tokens_per_image=4, image_token_index=120, boi_token_index=121, eoi_token_index=122)
-    else:
-        config = PaliGemmaConfig(text_config=dict(text, model_type="gemma"), vision_config=vision, image_token_index=120)
-    return build(config, "ring_flash")
-
-
 def _refusals(model, batch: dict, rank: int) -> dict[str, str]:
     ids = batch["input_ids"]
     left = torch.ones_like(ids)
@@ -125,8 +112,8 @@ def _refusals(model, batch: dict, rank: int) -> dict[str, str]:
         "length": _error(lambda: model(**short)),
         "ranks_differ": _error(lambda: model(**(other if rank == 1 else batch))),
         "left_padding": _error(lambda: model(**batch, attention_mask=left)),
-        "gemma3": _error(lambda: _tiny_gemma("gemma3")(**text_only)),
-        "unchecked": _error(lambda: _tiny_gemma("paligemma")(**text_only)),
+        "gemma3": _error(lambda: tiny_gemma("gemma3")(**text_only)),
+        "unchecked": _error(lambda: tiny_gemma("paligemma")(**text_only)),
     }
 
 
@@ -195,11 +182,7 @@ def test_logits_and_every_gradient_match_one_process(name):
 
 def test_each_rank_holds_part_of_the_tower_gradient():
     """The images straddle the shards: neither rank's tower gradient alone is the full one."""
-    _, ranks = _run()
-    reference = _reference("qwen2_5_vl")
-    name = "model.visual.patch_embed.proj.weight"
-    for r in ranks:
-        assert rel_err(r["qwen2_5_vl"]["grads"][name], reference["grads"][name]) > 0.05
+    assert_tower_gradient_split([r["qwen2_5_vl"]["grads"] for r in _run()[1]], _reference("qwen2_5_vl")["grads"])
 
 
 def test_the_positions_are_exercised():
@@ -232,6 +215,4 @@ _EXPECTED = {
 
 @pytest.mark.parametrize("what", REFUSALS)
 def test_refused_on_every_rank(what):
-    _, ranks = _run()
-    for r in ranks:
-        assert _EXPECTED[what] in r["refusals"][what], r["refusals"][what]
+    assert_refused_on_every_rank(_run()[1], what, _EXPECTED[what])

@@ -21,6 +21,8 @@ from transformers import (
     Qwen3VLMoeConfig, SiglipVisionConfig,
 )
 
+from reference_attention import rel_err
+
 ROWS, SEQ, VOCAB = 2, 32, 128
 IMAGE, VIDEO, START, END = 120, 121, 122, 123
 PATCH, MERGE, TEMPORAL = 4, 2, 2
@@ -150,6 +152,36 @@ FAMILIES: dict[str, tuple[Callable[[], Any], Callable[[int], dict]]] = {
         seed, _THREE, 4, (3, 3, 16, 16), image_sizes=torch.tensor([[16, 16]] * 3))),
     "internvl": (internvl, lambda seed: _placeholder_batch(seed, _THREE, 4, (3, 3, 8, 8))),
 }
+
+
+def tiny_gemma(kind: str, attn_implementation: str = "ring_flash"):
+    """A tiny Gemma 3 (``kind="gemma3"``: bidirectional image spans) or PaliGemma model, two
+    families hf_ring refuses under CP (tests/test_cp_vlm.py, tests/test_cp_vlm_packed.py)."""
+    from transformers import Gemma3Config, PaliGemmaConfig
+
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=8, patch_size=4)
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, vocab_size=VOCAB, pad_token_id=0)
+    if kind == "gemma3":
+        config = Gemma3Config(text_config=dict(text, model_type="gemma3_text", sliding_window=8), vision_config=vision,
+                              mm_tokens_per_image=4, image_token_index=120, boi_token_index=121, eoi_token_index=122)
+    else:
+        config = PaliGemmaConfig(text_config=dict(text, model_type="gemma"), vision_config=vision, image_token_index=120)
+    return build(config, attn_implementation)
+
+
+def assert_refused_on_every_rank(ranks: list[dict], what: str, expected: str) -> None:
+    """Each rank's result holds, under ``"refusals"``, the error ``what`` raised there: it must say ``expected``."""
+    for r in ranks:
+        assert expected in r["refusals"][what], r["refusals"][what]
+
+
+def assert_tower_gradient_split(rank_grads: list[dict], reference: dict,
+                                name: str = "model.visual.patch_embed.proj.weight") -> None:
+    """The images straddle the shards: no rank's tower gradient alone is the full one."""
+    for grads in rank_grads:
+        assert rel_err(grads[name], reference[name]) > 0.05
 
 
 def build(config, attn_implementation: str, state_dict=None):

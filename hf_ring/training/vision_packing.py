@@ -124,7 +124,8 @@ def pack_image_text(samples: Sequence[Mapping[str, Any]], model: nn.Module,
         - ``position_ids`` int64 ``(4, 1, L)`` for the M-RoPE families (row 0 the text positions,
           restarting at 0 per document; rows 1-3 each document's own M-RoPE), else ``(1, L)``
           restarting per document;
-        - ``mm_token_type_ids`` int64 ``(1, L)`` if a sample gave it (0 on padding);
+        - ``mm_token_type_ids`` int64 ``(1, L)`` if a sample gave it (0 on padding and in the
+          samples that did not);
         - each image key the samples gave, concatenated along dim 0 in document order;
         - ``cu_seq_lens_q``, ``cu_seq_lens_k`` int32 ``(n_docs + 1,)``: the padded documents'
           global boundaries; ``max_length_q``, ``max_length_k``: the longest, an int;
