@@ -238,13 +238,14 @@ def _qwen_sample(g: torch.Generator, n: int, images: tuple[tuple[int, list[int]]
 
 
 def _qwen_samples(seed: int, video: bool = True, frames_apart: bool = False) -> list[dict[str, Any]]:
-    """Two images (8 and 4 tokens); a video of 2 x 4 x 4 patches (8 tokens; Qwen2.5-VL's timed
-    by ``second_per_grid_ts``), or a third image without ``video``; text alone."""
+    """Two images (8 and 4 tokens); a video of 2 x 4 x 4 patches (8 tokens; Qwen2.5-VL's frames
+    2 s apart, ``second_per_grid_ts``: temporal positions 0 and 4), or a third image without
+    ``video``; text alone."""
     g = torch.Generator().manual_seed(seed)
     first = _qwen_sample(g, 23, images=((3, [1, 4, 8]), (15, [1, 4, 4])))
     if video:
         second = _qwen_sample(g, 19, video=(5, [2, 4, 4]), frames_apart=frames_apart,
-                              second_per_grid_ts=None if frames_apart else 0.5)
+                              second_per_grid_ts=None if frames_apart else 2.0)
     else:
         second = _qwen_sample(g, 19, images=((5, [1, 4, 8]),))
     return [first, second, {"input_ids": _text(g, TEXT_ONLY)}]

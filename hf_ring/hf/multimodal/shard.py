@@ -34,7 +34,7 @@ from hf_ring.hf.guard import bind_arguments
 from hf_ring.hf.multimodal.families import SEQUENCE_INPUTS, Family
 from hf_ring.patterns.state import ContextParallelState
 from hf_ring.sharding.layouts import required_multiple, shard_sequence
-from hf_ring.sharding.packed import check_cu_seqlens, shard_packed
+from hf_ring.sharding.packed import packed_shard_indices
 
 # A packed row's global document boundaries: handed down uncut, read by the guard and ring_flash.
 DOCUMENT_INPUTS = ("cu_seq_lens_q", "cu_seq_lens_k")
@@ -88,14 +88,15 @@ def _packed_sharder(state: ContextParallelState, seq: int, documents: torch.Tens
             f"{where} got a packed row (cu_seq_lens_q) but the context-parallel layout is {state.layout!r}: "
             "packed rows are zigzag-sharded document by document; use layout='zigzag' with packing"
         )
-    documents = torch.as_tensor(documents).reshape(-1).cpu()
-    check_cu_seqlens(documents, state.cp_size)  # raises for a document the ranks cannot split
-    if int(documents[-1]) != seq:
+    documents = torch.as_tensor(documents).reshape(-1).cpu()  # the one host sync of the cut
+    if documents.numel() and int(documents[-1]) != seq:
         raise ValueError(
             f"{where}: cu_seq_lens_q ends at {int(documents[-1])} but the packed row holds {seq} tokens "
             "(image tokens included); give the boundaries of the full packed row"
         )
-    return lambda x, dim: shard_packed(x, documents, state.cp_size, state.cp_rank, dim=dim)
+    # Raises for a document the ranks cannot split; computed once for every input of the forward.
+    index = packed_shard_indices(documents, state.cp_size, state.cp_rank)
+    return lambda x, dim: x.index_select(dim, index.to(x.device))
 
 
 def _visual_rows(mask: torch.Tensor, rows: list[torch.Tensor], shard: Callable) -> list[torch.Tensor]:
