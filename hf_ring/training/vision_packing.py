@@ -136,7 +136,8 @@ def pack_image_text(samples: Sequence[Mapping[str, Any]], model: nn.Module,
 
     Raises:
         ValueError: ``config.packing`` False, no samples, a sample that is not one row of token
-            ids, padded already, or holds a key it cannot pack; image inputs of other shapes.
+            ids, padded already, or holds a key it cannot pack; image inputs of other shapes;
+            ``second_per_grid_ts`` for some videos only.
         NotImplementedError: a family hf_ring has not checked (or refuses, Gemma 3).
     """
     if not config.packing:
@@ -163,6 +164,12 @@ def pack_image_text(samples: Sequence[Mapping[str, Any]], model: nn.Module,
         kinds = [d.get("mm_token_type_ids", torch.zeros_like(d["input_ids"])) for d in docs]
         out["mm_token_type_ids"] = torch.cat(kinds, dim=1)
     out.update({name: _concatenated(docs, name) for name in IMAGE_KEYS if any(name in d for d in docs)})
+    timed = out.get("second_per_grid_ts")
+    if timed is not None and timed.numel() != out["video_grid_thw"].shape[0]:
+        raise ValueError(
+            f"{timed.numel()} second_per_grid_ts for {out['video_grid_thw'].shape[0]} videos: give it for the "
+            "videos of every sample or of none (the processor's default is 1 s a grid)"
+        )
     shifted = torch.cat([_shift(d["labels"]) for d in docs], dim=1)  # (1, L): per document
     out.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu.clone(), max_length_q=longest, max_length_k=longest,
                shift_labels=shard_packed(shifted, cu, config.cp_size, config.cp_rank, dim=1))
