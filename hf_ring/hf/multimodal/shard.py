@@ -5,13 +5,14 @@ up to its language model: token embeddings, the vision tower, the merge of image
 into the placeholder positions, its own positions (Qwen's 3-D M-RoPE). A forward pre-hook
 on the language model, run before its ring guard, cuts what it receives along the sequence
 in the layout of the active context-parallel state, exactly as ``hf_ring.shard_sequence``
-cuts a text model's tokens (a packed row, given with its global document boundaries
-``cu_seq_lens_q``, is cut document by document with ``hf_ring.sharding.shard_packed``, and the
-boundaries are handed down uncut, as a text model's packed rows carry them): ``inputs_embeds`` ``(batch, seq, hidden)``, ``position_ids``
+cuts a text model's tokens: ``inputs_embeds`` ``(batch, seq, hidden)``, ``position_ids``
 ``(batch, seq)`` or ``(3 or 4, batch, seq)`` (built as ``arange(seq)``, the language
 model's own default, when the model passes none), a 2-D ``attention_mask``, and a family's
-own per-token inputs (Qwen3-VL's deepstack features). The guard then sees a text model's
-shards, marked as hf_ring's own (:class:`~hf_ring.hf.cp_inputs.FullBatchShards`).
+own per-token inputs (Qwen3-VL's deepstack features). A packed row, given with its global
+document boundaries ``cu_seq_lens_q``, is cut document by document as
+``hf_ring.sharding.shard_packed`` cuts it, and the boundaries are handed down uncut, as a text
+model's packed rows carry them. The guard then sees a text model's shards, marked as
+hf_ring's own (:class:`~hf_ring.hf.cp_inputs.FullBatchShards`).
 
 The cut is an index select, so gradients flow back only from this rank's tokens: each
 rank's vision tower gets the gradient of its own shard of the merged embeddings, and the
