@@ -57,19 +57,24 @@ class Family:
         visual_rows: inputs whose rows follow the True positions of a mask input, by name
             (Qwen3-VL's ``deepstack_visual_embeds`` -> ``visual_pos_masks``): a list of
             ``(n_true, hidden)`` tensors.
+        tower: the base model's attribute holding a vision tower called as
+            ``tower(patches, grid_thw)`` that encodes each grid entry on its own, which hf_ring
+            splits over the CP group (``tower.py``); None: the tower runs whole on every rank.
     """
 
     name: str
     sequence_inputs: dict[str, int] = field(default_factory=dict)
     visual_rows: dict[str, str] = field(default_factory=dict)
+    tower: Optional[str] = None
 
 
-_QWEN3 = dict(sequence_inputs={"visual_pos_masks": 1}, visual_rows={"deepstack_visual_embeds": "visual_pos_masks"})
+_QWEN3 = dict(sequence_inputs={"visual_pos_masks": 1}, visual_rows={"deepstack_visual_embeds": "visual_pos_masks"},
+              tower="visual")
 
 # The base model's class name -> its family.
 FAMILIES: dict[str, Family] = {
-    "Qwen2VLModel": Family("Qwen2-VL"),
-    "Qwen2_5_VLModel": Family("Qwen2.5-VL"),
+    "Qwen2VLModel": Family("Qwen2-VL", tower="visual"),
+    "Qwen2_5_VLModel": Family("Qwen2.5-VL", tower="visual"),
     "Qwen3VLModel": Family("Qwen3-VL", **_QWEN3),
     "Qwen3VLMoeModel": Family("Qwen3-VL-MoE", **_QWEN3),
     "LlavaModel": Family("LLaVA"),
