@@ -92,7 +92,7 @@ def _refuse(inputs: dict[str, Any], where: str) -> None:
         raise NotImplementedError(
             f"a KV cache / generate() is not supported {where}: each rank's language model holds a shard "
             "of the sequence, so a cache would hold a shard of K/V; pass no cache and use_cache=False, and "
-            "generate without context parallelism"
+            "generate without context parallelism: with hf_ring.context_parallel_suspended(): model.generate(...)"
         )
 
 
