@@ -57,6 +57,9 @@ class Family:
         visual_rows: inputs whose rows follow the True positions of a mask input, by name
             (Qwen3-VL's ``deepstack_visual_embeds`` -> ``visual_pos_masks``): a list of
             ``(n_true, hidden)`` tensors.
+        tower: the base model's attribute holding a vision tower called as
+            ``tower(patches, grid_thw)`` that encodes each grid entry on its own, which hf_ring
+            splits over the CP group (``tower.py``); None: the tower runs whole on every rank.
         mrope: the model numbers its tokens itself (``compute_3d_position_ids``: 3-D M-RoPE);
             packed, its positions are ``(4, 1, seq)``: row 0 the text positions restarting
             per document (what its text model reads packed documents from, transformers'
@@ -68,16 +71,17 @@ class Family:
     name: str
     sequence_inputs: dict[str, int] = field(default_factory=dict)
     visual_rows: dict[str, str] = field(default_factory=dict)
+    tower: Optional[str] = None
     mrope: bool = False
 
 
 _QWEN3 = dict(sequence_inputs={"visual_pos_masks": 1}, visual_rows={"deepstack_visual_embeds": "visual_pos_masks"},
-              mrope=True)
+              tower="visual", mrope=True)
 
 # The base model's class name -> its family.
 FAMILIES: dict[str, Family] = {
-    "Qwen2VLModel": Family("Qwen2-VL", mrope=True),
-    "Qwen2_5_VLModel": Family("Qwen2.5-VL", mrope=True),
+    "Qwen2VLModel": Family("Qwen2-VL", tower="visual", mrope=True),
+    "Qwen2_5_VLModel": Family("Qwen2.5-VL", tower="visual", mrope=True),
     "Qwen3VLModel": Family("Qwen3-VL", **_QWEN3),
     "Qwen3VLMoeModel": Family("Qwen3-VL-MoE", **_QWEN3),
     "LlavaModel": Family("LLaVA"),
