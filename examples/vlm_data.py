@@ -90,9 +90,6 @@ class Layout:
     tokens: int = 0
     video: bool = False
 
-    def image_tokens(self) -> int:
-        return (self.image // self.patch) ** 2 // self.merge**2 if self.kind == "qwen" else self.tokens
-
 
 def _item(layout: Layout, rng: random.Random, video: bool) -> dict[str, Any]:
     """One drawn item: ``frames`` float ``(T, 3, H, W)`` (T = 1 for an image) and its caption."""

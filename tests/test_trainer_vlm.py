@@ -1,0 +1,112 @@
+"""Image-text models train under context parallelism as plain transformers trains them.
+
+Runs examples/finetune_vlm_long.py for real (float32, a fixed seed, gloo on CPU), as
+tests/test_trainer_cp.py runs the text example: at cp 1 in one process it is the **stock**
+model (``sdpa``) under the **stock** ``transformers.Trainer``, the model computing its own
+loss from ``labels``; at cp 2 on 2 processes (one CP group, zigzag) it is ``ring_flash``
+under ``RingTrainer`` with ``RingVisionDataCollator`` (the full batch, images included, on
+both ranks; the labels sharded) and the chunked LM-head loss (on by default under CP).
+Samples of drawn shapes and their captions, 8 optimizer steps of 2 rows padded to the
+longer (images straddle the shards), evaluations at steps 4 and 8 on 3 samples in eval
+batches of 2 (a batch of 2 and a batch of 1 of other token counts: the stock eval_loss is
+a mean of batch means). Every logged training loss, gradient norm and eval loss within
+1e-4 relative: both sides run float32 and differ only in the order of sums (the ring's
+online softmax, a gradient summed from two shards, the loss by chunks); measured below
+3e-7 (Qwen2.5-VL).
+
+Cases (CASES: a family and its flags; adding Gemma 3 or a packed case is one line each):
+Qwen2.5-VL, whose every other sample opens with a 4-frame video of a moving shape, and
+Qwen3-VL (deepstack features). test_the_data_is_what_it_says checks the example's pixel
+layout against transformers' own Qwen-VL processor and that videos are there.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import sys
+
+import pytest
+import torch
+import transformers
+
+from hf_ring.patches.transformers import release_line
+from test_trainer_cp import ROOT, STEPS, _assert_same, _eval_losses, _grad_norms, _losses, _run
+
+pytestmark = pytest.mark.skipif(
+    release_line(transformers.__version__) != "5",
+    reason="the multimodal families were read and tested on transformers 5.x",
+)
+
+EXAMPLE = os.path.join(ROOT, "examples", "finetune_vlm_long.py")
+VLM = ["--seq_len", "96", "--max_steps", str(STEPS), "--seed", "3", "--num_train_examples", "16",
+       "--num_eval_examples", "3", "--eval_steps", "4", "--per_device_train_batch_size", "2",
+       "--per_device_eval_batch_size", "2", "--learning_rate", "1e-3", "--disable_tqdm"]
+# case -> the example's flags for it (run at cp 1 and at cp 2)
+CASES = {
+    "qwen2_5_vl": ["--model_type", "qwen2_5_vl"],
+    "qwen3_vl": ["--model_type", "qwen3_vl"],
+}
+
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+
+def _launch(nproc: int, out_dir: str, args: list[str]) -> dict:
+    log = _run(nproc, [EXAMPLE, "--output_dir", out_dir, *VLM, *args])
+    ranks = re.findall(rf"\[hf_ring\] rank (\d+)/{nproc} \(dist_backend", log)
+    assert sorted(map(int, ranks)) == list(range(nproc)), log[-3000:]
+    assert ("the stock Trainer, attn_implementation=sdpa" in log) == (nproc == 1), log[-3000:]
+    with open(os.path.join(out_dir, "trainer_state.json")) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Launch each (case, cp) once, on demand; keep its trainer_state.json."""
+    cache: dict[tuple[str, int], dict] = {}
+
+    def get(case: str, cp: int) -> dict:
+        if (case, cp) not in cache:
+            out = str(tmp_path_factory.mktemp(f"{case}_cp{cp}"))
+            cache[(case, cp)] = _launch(cp, out, [*CASES[case], "--cp_size", str(cp)])
+        return cache[(case, cp)]
+
+    return get
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_same_figures_as_plain_transformers(runs, case):
+    ref, got = runs(case, 1), runs(case, 2)
+    losses = _losses(ref)
+    assert sorted(losses) == list(range(1, STEPS + 1)) and all(math.isfinite(v) for v in losses.values())
+    assert losses[STEPS] < losses[1]  # it learns
+    assert sorted(_eval_losses(ref)) == [4, STEPS]
+    worst = {}
+    for what, read in (("training loss", _losses), ("gradient norm", _grad_norms), ("eval loss", _eval_losses)):
+        _assert_same(read(got), read(ref), f"{case} {what}")
+        worst[what] = max(abs(read(got)[s] - v) / abs(v) for s, v in read(ref).items())
+    print(f"\n{case} cp2 vs stock cp1: max relative difference " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
+
+
+def test_the_data_is_what_it_says():
+    """The example's Qwen pixel rows are those of transformers' Qwen2-VL processor (PIL
+    backend, no resizing or normalising), and Qwen2.5-VL's samples hold videos."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    import vlm_data
+    import vlm_models
+
+    image = vlm_data.draw("circle", "red", (0.3, 0.5), 32)
+    ours, grid = vlm_data.qwen_patches(image[None], patch=4, merge=2, temporal=2)
+    processor = Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, temporal_patch_size=2, do_resize=False,
+                                         do_rescale=False, do_normalize=False)
+    theirs = processor(images=[image.permute(1, 2, 0).numpy()], return_tensors="pt", input_data_format="channels_last")
+    assert grid == theirs["image_grid_thw"][0].tolist() == [1, 8, 8]
+    assert torch.allclose(ours, theirs["pixel_values"].float(), atol=1e-6)
+    tok = vlm_data.WordTokenizer()
+    _, layout = vlm_models.MODEL_TYPES["qwen2_5_vl"](tok, 64, 2, 96)
+    rows = vlm_data.shapes_dataset(tok, layout, 4, 96, seed=3)
+    assert sum("pixel_values_videos" in r for r in rows) == 2
+    assert all(r["input_ids"].count(tok.image_token_id) == 16 * len(r["image_grid_thw"]) for r in rows)
