@@ -15,8 +15,9 @@ online softmax, a gradient summed from two shards, the loss by chunks); measured
 3e-7 (Qwen2.5-VL).
 
 Cases (CASES: a family and its flags; adding Gemma 3 or a packed case is one line each):
-Qwen2.5-VL, whose every other sample opens with a 4-frame video of a moving shape, and
-Qwen3-VL (deepstack features). test_the_data_is_what_it_says checks the example's pixel
+Qwen2.5-VL, whose every other sample opens with a 4-frame video of a moving shape;
+Qwen3-VL (deepstack features); Qwen2.5-VL with the weights sharded by FSDP2 over both
+processes in the cp 2 run (the chunked loss is off there by default). test_the_data_is_what_it_says checks the example's pixel
 layout against transformers' own Qwen-VL processor and that videos are there.
 """
 
@@ -34,6 +35,7 @@ import transformers
 
 from hf_ring.patches.transformers import release_line
 from test_trainer_cp import ROOT, STEPS, _assert_same, _eval_losses, _grad_norms, _losses, _run
+from test_trainer_fsdp import _accelerate_fsdp, _run as _run_command
 
 pytestmark = pytest.mark.skipif(
     release_line(transformers.__version__) != "5",
@@ -44,17 +46,24 @@ EXAMPLE = os.path.join(ROOT, "examples", "finetune_vlm_long.py")
 VLM = ["--seq_len", "96", "--max_steps", str(STEPS), "--seed", "3", "--num_train_examples", "16",
        "--num_eval_examples", "3", "--eval_steps", "4", "--per_device_train_batch_size", "2",
        "--per_device_eval_batch_size", "2", "--learning_rate", "1e-3", "--disable_tqdm"]
-# case -> the example's flags for it (run at cp 1 and at cp 2)
+# case -> (the example's flags for it, run at cp 1 and at cp 2; whether the cp 2 run shards the
+# weights with FSDP2 over both processes: examples/accelerate_fsdp_cpu.yaml, as test_trainer_fsdp)
 CASES = {
-    "qwen2_5_vl": ["--model_type", "qwen2_5_vl"],
-    "qwen3_vl": ["--model_type", "qwen3_vl"],
+    "qwen2_5_vl": (["--model_type", "qwen2_5_vl"], False),
+    "qwen3_vl": (["--model_type", "qwen3_vl"], False),
+    "qwen2_5_vl_fsdp2": (["--model_type", "qwen2_5_vl"], True),
 }
 
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 
-def _launch(nproc: int, out_dir: str, args: list[str]) -> dict:
-    log = _run(nproc, [EXAMPLE, "--output_dir", out_dir, *VLM, *args])
+def _launch(nproc: int, out_dir: str, args: list[str], fsdp: bool = False) -> dict:
+    script = [EXAMPLE, "--output_dir", out_dir, *VLM, *args]
+    if fsdp:
+        log = _run_command([*_accelerate_fsdp(nproc), *script])
+        assert f"[hf_ring] gradients: fsdp2 mesh ({nproc},) over {nproc} processes" in log, log[-3000:]
+    else:
+        log = _run(nproc, script)
     ranks = re.findall(rf"\[hf_ring\] rank (\d+)/{nproc} \(dist_backend", log)
     assert sorted(map(int, ranks)) == list(range(nproc)), log[-3000:]
     assert ("the stock Trainer, attn_implementation=sdpa" in log) == (nproc == 1), log[-3000:]
@@ -64,14 +73,17 @@ def _launch(nproc: int, out_dir: str, args: list[str]) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Launch each (case, cp) once, on demand; keep its trainer_state.json."""
-    cache: dict[tuple[str, int], dict] = {}
+    """Launch each run once, on demand (cases with the same flags share their cp 1 run); keep
+    its trainer_state.json."""
+    cache: dict[tuple, dict] = {}
 
     def get(case: str, cp: int) -> dict:
-        if (case, cp) not in cache:
+        flags, fsdp = CASES[case]
+        key = (tuple(flags), cp, fsdp and cp > 1)
+        if key not in cache:
             out = str(tmp_path_factory.mktemp(f"{case}_cp{cp}"))
-            cache[(case, cp)] = _launch(cp, out, [*CASES[case], "--cp_size", str(cp)])
-        return cache[(case, cp)]
+            cache[key] = _launch(cp, out, [*flags, "--cp_size", str(cp)], fsdp=key[2])
+        return cache[key]
 
     return get
 
