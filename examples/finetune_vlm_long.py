@@ -119,6 +119,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         common = dict(ring_plugin=plugin, chunked_loss=hf_ring.ChunkedLossConfig(
             enabled={"auto": None, "on": True, "off": False}[args.chunked_loss], chunk_tokens=args.loss_chunk_tokens))
     model, ids, train_set, eval_set = _model_and_data(args, attn)
+    if hasattr(model.config, "vision_feature_layer"):
+        # LLaVA-style models read a hidden layer of the tower (not its output): the layers
+        # after it and the tower's final norm get no gradient, which DDP must be told.
+        training_args.ddp_find_unused_parameters = True
     if args.cp_size == 1:
         collator = hf_ring.RingVisionDataCollator(**ids, model_labels=True)  # the model's own loss from labels
     else:
