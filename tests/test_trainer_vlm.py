@@ -28,6 +28,7 @@ import math
 import os
 import re
 import sys
+from dataclasses import replace as dataclass_replace
 
 import pytest
 import torch
@@ -122,3 +123,44 @@ def test_the_data_is_what_it_says():
     rows = vlm_data.shapes_dataset(tok, layout, 4, 96, seed=3)
     assert sum("pixel_values_videos" in r for r in rows) == 2
     assert all(r["input_ids"].count(tok.image_token_id) == 16 * len(r["image_grid_thw"]) for r in rows)
+
+
+@pytest.mark.parametrize("flag, says", [
+    (["--packing"], "--packing: packing image-text samples is not built yet"),
+    (["--deepspeed", "examples/ds_zero3.json"], "--deepspeed: DeepSpeed is not tested with image-text models"),
+    (["--offload_checkpoints"], "--offload_checkpoints: offloaded checkpoints are not tested"),
+])
+def test_the_example_refuses_what_it_does_not_run(flag, says, capsys):
+    import finetune_vlm_long
+
+    with pytest.raises(SystemExit):
+        finetune_vlm_long.main(["--cp_size", "2", *flag])
+    assert says in capsys.readouterr().err
+
+
+def test_chunked_loss_where_ddp_finds_unused_parameters(tmp_path):
+    """DDP with find_unused_parameters takes the head that the chunked loss skips for unused
+    (and fails on its gradient): off by default there, refused by name when asked for."""
+    from accelerate.state import AcceleratorState
+    from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+
+    import hf_ring
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=1,
+                             ddp_find_unused_parameters=True)
+    plugin = hf_ring.RingAttentionPlugin(cp_size=1)
+    try:
+        for enabled, chunks in ((True, None), (None, False), (False, False)):
+            trainer = hf_ring.RingTrainer(model=model, args=args, ring_plugin=plugin,
+                                          data_collator=plugin.make_collator(0), chunked_loss=enabled)
+            trainer.ring_state = dataclass_replace(trainer.ring_state, cp_size=2)  # the choice is made for CP
+            if chunks is None:
+                with pytest.raises(NotImplementedError, match="ddp_find_unused_parameters=True"):
+                    trainer._chunks_the_loss()
+            else:
+                assert trainer._chunks_the_loss() is chunks
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        hf_ring.set_context_parallel_state(None)
