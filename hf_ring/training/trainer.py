@@ -89,7 +89,9 @@ class RingTrainer(Trainer):
             parallelism). The training and eval losses are the same; ``outputs.logits`` of a
             chunked forward are empty.
         *args, **kwargs: as for ``transformers.Trainer``. ``data_collator`` must produce
-            ``shift_labels`` (use :class:`RingDataCollator`, e.g. ``ring_plugin.make_collator``);
+            ``shift_labels`` (use :class:`RingDataCollator`, e.g. ``ring_plugin.make_collator``,
+            or for an image-text model :class:`RingVisionDataCollator`,
+            ``ring_plugin.make_vision_collator``);
             with ``cp_size > 1`` the model must use ``attn_implementation="ring_flash"``.
 
     Not supported (clear error at construction): ``compute_loss_func``, label smoothing,
