@@ -95,7 +95,9 @@ def test_bad_inputs_are_refused():
     assert "has 6 image placeholder tokens but its image_grid_thw" in _error([wrong_count])
     wrong_patches = dict(FEATURES[0], pixel_values=torch.randn(7, 12))
     assert "pixel_values has 7 patches" in _error([wrong_patches])
-    assert "does not know how to batch: ['token_type_ids']" in _error([dict(FEATURES[0], token_type_ids=[0])])
+    assert "does not know how to batch: ['image_embeds']" in _error([dict(FEATURES[0], image_embeds=[0])])
+    assert "some examples have token_type_ids and others not" in _error(
+        [dict(FEATURES[0], token_type_ids=[0] * len(FEATURES[0]["input_ids"])), FEATURES[1]])
     padded = dict(FEATURES[0], attention_mask=[1] * 5 + [0] * (len(FEATURES[0]["input_ids"]) - 5))
     assert "already padded" in _error([padded])
     assert "has video inputs but the collator has no video_token_id" in str(

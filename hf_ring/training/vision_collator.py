@@ -35,7 +35,10 @@ from hf_ring.training.collator import _as_ids, _round_up, _shift, check_coordina
 # with the placeholder kind they belong to.
 IMAGE_INPUTS = ("pixel_values", "image_grid_thw", "image_sizes")
 VIDEO_INPUTS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
-TEXT_INPUTS = ("input_ids", "labels", "attention_mask", "mm_token_type_ids")
+# Per-token ints besides the ids, padded with 0 (Qwen's modality of each token; Gemma 3's
+# image-token marks).
+PER_TOKEN = ("mm_token_type_ids", "token_type_ids")
+TEXT_INPUTS = ("input_ids", "labels", "attention_mask", *PER_TOKEN)
 
 
 @dataclass(frozen=True)
@@ -111,12 +114,12 @@ class RingVisionCollatorConfig:
 @dataclass(frozen=True)
 class VisionExample:
     """One sample, read and checked: int64 ``input_ids`` and ``labels`` ``(n,)`` (placeholders
-    already ``-100``), ``mm_token_type_ids`` int64 ``(n,)`` or None, and its visual inputs by
-    name (each a tensor whose dim 0 runs over its images, videos or patches)."""
+    already ``-100``), its per-token ints by name (:data:`PER_TOKEN`, int64 ``(n,)``), and its
+    visual inputs by name (each a tensor whose dim 0 runs over its images, videos or patches)."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor
-    mm_token_type_ids: Optional[torch.Tensor]
+    per_token: dict[str, torch.Tensor]
     visual: dict[str, torch.Tensor]
 
 
@@ -174,10 +177,10 @@ def read_example(feature: Mapping[str, Any], index: int, config: RingVisionColla
             f"example {index} is already padded (its attention_mask has zeros); give unpadded rows: the collator "
             "pads at the end itself"
         )
-    kinds = feature.get("mm_token_type_ids")
-    kinds = _as_ids(kinds, "mm_token_type_ids", index) if kinds is not None else None
-    if kinds is not None and kinds.shape != ids.shape:
-        raise ValueError(f"example {index}: mm_token_type_ids has {kinds.numel()} entries but input_ids {ids.numel()}")
+    per_token = {name: _as_ids(feature[name], name, index) for name in PER_TOKEN if feature.get(name) is not None}
+    for name, value in per_token.items():
+        if value.shape != ids.shape:
+            raise ValueError(f"example {index}: {name} has {value.numel()} entries but input_ids {ids.numel()}")
     visual = {k: torch.as_tensor(v) for k, v in feature.items() if k in IMAGE_INPUTS + VIDEO_INPUTS and v is not None}
     cfg = config
     for kind, token, names in (("image", cfg.image_token_id, IMAGE_INPUTS), ("video", cfg.video_token_id, VIDEO_INPUTS)):
@@ -187,13 +190,14 @@ def read_example(feature: Mapping[str, Any], index: int, config: RingVisionColla
     for token in (cfg.image_token_id, cfg.video_token_id):
         if token is not None:
             labels = labels.masked_fill(ids.eq(token), IGNORE_INDEX)
-    return VisionExample(ids, labels, kinds, visual)
+    return VisionExample(ids, labels, per_token, visual)
 
 
 def dense_rows(examples: Sequence[VisionExample], config: RingVisionCollatorConfig) -> dict[str, Any]:
     """The full batch of padded rows: ``input_ids``, ``attention_mask``, ``labels`` int64
-    ``(B, L)`` (L the longest row rounded up to ``config.multiple``), ``mm_token_type_ids``
-    ``(B, L)`` if the examples have them, and the visual inputs concatenated along dim 0."""
+    ``(B, L)`` (L the longest row rounded up to ``config.multiple``), the per-token ints
+    (``mm_token_type_ids``, ``token_type_ids``) ``(B, L)`` the examples have, and the visual
+    inputs concatenated along dim 0."""
     length = _round_up(max(e.input_ids.numel() for e in examples), config.multiple)
     batch = len(examples)
     out = {
@@ -201,16 +205,17 @@ def dense_rows(examples: Sequence[VisionExample], config: RingVisionCollatorConf
         "attention_mask": torch.zeros((batch, length), dtype=torch.long),
         "labels": torch.full((batch, length), IGNORE_INDEX, dtype=torch.long),
     }
-    with_kinds = [e.mm_token_type_ids is not None for e in examples]
-    if any(with_kinds) and not all(with_kinds):
-        raise ValueError("some examples have mm_token_type_ids and others not; give them to every example or none")
-    if all(with_kinds):
-        out["mm_token_type_ids"] = torch.zeros((batch, length), dtype=torch.long)
+    for name in PER_TOKEN:
+        given = [name in e.per_token for e in examples]
+        if any(given) and not all(given):
+            raise ValueError(f"some examples have {name} and others not; give them to every example or none")
+        if all(given):
+            out[name] = torch.zeros((batch, length), dtype=torch.long)
     for row, e in enumerate(examples):
         n = e.input_ids.numel()
         out["input_ids"][row, :n], out["attention_mask"][row, :n], out["labels"][row, :n] = e.input_ids, 1, e.labels
-        if all(with_kinds):
-            out["mm_token_type_ids"][row, :n] = e.mm_token_type_ids
+        for name, value in e.per_token.items():
+            out[name][row, :n] = value
     for name in IMAGE_INPUTS + VIDEO_INPUTS:
         parts = [e.visual[name] for e in examples if name in e.visual]
         if parts:
@@ -228,14 +233,16 @@ class RingVisionDataCollator:
 
     Call it with a list of features (what a processor makes for one sample): ``input_ids``
     (``n`` ints, with the image / video placeholder tokens), optionally ``labels`` (``n``
-    ints; default: the ids), ``mm_token_type_ids`` (``n`` ints: 0 text, 1 image, 2 video),
-    and the sample's ``pixel_values`` / ``image_grid_thw`` / ``image_sizes`` /
-    ``pixel_values_videos`` / ``video_grid_thw`` / ``second_per_grid_ts`` (tensors whose
+    ints; default: the ids), ``mm_token_type_ids`` (``n`` ints: 0 text, 1 image, 2 video)
+    and ``token_type_ids`` (``n`` ints, Gemma 3's image marks), and the sample's
+    ``pixel_values`` / ``image_grid_thw`` / ``image_sizes`` / ``pixel_values_videos`` /
+    ``video_grid_thw`` / ``second_per_grid_ts`` (tensors whose
     dim 0 runs over its patches, images or videos). Returned, with ``L`` the padded length
     and ``cp`` the cp_size:
 
-    - ``input_ids``, ``attention_mask`` (right padding), ``mm_token_type_ids`` (if given)
-      int64 ``(B, L)``: full rows, the same on every rank of a CP group;
+    - ``input_ids``, ``attention_mask`` (right padding), ``mm_token_type_ids`` and
+      ``token_type_ids`` (if given; 0 on padding) int64 ``(B, L)``: full rows, the same on
+      every rank of a CP group;
     - the visual inputs concatenated along dim 0 (their dtype kept);
     - ``shift_labels`` int64 ``(B, L / cp)``: labels shifted on the full row (placeholders,
       padding and each row's last token ``-100``), this rank's shard in the layout; or, with
