@@ -80,11 +80,14 @@ def _model_and_data(args: argparse.Namespace, attn: str) -> tuple[torch.nn.Modul
         from transformers import AutoProcessor
 
         processor = AutoProcessor.from_pretrained(args.model_name_or_path)
-        model = AutoModelForImageTextToText.from_pretrained(args.model_name_or_path, attn_implementation=attn, dtype=dtype)
-        layout = Layout("qwen", 224, video=hasattr(processor, "video_token"))
+        model = AutoModelForImageTextToText.from_pretrained(args.model_name_or_path, attn_implementation=attn,
+                                                            dtype=dtype)
+        vision = getattr(model.config, "vision_config", None)
+        # Sizes the samples to --seq_len by the checkpoint's own patches; the processor counts.
+        layout = Layout("qwen", 224, patch=getattr(vision, "patch_size", 14),
+                        merge=getattr(vision, "spatial_merge_size", 1), video=hasattr(processor, "video_token"))
         pad = processor.tokenizer.pad_token_id
         pad = pad if pad is not None else processor.tokenizer.eos_token_id
-        vision = getattr(model.config, "vision_config", None)
         ids = dict(pad_token_id=pad, image_token_id=model.config.image_token_id,
                    video_token_id=getattr(model.config, "video_token_id", None),
                    spatial_merge_size=getattr(vision, "spatial_merge_size", None))

@@ -11,14 +11,16 @@ longer (images straddle the shards), evaluations at steps 4 and 8 on 3 samples i
 batches of 2 (a batch of 2 and a batch of 1 of other token counts: the stock eval_loss is
 a mean of batch means). Every logged training loss, gradient norm and eval loss within
 1e-4 relative: both sides run float32 and differ only in the order of sums (the ring's
-online softmax, a gradient summed from two shards, the loss by chunks); measured below
-3e-7 (Qwen2.5-VL).
+online softmax, a gradient summed from two shards, the loss by chunks); measured at most
+8.1e-7 (Qwen3-VL's gradient norm), 2.4e-7 for Qwen2.5-VL.
 
 Cases (CASES: a family and its flags; adding Gemma 3 or a packed case is one line each):
 Qwen2.5-VL, whose every other sample opens with a 4-frame video of a moving shape;
 Qwen3-VL (deepstack features); Qwen2.5-VL with the weights sharded by FSDP2 over both
-processes in the cp 2 run (the chunked loss is off there by default). test_the_data_is_what_it_says checks the example's pixel
-layout against transformers' own Qwen-VL processor and that videos are there.
+processes in the cp 2 run (the chunked loss is off there by default).
+test_the_data_is_what_it_says checks the example's pixel layout against transformers' own
+Qwen-VL processor and that videos are there; the example's refusals and the chunked loss's
+choice under DDP's find_unused_parameters are checked in-process.
 """
 
 from __future__ import annotations

@@ -217,7 +217,8 @@ class RingTrainer(Trainer):
         if not self.chunked_loss.active(self.ring_state.cp_size):
             return False
         if getattr(self, "is_fsdp_enabled", False) or getattr(self, "is_deepspeed_enabled", False):
-            why, fix = "with weights sharded by FSDP2 or DeepSpeed yet (the LM head's weight is read outside its forward)", ""
+            why = "with weights sharded by FSDP2 or DeepSpeed yet (the LM head's weight is read outside its forward)"
+            fix = ""
         elif self.args.ddp_find_unused_parameters:
             why, fix = ("with ddp_find_unused_parameters=True (DDP takes the LM head, whose forward the chunked loss "
                         "skips, for unused)"), ", or make every parameter used and set ddp_find_unused_parameters=False"
