@@ -19,8 +19,7 @@ Qwen2.5-VL, whose every other sample opens with a 4-frame video of a moving shap
 Qwen3-VL (deepstack features); Qwen2.5-VL with the weights sharded by FSDP2 over both
 processes in the cp 2 run (the chunked loss is off there by default).
 test_the_data_is_what_it_says checks the example's pixel layout against transformers' own
-Qwen-VL processor and that videos are there; the example's refusals and the chunked loss's
-choice under DDP's find_unused_parameters are checked in-process.
+Qwen-VL processor and that videos are there; the example's refusals are checked in-process.
 """
 
 from __future__ import annotations
@@ -30,7 +29,6 @@ import math
 import os
 import re
 import sys
-from dataclasses import replace as dataclass_replace
 
 import pytest
 import torch
@@ -138,31 +136,3 @@ def test_the_example_refuses_what_it_does_not_run(flag, says, capsys):
     with pytest.raises(SystemExit):
         finetune_vlm_long.main(["--cp_size", "2", *flag])
     assert says in capsys.readouterr().err
-
-
-def test_chunked_loss_where_ddp_finds_unused_parameters(tmp_path):
-    """DDP with find_unused_parameters takes the head that the chunked loss skips for unused
-    (and fails on its gradient): off by default there, refused by name when asked for."""
-    from accelerate.state import AcceleratorState
-    from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
-
-    import hf_ring
-
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1))
-    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=1,
-                             ddp_find_unused_parameters=True)
-    plugin = hf_ring.RingAttentionPlugin(cp_size=1)
-    try:
-        for enabled, chunks in ((True, None), (None, False), (False, False)):
-            trainer = hf_ring.RingTrainer(model=model, args=args, ring_plugin=plugin,
-                                          data_collator=plugin.make_collator(0), chunked_loss=enabled)
-            trainer.ring_state = dataclass_replace(trainer.ring_state, cp_size=2)  # the choice is made for CP
-            if chunks is None:
-                with pytest.raises(NotImplementedError, match="ddp_find_unused_parameters=True"):
-                    trainer._chunks_the_loss()
-            else:
-                assert trainer._chunks_the_loss() is chunks
-    finally:
-        AcceleratorState._reset_state(reset_partial_state=True)
-        hf_ring.set_context_parallel_state(None)

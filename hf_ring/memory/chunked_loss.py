@@ -259,12 +259,16 @@ def _head_of(model: nn.Module) -> tuple[str, nn.Linear]:
 
 @contextlib.contextmanager
 def _head_input_recorded(head: nn.Module) -> Iterator[list[torch.Tensor]]:
-    """While open, ``head(x)`` records ``x`` and returns an empty ``x.shape[:-1] + (0,)``."""
+    """While open, ``head(x)`` records ``x`` and returns an empty ``x.shape[:-1] + (0,)``:
+    the head computed for none of its outputs, so that the forward's outputs still reach the
+    head's weight in the autograd graph. DDP with ``find_unused_parameters=True`` (the
+    Trainer's default without gradient checkpointing) would otherwise take the weight for
+    unused, mark it ready after the forward, and fail when the chunks' backward reaches it."""
     recorded: list[torch.Tensor] = []
 
     def record(x: torch.Tensor) -> torch.Tensor:
         recorded.append(x)
-        return x.new_empty(*x.shape[:-1], 0)
+        return F.linear(x, head.weight[:0], None if head.bias is None else head.bias[:0])
 
     head.forward = record
     try:

@@ -209,29 +209,25 @@ class RingTrainer(Trainer):
 
     def _chunks_the_loss(self) -> bool:
         """Whether the loss is computed by chunks: as configured, except that the automatic
-        choice leaves it off where the LM head's weight must not be read outside the head's
-        forward: weights sharded by FSDP2 or DeepSpeed (a wrapper may hold only its shard),
-        and DDP told to find unused parameters (it takes the skipped head for unused, marks
-        its weight ready after the forward, and fails when the chunks' backward reaches it).
-        Asked for explicitly there, it is refused."""
+        choice leaves it off when the weights are sharded (FSDP2, DeepSpeed): the chunked
+        loss reads the LM head's weight outside the head's forward, where a sharding
+        wrapper may hold only its shard. Asked for explicitly there, it is refused."""
         if not self.chunked_loss.active(self.ring_state.cp_size):
             return False
-        if getattr(self, "is_fsdp_enabled", False) or getattr(self, "is_deepspeed_enabled", False):
-            why = "with weights sharded by FSDP2 or DeepSpeed yet (the LM head's weight is read outside its forward)"
-            fix = ""
-        elif self.args.ddp_find_unused_parameters:
-            why, fix = ("with ddp_find_unused_parameters=True (DDP takes the LM head, whose forward the chunked loss "
-                        "skips, for unused)"), ", or make every parameter used and set ddp_find_unused_parameters=False"
-        else:
+        sharded = getattr(self, "is_fsdp_enabled", False) or getattr(self, "is_deepspeed_enabled", False)
+        if not sharded:
             return True
         if self.chunked_loss.enabled:
             raise NotImplementedError(
-                f"the chunked loss is not supported {why}; pass chunked_loss=False (--chunked_loss off){fix}"
+                "the chunked loss is not supported with weights sharded by FSDP2 or DeepSpeed yet (the LM head's "
+                "weight is read outside its forward); pass chunked_loss=False (--chunked_loss off)"
             )
         if not self._chunked_loss_notice_given:
             self._chunked_loss_notice_given = True
-            logger.warning(f"hf_ring: chunked loss off (not supported {why}): the LM head's full logits are "
-                           "materialised per rank")
+            logger.warning(
+                "hf_ring: chunked loss off (the weights are sharded by FSDP2 or DeepSpeed, which it does not "
+                "support yet): the LM head's full logits are materialised per rank"
+            )
         return False
 
     # ---- evaluation ----
