@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+import eval_loss_run
 from distributed import run_world
 from reference_attention import rel_err
 
@@ -25,10 +26,6 @@ def _rank(rank: int, world: int) -> dict:
     import hf_ring
     from hf_ring.memory.chunked_loss import ChunkedLossConfig, model_token_loss_sum
     from hf_ring.training.loss import token_loss_sum
-
-    sys_path = __import__("sys").path
-    sys_path.insert(0, __import__("os").path.dirname(__file__))
-    import eval_loss_run
 
     hf_ring.setup_context_parallel(world)
     collate = hf_ring.RingDataCollator(eval_loss_run.PAD, cp_size=world, cp_rank=rank)
