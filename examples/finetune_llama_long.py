@@ -256,7 +256,7 @@ def main(argv: Optional[Sequence[str]] = None, callbacks: Optional[list] = None)
     return train_and_report(trainer, args)
 
 
-def train_and_report(trainer: hf_ring.RingTrainer, args: argparse.Namespace) -> dict:
+def train_and_report(trainer: transformers.Trainer, args: argparse.Namespace) -> dict:
     """Train, evaluate at the end unless the last step just did, write trainer_state.json, shut down."""
     result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     metrics = dict(result.metrics)
@@ -269,7 +269,7 @@ def train_and_report(trainer: hf_ring.RingTrainer, args: argparse.Namespace) -> 
         metrics.update({k: v for e in trainer.state.log_history if "eval_loss" in e for k, v in e.items()})
     trainer.save_state()  # writes output_dir/trainer_state.json (log_history: loss per step, eval_loss)
     if trainer.is_world_process_zero():
-        if trainer.gradient_reduction is not None:
+        if getattr(trainer, "gradient_reduction", None) is not None:  # RingTrainer's (the stock Trainer has none)
             print(f"[hf_ring] {trainer.gradient_reduction.describe()}", flush=True)
         print(f"[hf_ring] done: train_loss {metrics.get('train_loss')}, eval_loss {metrics.get('eval_loss')}; "
               f"log in {os.path.join(args.output_dir, 'trainer_state.json')}", flush=True)
@@ -277,7 +277,7 @@ def train_and_report(trainer: hf_ring.RingTrainer, args: argparse.Namespace) -> 
     return metrics
 
 
-def _shut_down(trainer: hf_ring.RingTrainer) -> None:
+def _shut_down(trainer: transformers.Trainer) -> None:
     """Free the DDP (or FSDP2) model, then destroy the process groups, in that order.
 
     Left to interpreter exit, gloo's worker threads can abort a process after a successful

@@ -52,8 +52,10 @@ if importlib.util.find_spec("transformers") is not None:
 # The collator and the Accelerate plugin need only torch; the Trainer needs transformers.
 from hf_ring.training.collator import RingCollatorConfig, RingDataCollator
 from hf_ring.training.plugin import RingAttentionPlugin
+from hf_ring.training.vision_collator import RingVisionCollatorConfig, RingVisionDataCollator
 
-__all__ += ["RingCollatorConfig", "RingDataCollator", "RingAttentionPlugin"]
+__all__ += ["RingCollatorConfig", "RingDataCollator", "RingAttentionPlugin", "RingVisionCollatorConfig",
+            "RingVisionDataCollator"]
 
 if importlib.util.find_spec("transformers") is not None:
     from hf_ring.memory.chunked_loss import ChunkedLossConfig

@@ -247,16 +247,17 @@ def test_sharded_checkpoint_consolidates_for_one_process(runs, tmp_path):
     model.load_state_dict(load_file(os.path.join(merged, "model.safetensors")), strict=True)
     model.eval()
     collate = RingDataCollator(tokenizer.pad_token_id, cp_size=1)
-    total, count = 0.0, 0
+    means = []  # the stock Trainer's eval_loss: the mean over examples of their batch's token mean
     with torch.no_grad():
         for row in passkey_dataset(tokenizer, args.num_eval_examples, args.seq_len, seed=args.seed + 1):
-            batch = collate([row])
+            batch = collate([row])  # per_device_eval_batch_size 1, as the run
             shift_labels = batch.pop("shift_labels")
             batch.pop("labels")
-            total += float(token_loss_sum(model(**batch).logits, shift_labels).double())
-            count += int(count_valid_tokens(shift_labels))
+            means.append(float(token_loss_sum(model(**batch).logits, shift_labels).double())
+                         / int(count_valid_tokens(shift_labels)))
+    expected = sum(means) / len(means)
     logged = _eval_losses(full["state"])[4]
-    assert abs(total / count - logged) <= 1e-4 * abs(logged), (total / count, logged)
+    assert abs(expected - logged) <= 1e-4 * abs(logged), (expected, logged)
 
 
 def test_weight_sharding_checks_in_a_real_world():

@@ -187,7 +187,7 @@ def _sft_trainer(trainer_cls, fmt: str, packing: bool, out_dir: str, **kwargs):
 def test_ring_sft_at_cp1_is_trl_sft(tmp_path, fresh_process_state, fmt, packing):
     """RingSFTTrainer at cp_size 1 logs what TRL's own SFTTrainer logs (its loss is its own code,
     so this is the check that the masks, the packing and the metrics mean what TRL means).
-    The eval set is one batch, where TRL's mean of batch means is the token mean."""
+    RingSFTTrainer logs one figure more, eval_token_loss (the token mean over the eval set)."""
     from trl import SFTTrainer
 
     from hf_ring import RingAttentionPlugin
@@ -199,6 +199,8 @@ def test_ring_sft_at_cp1_is_trl_sft(tmp_path, fresh_process_state, fmt, packing)
         trainer.train()
         trainer.evaluate()
         results[name] = {"log_history": [{k: v for k, v in e.items()} for e in trainer.state.log_history]}
+    extra = [e.pop("eval_token_loss") for e in results["ring"]["log_history"] if "eval_token_loss" in e]
+    assert extra and all(math.isfinite(v) for v in extra)
     worst = compare(results["ring"], results["trl"])
     assert {"loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens", "eval_loss"} <= set(worst)
 

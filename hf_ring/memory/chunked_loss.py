@@ -242,7 +242,9 @@ def _head_of(model: nn.Module) -> tuple[str, nn.Module, nn.Linear]:
             f"(get_output_embeddings()); {TURN_OFF}"
         )
     linear = peft_patches.module_run_by(head) or head
-    where = f"{type(model).__name__}.{attr}" + ("" if linear is head else f" (PEFT's {type(head).__name__} runs a {type(linear).__name__})")
+    where = f"{type(model).__name__}.{attr}"
+    if linear is not head:
+        where += f" (PEFT's {type(head).__name__} runs a {type(linear).__name__})"
     if type(linear).forward is not nn.Linear.forward or "forward" in vars(linear):
         raise NotImplementedError(
             f"chunked loss: {where} is a {type(linear).__name__} with a forward of its own, not a plain nn.Linear "
@@ -264,13 +266,17 @@ def _head_of(model: nn.Module) -> tuple[str, nn.Module, nn.Linear]:
 
 
 @contextlib.contextmanager
-def _head_input_recorded(head: nn.Module) -> Iterator[list[torch.Tensor]]:
-    """While open, ``head(x)`` records ``x`` and returns an empty ``x.shape[:-1] + (0,)``."""
+def _head_input_recorded(head: nn.Module, linear: nn.Linear) -> Iterator[list[torch.Tensor]]:
+    """While open, ``head(x)`` records ``x`` and returns an empty ``x.shape[:-1] + (0,)``:
+    ``linear`` (the head, or the module a PEFT wrapper of it runs) computed for none of its
+    outputs, so that the forward's outputs still reach the head's weight in the autograd graph. DDP with ``find_unused_parameters=True`` (the
+    Trainer's default without gradient checkpointing) would otherwise take the weight for
+    unused, mark it ready after the forward, and fail when the chunks' backward reaches it."""
     recorded: list[torch.Tensor] = []
 
     def record(x: torch.Tensor) -> torch.Tensor:
         recorded.append(x)
-        return x.new_empty(*x.shape[:-1], 0)
+        return F.linear(x, linear.weight[:0], None if linear.bias is None else linear.bias[:0])
 
     head.forward = record
     try:
@@ -306,7 +312,7 @@ def model_token_loss_sum(
     transform = LogitTransform.of_model(language_model, attr)
     if kwargs.get("logits_to_keep") not in (None, 0):
         raise ValueError(f"chunked loss: logits_to_keep={kwargs['logits_to_keep']!r}; the loss needs every token's logits")
-    with _head_input_recorded(head) as recorded:
+    with _head_input_recorded(head, linear) as recorded:
         outputs = model(**kwargs)
     if len(recorded) != 1:
         raise NotImplementedError(

@@ -58,11 +58,7 @@ class RingCollatorConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.pad_token_id, int) or self.pad_token_id < 0:
             raise ValueError(f"pad_token_id must be a non-negative int, got {self.pad_token_id!r}")
-        if not isinstance(self.cp_size, int) or self.cp_size < 1:
-            raise ValueError(f"cp_size must be a positive int, got {self.cp_size!r}")
-        if not isinstance(self.cp_rank, int) or not 0 <= self.cp_rank < self.cp_size:
-            raise ValueError(f"cp_rank must be an int in [0, {self.cp_size}), got {self.cp_rank!r}")
-        check_layout(self.layout)
+        check_coordinates(self)
         if self.packing and self.layout != "zigzag":
             raise ValueError(
                 f"packing shards every document in the zigzag layout, got layout={self.layout!r}; "
@@ -94,6 +90,20 @@ class RingCollatorConfig:
     def multiple(self) -> int:
         """The length multiple rows (dense) or documents (packing) are padded to."""
         return self.pad_to_multiple_of or self.base_multiple
+
+
+def check_coordinates(config: Any) -> None:
+    """A collator config's ``cp_size``, ``cp_rank`` and ``layout``, checked (ValueError)."""
+    if not isinstance(config.cp_size, int) or config.cp_size < 1:
+        raise ValueError(f"cp_size must be a positive int, got {config.cp_size!r}")
+    if not isinstance(config.cp_rank, int) or not 0 <= config.cp_rank < config.cp_size:
+        raise ValueError(f"cp_rank must be an int in [0, {config.cp_size}), got {config.cp_rank!r}")
+    check_layout(config.layout)
+
+
+def shards_as(config: Any, state: ContextParallelState) -> bool:
+    """Whether a collator config shards as ``state`` says (CP size, rank and layout)."""
+    return (config.cp_size, config.cp_rank, config.layout) == (state.cp_size, state.cp_rank, state.layout)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -184,8 +194,7 @@ class RingDataCollator:
 
     def matches(self, state: ContextParallelState) -> bool:
         """Whether this collator shards as ``state`` says."""
-        cfg = self.config
-        return (cfg.cp_size, cfg.cp_rank, cfg.layout) == (state.cp_size, state.cp_rank, state.layout)
+        return shards_as(self.config, state)
 
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         if len(features) == 0:

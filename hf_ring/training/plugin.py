@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from hf_ring.training.collator import RingDataCollator
 from hf_ring.training.loss import all_reduce_sum
+from hf_ring.training.vision_collator import RingVisionDataCollator
 from hf_ring.patches import accelerate as accelerate_patches
 from hf_ring.patterns.state import ContextParallelState, check_kernel_name, check_pattern, setup_context_parallel
 from hf_ring.sharding.layouts import check_layout
@@ -146,6 +147,12 @@ class RingAttentionPlugin:
         layout), which owns them."""
         s = self.setup()
         return RingDataCollator.for_state(s, pad_token_id, **kwargs)
+
+    def make_vision_collator(self, pad_token_id: int, image_token_id: int, **kwargs: Any) -> RingVisionDataCollator:
+        """A :class:`RingVisionDataCollator` for image-text rows (the full batch on every rank,
+        the labels sharded) built from the context-parallel state."""
+        s = self.setup()
+        return RingVisionDataCollator.for_state(s, pad_token_id, image_token_id, **kwargs)
 
     def attach(self, accelerator: Any) -> ContextParallelState:
         """Set up the groups and make ``accelerator.prepare`` shard data loaders over the

@@ -14,8 +14,11 @@ What changes against the stock Trainer, and why:
   refuses a reduction that misses some dp x cp rank).
   The gradients then equal those of a run without CP, and the Trainer's logged loss (the
   mean over processes of what each returns) is the true token mean;
-- eval loss: the token mean over the whole evaluation set (every token weighs the same),
-  from per-rank ``(sum, count)`` totals reduced once at the end;
+- eval loss: what the stock Trainer reports, the mean over eval samples of their batch's
+  token-mean loss, each batch's mean taken over the CP group's tokens and the losses
+  gathered over data-parallel ranks only (:mod:`hf_ring.training.eval_loss`); the token
+  mean over the whole set (every token weighs the same) is logged beside it as
+  ``eval_token_loss``;
 - bookkeeping: the total train batch size counts data-parallel ranks only.
 
 Works with transformers 4.57 and 5.x (it overrides only public or long-stable methods:
@@ -27,6 +30,7 @@ versions it was written for.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 import torch
@@ -36,10 +40,10 @@ from transformers.utils import logging as hf_logging
 from hf_ring.distributed.errors import raise_together
 from hf_ring.training import weight_sharding
 from hf_ring.training import deepspeed_support
+from hf_ring.training.eval_loss import batch_token_mean, data_parallel_gather
 from hf_ring.memory.chunked_loss import ChunkedLossConfig, model_token_loss_sum
 from hf_ring.training.loss import (
     LossTotals,
-    all_reduce_sum,
     count_valid_tokens,
     loss_share,
     scale_for_ddp,
@@ -86,7 +90,9 @@ class RingTrainer(Trainer):
             parallelism). The training and eval losses are the same; ``outputs.logits`` of a
             chunked forward are empty.
         *args, **kwargs: as for ``transformers.Trainer``. ``data_collator`` must produce
-            ``shift_labels`` (use :class:`RingDataCollator`, e.g. ``ring_plugin.make_collator``);
+            ``shift_labels`` (use :class:`RingDataCollator`, e.g. ``ring_plugin.make_collator``,
+            or for an image-text model :class:`RingVisionDataCollator`,
+            ``ring_plugin.make_vision_collator``);
             with ``cp_size > 1`` the model must use ``attn_implementation="ring_flash"``.
 
     Not supported (clear error at construction): ``compute_loss_func``, label smoothing,
@@ -255,11 +261,11 @@ class RingTrainer(Trainer):
 
     def _record_eval_batch(self, token_sum: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         """Add this rank's ``(token loss sum, valid count)`` (scalars) to the eval totals; return the
-        CP group's token-mean loss of the batch (float32 scalar; collective over the CP group)."""
+        batch's token-mean loss over the CP group (float32 scalar, NaN without a valid token, as
+        the stock model's; collective over the CP group)."""
         if self._eval_totals is not None:
             self._eval_totals.add(token_sum, count)
-        group_totals = all_reduce_sum(torch.stack([token_sum.double(), count.double()]), self.ring_state.cp_group)
-        return (group_totals[0] / group_totals[1].clamp(min=1)).float()
+        return batch_token_mean(token_sum, count, self.ring_state.cp_group)
 
     def predict(self, *args: Any, **kwargs: Any) -> Any:
         """The stock ``predict`` without context parallelism; refused under it."""
@@ -280,17 +286,25 @@ class RingTrainer(Trainer):
         ignore_keys: Optional[list[str]] = None,
         metric_key_prefix: str = "eval",
     ) -> Any:
-        """The stock loop, with ``{prefix}_loss`` replaced by the token mean over the whole set."""
+        """The stock loop and its ``{prefix}_loss`` (the mean over samples of their batch's loss),
+        with the losses gathered over data-parallel ranks under CP; adds ``{prefix}_token_loss``,
+        the token mean over the whole set, when the batches had tokens to count."""
         self._eval_totals = LossTotals()
+        gather = self.gather_function
+        if self.ring_state.cp_size > 1:
+            gather = data_parallel_gather(self.accelerator, self.ring_state)
         try:
-            output = super().evaluation_loop(
-                dataloader,
-                description,
-                prediction_loss_only=prediction_loss_only,
-                ignore_keys=ignore_keys,
-                metric_key_prefix=metric_key_prefix,
-            )
-            output.metrics[f"{metric_key_prefix}_loss"] = self._eval_totals.global_mean(self.args.device)
+            with transformers_patches.eval_gather_replaced(self, gather):
+                output = super().evaluation_loop(
+                    dataloader,
+                    description,
+                    prediction_loss_only=prediction_loss_only,
+                    ignore_keys=ignore_keys,
+                    metric_key_prefix=metric_key_prefix,
+                )
+            token_mean = self._eval_totals.global_mean(self.args.device)
+            if not math.isnan(token_mean):  # the same on every rank: the totals are reduced
+                output.metrics[f"{metric_key_prefix}_token_loss"] = token_mean
         finally:
             self._eval_totals = None
         return output

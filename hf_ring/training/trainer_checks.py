@@ -14,6 +14,7 @@ from hf_ring.hf.support import unrouted_token_mixers
 from hf_ring.patches import transformers as transformers_patches
 from hf_ring.training import weight_sharding
 from hf_ring.training.collator import RingDataCollator
+from hf_ring.training.vision_collator import RingVisionDataCollator
 
 RING_ATTENTION = "ring_flash"
 
@@ -93,7 +94,7 @@ def check_trainer_supported(trainer: Any, subclass_loss: bool) -> None:
                 f"packing=True: {mixers}. Build the model with attn_implementation={RING_ATTENTION!r} (after "
                 "`import hf_ring`; at cp_size=1 too), whose mixers run each document on its own, or pack no rows"
             )
-    if isinstance(collator, RingDataCollator):
+    if isinstance(collator, (RingDataCollator, RingVisionDataCollator)):
         cfg = collator.config
         if not collator.matches(state):
             raise ValueError(

@@ -43,7 +43,8 @@ in 4.57.6 and 5.24.0):
   ``Trainer._prepare_inputs`` (``prepare_inputs``: what moves a batch to the device before
   the model's forward; the stock ``prediction_step`` calls it first),
   ``PreTrainedModel._set_gradient_checkpointing`` (``set_checkpoint_function``: to
-  checkpoint layers with hf_ring's CPU-offloading checkpoint);
+  checkpoint layers with hf_ring's CPU-offloading checkpoint), ``Trainer.gather_function``
+  (``eval_gather_replaced``: under CP the eval losses are gathered over data-parallel ranks);
 - ``sources``: what is read from the modeling code itself: a causal LM's logit transform
   (``logit_transform``, for the chunked loss), whether a forward passes a keyword
   (``forward_passes_keyword``), a modeling module's attention-class tables and whether it
@@ -65,6 +66,7 @@ transformers is imported only when a function runs: ``import hf_ring`` needs onl
 from .attributes import (
     attn_implementation,
     drop_absent_no_split_modules,
+    eval_gather_replaced,
     prepare_inputs,
     set_checkpoint_function,
     train_batch_size,
@@ -82,6 +84,7 @@ __all__ = [
     "attention_class_tables",
     "attn_implementation",
     "drop_absent_no_split_modules",
+    "eval_gather_replaced",
     "forward_passes_keyword",
     "hand_max_position",
     "length_dependent_rope",

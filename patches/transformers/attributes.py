@@ -3,14 +3,15 @@ or calls, each through an accessor that checks the release line and the attribut
 first (the same in 4.57.6 and 5.24.0).
 
 Owns: ``attn_implementation``, ``train_batch_size``, ``prepare_inputs``,
-``set_checkpoint_function``, ``drop_absent_no_split_modules``. Imports nothing of transformers itself (it is handed the objects).
+``set_checkpoint_function``, ``drop_absent_no_split_modules``, ``eval_gather_replaced``. Imports nothing of transformers itself (it is handed the objects).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from .versions import fail, installed_version
 
@@ -100,3 +101,26 @@ def drop_absent_no_split_modules(model: Any) -> list[str]:
     if dropped:
         model._no_split_modules = [n for n in names if n in present]
     return dropped
+
+
+@contextlib.contextmanager
+def eval_gather_replaced(trainer: Any, gather: Callable[[Any], Any]) -> Iterator[None]:
+    """While open, ``trainer.gather_function`` is ``gather``: what the stock
+    ``evaluation_loop`` calls on every batch's ``losses.repeat(batch_size)`` (and on logits,
+    labels, inputs) to collect them over the processes (4.57.6 and 5.24.0: set to
+    ``accelerator.gather_for_metrics`` in ``create_accelerator_and_postprocess``, reset to it
+    at the end of the loop). Restored to what it was on exit.
+
+    Raises:
+        UnsupportedTransformersVersion: an unsupported version, or a Trainer without a
+            callable ``gather_function``.
+    """
+    version = installed_version()
+    before = vars(trainer).get("gather_function")
+    if not callable(before):
+        raise fail(f"{type(trainer).__name__}.gather_function is {before!r}, not a callable", version)
+    trainer.gather_function = gather
+    try:
+        yield
+    finally:
+        trainer.gather_function = before

@@ -9,8 +9,8 @@ read) are gathered back into whole rows. TRL's loss, of any ``loss_type``, and i
 computed from exactly what they are computed from without CP, identically on every rank
 of the group; the gather's backward makes the gradients those of a run without CP.
 
-The eval loss is the mean over the evaluation set's pairs (each pair weighs the same),
-summed over data-parallel ranks once at the end; TRL's token count is divided by the
+The eval loss is the stock Trainer's (``RingTrainer``'s evaluation loop): the mean over
+eval samples of their batch's DPO loss, gathered over data-parallel ranks; TRL's token count is divided by the
 number of processes that share a batch.
 """
 
@@ -126,10 +126,6 @@ class RingDPOTrainer(RingTrainer, DPOTrainer):
         prediction_loss_only: bool,
         ignore_keys: Optional[list[str]] = None,
     ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """TRL's prediction step; adds the batch's loss, weighted by its pairs, to the eval totals."""
-        loss, logits, labels = DPOTrainer.prediction_step(self, model, inputs, prediction_loss_only, ignore_keys)
-        if self._eval_totals is not None and self.ring_state.cp_rank == 0:
-            # The CP group's ranks share one batch and one loss: its first rank counts it.
-            pairs = inputs["input_ids"].shape[0] // 2
-            self._eval_totals.add(loss.detach().double() * pairs, torch.tensor(pairs))
-        return loss, logits, labels
+        """TRL's prediction step (not RingTrainer's token loss): the CP group's batch loss, the
+        same on every rank of the group, which RingTrainer's loop gathers over dp ranks."""
+        return DPOTrainer.prediction_step(self, model, inputs, prediction_loss_only, ignore_keys)

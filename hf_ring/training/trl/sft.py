@@ -4,7 +4,7 @@ TRL prepares the data (chat templates, completion-only and assistant-only loss m
 packing) exactly as it does without CP; :class:`~hf_ring.training.trl.sft_collator.RingSFTCollator`
 collates it from TRL's own settings into this rank's shard; :class:`~hf_ring.RingTrainer`
 brings the dp x cp groups, the data-parallel sharding of batches, the token-mean loss
-over the whole dp x cp world and the exact eval loss. The loss is computed with TRL's
+over the whole dp x cp world and the stock Trainer's eval loss. The loss is computed with TRL's
 fused LM head (no ``(tokens, vocab)`` logits), fed the collator's ``shift_labels``, and
 TRL's metrics (``entropy``, ``mean_token_accuracy``, ``num_tokens``) are summed over every
 rank, so they too are those of a run without CP.
@@ -140,7 +140,8 @@ class RingSFTTrainer(RingTrainer, SFTTrainer):
         prediction_loss_only: bool,
         ignore_keys: Optional[list[str]] = None,
     ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """The CP group's token-mean loss of the batch; adds this rank's totals for eval_loss.
+        """The batch's token-mean loss over the CP group (what the stock loop averages into
+        eval_loss); adds this rank's totals for eval_token_loss.
 
         Logits (a second forward, as TRL does) only when ``prediction_loss_only`` is False, which
         ``RingTrainer`` allows only without CP (``compute_metrics`` is refused under it).
