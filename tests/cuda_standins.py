@@ -214,7 +214,8 @@ def efficient_backward(grad_out, query, key, value, bias, out, cu_q, cu_k, max_q
                        seed, offset, custom_mask_type, bias_requires_grad, *, scale=None):
     what = "_efficient_attention_backward"
     check_devices(what, query, dict(grad_out=grad_out, key=key, value=value, out=out, logsumexp=logsumexp,
-                                    philox_seed=seed, philox_offset=offset), cpu_scalars=("philox_seed", "philox_offset"))
+                                    philox_seed=seed, philox_offset=offset),
+                  cpu_scalars=("philox_seed", "philox_offset"))
     check_dtypes(what, query, {"key": key, "value": value, "out": out, "grad_out": grad_out})
     assert query.shape[2] == key.shape[2] and out.is_contiguous() and logsumexp.shape[-1] % 32 == 0
     assert max_q == query.shape[1] and max_k == key.shape[1]

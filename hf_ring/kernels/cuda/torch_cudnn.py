@@ -18,8 +18,9 @@ PyTorch declares them (schema and meta function):
   repeat K/V here, on the received block, and dK/dV are summed back over each group.
 - ``philox_seed`` / ``philox_offset`` are the forward's dropout state; with dropout 0 the
   kernel does not read them, so the backward passes int64 scalars on the tensors' device,
-  the forward's type (made per call: a cached tensor would outlive a fake mode). ``attn_bias`` and ``cum_seq_q/k`` are None (no bias, dense rows),
-  ``max_q`` / ``max_k`` the block's lengths.
+  the forward's type (made per call: a cached tensor would outlive a fake mode).
+  ``attn_bias`` and ``cum_seq_q/k`` are None (no bias, dense rows), ``max_q`` / ``max_k``
+  the block's lengths.
 
 sm80+ (``backend="auto"`` takes it on sm90+ only, where PyTorch 2.5 made it the SDPA default),
 fp16/bf16, head_dim a multiple of 8 up to 128, cuDNN >= 9. No softcap and no
@@ -99,7 +100,7 @@ def cudnn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
         raise NotImplementedError(f"this PyTorch's cuDNN attention returned an lse of shape {tuple(lse.shape)}, its "
                                   f"meta function declares {want}; pass {_INSTEAD}")
     b, sq, hq, _ = q.shape
-    return _bhsd(out), lse.view(b, hq, sq)  # a view of either rank, sq == 1 included
+    return _bhsd(out), lse.reshape(b, hq, sq)  # a view of either rank, sq == 1 included
 
 
 def cudnn_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
