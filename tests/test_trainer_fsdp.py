@@ -36,6 +36,7 @@ from packaging.version import Version
 from test_trainer_cp import COMMON, EXAMPLE, ROOT, STEPS, _assert_same, _eval_losses, _free_port, _grad_norms, _losses
 
 from distributed import run_world
+from subprocess_limits import HANG_GUARD_S
 
 needs_transformers_5 = pytest.mark.skipif(
     Version(transformers.__version__) < Version("5"),
@@ -45,7 +46,7 @@ needs_transformers_5 = pytest.mark.skipif(
 DRIVER = os.path.join(ROOT, "tests", "fsdp_trainer_run.py")
 FSDP_CPU_CONFIG = os.path.join(ROOT, "examples", "accelerate_fsdp_cpu.yaml")
 GRAD_REL_TOL = 1e-4
-TIMEOUT_S = 600
+TIMEOUT_S = HANG_GUARD_S
 
 
 def _env() -> dict:
