@@ -92,11 +92,11 @@ def _eval_losses(state: dict) -> dict[int, float]:
     return {e["step"]: e["eval_loss"] for e in state["log_history"] if "eval_loss" in e}
 
 
-def _assert_same(got: dict[int, float], ref: dict[int, float], what: str) -> None:
+def _assert_same(got: dict[int, float], ref: dict[int, float], what: str, tol: float = REL_TOL) -> None:
     assert sorted(got) == sorted(ref), (what, sorted(got), sorted(ref))
     for step, value in ref.items():
         assert math.isfinite(got[step]) and math.isfinite(value), (what, step, got[step], value)
-        assert abs(got[step] - value) <= REL_TOL * abs(value), f"{what} at step {step}: {got[step]} vs {value}"
+        assert abs(got[step] - value) <= tol * abs(value), f"{what} at step {step}: {got[step]} vs {value}"
 
 
 @pytest.fixture(scope="module")
