@@ -10,7 +10,8 @@ so a family added by the next release shows up as refused or not swept, not miss
 In one spawned gloo world of 2 ranks shared by all families (spawning is the slow part),
 each family's failure caught on its own:
 
-- a **checked** family (a hand-written case in ``tests/vlm_cases.py``: a tiny config and a
+- a **checked** family (a hand-written case in ``tests/vlm_cases.py`` or
+  ``tests/vlm_sweep_cases.py``: a tiny config and a
   batch with the family's own input format and placeholder counts): every rank runs the
   ``ring_flash`` model on the same full batch and gets its zigzag shard of the logits; its
   loss is its share of a fixed random weighting of the logits. Against one process with
@@ -53,6 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import sweep_ratchet  # noqa: E402
 import vlm_cases  # noqa: E402
+import vlm_sweep_cases  # noqa: E402
 from model_sweep import describe_error  # noqa: E402
 from vlm_checks import errors, run_full, run_shard  # noqa: E402
 from vlm_sweep_configs import NOT_SWEPT, WRITTEN_FOR, build_config, family_names, model_class_name  # noqa: E402
@@ -79,7 +81,7 @@ class NotSwept(Exception):
 
 def checked_cases() -> dict:
     """Family (model type) -> (config(), batch(seed)) for the families with a hand-written case."""
-    return dict(vlm_cases.FAMILIES)
+    return {**vlm_cases.FAMILIES, **vlm_sweep_cases.CASES}
 
 
 def _seed(name: str) -> int:

@@ -25,6 +25,13 @@ What was read, for the families below:
 - LLaVA, LLaVA-OneVision, Mistral 3, InternVL: embeddings, tower, projector,
   ``masked_scatter``; no positions of their own: the language model (a stock decoder,
   e.g. ``LlamaModel``, ``Qwen2Model``) numbers ``arange(seq)`` when given none.
+- The same, read for the multimodal sweep (``tests/vlm_sweep.py``, which checks each at
+  cp=2): VipLLaVA (features of several tower layers), LLaVA-NeXT and LLaVA-NeXT-Video
+  (anyres views with newlines; videos pooled), Video-LLaVA (images and videos through one
+  tower), Aya Vision (pixel shuffle; a Cohere 2 language model with sliding windows),
+  Idefics3 and SmolVLM (``inputs_merger`` / ``masked_scatter`` into ``text_model``),
+  LightOnOCR (Pixtral). None computes positions or a mask of its own; each passes
+  ``attention_mask``, ``position_ids`` and ``inputs_embeds`` to its language model as given.
 
 Refused by name: Gemma 3 (its mask lets each image's tokens attend to each other both
 ways, a block mask the ring does not compute), and every family not listed.
@@ -76,6 +83,14 @@ FAMILIES: dict[str, Family] = {
     "LlavaOnevisionModel": Family("LLaVA-OneVision"),
     "Mistral3Model": Family("Mistral 3"),
     "InternVLModel": Family("InternVL"),
+    "VipLlavaModel": Family("VipLLaVA"),
+    "LlavaNextModel": Family("LLaVA-NeXT"),
+    "LlavaNextVideoModel": Family("LLaVA-NeXT-Video"),
+    "VideoLlavaModel": Family("Video-LLaVA"),
+    "AyaVisionModel": Family("Aya Vision"),
+    "Idefics3Model": Family("Idefics3"),
+    "SmolVLMModel": Family("SmolVLM"),
+    "LightOnOcrModel": Family("LightOnOCR"),
 }
 
 # Families read and refused, with the reason (formatted with {name}, {where}).

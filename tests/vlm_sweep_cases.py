@@ -1,0 +1,109 @@
+"""Hand-written cases of the image-text families the multimodal sweep checks beyond those of
+tests/vlm_cases.py: a tiny config and a batch in the family's own input format.
+
+Each placeholder count is the number of features the family's own code makes for the image
+(the model itself checks it: ``get_placeholder_mask`` raises when the counts differ), read
+in transformers 5.24's modeling code:
+
+- VipLLaVA: CLIP, the class token dropped, features of several layers concatenated: an
+  8 x 8 image in patches of 4 is 4 tokens;
+- LLaVA-NeXT(-Video): anyres, an 8 x 16 image is a base view of 2 x 2 features and a 1 x 2
+  grid of 8 x 8 crops (2 x 4 features and a newline after each row): 4 + 10 = 14 tokens;
+- Video-LLaVA: CLIP with the class token dropped, 4 tokens per 8 x 8 image;
+- Aya Vision: SigLIP, 4 x 4 patches of 2 pixel-shuffled by 2 into 4 tokens;
+- SmolVLM, Idefics3: their own vision tower on 8 x 8 images in patches of 2 (16), pixel
+  shuffled by a scale factor of 2 into 4 tokens; ``pixel_values`` is
+  ``(rows, images per row, 3, 8, 8)``;
+- LightOnOCR: Pixtral as in Mistral 3, a 16 x 16 image is 4 x 4 patches merged 2 x 2 into 4.
+
+Same sizes as tests/vlm_cases.py: 2 rows of 32 tokens, images straddling the zigzag chunks
+of 8 tokens at cp=2, language models of 2 layers, hidden 64.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from transformers import (
+    AyaVisionConfig, CLIPVisionConfig, Idefics3Config, LightOnOcrConfig, LlamaConfig, LlavaNextConfig,
+    LlavaNextVideoConfig, PixtralVisionConfig, Qwen3Config, SiglipVisionConfig, SmolVLMConfig, VideoLlavaConfig,
+    VipLlavaConfig,
+)
+
+from model_sweep_configs import build_config as tiny_text_config
+from vlm_cases import _TEXT, _THREE, IMAGE, PATCH, VIDEO, _placeholder_batch
+
+_CLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=8,
+             patch_size=PATCH, projection_dim=32)
+_SHUFFLED = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=8,
+                 patch_size=2)
+
+
+def vipllava() -> VipLlavaConfig:
+    return VipLlavaConfig(vision_config=CLIPVisionConfig(**_CLIP), text_config=LlamaConfig(**_TEXT, head_dim=16),
+                          image_token_index=IMAGE, vision_feature_layer=[-1, -2], image_seq_length=4)
+
+
+def llava_next(video: bool = False):
+    config = LlavaNextVideoConfig if video else LlavaNextConfig
+    tokens = dict(image_token_index=IMAGE, video_token_index=VIDEO) if video else dict(image_token_index=IMAGE)
+    return config(vision_config=CLIPVisionConfig(**_CLIP), text_config=LlamaConfig(**_TEXT, head_dim=16),
+                  image_grid_pinpoints=[[8, 8], [8, 16]], image_seq_length=4, **tokens)
+
+
+def video_llava() -> VideoLlavaConfig:
+    return VideoLlavaConfig(vision_config=CLIPVisionConfig(**_CLIP), text_config=LlamaConfig(**_TEXT, head_dim=16),
+                            image_token_index=IMAGE, video_token_index=VIDEO, image_seq_length=4)
+
+
+def aya_vision() -> AyaVisionConfig:
+    # The text model is Cohere 2 with its sliding window of 8 tokens (the text sweep's tiny config).
+    return AyaVisionConfig(vision_config=SiglipVisionConfig(**_SHUFFLED), text_config=tiny_text_config("cohere2"),
+                           image_token_index=IMAGE, downsample_factor=2, vision_feature_layer=-1)
+
+
+def idefics3(smol: bool = False):
+    config = SmolVLMConfig if smol else Idefics3Config
+    vision = dict(_SHUFFLED, model_type="smolvlm_vision" if smol else "idefics3_vision")
+    # use_cache=False: the family's default (True) makes its forward build a cache, which hf_ring
+    # refuses under CP (named); training runs without one.
+    return config(vision_config=vision, text_config=LlamaConfig(**_TEXT, head_dim=16), image_token_id=IMAGE,
+                  scale_factor=2, use_cache=False)
+
+
+def lighton_ocr() -> LightOnOcrConfig:
+    vision = PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                 head_dim=16, image_size=16, patch_size=PATCH)
+    return LightOnOcrConfig(vision_config=vision, text_config=Qwen3Config(**_TEXT, head_dim=16), image_token_id=IMAGE,
+                            spatial_merge_size=2)
+
+
+def _anyres_batch(seed: int) -> dict[str, Any]:
+    """One 8 x 16 image a row: 3 views of 8 x 8, 14 tokens."""
+    return _placeholder_batch(seed, ((0, 4), (1, 10)), 14, (2, 3, 3, 8, 8), image_sizes=torch.tensor([[8, 16]] * 2))
+
+
+def _one_image_a_row(seed: int) -> dict[str, Any]:
+    """Idefics3's format: ``pixel_values`` ``(rows, 1, 3, 8, 8)``, 4 tokens each."""
+    batch = _placeholder_batch(seed, ((0, 5), (1, 6)), 4, (2, 1, 3, 8, 8))
+    return {**batch, "pixel_attention_mask": torch.ones(2, 1, 8, 8, dtype=torch.bool)}
+
+
+def _video_llava_batch(seed: int) -> dict[str, Any]:
+    batch = _placeholder_batch(seed, _THREE, 4, (3, 3, 8, 8))
+    return {"input_ids": batch["input_ids"], "pixel_values_images": batch["pixel_values"]}
+
+
+# name (model type) -> (config(), batch(seed))
+CASES: dict[str, tuple[Callable[[], Any], Callable[[int], dict]]] = {
+    "vipllava": (vipllava, lambda seed: _placeholder_batch(seed, _THREE, 4, (3, 3, 8, 8))),
+    "llava_next": (llava_next, _anyres_batch),
+    "llava_next_video": (lambda: llava_next(video=True), _anyres_batch),
+    "video_llava": (video_llava, _video_llava_batch),
+    "aya_vision": (aya_vision, lambda seed: _placeholder_batch(seed, _THREE, 4, (3, 3, 8, 8))),
+    "idefics3": (idefics3, _one_image_a_row),
+    "smolvlm": (lambda: idefics3(smol=True), _one_image_a_row),
+    "lighton_ocr": (lighton_ocr, lambda seed: _placeholder_batch(
+        seed, _THREE, 4, (3, 3, 16, 16), image_sizes=torch.tensor([[16, 16]] * 3))),
+}
