@@ -283,6 +283,15 @@ def verdict(summary: dict[str, Any]) -> tuple[str, str]:
 # --------------------------------------------------------------------------- the record and the table
 
 
+def judge(summary: dict[str, Any], recorded: Optional[dict[str, dict[str, str]]]) -> tuple[str, str]:
+    """("ok" | "fail", message): the verdict, then (with a record) the ratchet."""
+    kind, message = verdict(summary)
+    if kind == "ok" and recorded is not None:
+        kind, message = sweep_ratchet.compare(summary, recorded, record=outcome_record, paths=("cp",),
+                                              update=UPDATE, expected_json=EXPECTED_JSON)
+    return kind, message or summary["detail"]
+
+
 def outcome_record(summary: dict[str, Any]) -> Optional[dict[str, str]]:
     """The ratchet's record of a family: ``{"cp": "exact" | "refused: <key>" | "not swept: <key>"}``."""
     if summary["outcome"] not in ("exact", "refused", "not swept"):
@@ -329,19 +338,16 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     if args.write_expected and transformers.__version__ != WRITTEN_FOR:
         parser.error(f"the recorded outcomes are for transformers {WRITTEN_FOR}, not {transformers.__version__}")
-    recorded = sweep_ratchet.load(EXPECTED_JSON)["families"]
     started = time.perf_counter()
     results = run_sweep(args.only)
     seconds = time.perf_counter() - started
-    failed = 0
-    for name, r in results.items():
-        kind, message = verdict(r)
-        if kind == "ok" and not args.write_expected:
-            kind, message = sweep_ratchet.compare(r, recorded, record=outcome_record, paths=("cp",),
-                                                  update=UPDATE, expected_json=EXPECTED_JSON)
-            message = message or r["detail"]
-        failed += kind == "fail"
-        print(f"{name:26s} {r['outcome']:9s} {kind:4s} {r['seconds']:4.1f}s  {message[:200]}")
+    # What is being recorded is not compared with the record it replaces.
+    recorded = None if args.write_expected else sweep_ratchet.load(EXPECTED_JSON)["families"]
+    judged = {name: judge(r, recorded) for name, r in results.items()}
+    for name, (kind, message) in judged.items():
+        first = message.splitlines()[0] if message else ""
+        print(f"{name:26s} {results[name]['outcome']:9s} {kind:4s} {results[name]['seconds']:4.1f}s  {first[:200]}")
+    failed = sum(kind == "fail" for kind, _ in judged.values())
     print(f"{len(results)} families in {seconds:.0f} s; {failed} not as expected")
     if args.write_table:
         write_table(results, seconds)

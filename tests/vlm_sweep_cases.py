@@ -26,13 +26,13 @@ from typing import Any, Callable
 
 import torch
 from transformers import (
-    AyaVisionConfig, CLIPVisionConfig, Idefics3Config, LightOnOcrConfig, LlamaConfig, LlavaNextConfig,
-    LlavaNextVideoConfig, PixtralVisionConfig, Qwen3Config, SiglipVisionConfig, SmolVLMConfig, VideoLlavaConfig,
-    VipLlavaConfig,
+    AyaVisionConfig, CLIPVisionConfig, Cohere2VisionConfig, DeepseekVLConfig, Idefics3Config, LightOnOcrConfig,
+    LlamaConfig, LlavaNextConfig, LlavaNextVideoConfig, PixtralVisionConfig, Qwen3_5Config, Qwen3_5MoeConfig,
+    Qwen3Config, SiglipVisionConfig, SmolVLMConfig, VideoLlavaConfig, VipLlavaConfig,
 )
 
 from model_sweep_configs import build_config as tiny_text_config
-from vlm_cases import _TEXT, _THREE, IMAGE, PATCH, VIDEO, _placeholder_batch
+from vlm_cases import _QWEN_VISION, _TEXT, _THREE, _TOKENS, IMAGE, PATCH, VIDEO, _placeholder_batch, _qwen_batch
 
 _CLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=8,
              patch_size=PATCH, projection_dim=32)
@@ -79,6 +79,42 @@ def lighton_ocr() -> LightOnOcrConfig:
                             spatial_merge_size=2)
 
 
+def cohere2_vision() -> Cohere2VisionConfig:
+    return Cohere2VisionConfig(vision_config=SiglipVisionConfig(**_SHUFFLED), text_config=tiny_text_config("cohere2"),
+                               image_token_id=IMAGE, downsample_factor=2, alignment_intermediate_size=64)
+
+
+def deepseek_vl() -> DeepseekVLConfig:
+    vision = SiglipVisionConfig(**dict(_SHUFFLED, patch_size=PATCH))
+    return DeepseekVLConfig(vision_config=vision, text_config=LlamaConfig(**_TEXT, head_dim=16), image_token_id=IMAGE)
+
+
+def qwen3_5(moe: bool = False):
+    """Qwen3.5: a Qwen3-VL-like tower and 3-D M-RoPE (interleaved sections over a quarter
+    of the head in the released models, half here) over a hybrid language model: the text
+    sweep's tiny Qwen3.5 text config, a gated delta rule layer and a full attention layer."""
+    text = tiny_text_config("qwen3_5_moe_text" if moe else "qwen3_5_text")
+    text.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                            "mrope_section": [2, 1, 1], "mrope_interleaved": True}
+    vision = dict(_QWEN_VISION, hidden_size=32, intermediate_size=64, out_hidden_size=64, num_position_embeddings=16)
+    return (Qwen3_5MoeConfig if moe else Qwen3_5Config)(text_config=text, vision_config=vision, **_TOKENS)
+
+
+def glm4v(moe: bool = False):
+    """GLM-4.1V / GLM-4V-MoE: Qwen2-VL's merge and 3-D M-RoPE from its own ``get_rope_index``;
+    the tower of the generic tiny config (tests/vlm_sweep_configs.py) in patches of 4."""
+    from vlm_sweep_configs import build_config
+
+    config = build_config("glm4v_moe" if moe else "glm4v")
+    config.vision_config.patch_size, config.vision_config.image_size = PATCH, 16
+    config.vision_config.depth = 2
+    for key, value in dict(image_token_id=IMAGE, video_token_id=VIDEO, image_start_token_id=_TOKENS["vision_start_token_id"],
+                           image_end_token_id=_TOKENS["vision_end_token_id"], video_start_token_id=110,
+                           video_end_token_id=111).items():
+        setattr(config, key, value)
+    return config
+
+
 def _anyres_batch(seed: int) -> dict[str, Any]:
     """One 8 x 16 image a row: 3 views of 8 x 8, 14 tokens."""
     return _placeholder_batch(seed, ((0, 4), (1, 10)), 14, (2, 3, 3, 8, 8), image_sizes=torch.tensor([[8, 16]] * 2))
@@ -104,6 +140,12 @@ CASES: dict[str, tuple[Callable[[], Any], Callable[[int], dict]]] = {
     "aya_vision": (aya_vision, lambda seed: _placeholder_batch(seed, _THREE, 4, (3, 3, 8, 8))),
     "idefics3": (idefics3, _one_image_a_row),
     "smolvlm": (lambda: idefics3(smol=True), _one_image_a_row),
+    "cohere2_vision": (cohere2_vision, lambda seed: _placeholder_batch(seed, _THREE, 4, (3, 3, 8, 8))),
+    "deepseek_vl": (deepseek_vl, lambda seed: _placeholder_batch(seed, _THREE, 4, (3, 3, 8, 8))),
+    "qwen3_5": (qwen3_5, lambda seed: _qwen_batch(seed, frames_apart=True)),
+    "qwen3_5_moe": (lambda: qwen3_5(moe=True), lambda seed: _qwen_batch(seed, frames_apart=True)),
+    "glm4v": (glm4v, lambda seed: _qwen_batch(seed, video=False)),
+    "glm4v_moe": (lambda: glm4v(moe=True), lambda seed: _qwen_batch(seed, video=False)),
     "lighton_ocr": (lighton_ocr, lambda seed: _placeholder_batch(
         seed, _THREE, 4, (3, 3, 16, 16), image_sizes=torch.tensor([[16, 16]] * 3))),
 }
