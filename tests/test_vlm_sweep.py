@@ -62,21 +62,16 @@ def test_family_outcome_is_as_recorded(family, results):
 
 def test_every_served_family_is_checked():
     """Each family of hf_ring's table has a hand-written case here (by its model type), so the
-    sweep checks it exactly rather than trusting the table; and the record names real families."""
+    sweep checks it exactly rather than trusting the table; the cases and the record name
+    real families."""
     import transformers.models.auto.modeling_auto as auto
 
-    served = {name for name in family_names()
-              if getattr(transformers, auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[name]).base_model_prefix
-              and _base_class_name(name) in FAMILIES}
+    heads = auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    served = {name for name in family_names() if heads[name].replace("ForConditionalGeneration", "Model") in FAMILIES}
+    assert len(served) == len(FAMILIES), sorted(FAMILIES)  # each entry of the table names a family's base model
     assert served <= set(vlm_sweep.checked_cases()), sorted(served - set(vlm_sweep.checked_cases()))
+    assert set(vlm_sweep.checked_cases()) <= set(family_names())
     assert set(sweep_ratchet.load(vlm_sweep.EXPECTED_JSON)["families"]) <= set(family_names())
-
-
-def _base_class_name(name: str) -> str:
-    import transformers.models.auto.modeling_auto as auto
-
-    head = auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[name]
-    return head.replace("ForConditionalGeneration", "Model")
 
 
 def test_verdicts_and_records():
