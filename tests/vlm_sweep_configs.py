@@ -11,13 +11,12 @@ release shows up here, and in the sweep, as unswept or refused, never missing.
   16, vocabulary 128), where its model type is one transformers registers;
 - every other sub-config (vision towers, audio towers, Q-formers, resamplers): ``VISION``
   where the sub-config has the attribute (width 32, one block, two heads);
-- the top-level config: token ids beyond the tiny vocabulary moved into it (120 and up),
-  ``OVERRIDES[name]`` on top.
+- the top-level config: token ids beyond the tiny vocabulary moved into it (120 and up).
 
 The families whose batches are written by hand (checked against one process) have their
-config in ``tests/vlm_cases.py`` instead (``CHECKED`` in ``tests/vlm_sweep.py``); the ones
-here only need to build and reach their base model's forward, where hf_ring refuses them
-by name.
+config in ``tests/vlm_cases.py`` or ``tests/vlm_sweep_cases.py`` instead (``checked_cases``
+in ``tests/vlm_sweep.py``); the ones built here only need to build and reach their base
+model's forward, where hf_ring refuses them. Must not import hf_ring.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_
 
 from model_sweep_configs import COMMON, WRITTEN_FOR, _zero_dropouts, build_config as tiny_text_config
 
-__all__ = ["WRITTEN_FOR", "build_config", "family_names", "model_class_name", "NOT_SWEPT"]
+__all__ = ["WRITTEN_FOR", "build_config", "family_names", "model_class_name"]
 
 VOCAB = 128
 FIRST_SPECIAL = 120  # token ids the config names are moved to 120, 121, ... (under VOCAB)
@@ -64,11 +63,6 @@ VISION: dict[str, Any] = dict(
     out_hidden_size=64,  # the tiny text width, where a tower projects into it
     text_hidden_size=64,
 )
-
-# A family's own needs on top (by model type).
-OVERRIDES: dict[str, dict[str, Any]] = {}
-
-NOT_SWEPT: dict[str, str] = {}
 
 
 def family_names() -> list[str]:
@@ -149,7 +143,7 @@ def build_config(name: str) -> PretrainedConfig:
         if not isinstance(sub, PretrainedConfig):
             continue
         subs[key] = _text(sub) if key in ("text_config", "decoder") else _shrunk(sub, VISION)
-    kwargs = {**subs, **_special_tokens(defaults), **copy.deepcopy(OVERRIDES.get(name, {}))}
+    kwargs = {**subs, **_special_tokens(defaults)}
     config = config_class(**kwargs)
     _zero_dropouts(config)
     return config
