@@ -9,7 +9,9 @@ in transformers 5.24's modeling code:
   8 x 8 image in patches of 4 is 4 tokens;
 - LLaVA-NeXT(-Video): anyres, an 8 x 16 image is a base view of 2 x 2 features and a 1 x 2
   grid of 8 x 8 crops (2 x 4 features and a newline after each row): 4 + 10 = 14 tokens;
-- Video-LLaVA: CLIP with the class token dropped, 4 tokens per 8 x 8 image;
+- LLaVA-NeXT-Video's videos: each frame's 2 x 2 features pooled by 2 into one token;
+- Video-LLaVA: CLIP with the class token dropped, 4 tokens per 8 x 8 image; a video's frames
+  keep it, 5 tokens per frame;
 - Aya Vision: SigLIP, 4 x 4 patches of 2 pixel-shuffled by 2 into 4 tokens;
 - SmolVLM, Idefics3: their own vision tower on 8 x 8 images in patches of 2 (16), pixel
   shuffled by a scale factor of 2 into 4 tokens; ``pixel_values`` is
@@ -126,16 +128,31 @@ def _one_image_a_row(seed: int) -> dict[str, Any]:
     return {**batch, "pixel_attention_mask": torch.ones(2, 1, 8, 8, dtype=torch.bool)}
 
 
+def _with_video(batch: dict[str, Any], start: int, n: int, seed: int) -> dict[str, Any]:
+    """``batch`` with a video of 2 frames of 8 x 8 in row 1 at ``start`` (``n`` tokens)."""
+    ids = batch["input_ids"].clone()
+    ids[1, start:start + n] = VIDEO
+    videos = torch.randn(1, 2, 3, 8, 8, generator=torch.Generator().manual_seed(seed + 1))
+    return {**batch, "input_ids": ids, "pixel_values_videos": videos}
+
+
+def _next_video_batch(seed: int) -> dict[str, Any]:
+    """The anyres images, and in row 1 a video pooled by 2 into one token per frame."""
+    return _with_video(_anyres_batch(seed), 26, 2, seed)
+
+
 def _video_llava_batch(seed: int) -> dict[str, Any]:
+    """Three images, and in row 1 a video whose frames keep the class token: 2 x 5 tokens."""
     batch = _placeholder_batch(seed, _THREE, 4, (3, 3, 8, 8))
-    return {"input_ids": batch["input_ids"], "pixel_values_images": batch["pixel_values"]}
+    batch = {"input_ids": batch["input_ids"], "pixel_values_images": batch["pixel_values"]}
+    return _with_video(batch, 20, 10, seed)  # across the ranks (zigzag chunk 2 on rank 1, chunk 3 on rank 0)
 
 
 # name (model type) -> (config(), batch(seed))
 CASES: dict[str, tuple[Callable[[], Any], Callable[[int], dict]]] = {
     "vipllava": (vipllava, lambda seed: _placeholder_batch(seed, _THREE, 4, (3, 3, 8, 8))),
     "llava_next": (llava_next, _anyres_batch),
-    "llava_next_video": (lambda: llava_next(video=True), _anyres_batch),
+    "llava_next_video": (lambda: llava_next(video=True), _next_video_batch),
     "video_llava": (video_llava, _video_llava_batch),
     "aya_vision": (aya_vision, lambda seed: _placeholder_batch(seed, _THREE, 4, (3, 3, 8, 8))),
     "idefics3": (idefics3, _one_image_a_row),

@@ -27,7 +27,7 @@ What was read, for the families below:
   e.g. ``LlamaModel``, ``Qwen2Model``) numbers ``arange(seq)`` when given none.
 - The same, read for the multimodal sweep (``tests/vlm_sweep.py``, which checks each at
   cp=2): VipLLaVA (features of several tower layers), LLaVA-NeXT and LLaVA-NeXT-Video
-  (anyres views with newlines; videos pooled), Video-LLaVA (images and videos through one
+  (anyres views with newlines; videos pooled), Video-LLaVA (an image tower and a video
   tower), Aya Vision (pixel shuffle; a Cohere 2 language model with sliding windows),
   Idefics3 and SmolVLM (``inputs_merger`` / ``masked_scatter`` into ``text_model``),
   LightOnOCR (Pixtral), DeepSeek-VL, Cohere2 Vision. None computes positions or a mask of
