@@ -42,6 +42,7 @@ from reference_attention import rel_err
 from vlm_cases import (
     FAMILIES, ROWS, SEQ, VOCAB, assert_refused_on_every_rank, assert_tower_gradient_split, build, tiny_gemma,
 )
+from vlm_checks import errors, run_full, run_shard, tower_names
 
 pytestmark = pytest.mark.skipif(
     release_line(__import__("transformers").__version__) != "5",
@@ -49,7 +50,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 TOL = 1e-4
-ZERO = 1e-5  # the norm below which a gradient is zero in exact arithmetic (others are >= 1e-1 here)
 WORLD = 2
 PADDED = "qwen2_5_vl_padded"
 REFUSALS = ("labels", "cache", "logits_to_keep", "length", "ranks_differ", "left_padding", "gemma3", "unchecked")
@@ -77,17 +77,6 @@ def _cases() -> dict[str, dict]:
         mask = case["batch"].get("attention_mask")
         case["weights"] = weights if mask is None else weights * mask[..., None]  # no loss on padding
     return cases
-
-
-def _grads(model) -> dict[str, torch.Tensor]:
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def _on_rank(model, case: dict, rank: int) -> dict:
-    model.zero_grad(set_to_none=True)
-    logits = model(**case["batch"]).logits  # (rows, SEQ / WORLD, vocab): this rank's shard
-    (logits * hf_ring.shard_sequence(case["weights"], WORLD, rank)).sum().backward()
-    return {"logits": logits.detach(), "grads": _grads(model)}
 
 
 def _error(call) -> str:
@@ -121,7 +110,7 @@ def _rank_main(rank: int, world: int, cases: dict) -> dict:
     state = hf_ring.setup_context_parallel(world)
     models = {name: build(cases[name]["config"], "ring_flash", cases[name]["state_dict"]) for name in FAMILIES}
     models[PADDED] = models["qwen2_5_vl"]
-    result = {name: _on_rank(models[name], case, rank) for name, case in cases.items()}
+    result = {name: run_shard(models[name], case["batch"], case["weights"], WORLD, rank) for name, case in cases.items()}
     result["refusals"] = _refusals(models["qwen2_5_vl"], cases["qwen2_5_vl"]["batch"], rank)
     if rank == 0:  # the same models without context parallelism: transformers' SDPA through ring_flash
         hf_ring.set_context_parallel_state(None)
@@ -138,9 +127,7 @@ def _reference(name: str) -> dict:
     """One process, SDPA, the full batch (computed once per case)."""
     if name not in _REFERENCES:
         case, model = _run()[0][name], _SDPA[name]
-        logits = model(**case["batch"]).logits
-        (logits * case["weights"]).sum().backward()
-        _REFERENCES[name] = {"logits": logits.detach(), "grads": _grads(model), "model": model}
+        _REFERENCES[name] = {**run_full(model, case["batch"], case["weights"]), "model": model}
     return _REFERENCES[name]
 
 
@@ -159,25 +146,13 @@ def _run() -> tuple[dict, list[dict]]:
 def test_logits_and_every_gradient_match_one_process(name):
     cases, ranks = _run()
     case, reference = cases[name], _reference(name)
-    logits = hf_ring.unshard_sequence([r[name]["logits"] for r in ranks])
-    mask = case["batch"].get("attention_mask")
-    real = slice(None) if mask is None else mask.bool()  # padding tokens' logits are nobody's
-    errors = {"logits": rel_err(logits[real], reference["logits"][real])}
-    assert set(ranks[0][name]["grads"]) == set(reference["grads"])
-    for n, ref in reference["grads"].items():
-        cp = sum(r[name]["grads"][n] for r in ranks)
-        if ref.norm() < ZERO:  # zero in exact arithmetic: both sides hold rounding only
-            assert cp.norm() < ZERO, (n, cp.norm().item())
-            errors[n] = 0.0
-        else:
-            errors[n] = rel_err(cp, ref)
-    tower = [n for n in reference["grads"] if ".visual." in n or ".vision_tower." in n]
-    projector = [n for n in tower + list(reference["grads"]) if "merger" in n or "multi_modal_projector" in n]
+    errs = errors([r[name] for r in ranks], reference, case["batch"].get("attention_mask"))
+    tower, projector = tower_names(reference["grads"])
     assert tower and projector, "the vision tower and projector must get gradients"
-    worst = max(errors, key=errors.get)
-    print(f"{name}: logits {errors['logits']:.1e}, worst gradient {worst} {errors[worst]:.1e}, "
-          f"tower {max(errors[n] for n in tower):.1e} over {len(tower)} tensors")
-    assert max(errors.values()) <= TOL, sorted(errors.items(), key=lambda e: -e[1])[:4]
+    worst = max(errs, key=errs.get)
+    print(f"{name}: logits {errs['logits']:.1e}, worst gradient {worst} {errs[worst]:.1e}, "
+          f"tower {max(errs[n] for n in tower):.1e} over {len(tower)} tensors")
+    assert max(errs.values()) <= TOL, sorted(errs.items(), key=lambda e: -e[1])[:4]
 
 
 def test_each_rank_holds_part_of_the_tower_gradient():

@@ -25,6 +25,19 @@ What was read, for the families below:
 - LLaVA, LLaVA-OneVision, Mistral 3, InternVL: embeddings, tower, projector,
   ``masked_scatter``; no positions of their own: the language model (a stock decoder,
   e.g. ``LlamaModel``, ``Qwen2Model``) numbers ``arange(seq)`` when given none.
+- The same, read for the multimodal sweep (``tests/vlm_sweep.py``, which checks each at
+  cp=2): VipLLaVA (features of several tower layers), LLaVA-NeXT and LLaVA-NeXT-Video
+  (anyres views with newlines; videos pooled), Video-LLaVA (an image tower and a video
+  tower), Aya Vision (pixel shuffle; a Cohere 2 language model with sliding windows),
+  Idefics3 and SmolVLM (``inputs_merger`` / ``masked_scatter`` into ``text_model``),
+  LightOnOCR (Pixtral), DeepSeek-VL, Cohere2 Vision. None computes positions or a mask of
+  its own; each passes ``attention_mask``, ``position_ids`` and ``inputs_embeds`` to its
+  language model as given.
+- GLM-4.1V, GLM-4.5V-MoE (``Glm4vModel`` / ``Glm4vMoeModel``): Qwen2-VL's forward, with GLM's
+  own ``get_rope_index`` (3-D, from the full ``input_ids``, grids, ``mm_token_type_ids``).
+
+Refused by name after reading: Qwen3.5 image-text (its merge and positions are Qwen3-VL's;
+its gated delta layers' decay gradients differ at cp=2, see ``REFUSED``).
 
 Refused by name: Gemma 3 (its mask lets each image's tokens attend to each other both
 ways, a block mask the ring does not compute), and every family not listed.
@@ -88,10 +101,31 @@ FAMILIES: dict[str, Family] = {
     "LlavaOnevisionModel": Family("LLaVA-OneVision"),
     "Mistral3Model": Family("Mistral 3"),
     "InternVLModel": Family("InternVL"),
+    "VipLlavaModel": Family("VipLLaVA"),
+    "LlavaNextModel": Family("LLaVA-NeXT"),
+    "LlavaNextVideoModel": Family("LLaVA-NeXT-Video"),
+    "VideoLlavaModel": Family("Video-LLaVA"),
+    "AyaVisionModel": Family("Aya Vision"),
+    "Idefics3Model": Family("Idefics3"),
+    "SmolVLMModel": Family("SmolVLM"),
+    "LightOnOcrModel": Family("LightOnOCR"),
+    "Cohere2VisionModel": Family("Cohere2 Vision"),
+    "DeepseekVLModel": Family("DeepSeek-VL"),
+    "Glm4vModel": Family("GLM-4.1V"),
+    "Glm4vMoeModel": Family("GLM-4.5V (MoE)"),
 }
+
+_QWEN3_5 = (
+    "{name} (Qwen3.5 image-text) is not supported {where}: its merge and 3-D positions are Qwen3-VL's and "
+    "its logits match one process, but the gradients of its gated delta rule layers' decay parameters "
+    "(linear_attn.A_log, dt_bias) differ by ~1e-3 relative at cp=2 (tests/vlm_sweep.py), over the 1e-4 "
+    "the contract allows. Run it without context parallelism"
+)
 
 # Families read and refused, with the reason (formatted with {name}, {where}).
 REFUSED: dict[str, str] = {
+    "Qwen3_5Model": _QWEN3_5,
+    "Qwen3_5MoeModel": _QWEN3_5,
     "Gemma3Model": (
         "{name} (Gemma 3) is not supported {where}: its mask lets the tokens of each image attend "
         "to each other both ways (bidirectional image spans, built from token_type_ids), and the ring "
