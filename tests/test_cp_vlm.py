@@ -26,8 +26,8 @@ bit for bit. Controls: each rank's vision-tower gradient alone
 is far from the full one (the images straddle the shards, so the sum is what matches), and
 the test's positions matter (dropping M-RoPE moves the logits by 4e-3, over 10 x 1e-4).
 Refusals, each raised on every rank: labels, a cache, ``logits_to_keep``, a length the
-layout cannot split, ranks holding different batches, left padding, Gemma 3 (bidirectional
-image spans) and a family hf_ring has not checked (PaliGemma).
+layout cannot split, ranks holding different batches, left padding and a family hf_ring has
+not checked (PaliGemma). Gemma 3 (bidirectional image spans): tests/test_cp_vlm_gemma.py.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ TOL = 1e-4
 ZERO = 1e-5  # the norm below which a gradient is zero in exact arithmetic (others are >= 1e-1 here)
 WORLD = 2
 PADDED = "qwen2_5_vl_padded"
-REFUSALS = ("labels", "cache", "logits_to_keep", "length", "ranks_differ", "left_padding", "gemma3", "unchecked")
+REFUSALS = ("labels", "cache", "logits_to_keep", "length", "ranks_differ", "left_padding", "unchecked")
 
 
 # The single-process SDPA models, by case (the ranks get their weights).
@@ -96,18 +96,14 @@ def _error(call) -> str:
     return "no error"
 
 
-def _tiny_gemma(kind: str):
-    from transformers import Gemma3Config, PaliGemmaConfig, SiglipVisionConfig
+def _tiny_paligemma():
+    from transformers import PaliGemmaConfig, SiglipVisionConfig
 
     vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                                 image_size=8, patch_size=4)
     text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                 head_dim=16, vocab_size=VOCAB, pad_token_id=0)
-    if kind == "gemma3":
-        config = Gemma3Config(text_config=dict(text, model_type="gemma3_text", sliding_window=8), vision_config=vision,
-                              mm_tokens_per_image=4, image_token_index=120, boi_token_index=121, eoi_token_index=122)
-    else:
-        config = PaliGemmaConfig(text_config=dict(text, model_type="gemma"), vision_config=vision, image_token_index=120)
+    config = PaliGemmaConfig(text_config=dict(text, model_type="gemma"), vision_config=vision, image_token_index=120)
     return build(config, "ring_flash")
 
 
@@ -125,8 +121,7 @@ def _refusals(model, batch: dict, rank: int) -> dict[str, str]:
         "length": _error(lambda: model(**short)),
         "ranks_differ": _error(lambda: model(**(other if rank == 1 else batch))),
         "left_padding": _error(lambda: model(**batch, attention_mask=left)),
-        "gemma3": _error(lambda: _tiny_gemma("gemma3")(**text_only)),
-        "unchecked": _error(lambda: _tiny_gemma("paligemma")(**text_only)),
+        "unchecked": _error(lambda: _tiny_paligemma()(**text_only)),
     }
 
 
@@ -225,7 +220,6 @@ _EXPECTED = {
     "length": "pad every row to a multiple of 4",
     "ranks_differ": "full_batch_digest",
     "left_padding": "accepts only right padding",
-    "gemma3": "bidirectional image spans",
     "unchecked": "PaliGemmaModel is an image-text model hf_ring has not checked",
 }
 

@@ -159,3 +159,29 @@ def build(config, attn_implementation: str, state_dict=None):
     if state_dict is not None:
         model.load_state_dict(state_dict)
     return model.float().train()
+
+
+def gemma3(window: int = 3):
+    """Gemma 3: a SigLIP tower on 8 x 8 images (2 x 2 patches of 4, pooled to 4 tokens), a
+    sliding layer (``window`` tokens: shorter than an image's 4 tokens by default) and a full one."""
+    from transformers import Gemma3Config
+
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=8, patch_size=PATCH)
+    text = dict(_TEXT, model_type="gemma3_text", head_dim=16, sliding_window=window,
+                layer_types=["sliding_attention", "full_attention"])
+    return Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=IMAGE,
+                        boi_token_index=START, eoi_token_index=END)
+
+
+# Row 0: images across the zigzag chunk boundaries at 8 and 16 (cp=2); row 1: one inside
+# the first chunk (rank 0 only) and one across 24.
+GEMMA_IMAGES = ((0, 6), (0, 14), (1, 0), (1, 22))
+
+
+def gemma3_batch(seed: int) -> dict[str, Any]:
+    """Four images of 4 tokens at :data:`GEMMA_IMAGES`, with Gemma 3's ``token_type_ids`` (1
+    on image tokens: each run of them is one bidirectional block)."""
+    batch = _placeholder_batch(seed, GEMMA_IMAGES, 4, (4, 3, 8, 8))
+    batch["token_type_ids"] = (batch["input_ids"] == IMAGE).long()
+    return batch

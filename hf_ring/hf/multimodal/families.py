@@ -25,9 +25,17 @@ What was read, for the families below:
 - LLaVA, LLaVA-OneVision, Mistral 3, InternVL: embeddings, tower, projector,
   ``masked_scatter``; no positions of their own: the language model (a stock decoder,
   e.g. ``LlamaModel``, ``Qwen2Model``) numbers ``arange(seq)`` when given none.
+- Gemma 3 (``Gemma3Model.forward``): embeddings, tower, projector, ``masked_scatter``; no
+  positions of its own; then it builds its language model's mask itself, a dict by layer
+  type, from ``token_type_ids`` (``get_block_sequence_ids_for_mask``: each maximal run of
+  image tokens, type 1, is one block; ``create_masks_for_vision_model``: full layers
+  ``causal OR same block``, sliding layers ``window AND (causal OR same block)``, each AND
+  the padding mask). Under CP, ``ring_flash``'s mask builder returns None, so the dict holds
+  None for each type; hf_ring replaces it by the 2-D padding mask the base model got and
+  hands the blocks down as bidirectional spans (``hf_ring.patterns.ring.spans``), which
+  every attention layer's plan computes exactly.
 
-Refused by name: Gemma 3 (its mask lets each image's tokens attend to each other both
-ways, a block mask the ring does not compute), and every family not listed.
+Refused by name: every family not listed.
 
 Owns the table. Must not import: the Trainer, TRL, hf_ring's training or memory layers.
 """
@@ -35,9 +43,12 @@ Owns the table. Must not import: the Trainer, TRL, hf_ring's training or memory 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
+import torch
 import torch.nn as nn
+
+from hf_ring.patterns.ring.spans import BidirectionalSpans
 
 # The language model's inputs that run along the sequence in every family, with the
 # dimension they run along (positions: the last, behind M-RoPE's leading axis).
@@ -57,11 +68,20 @@ class Family:
         visual_rows: inputs whose rows follow the True positions of a mask input, by name
             (Qwen3-VL's ``deepstack_visual_embeds`` -> ``visual_pos_masks``): a list of
             ``(n_true, hidden)`` tensors.
+        spans: for a family whose base model builds its language model's mask itself with
+            bidirectional blocks (Gemma 3), the blocks from the full batch's
+            ``token_type_ids`` ``(batch, seq)`` int: the spans the ring computes instead.
     """
 
     name: str
     sequence_inputs: dict[str, int] = field(default_factory=dict)
     visual_rows: dict[str, str] = field(default_factory=dict)
+    spans: Optional[Callable[[torch.Tensor], BidirectionalSpans]] = None
+
+
+def image_runs(token_type_ids: torch.Tensor) -> BidirectionalSpans:
+    """Gemma 3's blocks: each maximal run of image tokens (``token_type_ids == 1``)."""
+    return BidirectionalSpans.from_runs(token_type_ids == 1)
 
 
 _QWEN3 = dict(sequence_inputs={"visual_pos_masks": 1}, visual_rows={"deepstack_visual_embeds": "visual_pos_masks"})
@@ -76,18 +96,11 @@ FAMILIES: dict[str, Family] = {
     "LlavaOnevisionModel": Family("LLaVA-OneVision"),
     "Mistral3Model": Family("Mistral 3"),
     "InternVLModel": Family("InternVL"),
+    "Gemma3Model": Family("Gemma 3", spans=image_runs),
 }
 
 # Families read and refused, with the reason (formatted with {name}, {where}).
-REFUSED: dict[str, str] = {
-    "Gemma3Model": (
-        "{name} (Gemma 3) is not supported {where}: its mask lets the tokens of each image attend "
-        "to each other both ways (bidirectional image spans, built from token_type_ids), and the ring "
-        "computes causal attention (and packed documents) only, so the image tokens would see only "
-        "their causal past. Run Gemma 3 without context parallelism; for text alone, Gemma3ForCausalLM "
-        "runs under it"
-    ),
-}
+REFUSED: dict[str, str] = {}
 
 
 def language_model_of(base: nn.Module) -> Optional[nn.Module]:

@@ -39,7 +39,7 @@ from hf_ring.patterns.state import get_context_parallel_state
 _ENTRY = "_hf_ring_multimodal_entry"
 _SHARDING = "_hf_ring_multimodal_sharding"
 # What the digest of a full batch reads: integer inputs every rank of a CP group must share.
-_DIGESTED = ("input_ids", "mm_token_type_ids", "image_grid_thw", "video_grid_thw", "position_ids")
+_DIGESTED = ("input_ids", "mm_token_type_ids", "image_grid_thw", "video_grid_thw", "position_ids", "token_type_ids")
 
 
 def guard_multimodal(model: nn.Module) -> bool:
@@ -115,8 +115,29 @@ def _enter(base: nn.Module, args: tuple, kwargs: dict):
         return None  # arguments the forward does not take: let it raise its own error
     _refuse(inputs, f"for {type(base).__name__} {where}")
     device = next((t.device for t in inputs.values() if isinstance(t, torch.Tensor)), torch.device("cpu"))
-    CURRENT.set(FullBatch(FAMILIES[type(base).__name__], state, _digest(inputs, device)))
+    family = FAMILIES[type(base).__name__]
+    mask = inputs.get("attention_mask")
+    spans = _spans(family, inputs, mask, f"{type(base).__name__} {where}")
+    CURRENT.set(FullBatch(family, state, _digest(inputs, device), spans, mask if spans is not None else None))
     return None
+
+
+def _spans(family, inputs: dict[str, Any], mask, where: str):
+    """The full batch's bidirectional spans for a family whose model builds them into its
+    mask (None: a family without, or no ``token_type_ids``: the model then builds a causal
+    mask). One host sync. A span over padding is refused: the model's mask hides padded
+    keys, the ring drops the right-padding mask (no real token sees a later one without spans)."""
+    types = inputs.get("token_type_ids")
+    if family.spans is None or types is None:
+        return None
+    spans = family.spans(types)
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        real = mask.to(torch.bool).tolist()
+        for r, row in enumerate(spans.rows):
+            if any(not all(real[r][a:b]) for a, b in row):
+                raise ValueError(f"{where}: a bidirectional span of row {r} ({family.name}'s image tokens) covers "
+                                 "padding (attention_mask 0); pad after the last image's tokens")
+    return spans
 
 
 def _leave(base: nn.Module, args: tuple, output: Any):
