@@ -27,7 +27,7 @@ is far from the full one (the images straddle the shards, so the sum is what mat
 the test's positions matter (dropping M-RoPE moves the logits by 4e-3, over 10 x 1e-4).
 Refusals, each raised on every rank: labels, a cache, ``logits_to_keep``, a length the
 layout cannot split, ranks holding different batches, left padding and a family hf_ring has
-not checked (PaliGemma). Gemma 3 (bidirectional image spans): tests/test_cp_vlm_gemma.py.
+not checked (Idefics3). Gemma 3 and PaliGemma (bidirectional spans): tests/test_cp_vlm_gemma.py.
 """
 
 from __future__ import annotations
@@ -96,15 +96,15 @@ def _error(call) -> str:
     return "no error"
 
 
-def _tiny_paligemma():
-    from transformers import PaliGemmaConfig, SiglipVisionConfig
+def _tiny_idefics3():
+    from transformers import Idefics3Config, LlamaConfig
 
-    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                image_size=8, patch_size=4)
-    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                head_dim=16, vocab_size=VOCAB, pad_token_id=0)
-    config = PaliGemmaConfig(text_config=dict(text, model_type="gemma"), vision_config=vision, image_token_index=120)
-    return build(config, "ring_flash")
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=8,
+                  patch_size=4)
+    text = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, pad_token_id=0)
+    return build(Idefics3Config(vision_config=vision, text_config=text.to_dict(), image_token_id=120, scale_factor=1),
+                 "ring_flash")
 
 
 def _refusals(model, batch: dict, rank: int) -> dict[str, str]:
@@ -121,7 +121,7 @@ def _refusals(model, batch: dict, rank: int) -> dict[str, str]:
         "length": _error(lambda: model(**short)),
         "ranks_differ": _error(lambda: model(**(other if rank == 1 else batch))),
         "left_padding": _error(lambda: model(**batch, attention_mask=left)),
-        "unchecked": _error(lambda: _tiny_paligemma()(**text_only)),
+        "unchecked": _error(lambda: _tiny_idefics3()(**text_only)),
     }
 
 
@@ -220,7 +220,7 @@ _EXPECTED = {
     "length": "pad every row to a multiple of 4",
     "ranks_differ": "full_batch_digest",
     "left_padding": "accepts only right padding",
-    "unchecked": "PaliGemmaModel is an image-text model hf_ring has not checked",
+    "unchecked": "Idefics3Model is an image-text model hf_ring has not checked",
 }
 
 

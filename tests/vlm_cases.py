@@ -185,3 +185,24 @@ def gemma3_batch(seed: int) -> dict[str, Any]:
     batch = _placeholder_batch(seed, GEMMA_IMAGES, 4, (4, 3, 8, 8))
     batch["token_type_ids"] = (batch["input_ids"] == IMAGE).long()
     return batch
+
+
+def paligemma():
+    """PaliGemma: the same SigLIP tower (4 tokens an image), a Gemma language model."""
+    from transformers import PaliGemmaConfig
+
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=8, patch_size=PATCH, projection_dim=64)
+    text = dict(_TEXT, model_type="gemma", head_dim=16)
+    return PaliGemmaConfig(text_config=text, vision_config=vision, image_token_index=IMAGE, projection_dim=64)
+
+
+def paligemma_batch(seed: int) -> dict[str, Any]:
+    """One image a row at the start, then the prompt: a prefix (type 0) of 12 tokens in row
+    0 (across the zigzag boundary at 8, cp=2) and of 20 in row 1 (across 8 and 16), then
+    the suffix (type 1)."""
+    batch = _placeholder_batch(seed, ((0, 0), (1, 0)), 4, (2, 3, 8, 8))
+    types = torch.ones(ROWS, SEQ, dtype=torch.long)
+    types[0, :12], types[1, :20] = 0, 0
+    batch["token_type_ids"] = types
+    return batch

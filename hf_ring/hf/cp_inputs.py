@@ -54,10 +54,13 @@ class FullBatchShards:
     ``digest``, 0-d int64 on the inputs' device, summarises the full batch (token ids,
     grids, token types) and must agree across the ranks; ``spans``, the full batch's
     bidirectional spans (Gemma 3's images, read from the token types the digest covers), or
-    None: what every attention layer's plan computes on top of causal."""
+    None: what every attention layer's plan computes on top of causal; ``causal_by_mask``:
+    the language model's layers are flagged non-causal, and the mask the model built
+    (causal plus the spans) is what they compute (PaliGemma)."""
 
     digest: torch.Tensor
     spans: Optional[BidirectionalSpans] = None
+    causal_by_mask: bool = False
 
 _HINT = (
     "every rank of a CP group must run the same forward on its shard of the same batch: "

@@ -61,6 +61,9 @@ class ForwardContext:
         spans: under CP, the full batch's bidirectional spans (Gemma 3's images, validated
             by the guard's digest of the token types), which every attention layer's plan
             computes on top of causal and its window; None: none.
+        causal_by_mask: the model's attention layers are flagged non-causal but the mask it
+            builds (replaced by ``spans``) is causal plus the spans (PaliGemma's
+            ``use_bidirectional_attention``): they run the ring's causal plan with the spans.
     """
 
     state: Optional[ContextParallelState]
@@ -73,6 +76,7 @@ class ForwardContext:
     ran_mixers: set[tuple[int, str]] = field(default_factory=set)
     cache: dict = field(default_factory=dict, repr=False)
     spans: Optional[BidirectionalSpans] = None
+    causal_by_mask: bool = False
     _plans: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:

@@ -182,7 +182,8 @@ def _pre_forward(model: nn.Module, args: tuple, kwargs: dict):
     sequence_features.hand_max_position(model, checked.max_position)
     context = ForwardContext(state, checked.doc_lens, comm_stats, made_by_guard=True,
                              token_index=checked.token_index, handed=handed_to_the_ring(model),
-                             spans=shards.spans if shards is not None else None)
+                             spans=shards.spans if shards is not None else None,
+                             causal_by_mask=shards is not None and shards.causal_by_mask)
     kwargs = {**kwargs, CONTEXT_KWARG: context}
     if inputs.get("use_cache") is None and "use_cache" in signature.parameters:
         # A cache filled under CP holds only this rank's shard of K/V: useless to continue

@@ -34,6 +34,16 @@ What was read, for the families below:
   None for each type; hf_ring replaces it by the 2-D padding mask the base model got and
   hands the blocks down as bidirectional spans (``hf_ring.patterns.ring.spans``), which
   every attention layer's plan computes exactly.
+- PaliGemma (``PaliGemmaModel.forward``): the same merge; its own positions (``arange + 1``,
+  passed to the language model); its mask has one bidirectional block, every token of type
+  0 (the image and the prompt: the prefix), ``causal OR prefix`` (PaliGemma 2: by layer
+  type, with Gemma 2's sliding layers): one span per row, which must be one run of real
+  tokens (a prefix split by the suffix is refused). PaliGemma 2's sliding layers compute
+  ``(causal AND window) OR prefix``, not Gemma 3's ``window AND (causal OR block)``: a
+  PaliGemma with a sliding window is refused under CP. Its config sets the language model's
+  ``use_bidirectional_attention``, so its attention layers are flagged non-causal and what
+  they compute is the mask: with ``token_type_ids``, causal OR prefix, which the ring runs;
+  without (refused under CP), SDPA attends both ways when no padding mask is built.
 
 Refused by name: every family not listed.
 
@@ -69,19 +79,34 @@ class Family:
             (Qwen3-VL's ``deepstack_visual_embeds`` -> ``visual_pos_masks``): a list of
             ``(n_true, hidden)`` tensors.
         spans: for a family whose base model builds its language model's mask itself with
-            bidirectional blocks (Gemma 3), the blocks from the full batch's
-            ``token_type_ids`` ``(batch, seq)`` int: the spans the ring computes instead.
+            bidirectional blocks (Gemma 3, PaliGemma), the blocks from the full batch's
+            ``token_type_ids`` ``(batch, seq)`` int and its real tokens (bool ``(batch, seq)``,
+            the padding mask's ones): the spans the ring computes instead.
+        window_cuts_spans: whether its sliding layers see ``window AND (causal OR block)``
+            (what the ring computes); False (PaliGemma 2) refuses a model with a window.
+        causal_by_mask: its language model's layers are flagged non-causal and its own mask
+            makes them causal plus the spans (PaliGemma sets ``use_bidirectional_attention``):
+            under CP it needs ``token_type_ids`` (without, that mask may be skipped and SDPA
+            attends both ways, or not: refused).
     """
 
     name: str
     sequence_inputs: dict[str, int] = field(default_factory=dict)
     visual_rows: dict[str, str] = field(default_factory=dict)
-    spans: Optional[Callable[[torch.Tensor], BidirectionalSpans]] = None
+    spans: Optional[Callable[[torch.Tensor, torch.Tensor], BidirectionalSpans]] = None
+    window_cuts_spans: bool = True
+    causal_by_mask: bool = False
 
 
-def image_runs(token_type_ids: torch.Tensor) -> BidirectionalSpans:
+def image_runs(token_type_ids: torch.Tensor, real: torch.Tensor) -> BidirectionalSpans:
     """Gemma 3's blocks: each maximal run of image tokens (``token_type_ids == 1``)."""
     return BidirectionalSpans.from_runs(token_type_ids == 1)
+
+
+def prefix_block(token_type_ids: torch.Tensor, real: torch.Tensor) -> BidirectionalSpans:
+    """PaliGemma's block: the real tokens of type 0 (its mask hides padded keys, and a padded
+    query's row is nobody's output), which must form one run."""
+    return BidirectionalSpans.from_runs((token_type_ids == 0) & real, single=True)
 
 
 _QWEN3 = dict(sequence_inputs={"visual_pos_masks": 1}, visual_rows={"deepstack_visual_embeds": "visual_pos_masks"})
@@ -97,6 +122,7 @@ FAMILIES: dict[str, Family] = {
     "Mistral3Model": Family("Mistral 3"),
     "InternVLModel": Family("InternVL"),
     "Gemma3Model": Family("Gemma 3", spans=image_runs),
+    "PaliGemmaModel": Family("PaliGemma", spans=prefix_block, window_cuts_spans=False, causal_by_mask=True),
 }
 
 # Families read and refused, with the reason (formatted with {name}, {where}).

@@ -117,26 +117,50 @@ def _enter(base: nn.Module, args: tuple, kwargs: dict):
     device = next((t.device for t in inputs.values() if isinstance(t, torch.Tensor)), torch.device("cpu"))
     family = FAMILIES[type(base).__name__]
     mask = inputs.get("attention_mask")
-    spans = _spans(family, inputs, mask, f"{type(base).__name__} {where}")
+    spans = _spans(base, family, inputs, mask, f"{type(base).__name__} {where}")
     CURRENT.set(FullBatch(family, state, _digest(inputs, device), spans, mask if spans is not None else None))
     return None
 
 
-def _spans(family, inputs: dict[str, Any], mask, where: str):
+def family_window(base: nn.Module):
+    """The language model's sliding window (None: none)."""
+    text = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
+    return getattr(text, "sliding_window", None)
+
+
+def _spans(base: nn.Module, family, inputs: dict[str, Any], mask, where: str):
     """The full batch's bidirectional spans for a family whose model builds them into its
     mask (None: a family without, or no ``token_type_ids``: the model then builds a causal
     mask). One host sync. A span over padding is refused: the model's mask hides padded
     keys, the ring drops the right-padding mask (no real token sees a later one without spans)."""
     types = inputs.get("token_type_ids")
+    if family.spans is not None and types is None and family.causal_by_mask:
+        raise NotImplementedError(
+            f"{where}: {family.name} needs token_type_ids under context parallelism (0 on the prefix: the image "
+            "and the prompt, 1 on the suffix); without them its mask is not causal OR prefix (its layers are "
+            "flagged bidirectional), which the ring does not compute"
+        )
     if family.spans is None or types is None:
         return None
-    spans = family.spans(types)
-    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
-        real = mask.to(torch.bool).tolist()
+    if not family.window_cuts_spans and family_window(base) is not None:
+        raise NotImplementedError(
+            f"{where}: {family.name}'s sliding layers let a block's tokens see each other beyond the window "
+            "(window-causal OR block), and the ring computes window AND (causal OR block) (Gemma 3's); run "
+            f"{family.name} with a sliding window without context parallelism"
+        )
+    padded = isinstance(mask, torch.Tensor) and mask.dim() == 2
+    real = mask.to(device=types.device, dtype=torch.bool) if padded else torch.ones(types.shape, dtype=torch.bool,
+                                                                                   device=types.device)
+    try:
+        spans = family.spans(types, real)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from e
+    if padded:
+        real = real.tolist()
         for r, row in enumerate(spans.rows):
             if any(not all(real[r][a:b]) for a, b in row):
-                raise ValueError(f"{where}: a bidirectional span of row {r} ({family.name}'s image tokens) covers "
-                                 "padding (attention_mask 0); pad after the last image's tokens")
+                raise ValueError(f"{where}: a bidirectional span of row {r} (a {family.name} block) covers "
+                                 "padding (attention_mask 0); pad after the block's last token")
     return spans
 
 

@@ -124,7 +124,7 @@ def shard_language_model_inputs(model: nn.Module, args: tuple, kwargs: dict):
                 f"not know how to cut along the sequence for {full.family.name}; run without context "
                 "parallelism, or report the model"
             )
-    out[SHARDED_KWARG] = FullBatchShards(full.digest, full.spans)
+    out[SHARDED_KWARG] = FullBatchShards(full.digest, full.spans, full.family.causal_by_mask and full.spans is not None)
     return (), out
 
 
