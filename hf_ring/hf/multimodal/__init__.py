@@ -5,8 +5,9 @@ positions, Qwen's 3-D M-RoPE included); at the language model's entry hf_ring sh
 merged embeddings, the positions and the family's other per-token inputs in the state's
 layout (``shard.py``), and the language model runs under the ring guard as a text model.
 Logits come out sharded like the tokens. ``families.py`` lists the families whose merge and
-positions were read and tested, and refuses the others by name (Gemma 3: bidirectional
-image spans); ``setup.py`` puts the hooks on a model.
+positions were read and tested (Gemma 3's and PaliGemma's bidirectional spans, read from
+``token_type_ids`` and computed in the ring), and refuses the others by name; ``setup.py``
+puts the hooks on a model.
 
 The entry points replace the text guard's for every model: :func:`guard_if_requested` (the
 transformers patch hook) and :func:`guard_model` (by hand) set an image-text model up here

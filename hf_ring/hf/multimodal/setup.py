@@ -5,7 +5,8 @@ A model that asks for ``ring_flash`` and holds a language model inside its base 
 
 - the **base model** (the outer ``*VLModel``) gets a pre-hook that, under context
   parallelism, refuses a family hf_ring has not checked (``families.py``) and a cache, takes a
-  digest of the full batch, and marks the forward (``shard.CURRENT``) so that its language
+  digest of the full batch, reads the full batch's bidirectional spans (Gemma 3, PaliGemma:
+  from ``token_type_ids``), and marks the forward (``shard.CURRENT``) so that its language
   model shards what it receives; a forward hook (run on errors too) ends the mark;
 - the **language model** gets the ring guard of a text model (``hf_ring.hf.guard``: its
   attention layers, the validated context, the check after the forward) and, before it, the
