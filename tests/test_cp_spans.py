@@ -5,9 +5,10 @@ gradients of q, k and v, on spawned gloo worlds of 2 and 4 (one world runs every
 
 The spans are placed to cut the layouts' chunk boundaries (32 tokens: zigzag chunks of 8
 at cp=2, of 4 at cp=4), to lie on one rank only, to touch (adjacent spans, which must not
-see each other), to cover a whole row, and to differ between the two batch rows; windows
+see each other), to cover half a row, and to differ between the two batch rows; windows
 are shorter than some spans (cutting their earlier keys) and longer. GQA: 4 query heads
-on 2 K/V heads, and on 1.
+on 2 K/V heads, and on 1. Ranks whose spans differ, or are invalid on one rank only, must
+raise alike (no rank left waiting in a transfer).
 
 Tolerances: float64 inputs within 1e-9 (the ring's merges add rounding of ~1e-16 per
 step; 1e-9 fails on any masking or gradient mistake); float32 inputs within 1e-5 (as in
@@ -79,8 +80,18 @@ def _packed(rank: int, world: int, case: dict) -> dict:
     return {"out": out.detach(), "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
 
+def _disagree(rank: int, world: int, case: dict) -> dict:
+    """Rank 1 passes other spans (or spans that are not valid): every rank must raise."""
+    try:
+        _attend(rank, world, {**case, "spans": case["rank1_spans"] if rank == 1 else SPANS})
+    except ValueError as e:
+        return {"error": str(e)}
+    return {"error": None}
+
+
 def _run_cases(rank: int, world: int, cases: list) -> list:
-    return [_packed(rank, world, c) if "packed_spans" in c else _attend(rank, world, c) for c in cases]
+    run = lambda c: (_packed if "packed_spans" in c else _disagree if "rank1_spans" in c else _attend)  # noqa: E731
+    return [run(c)(rank, world, c) for c in cases]
 
 
 def _want(case: dict) -> dict:
@@ -97,6 +108,10 @@ def _want(case: dict) -> dict:
 
 
 def _check(case: dict, per_rank: list, world: int) -> None:
+    if "rank1_spans" in case:
+        for r in per_rank:
+            assert r["error"] is not None and "spans.hash" in r["error"], r
+        return
     tol = 1e-9 if case.get("dtype") == torch.float64 else 1e-5
     want = _want(case)
     if "packed_spans" in case:
@@ -137,6 +152,9 @@ WORLD2 = (
         # Packed rows: spans inside each document, one across a zigzag chunk boundary of the first.
         {"packed_spans": [(2, 9), (9, 12), (20, 31)]},
         {"packed_spans": [(0, 16), (16, 19)], "backend": "torch_cpu_flash", "dtype": torch.float64},
+        # Ranks that disagree raise alike, an invalid span on one rank included.
+        {"pattern": "ring", "rank1_spans": [[(5, 12), (12, 14), (20, 28)], [(0, 3), (16, 32)]]},
+        {"pattern": "ring", "rank1_spans": [[(12, 5)], [(0, 3)]]},
     ]
 )
 

@@ -95,13 +95,6 @@ class BidirectionalSpans:
             rows.append(tuple(spans))
         return cls(tuple(rows), inside.shape[1])
 
-    def agreement_fields(self) -> list[tuple[str, int]]:
-        """What ranks must agree on, as fixed-length int fields: the rows, the length, the
-        span count and an order-sensitive polynomial hash of every bound."""
-        bounds = [x for r, spans in enumerate(self.rows) for a, b in spans for x in (r, a, b)]
-        return [("spans.rows", len(self.rows)), ("spans.seq", self.seq), ("spans.count", len(bounds) // 3),
-                ("spans.hash", int_hash(bounds))]
-
     def check_batch(self, batch: int) -> None:
         if batch != len(self.rows):
             raise ValueError(f"bidirectional spans are given for {len(self.rows)} batch rows, the call has {batch}")
@@ -185,18 +178,17 @@ def span_blocks(spans: BidirectionalSpans, q_pos: torch.Tensor, k_pos: torch.Ten
 
 def spans_fields(spans) -> list[tuple[str, int]]:
     """What ranks must agree on about a call's ``spans`` argument before it is validated
-    (a rank whose spans are invalid must not raise alone): fixed-length fields, the same
-    count with or without spans (marked -1 where the argument cannot be read)."""
+    (a rank whose spans are invalid must not raise alone): the rows, the bounds' count and an
+    order-sensitive hash of every row index and bound; fixed-length, the same with or
+    without spans (-1 where the argument cannot be read)."""
     if spans is None:
-        return [("spans.rows", 0), ("spans.seq", 0), ("spans.count", 0), ("spans.hash", 0)]
-    if isinstance(spans, BidirectionalSpans):
-        return spans.agreement_fields()
+        return [("spans.rows", 0), ("spans.bounds", 0), ("spans.hash", 0)]
+    rows = spans.rows if isinstance(spans, BidirectionalSpans) else spans
     try:
-        bounds = [int(x) for r, row in enumerate(spans) for span in row for x in (r, *span)]
-        return [("spans.rows", len(spans)), ("spans.seq", -1), ("spans.count", len(bounds)),
-                ("spans.hash", int_hash(bounds))]
+        bounds = [int(x) for r, row in enumerate(rows) for span in row for x in (r, *span)]
+        return [("spans.rows", len(rows)), ("spans.bounds", len(bounds)), ("spans.hash", int_hash(bounds))]
     except (TypeError, ValueError):
-        return [("spans.rows", -1), ("spans.seq", -1), ("spans.count", -1), ("spans.hash", -1)]
+        return [("spans.rows", -1), ("spans.bounds", -1), ("spans.hash", -1)]
 
 
 def as_spans(spans, seq: int) -> Optional[BidirectionalSpans]:
