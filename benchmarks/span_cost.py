@@ -33,20 +33,22 @@ from hf_ring.patterns.ring.spans import BidirectionalSpans  # noqa: E402
 from hf_ring.sharding import shard_sequence  # noqa: E402
 
 
-def rank_seconds(args, spans, rank: int, shards, kv_by_rank, kernel) -> float:
-    """CPU seconds of rank ``rank``'s forward and backward (median of ``args.repeat``)."""
+def rank_seconds(args, spans, rank: int, shards, kv_by_rank, kernel) -> tuple[float, float]:
+    """CPU seconds of rank ``rank``'s forward and backward without and with ``spans``
+    (medians of ``args.repeat``, the two interleaved so that neither runs on a colder process)."""
     scale = 1 / math.sqrt(args.head_dim)
-    plan = AttentionPlan(None, rank, args.cp, "zigzag", True, scale, kernel, spans=spans,
-                         transport=VirtualRing(rank, kv_by_rank))
+    plans = [AttentionPlan(None, rank, args.cp, "zigzag", True, scale, kernel, spans=sp,
+                           transport=VirtualRing(rank, kv_by_rank)) for sp in (None, spans)]
     q, k, v, dout = shards[rank]
-    times = []
+    times: tuple[list, list] = ([], [])
     for _ in range(args.repeat):
-        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-        start = time.process_time()
-        out, _ = run_plan(*leaves, plan)
-        out.backward(dout)
-        times.append(time.process_time() - start)
-    return sorted(times)[len(times) // 2]
+        for plan, took in zip(plans, times):
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            start = time.process_time()
+            out, _ = run_plan(*leaves, plan)
+            out.backward(dout)
+            took.append(time.process_time() - start)
+    return tuple(sorted(t)[len(t) // 2] for t in times)
 
 
 def scored_pairs(args, spans, kernel) -> tuple[float, float]:
@@ -85,8 +87,8 @@ def main() -> None:
     kernel = get_backend(args.backend, torch.device("cpu"), torch.float32, KernelNeeds(masked=True))
     row = tuple((a, a + args.image) for a in range(args.every // 2, args.seq - args.image + 1, args.every))
     spans = BidirectionalSpans((row,), args.seq)
-    plain = max(rank_seconds(args, None, r, shards, kv_by_rank, kernel) for r in range(args.cp))
-    with_spans = max(rank_seconds(args, spans, r, shards, kv_by_rank, kernel) for r in range(args.cp))
+    per_rank = [rank_seconds(args, spans, r, shards, kv_by_rank, kernel) for r in range(args.cp)]
+    plain, with_spans = (max(t[i] for t in per_rank) for i in range(2))
     causal, extra = scored_pairs(args, spans, kernel)
     result = {"seq": args.seq, "cp": args.cp, "images": len(row), "image_tokens": args.image,
               "image_share": len(row) * args.image / args.seq, "backend": args.backend,
