@@ -16,6 +16,7 @@ import importlib.util
 from hf_ring.patterns import (
     ContextParallelState,
     context_parallel_attn_func,
+    context_parallel_suspended,
     get_context_parallel_state,
     ring_flash_attn_func,
     ring_flash_attn_varlen_func,
@@ -31,6 +32,7 @@ __all__ = [
     "ContextParallel",
     "ContextParallelState",
     "context_parallel_attn_func",
+    "context_parallel_suspended",
     "get_context_parallel_state",
     "ring_flash_attn_func",
     "ring_flash_attn_varlen_func",

@@ -39,7 +39,9 @@ import hf_ring
 from distributed import run_world
 from hf_ring.patches.transformers import release_line
 from reference_attention import rel_err
-from vlm_cases import FAMILIES, ROWS, SEQ, VOCAB, build
+from vlm_cases import (
+    FAMILIES, ROWS, SEQ, VOCAB, assert_refused_on_every_rank, assert_tower_gradient_split, build,
+)
 
 pytestmark = pytest.mark.skipif(
     release_line(__import__("transformers").__version__) != "5",
@@ -190,11 +192,7 @@ def test_logits_and_every_gradient_match_one_process(name):
 
 def test_each_rank_holds_part_of_the_tower_gradient():
     """The images straddle the shards: neither rank's tower gradient alone is the full one."""
-    _, ranks = _run()
-    reference = _reference("qwen2_5_vl")
-    name = "model.visual.patch_embed.proj.weight"
-    for r in ranks:
-        assert rel_err(r["qwen2_5_vl"]["grads"][name], reference["grads"][name]) > 0.05
+    assert_tower_gradient_split([r["qwen2_5_vl"]["grads"] for r in _run()[1]], _reference("qwen2_5_vl")["grads"])
 
 
 def test_the_positions_are_exercised():
@@ -226,6 +224,4 @@ _EXPECTED = {
 
 @pytest.mark.parametrize("what", REFUSALS)
 def test_refused_on_every_rank(what):
-    _, ranks = _run()
-    for r in ranks:
-        assert _EXPECTED[what] in r["refusals"][what], r["refusals"][what]
+    assert_refused_on_every_rank(_run()[1], what, _EXPECTED[what])

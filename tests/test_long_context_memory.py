@@ -249,3 +249,22 @@ def test_cp2_training_with_every_option_matches_without(tmp_path):
     same_per_step(_losses(got), _losses(ref), "training loss")
     same_per_step(_grad_norms(got), _grad_norms(ref), "gradient norm")
     same_per_step(_eval_losses(got), _eval_losses(ref), "eval loss")
+
+
+def test_offloading_survives_the_trainer_enabling_checkpointing(tmp_path):
+    """``Trainer.train`` with ``gradient_checkpointing=True`` (TRL's default) calls the model's
+    ``activation_checkpointing_enable`` again, which installed the plain checkpoint function
+    over the offloading one: every checkpointed layer input must still go to the host
+    (exactly layers x tokens x hidden float32 bytes at the peak of one step's forward)."""
+    from transformers import TrainingArguments
+
+    model = _tiny("Llama").float()
+    stats: dict[str, int] = {}
+    enable_offloaded_checkpointing(model, stats)
+    rows = [{"input_ids": list(range(3, 19))} for _ in range(2)]
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, max_steps=1,
+                             per_device_train_batch_size=2, gradient_checkpointing=True, save_strategy="no")
+    trainer = hf_ring.RingTrainer(model=model, args=args, train_dataset=rows,
+                                  data_collator=hf_ring.RingDataCollator(0))
+    trainer.train()
+    assert stats.get("peak_bytes") == 2 * 2 * 16 * 32 * 4, stats  # 2 layers x 2 rows x 16 tokens x hidden 32

@@ -21,6 +21,8 @@ from transformers import (
     Qwen3VLMoeConfig, SiglipVisionConfig,
 )
 
+from reference_attention import rel_err
+
 ROWS, SEQ, VOCAB = 2, 32, 128
 IMAGE, VIDEO, START, END = 120, 121, 122, 123
 PATCH, MERGE, TEMPORAL = 4, 2, 2
@@ -152,6 +154,37 @@ FAMILIES: dict[str, tuple[Callable[[], Any], Callable[[int], dict]]] = {
 }
 
 
+def tiny_gemma(kind: str, attn_implementation: str = "ring_flash"):
+    """A tiny Gemma 3 (``kind="gemma3"``: bidirectional image spans) or PaliGemma model, two
+    families hf_ring refuses on packed rows (tests/test_cp_vlm_packed.py; padded under CP:
+    tests/test_cp_vlm_gemma.py)."""
+    from transformers import Gemma3Config, PaliGemmaConfig
+
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=8, patch_size=4)
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, vocab_size=VOCAB, pad_token_id=0)
+    if kind == "gemma3":
+        config = Gemma3Config(text_config=dict(text, model_type="gemma3_text", sliding_window=8), vision_config=vision,
+                              mm_tokens_per_image=4, image_token_index=120, boi_token_index=121, eoi_token_index=122)
+    else:
+        config = PaliGemmaConfig(text_config=dict(text, model_type="gemma"), vision_config=vision, image_token_index=120)
+    return build(config, attn_implementation)
+
+
+def assert_refused_on_every_rank(ranks: list[dict], what: str, expected: str) -> None:
+    """Each rank's result holds, under ``"refusals"``, the error ``what`` raised there: it must say ``expected``."""
+    for r in ranks:
+        assert expected in r["refusals"][what], r["refusals"][what]
+
+
+def assert_tower_gradient_split(rank_grads: list[dict], reference: dict,
+                                name: str = "model.visual.patch_embed.proj.weight") -> None:
+    """The images straddle the shards: no rank's tower gradient alone is the full one."""
+    for grads in rank_grads:
+        assert rel_err(grads[name], reference[name]) > 0.05
+
+
 def build(config, attn_implementation: str, state_dict=None):
     """A float32 model of ``config`` in train mode (no dropout in these configs)."""
     torch.manual_seed(0)
@@ -206,3 +239,101 @@ def paligemma_batch(seed: int) -> dict[str, Any]:
     types[0, :12], types[1, :20] = 0, 0
     batch["token_type_ids"] = types
     return batch
+
+
+# Packed rows (tests/test_cp_vlm_packed.py): per-sample processor outputs, one document each,
+# of uneven lengths (padded to 24, 20 and 8 tokens at cp=2, zigzag chunks of 6, 5 and 2), so
+# that images straddle the chunks; the last sample is text alone.
+TEXT_ONLY = 5
+
+
+def _text(g: torch.Generator, n: int) -> torch.Tensor:
+    return torch.randint(3, 110, (1, n), generator=g)
+
+
+def _qwen_sample(g: torch.Generator, n: int, images: tuple[tuple[int, list[int]], ...] = (),
+                 video: tuple[int, list[int]] | None = None, frames_apart: bool = False,
+                 second_per_grid_ts: float | None = None) -> dict[str, Any]:
+    """One Qwen-VL sample of ``n`` tokens: images ``(start, grid)`` (merged 2 x 2, so a grid
+    ``[1, h, w]`` is ``h * w / 4`` tokens), and a ``video`` ``(start, [t, h, w])``, its frames
+    one after the other or, ``frames_apart``, with a timestamp token between them."""
+    ids, kinds, sample = _text(g, n), torch.zeros(1, n, dtype=torch.int32), {}
+
+    def place(start: int, count: int, token: int, kind: int) -> None:
+        ids[0, start - 1], ids[0, start + count] = START, END
+        ids[0, start:start + count], kinds[0, start:start + count] = token, kind
+
+    for start, grid in images:
+        place(start, grid[1] * grid[2] // MERGE**2, IMAGE, 1)
+    if images:
+        grid = torch.tensor([grid for _, grid in images])
+        sample.update(image_grid_thw=grid,
+                      pixel_values=torch.randn(int(grid.prod(-1).sum()), 3 * TEMPORAL * PATCH**2, generator=g))
+    if video is not None:
+        start, thw = video
+        frame = thw[1] * thw[2] // MERGE**2
+        if frames_apart:
+            for f in range(thw[0]):
+                place(start + f * (frame + 3), frame, VIDEO, 2)
+        else:
+            place(start, thw[0] * frame, VIDEO, 2)
+        grid = torch.tensor([thw])
+        sample.update(video_grid_thw=grid,
+                      pixel_values_videos=torch.randn(int(grid.prod()), 3 * TEMPORAL * PATCH**2, generator=g))
+        if second_per_grid_ts is not None:
+            sample["second_per_grid_ts"] = torch.tensor([second_per_grid_ts])
+    return dict(sample, input_ids=ids, mm_token_type_ids=kinds)
+
+
+def _qwen_samples(seed: int, video: bool = True, frames_apart: bool = False) -> list[dict[str, Any]]:
+    """Two images (8 and 4 tokens); a video of 2 x 4 x 4 patches (8 tokens; Qwen2.5-VL's frames
+    2 s apart, ``second_per_grid_ts``: temporal positions 0 and 4), or a third image without
+    ``video``; text alone."""
+    g = torch.Generator().manual_seed(seed)
+    first = _qwen_sample(g, 23, images=((3, [1, 4, 8]), (15, [1, 4, 4])))
+    if video:
+        second = _qwen_sample(g, 19, video=(5, [2, 4, 4]), frames_apart=frames_apart,
+                              second_per_grid_ts=None if frames_apart else 2.0)
+    else:
+        second = _qwen_sample(g, 19, images=((5, [1, 4, 8]),))
+    return [first, second, {"input_ids": _text(g, TEXT_ONLY)}]
+
+
+def _placeholder_samples(seed: int, n: int, pixels: tuple[int, ...], **per_image: torch.Tensor) -> list[dict]:
+    """Samples of 23 and 17 tokens with ``n`` image placeholders at each start of (3, 12) and
+    (6,), ``pixel_values`` of ``(k, *pixels)`` (one image per start), ``per_image`` inputs
+    repeated per image; text alone."""
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for length, starts in ((23, (3, 12)), (17, (6,))):
+        ids = _text(g, length)
+        for start in starts:
+            ids[0, start:start + n] = IMAGE
+        extra = {k: v.expand(len(starts), *v.shape[1:]) for k, v in per_image.items()}
+        samples.append(dict(extra, input_ids=ids, pixel_values=torch.randn(len(starts), *pixels, generator=g)))
+    return [*samples, {"input_ids": _text(g, TEXT_ONLY)}]
+
+
+def _onevision_samples(seed: int) -> list[dict]:
+    """One anyres 8 x 16 image (14 tokens) in each of two samples; text alone."""
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for length, start in ((23, 4), (19, 2)):
+        ids = _text(g, length)
+        ids[0, start:start + 14] = IMAGE
+        samples.append({"input_ids": ids, "pixel_values": torch.randn(1, 3, 3, 8, 8, generator=g),
+                        "image_sizes": torch.tensor([[8, 16]])})
+    return [*samples, {"input_ids": _text(g, TEXT_ONLY)}]
+
+
+# name -> samples(seed), for the families of FAMILIES.
+PACKED_SAMPLES: dict[str, Callable[[int], list[dict]]] = {
+    "qwen2_5_vl": _qwen_samples,
+    "qwen2_vl": lambda seed: _qwen_samples(seed, video=False),
+    "qwen3_vl": lambda seed: _qwen_samples(seed, frames_apart=True),
+    "qwen3_vl_moe": lambda seed: _qwen_samples(seed, frames_apart=True),
+    "llava": lambda seed: _placeholder_samples(seed, 4, (3, 8, 8)),
+    "llava_onevision": _onevision_samples,
+    "mistral3": lambda seed: _placeholder_samples(seed, 4, (3, 16, 16), image_sizes=torch.tensor([[16, 16]])),
+    "internvl": lambda seed: _placeholder_samples(seed, 4, (3, 8, 8)),
+}

@@ -126,7 +126,7 @@ def _refuse_local(inputs: dict[str, Any], state: ContextParallelState, own_posit
             "KV cache / generate() is not supported under context parallelism "
             f"(cp_size={state.cp_size}): each rank holds only a shard of the sequence, so a cache "
             "would hold a shard of K/V (pass no cache and no cache_position). Generate without CP "
-            "(hf_ring.set_context_parallel_state(None)) on the full sequence"
+            "on the full sequence: with hf_ring.context_parallel_suspended(): model.generate(...)"
         )
     if inputs.get("use_cache") is True:
         raise NotImplementedError(

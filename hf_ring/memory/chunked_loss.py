@@ -36,6 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hf_ring.sharding.labels import IGNORE_INDEX
+from hf_ring.patches import peft as peft_patches
 from hf_ring.patches import torch as torch_patches
 from hf_ring.patches import transformers as transformers_patches
 
@@ -229,7 +230,10 @@ def chunked_token_loss_sum(
     return ChunkedLinearCrossEntropy.apply(flat_hidden, weight, bias, labels, chunk_tokens, transform, state)
 
 
-def _head_of(model: nn.Module) -> tuple[str, nn.Linear]:
+def _head_of(model: nn.Module) -> tuple[str, nn.Module, nn.Linear]:
+    """``(attribute, head, linear)``: the LM head among ``model``'s children, and the plain
+    ``nn.Linear`` whose weight computes its logits (the head itself, or under PEFT's
+    ``modules_to_save`` the copy its wrapper runs now)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     attr = next((name for name, child in model.named_children() if child is head), None) if head is not None else None
     if attr is None:
@@ -237,24 +241,26 @@ def _head_of(model: nn.Module) -> tuple[str, nn.Linear]:
             f"chunked loss: {type(model).__name__} has no LM head among its direct children "
             f"(get_output_embeddings()); {TURN_OFF}"
         )
-    if type(head).forward is not nn.Linear.forward or "forward" in vars(head):
+    linear = peft_patches.module_run_by(head) or head
+    where = f"{type(model).__name__}.{attr}" + ("" if linear is head else f" (PEFT's {type(head).__name__} runs a {type(linear).__name__})")
+    if type(linear).forward is not nn.Linear.forward or "forward" in vars(linear):
         raise NotImplementedError(
-            f"chunked loss: {type(model).__name__}.{attr} is a {type(head).__name__} with a forward of its own, "
-            f"not a plain nn.Linear; {TURN_OFF}"
+            f"chunked loss: {where} is a {type(linear).__name__} with a forward of its own, not a plain nn.Linear "
+            f"(a LoRA adapter on the LM head is one: leave lm_head out of target_modules); {TURN_OFF}"
         )
     # Hooks would see the recorder's empty output, and their result would be dropped.
-    if torch_patches.has_forward_hooks(head):
+    if torch_patches.has_forward_hooks(head) or torch_patches.has_forward_hooks(linear):
         raise NotImplementedError(
-            f"chunked loss: {type(model).__name__}.{attr} has forward hooks, whose effect on the logits the "
+            f"chunked loss: {where} has forward hooks, whose effect on the logits the "
             f"chunked loss cannot reproduce (it never runs the head); remove them, or {TURN_OFF}"
         )
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - torch without DTensor
         DTensor = ()
-    if isinstance(head.weight, DTensor) or isinstance(head.weight.data, DTensor):
+    if isinstance(linear.weight, DTensor) or isinstance(linear.weight.data, DTensor):
         raise NotImplementedError(f"chunked loss: the LM head's weight is a DTensor (FSDP2 / tensor parallel); {TURN_OFF}")
-    return attr, head
+    return attr, head, linear
 
 
 @contextlib.contextmanager
@@ -285,7 +291,8 @@ def model_token_loss_sum(
 
     Args:
         model: what to call (the causal LM itself, or its DDP / Accelerate wrapper).
-        language_model: the unwrapped causal LM inside ``model`` (e.g. ``LlamaForCausalLM``).
+        language_model: the unwrapped causal LM inside ``model`` (e.g. ``LlamaForCausalLM``), or
+            the PEFT model around it.
         kwargs: the forward's arguments, without labels.
         shift_labels: int64 ``(batch, local_seq)``, ``-100`` where nothing is learned.
         config: the chunking options.
@@ -294,7 +301,8 @@ def model_token_loss_sum(
         NotImplementedError: a model whose logits cannot be recomputed exactly by chunks
             (the message says how to turn chunking off).
     """
-    attr, head = _head_of(language_model)
+    language_model = peft_patches.base_model(language_model)
+    attr, head, linear = _head_of(language_model)
     transform = LogitTransform.of_model(language_model, attr)
     if kwargs.get("logits_to_keep") not in (None, 0):
         raise ValueError(f"chunked loss: logits_to_keep={kwargs['logits_to_keep']!r}; the loss needs every token's logits")
@@ -306,7 +314,7 @@ def model_token_loss_sum(
             f"not once; {TURN_OFF}"
         )
     token_sum = chunked_token_loss_sum(
-        recorded[0], shift_labels, head.weight, head.bias,
-        chunk_tokens=config.rows_per_chunk(head.weight.shape[0]), transform=transform,
+        recorded[0], shift_labels, linear.weight, linear.bias,
+        chunk_tokens=config.rows_per_chunk(linear.weight.shape[0]), transform=transform,
     )
     return token_sum, outputs

@@ -128,4 +128,34 @@ def enable_offloaded_checkpointing(model: nn.Module, stats: Optional[dict[str, i
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    transformers_patches.set_checkpoint_function(model, functools.partial(offloaded_checkpoint, stats=stats))
+    function = functools.partial(offloaded_checkpoint, stats=stats)
+    transformers_patches.set_checkpoint_function(model, function)
+    _keep_offloading(model, function)
+
+
+# Set on the enable methods _keep_offloading wrapped, so a second call does not wrap them twice.
+_KEEPS_OFFLOAD = "_hf_ring_keeps_offload"
+
+
+def _keep_offloading(model: nn.Module, function: Callable) -> None:
+    """Make later calls of ``model``'s checkpointing enable methods keep ``function``.
+
+    Why: ``Trainer.train`` (transformers 5.24, and TRL's trainers, whose configs turn
+    ``gradient_checkpointing`` on by default) calls ``model.activation_checkpointing_enable``
+    when ``gradient_checkpointing`` is on, which installs the plain checkpoint function over
+    this one: the run would then checkpoint without offloading, without a word. The enable
+    methods of this model object are wrapped to put ``function`` back after they run.
+    """
+    for name in ("activation_checkpointing_enable", "gradient_checkpointing_enable"):
+        enable = getattr(model, name, None)
+        if enable is None or getattr(enable, _KEEPS_OFFLOAD, False):
+            continue
+
+        @functools.wraps(enable)
+        def keep(*args: Any, _enable: Callable = enable, **kwargs: Any) -> Any:
+            result = _enable(*args, **kwargs)
+            transformers_patches.set_checkpoint_function(model, function)
+            return result
+
+        setattr(keep, _KEEPS_OFFLOAD, True)
+        setattr(model, name, keep)

@@ -14,6 +14,7 @@ from hf_ring.patterns.plan import PATTERNS, AttentionPlan
 from hf_ring.patterns.run import run_plan
 from hf_ring.patterns.state import (
     ContextParallelState,
+    context_parallel_suspended,
     get_context_parallel_state,
     set_context_parallel_state,
     setup_context_parallel,
@@ -27,6 +28,7 @@ __all__ = [
     "VirtualRing",
     "build_plan",
     "context_parallel_attn_func",
+    "context_parallel_suspended",
     "get_context_parallel_state",
     "ring_flash_attn_func",
     "ring_flash_attn_varlen_func",

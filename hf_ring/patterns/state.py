@@ -10,9 +10,11 @@ Must not import transformers, accelerate, or hf_ring's integration or training l
 
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch.distributed as dist
 
@@ -223,3 +225,17 @@ def set_context_parallel_state(state: Optional[ContextParallelState]) -> None:
     """Make ``state`` the active one (None deactivates context parallelism)."""
     global _ACTIVE
     _ACTIVE = state
+
+
+@contextlib.contextmanager
+def context_parallel_suspended() -> Iterator[None]:
+    """Run the block without context parallelism, then restore the active state (also on
+    errors): ``ring_flash`` is exact local attention inside, so ``model.generate(...)`` on
+    the full prompt works, on any rank or on every rank (nothing inside waits for the
+    others). The model's weights must be whole there (not sharded by FSDP / ZeRO-3)."""
+    previous = get_context_parallel_state()
+    set_context_parallel_state(None)
+    try:
+        yield
+    finally:
+        set_context_parallel_state(previous)

@@ -33,6 +33,7 @@ import torch
 from transformers import Trainer
 from transformers.utils import logging as hf_logging
 
+from hf_ring.distributed.errors import raise_together
 from hf_ring.training import weight_sharding
 from hf_ring.training import deepspeed_support
 from hf_ring.memory.chunked_loss import ChunkedLossConfig, model_token_loss_sum
@@ -120,8 +121,11 @@ class RingTrainer(Trainer):
         self._chunked_loss_notice_given = False
         super().__init__(*args, **kwargs)
         self.ring_state = self.ring_plugin.attach(self.accelerator)
-        check_trainer_supported(self, subclass_loss=type(self).compute_loss is not RingTrainer.compute_loss)
-        deepspeed_support.check_trainer(self, self.ring_state)
+        subclass_loss = type(self).compute_loss is not RingTrainer.compute_loss
+        # A set-up refused on some ranks only (a collator built for another CP rank) is raised on every
+        # rank, instead of leaving the others to die in their next collective with nothing named.
+        raise_together(lambda: (check_trainer_supported(self, subclass_loss=subclass_loss),
+                                deepspeed_support.check_trainer(self, self.ring_state)))
         # transformers 4.x decides from this whether compute_loss already normalised for
         # gradient accumulation (it does: num_items_in_batch covers the whole step).
         self.model_accepts_loss_kwargs = True

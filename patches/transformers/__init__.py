@@ -54,7 +54,10 @@ in 4.57.6 and 5.24.0):
   the full sequence's under context parallelism (``hand_max_position``, ``set_max_position``);
 - ``temperature``: the query scale of Llama 4's attention temperature tuning, which its
   layers compute from positions numbered within the forward (``query_temperature``,
-  ``temperature_scale``).
+  ``temperature_scale``);
+- ``positions``: the positions a Qwen-VL base model computes for itself
+  (``compute_3d_position_ids``, called per packed document by ``own_position_ids``, leaving
+  the model's ``rope_deltas`` as it found them).
 
 transformers is imported only when a function runs: ``import hf_ring`` needs only torch.
 """

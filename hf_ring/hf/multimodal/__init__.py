@@ -7,7 +7,9 @@ layout (``shard.py``), and the language model runs under the ring guard as a tex
 Logits come out sharded like the tokens. ``families.py`` lists the families whose merge and
 positions were read and tested (Gemma 3's and PaliGemma's bidirectional spans, read from
 ``token_type_ids`` and computed in the ring), and refuses the others by name; ``setup.py``
-puts the hooks on a model.
+puts the hooks on a model. Packed rows of image-text samples are cut
+document by document at the same entry (``shard.py``), each document numbered as the model
+numbers it alone (``positions.py``, the model's own position code per document).
 
 The entry points replace the text guard's for every model: :func:`guard_if_requested` (the
 transformers patch hook) and :func:`guard_model` (by hand) set an image-text model up here

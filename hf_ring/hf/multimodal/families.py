@@ -88,11 +88,22 @@ class Family:
             makes them causal plus the spans (PaliGemma sets ``use_bidirectional_attention``):
             under CP it needs ``token_type_ids`` (without, that mask may be skipped and SDPA
             attends both ways, or not: refused).
+        tower: the base model's attribute holding a vision tower called as
+            ``tower(patches, grid_thw)`` that encodes each grid entry on its own, which hf_ring
+            splits over the CP group (``tower.py``); None: the tower runs whole on every rank.
+        mrope: the model numbers its tokens itself (``compute_3d_position_ids``: 3-D M-RoPE);
+            packed, its positions are ``(4, 1, seq)``: row 0 the text positions restarting
+            per document (what its text model reads packed documents from, transformers'
+            convention), rows 1-3 each document's own M-RoPE. Otherwise the language model
+            numbers ``arange`` and a packed row's positions are ``(1, seq)``, restarting per
+            document.
     """
 
     name: str
     sequence_inputs: dict[str, int] = field(default_factory=dict)
     visual_rows: dict[str, str] = field(default_factory=dict)
+    tower: Optional[str] = None
+    mrope: bool = False
     spans: Optional[Callable[[torch.Tensor, torch.Tensor], BidirectionalSpans]] = None
     window_cuts_spans: bool = True
     causal_by_mask: bool = False
@@ -109,12 +120,13 @@ def prefix_block(token_type_ids: torch.Tensor, real: torch.Tensor) -> Bidirectio
     return BidirectionalSpans.from_runs((token_type_ids == 0) & real, single=True)
 
 
-_QWEN3 = dict(sequence_inputs={"visual_pos_masks": 1}, visual_rows={"deepstack_visual_embeds": "visual_pos_masks"})
+_QWEN3 = dict(sequence_inputs={"visual_pos_masks": 1}, visual_rows={"deepstack_visual_embeds": "visual_pos_masks"},
+              tower="visual", mrope=True)
 
 # The base model's class name -> its family.
 FAMILIES: dict[str, Family] = {
-    "Qwen2VLModel": Family("Qwen2-VL"),
-    "Qwen2_5_VLModel": Family("Qwen2.5-VL"),
+    "Qwen2VLModel": Family("Qwen2-VL", tower="visual", mrope=True),
+    "Qwen2_5_VLModel": Family("Qwen2.5-VL", tower="visual", mrope=True),
     "Qwen3VLModel": Family("Qwen3-VL", **_QWEN3),
     "Qwen3VLMoeModel": Family("Qwen3-VL-MoE", **_QWEN3),
     "LlavaModel": Family("LLaVA"),
@@ -138,10 +150,19 @@ def language_model_of(base: nn.Module) -> Optional[nn.Module]:
     return None
 
 
-def family_refusal(base: nn.Module, where: str) -> Optional[str]:
-    """Why ``base`` (a multimodal base model) cannot run ``where``, or None if it can."""
+def family_refusal(base: nn.Module, where: str, packed: bool = False) -> Optional[str]:
+    """Why ``base`` (a multimodal base model) cannot run ``where`` (``packed``: on packed
+    image-text rows), or None if it can."""
     name = type(base).__name__
     if name in FAMILIES:
+        family = FAMILIES[name]
+        if packed and family.spans is not None:
+            return (
+                f"{name} ({family.name}) is not supported {where}: its mask lets the tokens of each block attend "
+                "to each other both ways (bidirectional image spans, built from token_type_ids), which hf_ring "
+                "computes on padded rows but does not hand down on packed rows yet (the varlen ring would see "
+                "each document causal only); pad the samples instead of packing them"
+            )
         return None
     if name in REFUSED:
         return REFUSED[name].format(name=name, where=where)

@@ -32,6 +32,7 @@ from transformers import PreTrainedModel
 from hf_ring.hf.guard import bind_arguments, guard_head, guard_model, unguard
 from hf_ring.hf.multimodal.families import FAMILIES, family_refusal, language_model_of
 from hf_ring.hf.multimodal.shard import CURRENT, FullBatch, shard_language_model_inputs
+from hf_ring.hf.multimodal.tower import split_tower
 from hf_ring.hf.support import RING_FLASH, check_model_supported
 from hf_ring.patches.transformers import attn_implementation
 from hf_ring.patterns.state import get_context_parallel_state
@@ -39,8 +40,12 @@ from hf_ring.patterns.state import get_context_parallel_state
 # Flags in the modules' own __dict__ (copies of the model carry them, as the guard's do).
 _ENTRY = "_hf_ring_multimodal_entry"
 _SHARDING = "_hf_ring_multimodal_sharding"
-# What the digest of a full batch reads: integer inputs every rank of a CP group must share.
-_DIGESTED = ("input_ids", "mm_token_type_ids", "image_grid_thw", "video_grid_thw", "position_ids", "token_type_ids")
+# What the digest of a full batch reads: inputs every rank of a CP group must share (the
+# pixel values by their bits: ranks holding the same ids but other images would train on a
+# mixture of both without a word).
+_DIGESTED = ("input_ids", "mm_token_type_ids", "image_grid_thw", "video_grid_thw", "position_ids", "image_sizes",
+             "pixel_values", "pixel_values_videos", "token_type_ids")
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def guard_multimodal(model: nn.Module) -> bool:
@@ -61,6 +66,9 @@ def guard_multimodal(model: nn.Module) -> bool:
     for child in base.children():
         if child is not language_model:
             _run_outside_the_ring(child)
+    family = FAMILIES[type(base).__name__]
+    if family.tower is not None:
+        split_tower(getattr(base, family.tower))
     check_model_supported(language_model)
     guard_model(language_model)
     if not language_model.__dict__.get(_SHARDING):
@@ -85,17 +93,19 @@ def _refuse(inputs: dict[str, Any], where: str) -> None:
         raise NotImplementedError(
             f"a KV cache / generate() is not supported {where}: each rank's language model holds a shard "
             "of the sequence, so a cache would hold a shard of K/V; pass no cache and use_cache=False, and "
-            "generate without context parallelism"
+            "generate without context parallelism: with hf_ring.context_parallel_suspended(): model.generate(...)"
         )
 
 
 def _digest(inputs: dict[str, Any], device: torch.device) -> torch.Tensor:
-    """0-d int64: a position-weighted sum of the full batch's integer inputs (token ids,
-    grids), equal on every rank that holds the same batch; no host sync."""
+    """0-d int64: a position-weighted sum of the full batch's inputs (token ids, grids, the
+    bits of the pixel values), equal on every rank that holds the same batch; no host sync."""
     total = torch.zeros((), dtype=torch.int64, device=device)
     for i, name in enumerate(_DIGESTED):
         t = inputs.get(name)
-        if isinstance(t, torch.Tensor) and not t.is_floating_point():
+        if isinstance(t, torch.Tensor):
+            if t.is_floating_point():
+                t = t.contiguous().view(_BITS[t.element_size()])
             flat = t.reshape(-1).to(device=device, dtype=torch.int64)
             weights = torch.arange(flat.numel(), device=device) % 65521 + 2 * i + 1
             total = total * 1000003 + (flat * weights).sum() + flat.numel()
@@ -104,10 +114,18 @@ def _digest(inputs: dict[str, Any], device: torch.device) -> torch.Tensor:
 
 def _enter(base: nn.Module, args: tuple, kwargs: dict):
     state = get_context_parallel_state()
+    packed = kwargs.get("cu_seq_lens_q") is not None
     if state is None or state.cp_size == 1:
+        if packed:
+            # Packed rows run ring_flash's varlen ring even without CP, which computes causal
+            # attention per document only: a family not in the table may need more, and
+            # Gemma 3's / PaliGemma's spans are not handed down on packed rows.
+            refusal = family_refusal(base, "with packed rows (cu_seq_lens_q)", packed=True)
+            if refusal is not None:
+                raise NotImplementedError(refusal)
         return None
     where = f"under context parallelism (cp_size={state.cp_size})"
-    refusal = family_refusal(base, where)
+    refusal = family_refusal(base, where + (" with packed rows (cu_seq_lens_q)" if packed else ""), packed=packed)
     if refusal is not None:
         raise NotImplementedError(refusal)
     try:

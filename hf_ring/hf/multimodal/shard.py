@@ -8,8 +8,11 @@ in the layout of the active context-parallel state, exactly as ``hf_ring.shard_s
 cuts a text model's tokens: ``inputs_embeds`` ``(batch, seq, hidden)``, ``position_ids``
 ``(batch, seq)`` or ``(3 or 4, batch, seq)`` (built as ``arange(seq)``, the language
 model's own default, when the model passes none), a 2-D ``attention_mask``, and a family's
-own per-token inputs (Qwen3-VL's deepstack features). The guard then sees a text model's
-shards, marked as hf_ring's own (:class:`~hf_ring.hf.cp_inputs.FullBatchShards`).
+own per-token inputs (Qwen3-VL's deepstack features). A packed row, given with its global
+document boundaries ``cu_seq_lens_q``, is cut document by document as
+``hf_ring.sharding.shard_packed`` cuts it, and the boundaries are handed down uncut, as a text
+model's packed rows carry them. The guard then sees a text model's shards, marked as
+hf_ring's own (:class:`~hf_ring.hf.cp_inputs.FullBatchShards`).
 
 The cut is an index select, so gradients flow back only from this rank's tokens: each
 rank's vision tower gets the gradient of its own shard of the merged embeddings, and the
@@ -33,6 +36,10 @@ from hf_ring.hf.multimodal.families import SEQUENCE_INPUTS, Family
 from hf_ring.patterns.ring.spans import BidirectionalSpans
 from hf_ring.patterns.state import ContextParallelState
 from hf_ring.sharding.layouts import required_multiple, shard_sequence
+from hf_ring.sharding.packed import packed_shard_indices
+
+# A packed row's global document boundaries: handed down uncut, read by the guard and ring_flash.
+DOCUMENT_INPUTS = ("cu_seq_lens_q", "cu_seq_lens_k")
 
 
 @dataclass(frozen=True)
@@ -64,7 +71,12 @@ def _tokens(inputs: dict[str, Any]) -> torch.Tensor:
     raise ValueError("a multimodal model's language model got neither inputs_embeds nor input_ids")
 
 
-def _sharder(state: ContextParallelState, seq: int, where: str) -> Callable[[torch.Tensor, int], torch.Tensor]:
+def _sharder(state: ContextParallelState, seq: int, documents: Optional[torch.Tensor],
+             where: str) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    """How this rank cuts a ``(..., seq, ...)`` input: in the state's layout, or, for a packed
+    row (``documents``: its global boundaries ``cu_seq_lens_q``), document by document."""
+    if documents is not None:
+        return _packed_sharder(state, seq, documents, where)
     multiple = required_multiple(state.cp_size, state.layout)
     if seq % multiple:
         raise ValueError(
@@ -73,6 +85,24 @@ def _sharder(state: ContextParallelState, seq: int, where: str) -> Callable[[tor
             f"{multiple} tokens (RingDataCollator pads to it)"
         )
     return lambda x, dim: shard_sequence(x, state.cp_size, state.cp_rank, dim=dim, layout=state.layout)
+
+
+def _packed_sharder(state: ContextParallelState, seq: int, documents: torch.Tensor,
+                    where: str) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    if state.layout != "zigzag":
+        raise NotImplementedError(
+            f"{where} got a packed row (cu_seq_lens_q) but the context-parallel layout is {state.layout!r}: "
+            "packed rows are zigzag-sharded document by document; use layout='zigzag' with packing"
+        )
+    documents = torch.as_tensor(documents).reshape(-1).cpu()  # the one host sync of the cut
+    if documents.numel() and int(documents[-1]) != seq:
+        raise ValueError(
+            f"{where}: cu_seq_lens_q ends at {int(documents[-1])} but the packed row holds {seq} tokens "
+            "(image tokens included); give the boundaries of the full packed row"
+        )
+    # Raises for a document the ranks cannot split; computed once for every input of the forward.
+    index = packed_shard_indices(documents, state.cp_size, state.cp_rank)
+    return lambda x, dim: x.index_select(dim, index.to(x.device))
 
 
 def _visual_rows(mask: torch.Tensor, rows: list[torch.Tensor], shard: Callable) -> list[torch.Tensor]:
@@ -94,7 +124,7 @@ def shard_language_model_inputs(model: nn.Module, args: tuple, kwargs: dict):
     inputs = bind_arguments(model, args, kwargs)
     tokens = _tokens(inputs)
     batch, seq = tokens.shape[:2]
-    shard = _sharder(full.state, seq, where)
+    shard = _sharder(full.state, seq, inputs.get("cu_seq_lens_q"), where)
     along = {**SEQUENCE_INPUTS, **full.family.sequence_inputs}
     if full.family.spans is not None:
         inputs["attention_mask"] = _ring_mask(inputs.get("attention_mask"), full, where)
@@ -110,8 +140,8 @@ def shard_language_model_inputs(model: nn.Module, args: tuple, kwargs: dict):
         inputs["position_ids"] = torch.arange(seq, device=tokens.device)[None].expand(batch, -1)
     out = {}
     for name, value in inputs.items():
-        if value is None or not (isinstance(value, torch.Tensor) or _tensors(value)):
-            out[name] = value
+        if value is None or name in DOCUMENT_INPUTS or not (isinstance(value, torch.Tensor) or _tensors(value)):
+            out[name] = value  # the documents' boundaries stay global, as a text model's packed rows have them
         elif name in along and isinstance(value, torch.Tensor):
             if value.shape[along[name]] != seq:
                 raise ValueError(f"{where}: {name} {tuple(value.shape)} does not run along the {seq} tokens")
