@@ -18,15 +18,16 @@ and ``ulysses`` (4 query / 2 K/V heads over 2 ranks), with right padding too:
 1e-4 as in test_cp_vlm.py: float32 on both sides, differing only in the order of sums
 (measured ~1e-7 to 1e-6). A gradient that is zero in exact arithmetic (SigLIP's key
 biases: a key bias shifts every score of a query alike) holds rounding only: both norms
-must stay below 1e-5 there. The images (4 tokens each) straddle the shards' chunk boundaries
-and one lies on rank 0 only; the sliding layer's window (3 tokens) is shorter than an image
-and than the sequence. PaliGemma's prefix (the image and the prompt, type 0) is 12 and 20
-tokens, across the boundaries. Controls: without ``token_type_ids`` each model's own logits
-move by far more than 1e-4 (so the spans are exercised), and that causal-only forward is
-matched under CP too (Gemma 3). Refused on every rank: a mask the model got prepared (4-D), which is
-not the one hf_ring computes; a PaliGemma prefix split in two runs; PaliGemma with a sliding
-window (PaliGemma 2's sliding layers OR the prefix in, which the ring does not compute);
-PaliGemma without token_type_ids (its layers are flagged bidirectional: its mask decides).
+must stay below 1e-5 there. The images (4 tokens each) straddle the shards' chunk
+boundaries and one lies on rank 0 only; the
+sliding layer's window (3 tokens) is shorter than an image and than the sequence.
+PaliGemma's prefix (the image and the prompt, type 0) is 12 and 20 tokens, across the
+boundaries. Controls: without ``token_type_ids`` each model's own logits move by far more
+than 1e-4 (so the spans are exercised), and that causal-only forward is matched under CP
+too (Gemma 3). Refused on every rank: a mask the model got prepared (4-D), which is not the
+one hf_ring computes; a PaliGemma prefix split in two runs; PaliGemma with a sliding window
+(PaliGemma 2's sliding layers OR the prefix in, which the ring does not compute); PaliGemma
+without token_type_ids (its layers are flagged bidirectional: its mask decides).
 """
 
 from __future__ import annotations
@@ -38,7 +39,10 @@ import hf_ring
 from distributed import run_world
 from hf_ring.patches.transformers import release_line
 from reference_attention import rel_err
-from vlm_cases import ROWS, SEQ, VOCAB, build, gemma3, gemma3_batch, paligemma, paligemma_batch
+from vlm_cases import (
+    ROWS, SEQ, VOCAB, assert_refused_on_every_rank, build, gemma3, gemma3_batch,
+    paligemma, paligemma_batch,
+)
 
 pytestmark = pytest.mark.skipif(
     release_line(__import__("transformers").__version__) != "5",
@@ -192,5 +196,5 @@ _EXPECTED = {
 
 @pytest.mark.parametrize("what", _EXPECTED)
 def test_refused_on_every_rank(what):
-    for r in _run():
-        assert _EXPECTED[what] in r["refusals"][what], r["refusals"][what]
+    assert_refused_on_every_rank(_run(), what, _EXPECTED[what])
+
