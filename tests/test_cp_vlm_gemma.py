@@ -19,8 +19,8 @@ and ``ulysses`` (4 query / 2 K/V heads over 2 ranks), with right padding too:
 (measured ~1e-7 to 1e-6). A gradient that is zero in exact arithmetic (SigLIP's key
 biases: a key bias shifts every score of a query alike) holds rounding only: both norms
 must stay below 1e-5 there. The images (4 tokens each) straddle the shards' chunk
-boundaries and one lies on rank 0 only; the
-sliding layer's window (3 tokens) is shorter than an image and than the sequence.
+boundaries and one lies on rank 0 only; the sliding layer's window (3 tokens) is shorter
+than an image and than the sequence.
 PaliGemma's prefix (the image and the prompt, type 0) is 12 and 20 tokens, across the
 boundaries. Controls: without ``token_type_ids`` each model's own logits move by far more
 than 1e-4 (so the spans are exercised), and that causal-only forward is matched under CP
