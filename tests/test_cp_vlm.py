@@ -26,8 +26,8 @@ bit for bit. Controls: each rank's vision-tower gradient alone
 is far from the full one (the images straddle the shards, so the sum is what matches), and
 the test's positions matter (dropping M-RoPE moves the logits by 4e-3, over 10 x 1e-4).
 Refusals, each raised on every rank: labels, a cache, ``logits_to_keep``, a length the
-layout cannot split, ranks holding different batches, left padding, Gemma 3 (bidirectional
-image spans) and a family hf_ring has not checked (PaliGemma).
+layout cannot split, ranks holding different batches, left padding and a family hf_ring has
+not checked (Idefics3). Gemma 3 and PaliGemma (bidirectional spans): tests/test_cp_vlm_gemma.py.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from distributed import run_world
 from hf_ring.patches.transformers import release_line
 from reference_attention import rel_err
 from vlm_cases import (
-    FAMILIES, ROWS, SEQ, VOCAB, assert_refused_on_every_rank, assert_tower_gradient_split, build, tiny_gemma,
+    FAMILIES, ROWS, SEQ, VOCAB, assert_refused_on_every_rank, assert_tower_gradient_split, build,
 )
 from vlm_checks import errors, run_full, run_shard, tower_names
 
@@ -52,7 +52,7 @@ pytestmark = pytest.mark.skipif(
 TOL = 1e-4
 WORLD = 2
 PADDED = "qwen2_5_vl_padded"
-REFUSALS = ("labels", "cache", "logits_to_keep", "length", "ranks_differ", "left_padding", "gemma3", "unchecked")
+REFUSALS = ("labels", "cache", "logits_to_keep", "length", "ranks_differ", "left_padding", "unchecked")
 
 
 # The single-process SDPA models, by case (the ranks get their weights).
@@ -87,6 +87,17 @@ def _error(call) -> str:
     return "no error"
 
 
+def _tiny_idefics3():
+    from transformers import Idefics3Config, LlamaConfig
+
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=8,
+                  patch_size=4)
+    text = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, pad_token_id=0)
+    return build(Idefics3Config(vision_config=vision, text_config=text.to_dict(), image_token_id=120, scale_factor=1),
+                 "ring_flash")
+
+
 def _refusals(model, batch: dict, rank: int) -> dict[str, str]:
     ids = batch["input_ids"]
     left = torch.ones_like(ids)
@@ -101,8 +112,7 @@ def _refusals(model, batch: dict, rank: int) -> dict[str, str]:
         "length": _error(lambda: model(**short)),
         "ranks_differ": _error(lambda: model(**(other if rank == 1 else batch))),
         "left_padding": _error(lambda: model(**batch, attention_mask=left)),
-        "gemma3": _error(lambda: tiny_gemma("gemma3")(**text_only)),
-        "unchecked": _error(lambda: tiny_gemma("paligemma")(**text_only)),
+        "unchecked": _error(lambda: _tiny_idefics3()(**text_only)),
     }
 
 
@@ -183,8 +193,7 @@ _EXPECTED = {
     "length": "pad every row to a multiple of 4",
     "ranks_differ": "full_batch_digest",
     "left_padding": "accepts only right padding",
-    "gemma3": "bidirectional image spans",
-    "unchecked": "PaliGemmaModel is an image-text model hf_ring has not checked",
+    "unchecked": "Idefics3Model is an image-text model hf_ring has not checked",
 }
 
 
