@@ -20,49 +20,40 @@ TRL keeps both in private attributes, read and written only here:
   ``FusedCausalLMOutput`` (``trl.trainer.utils``), which TRL does not export.
 
 Written for TRL 1.16.0 (the source of ``SFTTrainer`` and ``DPOTrainer``, and of the
-modules the two classes above live in, was read for it); any other version is refused with an error naming the supported ones. Each accessor
-also checks the attribute has the shape it was written for.
+modules the two classes above live in, was read for it). A newer 1.x is accepted with one
+warning naming the tested range (the table: ``hf_ring.patches.versions``), because each
+accessor checks that the attribute or class has the shape it was written for and raises
+``UnsupportedTRLVersion`` naming what changed; an older TRL or another major line is refused.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections import defaultdict
 from typing import Any, Iterator, Optional
 
-from packaging.version import Version
+from . import versions
 
 WRITTEN_FOR = ("1.16.0",)
-_SUPPORTED = tuple(Version(v) for v in WRITTEN_FOR)
-_INSTALL_HINT = 'pip install "hf_ring[trl]" (trl==1.16.0)'
+_INSTALL_HINT = versions.TESTED["trl"].install_hint()
 
 
 class UnsupportedTRLVersion(RuntimeError):
     """The installed TRL is one this module does not know the internals of."""
 
 
-@functools.lru_cache(maxsize=None)
-def _check_known(version: str) -> str:
-    if Version(version) not in _SUPPORTED:
-        raise UnsupportedTRLVersion(
-            f"hf_ring.training.trl was written for TRL {', '.join(WRITTEN_FOR)} and does not know TRL {version}; "
-            f"install a supported release: `{_INSTALL_HINT}`"
-        )
-    return version
-
-
 def check_version(version: Optional[str] = None) -> str:
-    """``version`` (default: the installed TRL's) when this module was written for it.
+    """``version`` (default: the installed TRL's) when the table accepts it (warns once
+    for a release newer than the tested range).
 
     Raises:
-        UnsupportedTRLVersion: any version other than those in ``WRITTEN_FOR``.
+        UnsupportedTRLVersion: a version older than the tested range or outside TRL 1.x.
     """
     if version is None:
         import trl
 
         version = trl.__version__
-    return _check_known(version)
+    return versions.check("trl", version, UnsupportedTRLVersion)
 
 
 def _fail(what: str) -> UnsupportedTRLVersion:

@@ -9,23 +9,26 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${HF_RING_VENV:-.venv}"
 PY="${PYTHON:-python3}"
+# CI's newest leg is a known, committed set: every package pinned by this file (docs/versions.md).
+CONSTRAINTS=.ci/constraints-newest.txt
+STAMP="$VENV/.hf_ring_constraints"
+want="$(sha256sum "$CONSTRAINTS" | cut -d' ' -f1)"
 if [ ! -x "$VENV/bin/python" ]; then
   echo "[setup] creating $VENV"
   "$PY" -m venv "$VENV"
 fi
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   echo "[setup] installing torch==2.13.0"
-  "$VENV/bin/python" -m pip install -q "torch==2.13.0"
+  "$VENV/bin/python" -m pip install -q -c "$CONSTRAINTS" "torch==2.13.0"
 fi
-if ! "$VENV/bin/python" -c "import hf_ring, pytest, matplotlib, trl" 2>/dev/null; then
-  echo "[setup] installing hf_ring[test,trl] (editable)"
-  "$VENV/bin/python" -m pip install -q -e ".[test,trl]"
-fi
-if ! "$VENV/bin/python" -c "import deepspeed" 2>/dev/null; then
+# Reinstalled when the constraints changed since this venv was built, or a package is missing.
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ] \
+    || ! "$VENV/bin/python" -c "import hf_ring, pytest, matplotlib, trl, deepspeed" 2>/dev/null; then
   # DeepSpeed ZeRO tests (tests/test_trainer_zero.py); DS_BUILD_OPS=0: no C++ op is prebuilt
   # (and hf_ring's DeepSpeed path builds none at run time either).
-  echo "[setup] installing deepspeed==0.19.8"
-  DS_BUILD_OPS=0 "$VENV/bin/python" -m pip install -q "deepspeed==0.19.8"
+  echo "[setup] installing hf_ring[test,trl,deepspeed] (editable), pinned by $CONSTRAINTS"
+  DS_BUILD_OPS=0 "$VENV/bin/python" -m pip install -q -c "$CONSTRAINTS" -e ".[test,trl,deepspeed]"
+  echo "$want" > "$STAMP"
 fi
 "$VENV/bin/python" - <<'PY'
 import torch, transformers, accelerate

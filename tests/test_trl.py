@@ -264,13 +264,14 @@ def test_refuses_unsupported_trl_versions(monkeypatch):
     with pytest.raises(trl_patches.UnsupportedTRLVersion, match=r"1\.16\.0"):
         trl_patches.check_version("1.15.2")
     assert trl_patches.check_version("1.16.0") == "1.16.0"
+    assert trl_patches.check_version("1.17.0") == "1.17.0"  # newer 1.x: one warning (tests/test_versions.py)
     # hf_ring.trl is the face of hf_ring.training.trl, whose import runs the check: both are imported afresh.
     packages = ("hf_ring.trl", "hf_ring.training.trl")
     saved = {k: v for k, v in sys.modules.items() if k in packages or k.startswith(tuple(p + "." for p in packages))}
-    monkeypatch.setattr(trl, "__version__", "1.17.0")
+    monkeypatch.setattr(trl, "__version__", "2.0.0")
     for name in saved:
         monkeypatch.delitem(sys.modules, name)
-    with pytest.raises(trl_patches.UnsupportedTRLVersion, match=r"TRL 1\.16\.0 and does not know TRL 1\.17\.0"):
+    with pytest.raises(trl_patches.UnsupportedTRLVersion, match=r"does not know trl 2\.0\.0 \(tested 1\.16\.0, accepted: 1\.x\)"):
         import hf_ring.trl  # noqa: F401
     for name in [k for k in sys.modules if k in packages or k.startswith(tuple(p + "." for p in packages))]:
         sys.modules.pop(name)
@@ -298,10 +299,10 @@ def test_trl_accessors_of_internals(monkeypatch):
             pass
     assert trl_patches.language_modeling_collator_class() is DataCollatorForLanguageModeling
     assert trl_patches.fused_output_class() is FusedCausalLMOutput
-    monkeypatch.setattr(trl, "__version__", "1.17.0")
+    monkeypatch.setattr(trl, "__version__", "2.0.0")
     for call in (trl_patches.language_modeling_collator_class, trl_patches.fused_output_class,
                  lambda: trl_patches.reference_model_replaced(trainer, "ring").__enter__()):
-        with pytest.raises(trl_patches.UnsupportedTRLVersion, match="1.17.0"):
+        with pytest.raises(trl_patches.UnsupportedTRLVersion, match="2.0.0"):
             call()
     assert trainer.ref_model == "reference"
 
