@@ -82,12 +82,18 @@ class TestedRange:
         release is not (``5.25.0.dev0 > 5.24.0``)."""
         return Version(self.lowest) <= _public(version) <= Version(self.highest)
 
-    def describe(self) -> str:
-        """``"tested 4.57.6 to 5.24.0, accepted: 4.57.x, 5.x"``"""
-        tested = self.lowest if self.lowest == self.highest else f"{self.lowest} to {self.highest}"
-        accepted = ", ".join(f"{line}.x" for line in self.lines)
+    def tested_text(self) -> str:
+        """``"4.57.6 to 5.24.0"``"""
+        return self.lowest if self.lowest == self.highest else f"{self.lowest} to {self.highest}"
+
+    def accepted_text(self) -> str:
+        """``"4.57.x, 5.x from 4.57.0"``"""
         floor = f" from {self.floor}" if self.floor and self.floor != self.lowest else ""
-        return f"tested {tested}, accepted: {accepted}{floor}"
+        return ", ".join(f"{line}.x" for line in self.lines) + floor
+
+    def describe(self) -> str:
+        """``"tested 4.57.6 to 5.24.0, accepted: 4.57.x, 5.x from 4.57.0"``"""
+        return f"tested {self.tested_text()}, accepted: {self.accepted_text()}"
 
     def install_hint(self) -> str:
         return self.hint or f'pip install "{self.package}>={self.oldest_accepted},<{_next_line(self.lines[-1])}"'
@@ -173,9 +179,10 @@ def check(package: str, version: str, error: type[Exception]) -> str:
     if not tested.tested(version) and package not in _WARNED:
         _WARNED.add(package)
         warnings.warn(
-            f"hf_ring was tested with {package} {tested.describe().removeprefix('tested ')}; {version} is "
-            "outside that range. Its internals are checked before each use and any change is refused "
-            "by name; `python -m hf_ring.env` shows every package against its tested range",
+            f"hf_ring was tested with {package} {tested.tested_text()}; {package} {version} is outside that "
+            f"range but inside the accepted {tested.accepted_text()}, so it is used, and every internal of "
+            f"{package} that hf_ring reads is checked before use (a change is refused by name). "
+            "`python -m hf_ring.env` shows every package against its tested range",
             UntestedVersionWarning,
             stacklevel=3,
         )
