@@ -1,7 +1,9 @@
 """hf_ring: context parallelism (ring attention) for Hugging Face Transformers and Accelerate.
 
 ``import hf_ring`` registers the attention implementation ``"ring_flash"`` with
-transformers (when transformers is installed). The core works without it: ``sharding``
+transformers (when transformers is installed; when its import or a patch's check fails, the
+core still imports and ``ring_flash`` is refused when asked for, naming the error:
+``hf_ring.hf.availability``). The core works without it: ``sharding``
 (which tokens a rank holds), ``kernels`` (one blockwise attention call and the kernel
 policy), ``distributed`` (the dp x cp groups, the transport), ``patterns`` (ring,
 all-gather, Ulysses, hybrid: one plan per call, one entry point) and ``wrap``

@@ -33,6 +33,7 @@ deepspeed is imported only when a function runs.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Optional
 
 from . import versions
@@ -79,10 +80,12 @@ def count_data_parallel_ranks(cp_size: int, world_size: int) -> None:
     from deepspeed.runtime.config import DeepSpeedConfig
 
     current = DeepSpeedConfig.__dict__.get("_configure_train_batch_size")
-    if current is None or not callable(current):
+    params = list(inspect.signature(current).parameters) if callable(current) else None
+    if params != ["self"]:
         raise UnsupportedDeepSpeedVersion(
-            f"deepspeed {version}: DeepSpeedConfig._configure_train_batch_size is missing; hf_ring's "
-            f"deepspeed patches were written for {', '.join(WRITTEN_FOR)} (`{_INSTALL_HINT}`)"
+            f"deepspeed {version}: DeepSpeedConfig._configure_train_batch_size is "
+            f"{'missing' if params is None else f'taking {params}'}; hf_ring's deepspeed patches were "
+            f"written for {', '.join(WRITTEN_FOR)} (`{_INSTALL_HINT}`)"
         )
     installed = getattr(current, _MARK, None)
     if installed is not None:

@@ -29,6 +29,9 @@ accessor checks that the attribute or class has the shape it was written for and
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
+import inspect
 from collections import defaultdict
 from typing import Any, Iterator, Optional
 
@@ -82,9 +85,33 @@ def add_train_tokens(trainer: Any, count: int) -> int:
     return trainer._total_train_tokens
 
 
+@functools.lru_cache(maxsize=None)
+def _method_source(cls: type, name: str) -> str:
+    try:
+        return inspect.getsource(getattr(cls, name))
+    except (AttributeError, TypeError, OSError):
+        return ""
+
+
+def _check_reads(cls: type, methods: tuple[str, ...], text: str, what: str) -> None:
+    """Raise unless the source of one of ``cls``'s ``methods`` contains ``text``: an attribute
+    written here is only worth writing while TRL still reads it there."""
+    if not any(text in _method_source(cls, m) for m in methods):
+        raise _fail(f"{cls.__name__}.{' / '.join(methods)} no longer {what} (no `{text}` in its source)")
+
+
+def _trl_class(trainer: Any) -> type:
+    for cls in type(trainer).__mro__:
+        if cls.__module__.startswith("trl."):
+            return cls
+    raise _fail(f"{type(trainer).__name__} is not a TRL trainer")
+
+
 def set_batch_replicas(trainer: Any, replicas: int) -> None:
     """Tell TRL that ``replicas`` processes share each batch (its token count divides by it)."""
     check_version()
+    _check_reads(_trl_class(trainer), ("_compute_loss", "compute_loss"), "// self._tp_size",
+                 "divides its token count by _tp_size")
     current = getattr(trainer, "_tp_size", None)
     if not isinstance(current, int):
         raise _fail(f"{type(trainer).__name__}._tp_size is {current!r}, not an int")
@@ -118,15 +145,17 @@ def reference_model_replaced(trainer: Any, replacement: Any) -> Iterator[None]:
 
 def language_modeling_collator_class() -> type:
     """TRL's ``DataCollatorForLanguageModeling``: the collator ``SFTTrainer`` builds by default."""
-    check_version()
-    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
-
-    return DataCollatorForLanguageModeling
+    return _trl_member("trl.trainer.sft_trainer", "DataCollatorForLanguageModeling")
 
 
 def fused_output_class() -> type:
     """TRL's ``FusedCausalLMOutput``: what a model called with ``fused_lm_head=True`` returns."""
-    check_version()
-    from trl.trainer.utils import FusedCausalLMOutput
+    return _trl_member("trl.trainer.utils", "FusedCausalLMOutput")
 
-    return FusedCausalLMOutput
+
+def _trl_member(module: str, name: str) -> type:
+    check_version()
+    member = getattr(importlib.import_module(module), name, None)
+    if not isinstance(member, type):
+        raise _fail(f"{module} has no class {name}")
+    return member

@@ -307,6 +307,40 @@ def test_trl_accessors_of_internals(monkeypatch):
     assert trainer.ref_model == "reference"
 
 
+def _divides_by_tp_size(self):
+    return self.tokens // self._tp_size
+
+
+def _divides_by_another_name(self):
+    return self.tokens // self._tensor_parallel_size
+
+
+def test_trl_accessors_check_that_trl_still_reads_what_they_write(monkeypatch):
+    import trl.trainer.utils
+
+    from hf_ring.patches import trl as trl_patches
+
+    def fake_trainer(compute_loss):
+        # A class of a (fake) TRL module, as a newer TRL would define it.
+        return type("DPOTrainer", (), {"__module__": "trl.fake", "compute_loss": compute_loss, "_tp_size": 1})()
+
+    from trl import DPOTrainer
+
+    # The installed TRL's DPO trainer is what set_batch_replicas is called on (RingDPOTrainer).
+    trl_patches._check_reads(DPOTrainer, ("_compute_loss", "compute_loss"), "// self._tp_size", "reads it")
+    trainer = fake_trainer(_divides_by_tp_size)
+    trl_patches.set_batch_replicas(trainer, 2)
+    assert trainer._tp_size == 2
+    with pytest.raises(trl_patches.UnsupportedTRLVersion,
+                       match=r"DPOTrainer._compute_loss / compute_loss no longer divides its token count by _tp_size"):
+        trl_patches.set_batch_replicas(fake_trainer(_divides_by_another_name), 2)
+    with pytest.raises(trl_patches.UnsupportedTRLVersion, match="is not a TRL trainer"):
+        trl_patches.set_batch_replicas(object(), 2)
+    monkeypatch.delattr(trl.trainer.utils, "FusedCausalLMOutput")
+    with pytest.raises(trl_patches.UnsupportedTRLVersion, match="trl.trainer.utils has no class FusedCausalLMOutput"):
+        trl_patches.fused_output_class()
+
+
 def test_ring_forward_refuses_what_it_cannot_shard():
     from hf_ring.training.trl.fused_forward import RingFusedForward
 
