@@ -52,7 +52,9 @@ def _packages_of(test_file: str, test_name: str, text: str) -> tuple[str, ...]:
 
 def _what_broke(test_name: str, message: str) -> str:
     family = re.match(r"test_family_\w+\[(.+)\]", test_name)
-    first = next((line.strip() for line in message.splitlines() if line.strip()), "")
+    # hf_ring's own refusal names the accessor and what changed: prefer it to the first line.
+    refusal = re.search(r"Unsupported\w+Version: .*", message)
+    first = refusal.group(0) if refusal else next((line.strip() for line in message.splitlines() if line.strip()), "")
     reason = re.sub(r"\s+", " ", first)[:240]
     return f"family {family.group(1)}: {reason}" if family else reason
 

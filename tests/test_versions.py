@@ -293,3 +293,39 @@ def test_env_report_names_what_is_refused_without_trl():
     proc = _python(code)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "hf_ring.trl (RingSFTTrainer, RingDPOTrainer): REFUSED: ModuleNotFoundError" in proc.stdout, proc.stdout
+
+
+# ---- the upstream canary's report (scripts/upstream_report.py) ----
+
+_JUNIT = """<?xml version="1.0" encoding="utf-8"?>
+<testsuites><testsuite name="pytest">
+<testcase classname="tests.test_model_sweep" name="test_family_is_exact_or_refused[qwen3]">
+  <failure message="AssertionError: qwen3: cp=2 logits differ by 0.3">trace</failure></testcase>
+<testcase classname="tests.test_trl" name="test_cp2_logs_what_cp1_logs[sft_padded]">
+  <failure message="failed">hf_ring.patches.trl.UnsupportedTRLVersion: cannot use this TRL: SFTTrainer._metrics is not a dict</failure>
+</testcase>
+<testcase classname="tests.test_patches" name="test_installed_preparation_serves_accelerator_prepare"/>
+</testsuite></testsuites>
+"""
+
+
+def test_canary_report_names_the_package_and_what_broke(tmp_path, capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("upstream_report", os.path.join(ROOT, "scripts", "upstream_report.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    junit = tmp_path / "junit.xml"
+    junit.write_text(_JUNIT)
+    assert module.report(str(junit), pre=False) == 1
+    lines = capsys.readouterr().out.splitlines()
+    by_package = {line.split()[0]: i for i, line in enumerate(lines) if not line.startswith(" ")}
+    assert set(module.PACKAGES) <= set(by_package), lines
+    transformers_at, trl_at = by_package["transformers"], by_package["trl"]
+    assert lines[transformers_at].endswith("BROKE") and lines[trl_at].endswith("BROKE"), lines
+    assert "family qwen3: AssertionError: qwen3: cp=2 logits differ by 0.3" in lines[transformers_at + 1], lines
+    assert "UnsupportedTRLVersion: cannot use this TRL: SFTTrainer._metrics is not a dict" in lines[trl_at + 1], lines
+    assert lines[by_package["accelerate"]].endswith("ok") and lines[by_package["deepspeed"]].endswith("ok"), lines
+    junit.write_text(_JUNIT.replace("<failure", "<skipped").replace("</failure>", "</skipped>"))
+    assert module.report(str(junit), pre=True) == 0
+    assert "BROKE" not in capsys.readouterr().out
