@@ -42,6 +42,7 @@ cd "${ROOT}"
 # attention, every model family of the sweep, one Trainer, one TRL and one ZeRO parity run.
 TESTS=(
     tests/test_versions.py
+    tests/test_env.py
     tests/test_patches.py
     tests/test_patches_positions.py
     tests/test_deepspeed_support.py
