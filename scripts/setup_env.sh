@@ -3,8 +3,9 @@
 # examples need. Idempotent: a second run installs nothing new.
 #
 # PyTorch: 2.13.0 is pinned here because that is the CPU build this project's machines
-# carry on disk; on a GPU machine install the torch build for your CUDA first (pip takes
-# an already installed torch that satisfies pyproject's range).
+# carry on disk; on a GPU machine install the torch build for your CUDA first (an already
+# installed torch that satisfies pyproject's range is kept: only the first install below
+# applies the constraints file's torch pin).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${HF_RING_VENV:-.venv}"
@@ -27,7 +28,8 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ] \
   # DeepSpeed ZeRO tests (tests/test_trainer_zero.py); DS_BUILD_OPS=0: no C++ op is prebuilt
   # (and hf_ring's DeepSpeed path builds none at run time either).
   echo "[setup] installing hf_ring[test,trl,deepspeed] (editable), pinned by $CONSTRAINTS"
-  DS_BUILD_OPS=0 "$VENV/bin/python" -m pip install -q -c "$CONSTRAINTS" -e ".[test,trl,deepspeed]"
+  grep -v '^torch==' "$CONSTRAINTS" > "$VENV/.hf_ring_constraints_but_torch"
+  DS_BUILD_OPS=0 "$VENV/bin/python" -m pip install -q -c "$VENV/.hf_ring_constraints_but_torch" -e ".[test,trl,deepspeed]"
   echo "$want" > "$STAMP"
 fi
 "$VENV/bin/python" - <<'PY'
