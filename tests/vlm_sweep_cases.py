@@ -34,12 +34,25 @@ from transformers import (
 )
 
 from model_sweep_configs import build_config as tiny_text_config
-from vlm_cases import _QWEN_VISION, _TEXT, _THREE, _TOKENS, IMAGE, PATCH, VIDEO, _placeholder_batch, _qwen_batch
+from vlm_cases import (
+    _QWEN_VISION, _TEXT, _THREE, _TOKENS, IMAGE, PATCH, VIDEO, _placeholder_batch, _qwen_batch, gemma3, gemma3_batch,
+    paligemma, paligemma_batch,
+)
 
 _CLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=8,
              patch_size=PATCH, projection_dim=32)
 _SHUFFLED = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=8,
                  patch_size=2)
+
+
+def shieldgemma2():
+    """Gemma 3's tiny config (tests/vlm_cases.py) as a ``ShieldGemma2Config``."""
+    from transformers import ShieldGemma2Config
+
+    base = gemma3()
+    return ShieldGemma2Config(text_config=base.text_config.to_dict(), vision_config=base.vision_config.to_dict(),
+                              mm_tokens_per_image=base.mm_tokens_per_image, image_token_index=base.image_token_index,
+                              boi_token_index=base.boi_token_index, eoi_token_index=base.eoi_token_index)
 
 
 def vipllava() -> VipLlavaConfig:
@@ -165,4 +178,9 @@ CASES: dict[str, tuple[Callable[[], Any], Callable[[int], dict]]] = {
     "glm4v_moe": (lambda: glm4v(moe=True), lambda seed: _qwen_batch(seed, video=False)),
     "lighton_ocr": (lighton_ocr, lambda seed: _placeholder_batch(
         seed, _THREE, 4, (3, 3, 16, 16), image_sizes=torch.tensor([[16, 16]] * 3))),
+    # Bidirectional spans (tests/test_cp_vlm_gemma.py has the patterns and refusals).
+    "gemma3": (gemma3, gemma3_batch),
+    # ShieldGemma 2's image-text model is Gemma3ForConditionalGeneration with its config.
+    "shieldgemma2": (lambda: shieldgemma2(), gemma3_batch),
+    "paligemma": (paligemma, paligemma_batch),
 }
