@@ -20,7 +20,11 @@ loss (tests/test_trainer_vlm.py).
 Default: a tiny model of ``--model_type`` made on the spot and samples of drawn shapes with
 their captions (examples/vlm_data.py; Qwen2.5-VL's include a short video), nothing
 downloaded. The flags are finetune_llama_long.py's (``--seq_len`` is a sample's longest
-length in tokens, images included), plus ``--model_type``.
+length in tokens, images included), plus ``--model_type``. With ``--packing`` each batch's
+samples (``--per_device_train_batch_size`` of them) go into one row, each a document with its
+own images and the model's own positions for it alone (``RingVisionDataCollator(packing=True)``);
+at ``--cp_size 1`` the stock model reads the documents from its positions (no cache: its text
+config's ``use_cache`` is set False), as transformers' own packed rows.
 """
 
 from __future__ import annotations
@@ -45,7 +49,6 @@ from vlm_models import MODEL_TYPES  # noqa: E402
 
 # finetune_llama_long.py's flags that do not apply here, with why.
 NOT_APPLIED = {
-    "packing": "packing image-text samples is not built yet (issue 21): leave --packing out",
     "deepspeed": "DeepSpeed is not tested with image-text models yet: use --fsdp, or no weight sharding",
     "offload_checkpoints": "offloaded checkpoints are not tested with image-text models yet",
     "tiled_mlp": "the tiled MLP is not tested with image-text models yet",
@@ -122,6 +125,13 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         common = dict(ring_plugin=plugin, chunked_loss=hf_ring.ChunkedLossConfig(
             enabled={"auto": None, "on": True, "off": False}[args.chunked_loss], chunk_tokens=args.loss_chunk_tokens))
     model, ids, train_set, eval_set = _model_and_data(args, attn)
+    packing = dict(packing=True, model=model) if args.packing else {}
+    if args.packing:
+        # Training builds no cache; with one, stock transformers' mask would let packed
+        # documents attend to each other (the collator refuses that at cp 1).
+        model.config.get_text_config().use_cache = False
+        print(f"[hf_ring] packing: the {args.per_device_train_batch_size} samples of a batch in one row, each a "
+              "document with its own images and positions", flush=True)
     if hasattr(model.config, "vision_feature_layer"):
         # LLaVA-style models read a hidden layer of the tower (not its output): the layers
         # after it and the tower's final norm get no gradient, which DDP must be told. With
@@ -132,9 +142,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
             common["chunked_loss"] = hf_ring.ChunkedLossConfig(enabled=False)
             print("[hf_ring] LLaVA-style model under DDP: chunked loss off (--chunked_loss on to try it)", flush=True)
     if args.cp_size == 1:
-        collator = hf_ring.RingVisionDataCollator(**ids, model_labels=True)  # the model's own loss from labels
+        collator = hf_ring.RingVisionDataCollator(**ids, model_labels=True, **packing)  # the model's own loss
     else:
-        collator = plugin.make_vision_collator(**ids)
+        collator = plugin.make_vision_collator(**ids, **packing)
     trainer = trainer_class(
         model=model, args=training_args, train_dataset=train_set,
         eval_dataset=eval_set if args.num_eval_examples > 0 else None, data_collator=collator, **common,
