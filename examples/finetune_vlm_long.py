@@ -134,13 +134,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
               "document with its own images and positions", flush=True)
     if hasattr(model.config, "vision_feature_layer"):
         # LLaVA-style models read a hidden layer of the tower (not its output): the layers
-        # after it and the tower's final norm get no gradient, which DDP must be told. With
-        # that, DDP fails on the chunked loss's step here (it expects gradients for the tower's
-        # unused last layer; not understood yet): the chunked loss stays off unless asked for.
+        # after it and the tower's final norm get no gradient, which DDP must be told.
         training_args.ddp_find_unused_parameters = True
-        if args.cp_size > 1 and args.chunked_loss == "auto":
-            common["chunked_loss"] = hf_ring.ChunkedLossConfig(enabled=False)
-            print("[hf_ring] LLaVA-style model under DDP: chunked loss off (--chunked_loss on to try it)", flush=True)
     if args.cp_size == 1:
         collator = hf_ring.RingVisionDataCollator(**ids, model_labels=True, **packing)  # the model's own loss
     else:
