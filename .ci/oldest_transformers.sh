@@ -1,35 +1,31 @@
 #!/usr/bin/env bash
 # Runs the Hugging Face tests (ring_flash, collator, Trainer) against the oldest supported
-# transformers (4.57.6, the last 4.x release) in their own virtual environment, .venv-oldest.
+# transformers (4.57.6, the last 4.x release) in their own virtual environment, .venv-oldest,
+# every package pinned by .ci/constraints-oldest.txt.
 #
-# Idempotent: the venv is (re)built only when it is missing or its pinned set changed (a
-# stamp file holds the pins it was built with), and hf_ring is installed into it (editable,
+# Idempotent: the venv is (re)built only when it is missing or its constraints file changed
+# (a stamp file holds the file's hash), and hf_ring is installed into it (editable,
 # without dependencies) only when it does not already point at this checkout.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${ROOT}/.venv-oldest"
 PYTHON="${PYTHON:-python3}"
-# torch resolves to the local CPU wheel (pip's find-links); accelerate and datasets are the
-# newest releases that install beside transformers 4.57.6 (which needs huggingface_hub < 1).
-PINS=(
-    "torch==2.13.0"
-    "transformers==4.57.6"
-    "accelerate==1.15.0"
-    "datasets>=3.0,<5"
-    "pytest>=8"
-    "packaging"
-    "tqdm"
-)
+# Every package is pinned by the constraints file (torch resolves to the local CPU wheel);
+# the names below are what the leg installs, their versions come from that file.
+CONSTRAINTS="${ROOT}/.ci/constraints-oldest.txt"
+PACKAGES=(torch transformers accelerate datasets pytest packaging tqdm)
+TRANSFORMERS="$(sed -n 's/^transformers==//p' "${CONSTRAINTS}")"
 STAMP="${VENV}/.hf_ring_pins"
+want="$(sha256sum "${CONSTRAINTS}" | cut -d' ' -f1)"
 
-if [[ ! -x "${VENV}/bin/python" ]] || [[ "$(cat "${STAMP}" 2>/dev/null)" != "${PINS[*]}" ]]; then
+if [[ ! -x "${VENV}/bin/python" ]] || [[ "$(cat "${STAMP}" 2>/dev/null)" != "${want}" ]]; then
     echo "oldest_transformers: building ${VENV}"
     rm -rf "${VENV}"
     "${PYTHON}" -m venv "${VENV}"
     "${VENV}/bin/python" -m pip install --quiet --upgrade pip
-    "${VENV}/bin/python" -m pip install --quiet "${PINS[@]}"
-    echo "${PINS[*]}" > "${STAMP}"
+    "${VENV}/bin/python" -m pip install --quiet -c "${CONSTRAINTS}" "${PACKAGES[@]}"
+    echo "${want}" > "${STAMP}"
 fi
 # Reinstall hf_ring (editable, no dependencies) only when the venv's points elsewhere.
 # (Looked up from / so that the checkout itself is not on the path.)
@@ -39,8 +35,8 @@ if [[ "${hf_ring_init}" != "${ROOT}/hf_ring/__init__.py" ]]; then
 fi
 
 installed="$("${VENV}/bin/python" -c 'import transformers; print(transformers.__version__)')"
-if [[ "${installed}" != "4.57.6" ]]; then
-    echo "oldest_transformers: expected transformers 4.57.6 in ${VENV}, found ${installed}" >&2
+if [[ "${installed}" != "${TRANSFORMERS}" ]]; then
+    echo "oldest_transformers: expected transformers ${TRANSFORMERS} in ${VENV}, found ${installed}" >&2
     exit 1
 fi
 

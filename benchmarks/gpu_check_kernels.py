@@ -15,6 +15,7 @@ import torch
 
 import gpu_patterns
 import ring_efficiency as bench
+from gpu_check_budget import BudgetSpent, Deadline
 from hf_ring.kernels import get_backend, registry
 from hf_ring.patterns.ring.schedule import step_blocks
 from hf_ring.patterns.ring.window import window_blocks
@@ -123,14 +124,18 @@ def check_window(device: torch.device, name: str, dtype: torch.dtype, local: int
     _record(rows, what, errors if unseen_ok else {**errors, "lse": float("inf")}, TOL[dtype])
 
 
-def check_softcap(device: torch.device, name: str, dtype: torch.dtype, rows: list[dict]) -> None:
-    """Logit softcapping on the backend's blocks against the float64 reference with the same cap."""
-    gpu_patterns.softcap_blocks(device, [name], dtype, lambda what, errors: _record(rows, what, errors, TOL[dtype]))
+def check_softcap(device: torch.device, name: str, dtype: torch.dtype, length: int, rows: list[dict]) -> None:
+    """Logit softcapping on the backend's blocks (about ``length`` rows) against the float64
+    reference with the same cap."""
+    gpu_patterns.softcap_blocks(device, [name], dtype, lambda what, errors: _record(rows, what, errors, TOL[dtype]),
+                                length)
 
 
-def check_allgather(device: torch.device, name: str, dtype: torch.dtype, rows: list[dict]) -> None:
+def check_allgather(device: torch.device, name: str, dtype: torch.dtype, seq_per_rank: int,
+                    rows: list[dict]) -> None:
     """The virtual all-gather pattern on this backend against full attention (out, lse, dq)."""
-    gpu_patterns.patterns_virtual(device, name, dtype, lambda what, errors: _record(rows, what, errors, TOL[dtype]))
+    gpu_patterns.patterns_virtual(device, name, dtype, lambda what, errors: _record(rows, what, errors, TOL[dtype]),
+                                  seq_per_rank)
 
 
 def correctness_cases(device: torch.device, names: list[str], dtypes: dict[str, list[torch.dtype]],
@@ -156,27 +161,32 @@ def correctness_cases(device: torch.device, names: list[str], dtypes: dict[str, 
                 for layout, cp in (("zigzag", 4), ("packed", 2)):
                     case(1, name, check_ring, dtype, layout, cp, ring_len)
                 if registry._REGISTERED[name].backend.softcap:
-                    case(2, name, check_softcap, dtype)
-                case(2, name, check_allgather, dtype)
+                    case(2, name, check_softcap, dtype, block_len)
+                case(2, name, check_allgather, dtype, ring_len)
     return sorted(cases, key=lambda c: c[0])  # stable: backends keep their order within a priority
 
 
-def correctness(cases: list, budget_s: float) -> dict:
-    rows: list[dict] = []
-    skipped: dict[str, int] = {}
-    start = time.perf_counter()
+def correctness(cases: list, deadline: Deadline, result: dict) -> None:
+    """Run ``cases`` (from :func:`correctness_cases`) into ``result`` (``checks``: one row per
+    check; ``skipped``: cases per backend not run once ``deadline`` was spent; ``interrupted``:
+    the backend whose case the deadline cut short, if one was)."""
+    rows: list[dict] = result.setdefault("checks", [])
+    skipped: dict[str, int] = result.setdefault("skipped", {})
     for _, name, fn in cases:
-        if time.perf_counter() - start > budget_s:
+        if deadline.spent():
             skipped[name] = skipped.get(name, 0) + 1
             continue
         try:
             fn(rows)
+        except BudgetSpent:  # the section's timer: the case in progress is not a kernel failure
+            skipped[name] = skipped.get(name, 0) + 1
+            result["interrupted"] = name
+            print(f"  correctness: time budget ran out during a {name} case", flush=True)
         except Exception as e:  # one unsupported case must not stop the others
             rows.append({"kind": "error", "backend": name, "pass": False, "error": f"{type(e).__name__}: {e}"})
             print(f"  BAD  backend={name} raised {type(e).__name__}: {e}", flush=True)
     if skipped:
         print(f"correctness: time budget spent, checks not run: {skipped}", flush=True)
-    return {"checks": rows, "skipped": skipped}
 
 
 def device_time(device: torch.device, fn: Callable[[], Any], repeats: int) -> float:
@@ -198,17 +208,19 @@ def device_time(device: torch.device, fn: Callable[[], Any], repeats: int) -> fl
     return sorted(times)[len(times) // 2]
 
 
-def throughput(device: torch.device, names: list[str], seq: int, heads: int, kv_heads: int, budget_s: float,
-               repeats: int = 5) -> dict:
+def throughput(device: torch.device, names: list[str], seq: int, heads: int, kv_heads: int, deadline: Deadline,
+               result: dict, repeats: int = 5) -> None:
     """Forward and backward TFLOP/s of one bf16 block per backend, causal (a ring's
-    diagonal step) and not (every other step), head_dim 128; and the order they rank in."""
-    rows, start, d = [], time.perf_counter(), 128
+    diagonal step) and not (every other step), head_dim 128, into ``result["rows"]``, and
+    the order they rank in (``result["measured_order"]``), until ``deadline``."""
+    rows, d = result.setdefault("rows", []), 128
+    result["measured_order"] = []
     g = torch.Generator(device="cpu").manual_seed(0)
     q, dout = (torch.randn(1, seq, heads, d, generator=g).to(device, torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(1, seq, kv_heads, d, generator=g).to(device, torch.bfloat16) for _ in range(2))
     for name in names:
         for causal in (False, True):
-            if time.perf_counter() - start > budget_s:
+            if deadline.spent():
                 print(f"throughput: time budget spent before {name} causal={causal}", flush=True)
                 continue
             kernel = get_backend(name, device, torch.bfloat16)
@@ -222,8 +234,8 @@ def throughput(device: torch.device, names: list[str], seq: int, heads: int, kv_
             r = rows[-1]
             print(f"  {name:16} causal={causal!s:5} seq={seq} fwd {t_fwd * 1e3:8.2f} ms {r['tflops_fwd']:7.1f} TFLOP/s"
                   f"  bwd {t_bwd * 1e3:8.2f} ms {r['tflops_bwd']:7.1f} TFLOP/s", flush=True)
-    total: dict[str, float] = {}
-    for r in rows:
-        total[r["backend"]] = total.get(r["backend"], 0.0) + r["t_fwd_s"] + r["t_bwd_s"]
-    complete = [n for n in total if sum(r["backend"] == n for r in rows) == 2]
-    return {"rows": rows, "measured_order": sorted(complete, key=total.get)}
+            total: dict[str, float] = {}
+            for r in rows:
+                total[r["backend"]] = total.get(r["backend"], 0.0) + r["t_fwd_s"] + r["t_bwd_s"]
+            complete = [n for n in total if sum(r["backend"] == n for r in rows) == 2]
+            result["measured_order"] = sorted(complete, key=total.get)

@@ -30,15 +30,18 @@ from hf_ring.patterns.allgather import allgather_attention
 from hf_ring.distributed.collectives import VirtualCollectives
 
 
-def softcap_blocks(device: torch.device, names: list[str], dtype: torch.dtype, check: Callable) -> None:
-    """``check(what, errors)`` for every softcap-capable backend of ``names`` on blocks."""
+def softcap_blocks(device: torch.device, names: list[str], dtype: torch.dtype, check: Callable,
+                   length: int = 200) -> None:
+    """``check(what, errors)`` for every softcap-capable backend of ``names`` on blocks of
+    about ``length`` rows (one off the kernels' tiles, one non-causal with q_len != k_len)."""
     ref = get_backend("reference", device, torch.float64)
+    tile = (length * 32 // 25) // 8 * 8  # a multiple of 8 near 1.28 * length
     for name in names:
         kernel = get_backend(name, device, dtype)
         if not kernel.softcap:
             continue
-        for (hq, hk), causal, (sq, sk) in [((8, 8), True, (200, 200)), ((8, 2), True, (256, 256)),
-                                           ((8, 2), False, (72, 264))]:
+        for (hq, hk), causal, (sq, sk) in [((8, 8), True, (length, length)), ((8, 2), True, (tile, tile)),
+                                           ((8, 2), False, (max(8, length * 9 // 25), tile + 8))]:
             g = torch.Generator(device="cpu").manual_seed(1)
             # Scores of a few units, so that a cap of 5 bends them (a cap far above them tests nothing).
             q, k, v, dout = (3 * torch.randn(2, n, h, 64, generator=g).to(device, dtype)
@@ -59,14 +62,16 @@ def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
 
 
-def patterns_virtual(device: torch.device, name: str, dtype: torch.dtype, check: Callable) -> None:
-    """The virtual all-gather pattern (zigzag, stripe; cp 4) against full attention."""
+def patterns_virtual(device: torch.device, name: str, dtype: torch.dtype, check: Callable,
+                     seq_per_rank: int = 200) -> None:
+    """The virtual all-gather pattern (zigzag, stripe; cp 4, ``seq_per_rank`` tokens each)
+    against full attention."""
     cfg = bench.BenchConfig(heads=8, kv_heads=2, head_dim=128, dtype=str(dtype).split(".")[1],
                             device=device.type, backend=name)
     scale = 1 / math.sqrt(128)
     ref = get_backend("reference", device, torch.float64)
     for layout in ("zigzag", "stripe"):
-        pb = bench.make_problem(layout, 4, 200, cfg)
+        pb = bench.make_problem(layout, 4, seq_per_rank, cfg)
         outs, lses, dqs = [], [], []
         for r in range(pb.cp):
             plan = AttentionPlan(None, r, pb.cp, layout, True, scale, cfg.kernel(), transport=lambda ch: None)

@@ -104,6 +104,13 @@ def build_parser(description: Optional[str] = __doc__) -> argparse.ArgumentParse
                         "hybrid_shard (HSDP: shard over the CP group, replicate over dp)")
     p.add_argument("--deepspeed", default=None,
                    help="a DeepSpeed config (JSON), e.g. examples/ds_zero3.json: ZeRO shards the weights")
+    p.add_argument("--lora_r", type=int, default=0,
+                   help="train a LoRA adapter of this rank (PEFT) instead of every weight (0: off); it is saved "
+                        "in --output_dir at the end and loads into the plain model with PeftModel.from_pretrained")
+    p.add_argument("--lora_modules", default="q_proj,v_proj", help="--lora_r: the modules it adapts")
+    p.add_argument("--stock_trainer", action="store_true",
+                   help="--cp_size 1 only: the stock transformers Trainer and the model's own loss, what hf_ring's "
+                        "runs are compared against")
     return p
 
 
@@ -113,6 +120,8 @@ def parse_args(argv: Optional[Sequence[str]] = None, parser: Optional[argparse.A
     args = parser.parse_args(argv)
     if args.fsdp and args.deepspeed:
         parser.error("--fsdp and --deepspeed both shard the weights: choose one")
+    if args.stock_trainer and (args.cp_size != 1 or args.packing):
+        parser.error("--stock_trainer runs plain transformers: --cp_size 1, no --packing")
     return args
 
 
@@ -240,6 +249,10 @@ def main(argv: Optional[Sequence[str]] = None, callbacks: Optional[list] = None)
         hf_ring.enable_offloaded_checkpointing(model)
     if args.tiled_mlp:
         hf_ring.tile_mlps(model, args.tiled_mlp)
+    if args.lora_r:
+        model = with_lora(model, args)
+    if args.stock_trainer:
+        return train_and_report(_stock_trainer(model, training_args, train_set, eval_set, plugin, pad_id, args), args)
 
     trainer = hf_ring.RingTrainer(
         model=model,
@@ -256,6 +269,30 @@ def main(argv: Optional[Sequence[str]] = None, callbacks: Optional[list] = None)
     return train_and_report(trainer, args)
 
 
+def with_lora(model: torch.nn.Module, args: argparse.Namespace) -> torch.nn.Module:
+    """``model`` with a LoRA adapter of rank ``--lora_r`` on ``--lora_modules`` (PEFT)."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0,
+                        target_modules=args.lora_modules.split(","))
+    return get_peft_model(model, config)
+
+
+def _stock_trainer(model, training_args, train_set, eval_set, plugin, pad_id, args) -> transformers.Trainer:
+    """Plain transformers: the stock Trainer, the model computing its own loss from ``labels``
+    (padded with -100) and a right-padding ``attention_mask``; the rows padded as hf_ring's
+    collator pads them, so that both see the same batches."""
+    ring = plugin.make_collator(pad_token_id=pad_id, return_attention_mask=True)
+
+    def collate(features):
+        batch = ring(features)
+        return {k: batch[k] for k in ("input_ids", "labels", "attention_mask")}
+
+    return transformers.Trainer(model=model, args=training_args, train_dataset=train_set,
+                                eval_dataset=eval_set if args.num_eval_examples > 0 else None,
+                                data_collator=collate)
+
+
 def train_and_report(trainer: transformers.Trainer, args: argparse.Namespace) -> dict:
     """Train, evaluate at the end unless the last step just did, write trainer_state.json, shut down."""
     result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
@@ -268,6 +305,8 @@ def train_and_report(trainer: transformers.Trainer, args: argparse.Namespace) ->
     else:
         metrics.update({k: v for e in trainer.state.log_history if "eval_loss" in e for k, v in e.items()})
     trainer.save_state()  # writes output_dir/trainer_state.json (log_history: loss per step, eval_loss)
+    if getattr(args, "lora_r", 0):
+        trainer.save_model()  # the adapter alone (adapter_model.safetensors), every rank taking part
     if trainer.is_world_process_zero():
         if getattr(trainer, "gradient_reduction", None) is not None:  # RingTrainer's (the stock Trainer has none)
             print(f"[hf_ring] {trainer.gradient_reduction.describe()}", flush=True)

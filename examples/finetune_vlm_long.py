@@ -54,6 +54,8 @@ NOT_APPLIED = {
     "tiled_mlp": "the tiled MLP is not tested with image-text models yet",
     "config_name": "the tiny model is chosen with --model_type",
     "vocab_size": "the tiny model's vocabulary is the word tokenizer's",
+    "lora_r": "LoRA is tested with the text example (examples/finetune_llama_long.py) only",
+    "stock_trainer": "at --cp_size 1 this example runs the stock Trainer already",
 }
 
 

@@ -1,7 +1,9 @@
 """hf_ring: context parallelism (ring attention) for Hugging Face Transformers and Accelerate.
 
 ``import hf_ring`` registers the attention implementation ``"ring_flash"`` with
-transformers (when transformers is installed). The core works without it: ``sharding``
+transformers (when transformers is installed; when its import or a patch's check fails, the
+core still imports and ``ring_flash`` is refused when asked for, naming the error:
+``hf_ring.hf.availability``). The core works without it: ``sharding``
 (which tokens a rank holds), ``kernels`` (one blockwise attention call and the kernel
 policy), ``distributed`` (the dp x cp groups, the transport), ``patterns`` (ring,
 all-gather, Ulysses, hybrid: one plan per call, one entry point) and ``wrap``
@@ -11,8 +13,7 @@ sharded weights, TRL). The repository's docs/design.md has the layers and what e
 not import.
 """
 
-import importlib.util
-
+from hf_ring.hf import availability as _ring_flash
 from hf_ring.patterns import (
     ContextParallelState,
     context_parallel_attn_func,
@@ -43,11 +44,9 @@ __all__ = [
 ]
 
 # Registers attn_implementation="ring_flash" (and applies hf_ring.patches.transformers)
-# when transformers is installed; the core above needs only torch.
-if importlib.util.find_spec("transformers") is not None:
-    from hf_ring.hf.registration import register as _register_ring_flash
-
-    _register_ring_flash()
+# when transformers is installed; the core above needs only torch, so a failure here is
+# kept and raised when ring_flash is asked for (hf_ring.hf.availability).
+_ring_flash.register_if_installed()
 
 # The collator and the Accelerate plugin need only torch; the Trainer needs transformers.
 from hf_ring.training.collator import RingCollatorConfig, RingDataCollator
@@ -57,10 +56,18 @@ from hf_ring.training.vision_collator import RingVisionCollatorConfig, RingVisio
 __all__ += ["RingCollatorConfig", "RingDataCollator", "RingAttentionPlugin", "RingVisionCollatorConfig",
             "RingVisionDataCollator"]
 
-if importlib.util.find_spec("transformers") is not None:
+_NEEDS_RING_FLASH = ["ChunkedLossConfig", "RingTrainer", "enable_offloaded_checkpointing", "tile_mlps"]
+if _ring_flash.registered():
     from hf_ring.memory.chunked_loss import ChunkedLossConfig
     from hf_ring.memory.offload import enable_offloaded_checkpointing
     from hf_ring.memory.tiled_mlp import tile_mlps
     from hf_ring.training.trainer import RingTrainer
 
-    __all__ += ["ChunkedLossConfig", "RingTrainer", "enable_offloaded_checkpointing", "tile_mlps"]
+    __all__ += _NEEDS_RING_FLASH
+
+
+def __getattr__(name: str):
+    # Reached only for names not set above: the transformers-dependent ones say why they are absent.
+    if name in _NEEDS_RING_FLASH:
+        _ring_flash.require(f"hf_ring.{name}")
+    raise AttributeError(f"module 'hf_ring' has no attribute {name!r}")

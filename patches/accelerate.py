@@ -22,9 +22,10 @@ Written for accelerate 1.10.0 to 1.15.0: the source of ``Accelerator.prepare_dat
 of ``accelerate.data_loader.prepare_data_loader``'s signature, of ``_dataloaders``'s
 creation and of the ``prepare`` path that calls ``self.prepare_data_loader`` was read in
 every release from 1.10.0 to 1.15.0 (1.10.0, 1.10.1, 1.11.0, 1.12.0, 1.13.0, 1.14.0,
-1.15.0) and is the same in each. A version outside 1.10.0 to 1.15.x is refused, with an
-error that names these releases; each function also checks that what it touches has the
-shape it was written for, and raises ``UnsupportedAccelerateVersion`` otherwise.
+1.15.0) and is the same in each. A newer 1.x is accepted with one warning (the table of
+tested ranges: ``hf_ring.patches.versions``); a version outside 1.10.0 to 1.x is refused,
+with an error that names the tested range. Each function also checks that what it touches
+has the shape it was written for, and raises ``UnsupportedAccelerateVersion`` otherwise.
 
 accelerate is imported only when a function runs: ``import hf_ring`` needs only torch.
 """
@@ -37,11 +38,11 @@ from typing import Any, Callable, Optional
 
 from packaging.version import Version
 
+from . import versions
+
+# The releases whose source was read; the accepted range is the table's (``versions``).
 WRITTEN_FOR = ("1.10.0", "1.10.1", "1.11.0", "1.12.0", "1.13.0", "1.14.0", "1.15.0")
-# Every release in [1.10.0, 1.16) was read; a 1.16 pre-release is already the next line.
-_OLDEST = Version("1.10.0")
-_NEXT_UNREAD = Version("1.16.0.dev0")
-_INSTALL_HINT = 'pip install "accelerate>=1.10,<1.16"'
+_INSTALL_HINT = versions.TESTED["accelerate"].install_hint()
 
 # Accelerator.prepare calls self.prepare_data_loader with these; a replacement must take them.
 _PREPARE_PARAMETERS = ["self", "data_loader", "device_placement", "slice_fn_for_dispatch"]
@@ -74,28 +75,17 @@ def _written_for() -> str:
     return ", ".join(WRITTEN_FOR)
 
 
-@functools.lru_cache(maxsize=None)
-def _check_known(version: str) -> str:
-    if not _OLDEST <= Version(version) < _NEXT_UNREAD:
-        raise UnsupportedAccelerateVersion(
-            f"hf_ring's accelerate patches were written for accelerate {_written_for()} and do not "
-            f"know the internals of accelerate {version}; install one of those releases, e.g. "
-            f"`{_INSTALL_HINT}`"
-        )
-    return version
-
-
 def check_version(version: Optional[str] = None) -> str:
     """``version`` (default: the installed accelerate's) when this module was written for it.
 
     Raises:
-        UnsupportedAccelerateVersion: any version outside accelerate 1.10.0 to 1.15.x.
+        UnsupportedAccelerateVersion: any version outside accelerate 1.10.0 to 1.x.
     """
     if version is None:
         import accelerate
 
         version = accelerate.__version__
-    return _check_known(version)
+    return versions.check("accelerate", version, UnsupportedAccelerateVersion)
 
 
 def _fail(what: str, version: str) -> UnsupportedAccelerateVersion:
@@ -230,18 +220,20 @@ def install_prepare_data_loader(accelerator: Any, prepare: PrepareDataLoader) ->
 # distributed types; on CPU the state stays MULTI_CPU, the plugin is never kept and
 # prepare() wraps the model in plain DDP, with correct-looking losses. PyTorch's FSDP2 runs
 # on CPU with gloo, so the same request is honoured here the way the GPU branch of
-# ``AcceleratorState.__init__`` honours it (that branch's source was read in 1.15.0 only).
+# ``AcceleratorState.__init__`` honours it (that branch's source was read in 1.15.0 only;
+# older releases are refused, newer 1.x accepted behind the shape check of
+# ``enable_fsdp_on_cpu``: a release that keeps the request itself leaves nothing to patch,
+# since the wrapper acts only on a state that stayed MULTI_CPU).
 _CPU_FSDP_WRITTEN_FOR = ("1.15.0",)
-_CPU_FSDP_NEXT_UNREAD = Version("1.16.0.dev0")
 _CPU_FSDP_MARK = "_hf_ring_cpu_fsdp"
 
 
 def _check_cpu_fsdp_version(version: str) -> None:
-    if not Version(_CPU_FSDP_WRITTEN_FOR[0]) <= Version(version) < _CPU_FSDP_NEXT_UNREAD:
+    if Version(version) < Version(_CPU_FSDP_WRITTEN_FOR[0]):
         raise UnsupportedAccelerateVersion(
             f"FSDP on CPU needs hf_ring's patch of AcceleratorState, written for accelerate "
-            f"{', '.join(_CPU_FSDP_WRITTEN_FOR)}; accelerate {version} is not one of them. Install "
-            f'`pip install "accelerate>=1.15,<1.16"`, or train on GPUs (where accelerate builds FSDP itself)'
+            f"{', '.join(_CPU_FSDP_WRITTEN_FOR)}; accelerate {version} is older. Install "
+            f'`pip install "accelerate>=1.15,<2"`, or train on GPUs (where accelerate builds FSDP itself)'
         )
 
 

@@ -23,19 +23,23 @@
 Written for DeepSpeed 0.19.8: ``DeepSpeedConfig.__init__``, ``_configure_train_batch_size``,
 ``_set_batch_related_parameters``, ``_batch_assertion``, ``comm.torch.TorchBackend``,
 ``ops.__init__`` and the stage-1/2 and stage-3 optimizers' constructors were read there.
-Other versions are refused with an error naming the one this was written for. deepspeed is
-imported only when a function runs.
+A newer 0.19.x is accepted with one warning naming the tested range (the table:
+``hf_ring.patches.versions``), because each function checks the shape of what it touches
+and raises ``UnsupportedDeepSpeedVersion`` naming what changed; an older release or another
+line (0.20 and later: DeepSpeed bumps the minor version for breaking changes) is refused.
+deepspeed is imported only when a function runs.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Optional
 
-from packaging.version import Version
+from . import versions
 
 WRITTEN_FOR = ("0.19.8",)
-_INSTALL_HINT = 'pip install "deepspeed==0.19.8"'
+_INSTALL_HINT = versions.TESTED["deepspeed"].install_hint()
 # Marks the wrapper installed here, so a second install is a no-op.
 _MARK = "_hf_ring_counts_data_parallel_ranks"
 
@@ -44,27 +48,18 @@ class UnsupportedDeepSpeedVersion(RuntimeError):
     """The installed deepspeed is one this module does not know the internals of."""
 
 
-@functools.lru_cache(maxsize=None)
-def _check_known(version: str) -> str:
-    if Version(version) not in {Version(v) for v in WRITTEN_FOR}:
-        raise UnsupportedDeepSpeedVersion(
-            f"hf_ring's deepspeed patches were written for deepspeed {', '.join(WRITTEN_FOR)} and do not "
-            f"know the internals of deepspeed {version}; install that release (`{_INSTALL_HINT}`)"
-        )
-    return version
-
-
 def check_version(version: Optional[str] = None) -> str:
-    """``version`` (default: the installed deepspeed's) when this module was written for it.
+    """``version`` (default: the installed deepspeed's) when the table accepts it (warns
+    once for a release newer than the tested range).
 
     Raises:
-        UnsupportedDeepSpeedVersion: any other version.
+        UnsupportedDeepSpeedVersion: an older release, or one outside 0.19.x.
     """
     if version is None:
         import deepspeed
 
         version = deepspeed.__version__
-    return _check_known(version)
+    return versions.check("deepspeed", version, UnsupportedDeepSpeedVersion)
 
 
 def count_data_parallel_ranks(cp_size: int, world_size: int) -> None:
@@ -85,10 +80,12 @@ def count_data_parallel_ranks(cp_size: int, world_size: int) -> None:
     from deepspeed.runtime.config import DeepSpeedConfig
 
     current = DeepSpeedConfig.__dict__.get("_configure_train_batch_size")
-    if current is None or not callable(current):
+    params = list(inspect.signature(current).parameters) if callable(current) else None
+    if params != ["self"]:
         raise UnsupportedDeepSpeedVersion(
-            f"deepspeed {version}: DeepSpeedConfig._configure_train_batch_size is missing; hf_ring's "
-            f"deepspeed patches were written for {', '.join(WRITTEN_FOR)} (`{_INSTALL_HINT}`)"
+            f"deepspeed {version}: DeepSpeedConfig._configure_train_batch_size is "
+            f"{'missing' if params is None else f'taking {params}'}; hf_ring's deepspeed patches were "
+            f"written for {', '.join(WRITTEN_FOR)} (`{_INSTALL_HINT}`)"
         )
     installed = getattr(current, _MARK, None)
     if installed is not None:

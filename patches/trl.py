@@ -20,49 +20,43 @@ TRL keeps both in private attributes, read and written only here:
   ``FusedCausalLMOutput`` (``trl.trainer.utils``), which TRL does not export.
 
 Written for TRL 1.16.0 (the source of ``SFTTrainer`` and ``DPOTrainer``, and of the
-modules the two classes above live in, was read for it); any other version is refused with an error naming the supported ones. Each accessor
-also checks the attribute has the shape it was written for.
+modules the two classes above live in, was read for it). A newer 1.x is accepted with one
+warning naming the tested range (the table: ``hf_ring.patches.versions``), because each
+accessor checks that the attribute or class has the shape it was written for and raises
+``UnsupportedTRLVersion`` naming what changed; an older TRL or another major line is refused.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
+import inspect
 from collections import defaultdict
 from typing import Any, Iterator, Optional
 
-from packaging.version import Version
+from . import versions
 
 WRITTEN_FOR = ("1.16.0",)
-_SUPPORTED = tuple(Version(v) for v in WRITTEN_FOR)
-_INSTALL_HINT = 'pip install "hf_ring[trl]" (trl==1.16.0)'
+_INSTALL_HINT = versions.TESTED["trl"].install_hint()
 
 
 class UnsupportedTRLVersion(RuntimeError):
     """The installed TRL is one this module does not know the internals of."""
 
 
-@functools.lru_cache(maxsize=None)
-def _check_known(version: str) -> str:
-    if Version(version) not in _SUPPORTED:
-        raise UnsupportedTRLVersion(
-            f"hf_ring.training.trl was written for TRL {', '.join(WRITTEN_FOR)} and does not know TRL {version}; "
-            f"install a supported release: `{_INSTALL_HINT}`"
-        )
-    return version
-
-
 def check_version(version: Optional[str] = None) -> str:
-    """``version`` (default: the installed TRL's) when this module was written for it.
+    """``version`` (default: the installed TRL's) when the table accepts it (warns once
+    for a release newer than the tested range).
 
     Raises:
-        UnsupportedTRLVersion: any version other than those in ``WRITTEN_FOR``.
+        UnsupportedTRLVersion: a version older than the tested range or outside TRL 1.x.
     """
     if version is None:
         import trl
 
         version = trl.__version__
-    return _check_known(version)
+    return versions.check("trl", version, UnsupportedTRLVersion)
 
 
 def _fail(what: str) -> UnsupportedTRLVersion:
@@ -91,9 +85,33 @@ def add_train_tokens(trainer: Any, count: int) -> int:
     return trainer._total_train_tokens
 
 
+@functools.lru_cache(maxsize=None)
+def _method_source(cls: type, name: str) -> str:
+    try:
+        return inspect.getsource(getattr(cls, name))
+    except (AttributeError, TypeError, OSError):
+        return ""
+
+
+def _check_reads(cls: type, methods: tuple[str, ...], text: str, what: str) -> None:
+    """Raise unless the source of one of ``cls``'s ``methods`` contains ``text``: an attribute
+    written here is only worth writing while TRL still reads it there."""
+    if not any(text in _method_source(cls, m) for m in methods):
+        raise _fail(f"{cls.__name__}.{' / '.join(methods)} no longer {what} (no `{text}` in its source)")
+
+
+def _trl_class(trainer: Any) -> type:
+    for cls in type(trainer).__mro__:
+        if cls.__module__.startswith("trl."):
+            return cls
+    raise _fail(f"{type(trainer).__name__} is not a TRL trainer")
+
+
 def set_batch_replicas(trainer: Any, replicas: int) -> None:
     """Tell TRL that ``replicas`` processes share each batch (its token count divides by it)."""
     check_version()
+    _check_reads(_trl_class(trainer), ("_compute_loss", "compute_loss"), "// self._tp_size",
+                 "divides its token count by _tp_size")
     current = getattr(trainer, "_tp_size", None)
     if not isinstance(current, int):
         raise _fail(f"{type(trainer).__name__}._tp_size is {current!r}, not an int")
@@ -127,15 +145,17 @@ def reference_model_replaced(trainer: Any, replacement: Any) -> Iterator[None]:
 
 def language_modeling_collator_class() -> type:
     """TRL's ``DataCollatorForLanguageModeling``: the collator ``SFTTrainer`` builds by default."""
-    check_version()
-    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
-
-    return DataCollatorForLanguageModeling
+    return _trl_member("trl.trainer.sft_trainer", "DataCollatorForLanguageModeling")
 
 
 def fused_output_class() -> type:
     """TRL's ``FusedCausalLMOutput``: what a model called with ``fused_lm_head=True`` returns."""
-    check_version()
-    from trl.trainer.utils import FusedCausalLMOutput
+    return _trl_member("trl.trainer.utils", "FusedCausalLMOutput")
 
-    return FusedCausalLMOutput
+
+def _trl_member(module: str, name: str) -> type:
+    check_version()
+    member = getattr(importlib.import_module(module), name, None)
+    if not isinstance(member, type):
+        raise _fail(f"{module} has no class {name}")
+    return member

@@ -3,29 +3,34 @@
 # examples need. Idempotent: a second run installs nothing new.
 #
 # PyTorch: 2.13.0 is pinned here because that is the CPU build this project's machines
-# carry on disk; on a GPU machine install the torch build for your CUDA first (pip takes
-# an already installed torch that satisfies pyproject's range).
+# carry on disk; on a GPU machine install the torch build for your CUDA first (an already
+# installed torch that satisfies pyproject's range is kept: only the first install below
+# applies the constraints file's torch pin).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${HF_RING_VENV:-.venv}"
 PY="${PYTHON:-python3}"
+# CI's newest leg is a known, committed set: every package pinned by this file (docs/versions.md).
+CONSTRAINTS=.ci/constraints-newest.txt
+STAMP="$VENV/.hf_ring_constraints"
+want="$(sha256sum "$CONSTRAINTS" | cut -d' ' -f1)"
 if [ ! -x "$VENV/bin/python" ]; then
   echo "[setup] creating $VENV"
   "$PY" -m venv "$VENV"
 fi
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   echo "[setup] installing torch==2.13.0"
-  "$VENV/bin/python" -m pip install -q "torch==2.13.0"
+  "$VENV/bin/python" -m pip install -q -c "$CONSTRAINTS" "torch==2.13.0"
 fi
-if ! "$VENV/bin/python" -c "import hf_ring, pytest, matplotlib, trl" 2>/dev/null; then
-  echo "[setup] installing hf_ring[test,trl] (editable)"
-  "$VENV/bin/python" -m pip install -q -e ".[test,trl]"
-fi
-if ! "$VENV/bin/python" -c "import deepspeed" 2>/dev/null; then
+# Reinstalled when the constraints changed since this venv was built, or a package is missing.
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ] \
+    || ! "$VENV/bin/python" -c "import hf_ring, pytest, matplotlib, trl, deepspeed" 2>/dev/null; then
   # DeepSpeed ZeRO tests (tests/test_trainer_zero.py); DS_BUILD_OPS=0: no C++ op is prebuilt
   # (and hf_ring's DeepSpeed path builds none at run time either).
-  echo "[setup] installing deepspeed==0.19.8"
-  DS_BUILD_OPS=0 "$VENV/bin/python" -m pip install -q "deepspeed==0.19.8"
+  echo "[setup] installing hf_ring[test,trl,deepspeed] (editable), pinned by $CONSTRAINTS"
+  grep -v '^torch==' "$CONSTRAINTS" > "$VENV/.hf_ring_constraints_but_torch"
+  DS_BUILD_OPS=0 "$VENV/bin/python" -m pip install -q -c "$VENV/.hf_ring_constraints_but_torch" -e ".[test,trl,deepspeed]"
+  echo "$want" > "$STAMP"
 fi
 "$VENV/bin/python" - <<'PY'
 import torch, transformers, accelerate

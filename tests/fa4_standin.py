@@ -4,8 +4,9 @@ every parameter, in order, with its default, so that hf_ring's glue, which binds
 against the installed signature, is tested against the real one's shape. What they
 compute: attention with optional logit softcapping, in float64 for float64 inputs.
 
-Checks copied from the real functions' contract: the backward's lse is float32 ``(b, hq,
-sq)``, out and dout in q's dtype; GQA heads divide. Results: the forward returns ``(out,
+Checks copied from the real functions' contract (tests/kernel_checks.py): every tensor on
+q's device; k, v, and in the backward out and dout, in q's dtype; the backward's lse
+float32 ``(b, hq, sq)``; GQA heads divide. Results: the forward returns ``(out,
 lse, p, row_max, o_lo)`` (lse only when asked for or when inputs need gradients), the
 backward ``(dq, dk, dv)``.
 """
@@ -17,6 +18,7 @@ from typing import Callable, Optional
 import torch
 
 from hf_ring.kernels.reference import reference_backward, reference_forward
+from kernel_checks import check_devices, check_dtypes, check_lse
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -51,7 +53,7 @@ def _capped_scores(q, k, causal, scale, softcap, mask=None):
     if mask is None and causal:
         mask = torch.ones(s.shape[-2:], dtype=torch.bool).tril()
     if mask is not None:
-        capped = capped.masked_fill(~mask, float("-inf"))
+        capped = capped.masked_fill(~mask.to(s.device), float("-inf"))
     return capped, t
 
 
@@ -104,6 +106,8 @@ def _flash_attn_fwd(
     gather_bwd_recompute_p: bool = False,
 ):
     assert q is not None and k is not None and q.shape[2] % k.shape[2] == 0
+    check_devices("_flash_attn_fwd", q, {"k": k, "v": v})
+    check_dtypes("_flash_attn_fwd", q, {"key": k, "value": v})
     assert cu_seqlens_q is None and learnable_sink is None and score_mod is None and mask_mod is None
     assert softmax_scale is not None
     mask = window_mask(q.shape[1], k.shape[1], causal, window_size_left, window_size_right)
@@ -125,8 +129,9 @@ def _flash_attn_bwd(
     dlse=None, learnable_sink=None,
 ):
     b, sq, hq, _ = q.shape
-    assert lse.shape == (b, hq, sq), "lse must have shape (batch_size, num_head, seqlen_q)"
-    assert lse.dtype == torch.float32 and q.dtype == k.dtype == v.dtype == out.dtype == dout.dtype
+    check_devices("_flash_attn_bwd", q, {"k": k, "v": v, "out": out, "dout": dout, "lse": lse})
+    check_dtypes("_flash_attn_bwd", q, {"key": k, "value": v, "out": out, "dout": dout})
+    check_lse("_flash_attn_bwd", lse, (b, hq, sq))
     assert learnable_sink is None and softmax_scale is not None and hq % k.shape[2] == 0
     mask = window_mask(sq, k.shape[1], causal, window_size_left, window_size_right)
     grads = softcap_backward(dout, q, k, v, out, lse, causal, softmax_scale, softcap, mask)

@@ -237,7 +237,10 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 _ENC_DEC = "the decoder of an encoder-decoder model (cross-attention), not a decoder-only LM"
-_MULTIMODAL = "a multimodal model (its text decoder is swept on its own where it has one)"
+_MULTIMODAL = (
+    "a multimodal model (the image-text ones are in the multimodal sweep, tests/vlm_sweep.py; "
+    "a text decoder is swept here on its own where it has one)"
+)
 NOT_SWEPT: dict[str, str] = {
     **{
         t: _ENC_DEC

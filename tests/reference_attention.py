@@ -106,7 +106,7 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
 def feature_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *, causal: bool = True,
     scale: Optional[float] = None, window: Optional[int] = None, softcap: Optional[float] = None,
-    sinks: Optional[torch.Tensor] = None,
+    sinks: Optional[torch.Tensor] = None, block_ids: Optional[torch.Tensor] = None,
 ) -> dict[str, torch.Tensor]:
     """Float64 attention over the full sequence with every feature written out, and its
     gradients from autograd.
@@ -114,7 +114,9 @@ def feature_attention(
     q, dout ``(b, s, hq, d)``, k/v ``(b, s, hk, d)``; ``window``: key j visible to query i
     iff ``0 <= i - j < window``; ``softcap``: scores -> ``softcap * tanh(scores / softcap)``
     (after the scale, before the mask); ``sinks`` ``(hq,)``: a column of per-head logits
-    appended to the scores, dropped after the softmax. Returns float64 ``out``, ``lse``
+    appended to the scores, dropped after the softmax; ``block_ids`` int ``(b, s)``: -1 or a
+    block's id, tokens of one block see each other both ways, as transformers' Gemma 3
+    mask (``window AND (causal OR same block)``). Returns float64 ``out``, ``lse``
     ``(b, hq, s)`` (sink included), ``dq``, ``dk``, ``dv`` and, with sinks, ``dsinks``.
     """
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
@@ -129,6 +131,9 @@ def feature_attention(
     n = q.shape[1]
     i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
     visible = (i >= j) if causal else torch.ones(n, n, dtype=torch.bool)
+    if block_ids is not None:  # (b, 1, n, n): broadcast over heads
+        same = (block_ids[:, :, None] == block_ids[:, None, :]) & (block_ids[:, :, None] >= 0)
+        visible = (visible | same)[:, None]
     if window is not None:
         visible = visible & (i - j < window)
     scores = scores.masked_fill(~visible, float("-inf"))

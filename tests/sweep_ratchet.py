@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 EXPECTED_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "model_sweep_expected.json")
 PATHS = ("cp", "no CP")
@@ -58,37 +58,43 @@ def load(path: str = EXPECTED_JSON) -> dict[str, Any]:
         return json.load(f)
 
 
-def write(results: dict[str, dict[str, Any]], version: str, merge: bool, path: str = EXPECTED_JSON) -> list[str]:
+def write(results: dict[str, dict[str, Any]], version: str, merge: bool, path: str = EXPECTED_JSON,
+          record: Callable[[dict[str, Any]], Optional[dict[str, str]]] = outcome_record) -> list[str]:
     """Record the families of ``results`` (with ``merge``: over the file's other families;
-    without: the file holds these families only). Returns the names whose record changed."""
+    without: the file holds these families only), each as ``record`` makes it (the
+    multimodal sweep has its own). Returns the names whose record changed."""
     current = load(path)
     families = dict(current["families"]) if merge and current["transformers"] == version else {}
     before = dict(families)
     for name, summary in results.items():
-        record = outcome_record(summary)
-        if record is None:
+        entry = record(summary)
+        if entry is None:
             families.pop(name, None)
         else:
-            families[name] = record
+            families[name] = entry
     with open(path, "w") as f:
         json.dump({"transformers": version, "families": dict(sorted(families.items()))}, f, indent=1)
         f.write("\n")
     return sorted(n for n in set(before) | set(families) if before.get(n) != families.get(n))
 
 
-def compare(summary: dict[str, Any], families: dict[str, dict[str, str]]) -> tuple[str, str]:
-    """("ok" | "skip" | "fail", message): one family's outcome against its record."""
+def compare(summary: dict[str, Any], families: dict[str, dict[str, str]], *,
+            record: Callable[[dict[str, Any]], Optional[dict[str, str]]] = outcome_record,
+            paths: tuple[str, ...] = PATHS, update: str = UPDATE, expected_json: str = EXPECTED_JSON) -> tuple[str, str]:
+    """("ok" | "skip" | "fail", message): one family's outcome against its record (by
+    default the text sweep's; the multimodal sweep passes its own ``record``, ``paths``,
+    command to ``update`` and file)."""
     name = summary["name"]
-    record = outcome_record(summary)
-    if record is None:
+    entry = record(summary)
+    if entry is None:
         return "skip", f"{name} is {summary['outcome']}: not recorded (the sweep's own test checks it)"
-    update = f"update the record in the same change: {UPDATE.format(names=name)}"
+    update = f"update the record in the same change: {update.format(names=name)}"
     expected = families.get(name)
     if expected is None:
-        return "fail", f"{name} has no recorded outcome in {os.path.basename(EXPECTED_JSON)}; {update}"
+        return "fail", f"{name} has no recorded outcome in {os.path.basename(expected_json)}; {update}"
     changes = []
-    for path in PATHS:
-        was, now = expected.get(path), record[path]
+    for path in paths:
+        was, now = expected.get(path), entry[path]
         if was == now:
             continue
         if was == "exact":

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from subprocess_limits import HANG_GUARD_S
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -16,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _run(script: str, out: str) -> None:
     subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", script), "--quick", "--cp-sizes", "1", "2", "--out", out],
-        check=True, cwd=ROOT, timeout=600,
+        check=True, cwd=ROOT, timeout=HANG_GUARD_S,
     )
 
 
@@ -47,7 +48,8 @@ def test_hybrid_step_quick(tmp_path):
     """Both hybrids at cp 1 and 2: every figure present and consistent; the mixers' saved
     bytes per rank about halve (tests/test_hybrid_activation_memory.py checks it closely)."""
     script = os.path.join(ROOT, "benchmarks", "hybrid_step.py")
-    subprocess.run([sys.executable, script, "--quick", "--out", str(tmp_path)], check=True, cwd=ROOT, timeout=600)
+    subprocess.run([sys.executable, script, "--quick", "--out", str(tmp_path)], check=True, cwd=ROOT,
+                   timeout=HANG_GUARD_S)
     result = json.loads((tmp_path / "hybrid_step.json").read_text())
     assert (tmp_path / "hybrid_step.png").stat().st_size > 0
     rows = {(r["family"], r["cp"], r["mixer_impl"]): r for r in result["rows"]}

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from reference_attention import full_attention, rel_err
+from subprocess_limits import HANG_GUARD_S
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REQUIRED = {"layout", "cp", "seq_per_rank", "pass", "efficiency"}
@@ -32,7 +33,7 @@ REQUIRED = {"layout", "cp", "seq_per_rank", "pass", "efficiency"}
 def test_ring_efficiency_tiny_json():
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "ring_efficiency.py"), "--tiny", "--json",
            "--threads", "1", "--clock", "process"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_GUARD_S, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
     assert {(r["layout"], r["pass"]) for r in rows} == {
@@ -84,15 +85,24 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     time it will get is scarce, so its own code must be known to run before it gets there."""
     out = tmp_path / "gpu_check.json"
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "gpu_check.py"), "--dry-run-cpu", "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_GUARD_S, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     names = ("flash_attn_3", "flash_attn_4", "torch_cudnn", "flash_attn", "torch_flash", "torch_efficient")
+    # The verdicts, one line per backend, printed as soon as correctness ends and again at the end.
+    after = lines.index("== throughput")
+    assert [line.split(":")[0] for line in lines[after - len(names):after]] == [f"PASS {n}" for n in names]
     for name in names:
-        assert sum(line.startswith(f"PASS {name}: ") for line in lines) == 1, name
+        assert sum(line.startswith(f"PASS {name}: ") for line in lines) == 2, name
     assert any(line.startswith("backend='auto' order here:") for line in lines)
     report = json.loads(out.read_text())
-    assert not any("error" in report[s] for s in ("correctness", "throughput", "efficiency", "overlap"))
+    assert not any("error" in report[s] or "interrupted" in report[s]
+                   for s in ("correctness", "throughput", "efficiency", "patterns", "overlap"))
+    assert list(report["verdicts"]) == list(names)
+    assert all(report["verdicts"][n].startswith(f"PASS {n}: ") for n in names), report["verdicts"]
+    planned = report["budget"]
+    assert planned["total_s"] == 420 and planned["hard_limit_s"] <= 480, planned
+    assert abs(sum(planned["planned_sections_s"].values()) + planned["setup_s"] - 420) < 1e-6, planned
     checks = report["correctness"]["checks"]
     for name in names:  # a block check and both rings (zigzag; packed: the varlen path where there is one)
         kinds = {(r["kind"], r.get("layout")) for r in checks if r["backend"] == name}
@@ -104,6 +114,19 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     lap = report["overlap"]["rows"][0]
     assert lap["kv_block_bytes"] == 2 * 32 * 2 * 128 * 2
     assert lap["fwd_hidden_d2d_s"] == (lap["t_copy_d2d_s"] < lap["t_step_fwd_s"]), lap
+
+
+def test_gpu_check_planned_budget(monkeypatch):
+    """By construction within the device machine's limits: 8 minutes for the full run, 4 for
+    --quick, the kill switch included; every section has a share."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    gpu_check = importlib.import_module("gpu_check")
+    for argv, total, limit in (([], 420, 480), (["--quick"], 180, 240), (["--dry-run-cpu"], 420, 480)):
+        plan = gpu_check.plan(argv)
+        assert plan["total_s"] == total and plan["hard_limit_s"] <= limit, (argv, plan)
+        assert abs(sum(plan["sections_s"].values()) - total) < 1e-9 and min(plan["sections_s"].values()) > 0, plan
+    with pytest.raises(SystemExit):
+        gpu_check.plan(["--budget"])  # a number is required
 
 
 def test_gpu_check_verdicts(monkeypatch):
@@ -118,5 +141,7 @@ def test_gpu_check_verdicts(monkeypatch):
                                 "flash_attn_4": "not installed"}, checks)
     assert lines["torch_flash"].startswith("FAIL torch_flash: 1/2 checks passed; first failure: ")
     assert lines["torch_efficient"] == "PASS torch_efficient: 1/1 checks passed"
+    cut = gpu_check.verdicts(["torch_efficient"], {}, checks, {"torch_efficient": 3})
+    assert cut["torch_efficient"] == "PASS torch_efficient: 1/1 checks passed (3 not run: time budget)"
     assert lines["torch_cudnn"] == "FAIL torch_cudnn: no check ran within the time budget"
     assert lines["flash_attn_3"] == "SKIP flash_attn_3: runs on sm90 GPUs only"

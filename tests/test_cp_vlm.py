@@ -26,8 +26,8 @@ bit for bit. Controls: each rank's vision-tower gradient alone
 is far from the full one (the images straddle the shards, so the sum is what matches), and
 the test's positions matter (dropping M-RoPE moves the logits by 4e-3, over 10 x 1e-4).
 Refusals, each raised on every rank: labels, a cache, ``logits_to_keep``, a length the
-layout cannot split, ranks holding different batches, left padding, Gemma 3 (bidirectional
-image spans) and a family hf_ring has not checked (PaliGemma).
+layout cannot split, ranks holding different batches, left padding and a family hf_ring has
+not checked (Idefics3). Gemma 3 and PaliGemma (bidirectional spans): tests/test_cp_vlm_gemma.py.
 """
 
 from __future__ import annotations
@@ -40,8 +40,9 @@ from distributed import run_world
 from hf_ring.patches.transformers import release_line
 from reference_attention import rel_err
 from vlm_cases import (
-    FAMILIES, ROWS, SEQ, VOCAB, assert_refused_on_every_rank, assert_tower_gradient_split, build, tiny_gemma,
+    FAMILIES, ROWS, SEQ, VOCAB, assert_refused_on_every_rank, assert_tower_gradient_split, build,
 )
+from vlm_checks import errors, run_full, run_shard, tower_names
 
 pytestmark = pytest.mark.skipif(
     release_line(__import__("transformers").__version__) != "5",
@@ -49,10 +50,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 TOL = 1e-4
-ZERO = 1e-5  # the norm below which a gradient is zero in exact arithmetic (others are >= 1e-1 here)
 WORLD = 2
 PADDED = "qwen2_5_vl_padded"
-REFUSALS = ("labels", "cache", "logits_to_keep", "length", "ranks_differ", "left_padding", "gemma3", "unchecked")
+REFUSALS = ("labels", "cache", "logits_to_keep", "length", "ranks_differ", "left_padding", "unchecked")
 
 
 # The single-process SDPA models, by case (the ranks get their weights).
@@ -79,23 +79,23 @@ def _cases() -> dict[str, dict]:
     return cases
 
 
-def _grads(model) -> dict[str, torch.Tensor]:
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def _on_rank(model, case: dict, rank: int) -> dict:
-    model.zero_grad(set_to_none=True)
-    logits = model(**case["batch"]).logits  # (rows, SEQ / WORLD, vocab): this rank's shard
-    (logits * hf_ring.shard_sequence(case["weights"], WORLD, rank)).sum().backward()
-    return {"logits": logits.detach(), "grads": _grads(model)}
-
-
 def _error(call) -> str:
     try:
         call()
     except (ValueError, NotImplementedError, RuntimeError) as e:
         return f"{type(e).__name__}: {e}"
     return "no error"
+
+
+def _tiny_idefics3():
+    from transformers import Idefics3Config, LlamaConfig
+
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=8,
+                  patch_size=4)
+    text = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, pad_token_id=0)
+    return build(Idefics3Config(vision_config=vision, text_config=text.to_dict(), image_token_id=120, scale_factor=1),
+                 "ring_flash")
 
 
 def _refusals(model, batch: dict, rank: int) -> dict[str, str]:
@@ -112,8 +112,7 @@ def _refusals(model, batch: dict, rank: int) -> dict[str, str]:
         "length": _error(lambda: model(**short)),
         "ranks_differ": _error(lambda: model(**(other if rank == 1 else batch))),
         "left_padding": _error(lambda: model(**batch, attention_mask=left)),
-        "gemma3": _error(lambda: tiny_gemma("gemma3")(**text_only)),
-        "unchecked": _error(lambda: tiny_gemma("paligemma")(**text_only)),
+        "unchecked": _error(lambda: _tiny_idefics3()(**text_only)),
     }
 
 
@@ -121,7 +120,7 @@ def _rank_main(rank: int, world: int, cases: dict) -> dict:
     state = hf_ring.setup_context_parallel(world)
     models = {name: build(cases[name]["config"], "ring_flash", cases[name]["state_dict"]) for name in FAMILIES}
     models[PADDED] = models["qwen2_5_vl"]
-    result = {name: _on_rank(models[name], case, rank) for name, case in cases.items()}
+    result = {name: run_shard(models[name], case["batch"], case["weights"], WORLD, rank) for name, case in cases.items()}
     result["refusals"] = _refusals(models["qwen2_5_vl"], cases["qwen2_5_vl"]["batch"], rank)
     if rank == 0:  # the same models without context parallelism: transformers' SDPA through ring_flash
         hf_ring.set_context_parallel_state(None)
@@ -138,9 +137,7 @@ def _reference(name: str) -> dict:
     """One process, SDPA, the full batch (computed once per case)."""
     if name not in _REFERENCES:
         case, model = _run()[0][name], _SDPA[name]
-        logits = model(**case["batch"]).logits
-        (logits * case["weights"]).sum().backward()
-        _REFERENCES[name] = {"logits": logits.detach(), "grads": _grads(model), "model": model}
+        _REFERENCES[name] = {**run_full(model, case["batch"], case["weights"]), "model": model}
     return _REFERENCES[name]
 
 
@@ -159,25 +156,13 @@ def _run() -> tuple[dict, list[dict]]:
 def test_logits_and_every_gradient_match_one_process(name):
     cases, ranks = _run()
     case, reference = cases[name], _reference(name)
-    logits = hf_ring.unshard_sequence([r[name]["logits"] for r in ranks])
-    mask = case["batch"].get("attention_mask")
-    real = slice(None) if mask is None else mask.bool()  # padding tokens' logits are nobody's
-    errors = {"logits": rel_err(logits[real], reference["logits"][real])}
-    assert set(ranks[0][name]["grads"]) == set(reference["grads"])
-    for n, ref in reference["grads"].items():
-        cp = sum(r[name]["grads"][n] for r in ranks)
-        if ref.norm() < ZERO:  # zero in exact arithmetic: both sides hold rounding only
-            assert cp.norm() < ZERO, (n, cp.norm().item())
-            errors[n] = 0.0
-        else:
-            errors[n] = rel_err(cp, ref)
-    tower = [n for n in reference["grads"] if ".visual." in n or ".vision_tower." in n]
-    projector = [n for n in tower + list(reference["grads"]) if "merger" in n or "multi_modal_projector" in n]
+    errs = errors([r[name] for r in ranks], reference, case["batch"].get("attention_mask"))
+    tower, projector = tower_names(reference["grads"])
     assert tower and projector, "the vision tower and projector must get gradients"
-    worst = max(errors, key=errors.get)
-    print(f"{name}: logits {errors['logits']:.1e}, worst gradient {worst} {errors[worst]:.1e}, "
-          f"tower {max(errors[n] for n in tower):.1e} over {len(tower)} tensors")
-    assert max(errors.values()) <= TOL, sorted(errors.items(), key=lambda e: -e[1])[:4]
+    worst = max(errs, key=errs.get)
+    print(f"{name}: logits {errs['logits']:.1e}, worst gradient {worst} {errs[worst]:.1e}, "
+          f"tower {max(errs[n] for n in tower):.1e} over {len(tower)} tensors")
+    assert max(errs.values()) <= TOL, sorted(errs.items(), key=lambda e: -e[1])[:4]
 
 
 def test_each_rank_holds_part_of_the_tower_gradient():
@@ -208,8 +193,7 @@ _EXPECTED = {
     "length": "pad every row to a multiple of 4",
     "ranks_differ": "full_batch_digest",
     "left_padding": "accepts only right padding",
-    "gemma3": "bidirectional image spans",
-    "unchecked": "PaliGemmaModel is an image-text model hf_ring has not checked",
+    "unchecked": "Idefics3Model is an image-text model hf_ring has not checked",
 }
 
 

@@ -284,7 +284,7 @@ def test_the_packing_function_refuses_what_it_cannot_pack():
                           "1 second_per_grid_ts for 2 videos"),
         "gemma3": (lambda: pack_image_text(samples, tiny_gemma("gemma3"), _config(2)), "bidirectional image spans"),
         "paligemma": (lambda: pack_image_text(samples, tiny_gemma("paligemma"), _config(2)),
-                      "PaliGemmaModel is an image-text model hf_ring has not checked with packed image-text rows"),
+                      "PaliGemmaModel (PaliGemma) is not supported with packed image-text rows"),
         "text model": (lambda: pack_image_text(samples, llava.model.language_model, _config(2)),
                        "not an image-text model"),
     }
@@ -296,7 +296,7 @@ def test_the_packing_function_refuses_what_it_cannot_pack():
 
 def test_packed_rows_of_an_unchecked_family_are_refused_without_cp():
     """Without CP a packed row runs the varlen ring, causal per document: Gemma 3's image
-    spans would be lost, so a family outside the table is refused on packed rows."""
+    spans would be lost, so Gemma 3 (like a family outside the table) is refused on packed rows."""
     model = tiny_gemma("gemma3")
     cu = torch.tensor([0, 4, 8], dtype=torch.int32)
     with pytest.raises(NotImplementedError, match="bidirectional image spans"):

@@ -32,6 +32,7 @@ import hf_ring
 import hf_ring.hf.attention
 from hf_ring.patches import transformers as tf_patches
 from reference_attention import rel_err
+from subprocess_limits import HANG_GUARD_S
 
 TRANSFORMERS_5 = Version(transformers.__version__) >= Version("5.0.0.dev0")
 VOCAB = 128
@@ -322,6 +323,6 @@ def test_core_imports_without_transformers():
         "import sys; sys.modules['transformers'] = None; import hf_ring; "
         "print(hf_ring.ring_flash_attn_func.__name__)"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "ring_flash_attn_func"

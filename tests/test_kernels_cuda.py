@@ -36,6 +36,7 @@ from hf_ring.kernels.cuda import glue as cuda_glue
 from hf_ring.kernels.reference import reference_backward, reference_forward
 
 import cuda_standins as cs
+import fa3_standin
 import fa4_standin
 from reference_attention import block_attention, block_attention_grads, rel_err, segment_attention
 from varlen_standin import looped_varlen_backward, looped_varlen_forward
@@ -153,12 +154,16 @@ def _fa3_old_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale
     return dq, dk, dv, None
 
 
-@pytest.mark.parametrize("era", ["current", "old"])
+@pytest.mark.parametrize("era", ["release", "main", "early"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_flash_attn_3_glue(monkeypatch, era, causal):
-    fns = (cs.fa3_forward, cs.fa3_backward) if era == "current" else (_fa3_old_forward, _fa3_old_backward)
+    """The hopper interface of three eras (tests/fa3_standin.py: v2.8.3's required arguments
+    and ``window_size=(l, r)``; the later custom ops' defaults and split window; the first
+    builds' short signature, below)."""
+    early = SimpleNamespace(_flash_attn_forward=_fa3_old_forward, _flash_attn_backward=_fa3_old_backward)
+    module = early if era == "early" else fa3_standin.module(era)
     _allow_cpu_tensors(monkeypatch, flash_attn3)
-    monkeypatch.setattr(flash_attn3, "_fa3", lambda: SimpleNamespace(_flash_attn_forward=fns[0], _flash_attn_backward=fns[1]))
+    monkeypatch.setattr(flash_attn3, "_fa3", lambda: module)
     _check_against_reference(flash_attn3.fa3_forward, flash_attn3.fa3_backward, causal)
 
 

@@ -6,8 +6,9 @@ test_kernels_cuda_windows.py).
 No GPU runs here, so three things stand in for one:
 - the installed PyTorch's schemas: the positional order each call was written for is
   compared with them, and the stand-ins bind every call by them (tests/cuda_standins.py);
-- the real ops on ``meta`` tensors: PyTorch's own dispatcher and meta functions take the
-  glue's calls, so a wrong argument type, count or shape fails here as it would on a GPU;
+- the real ops on fake CUDA tensors (test_kernels_cuda_devices.py): PyTorch's own
+  dispatcher and meta functions take the glue's calls, so a wrong argument type, count,
+  shape or device fails as it would on a GPU;
 - the stand-ins' numbers against float64 attention written independently of hf_ring
   (``reference_attention``; with softcap, autograd through the formula written below).
 
@@ -28,7 +29,7 @@ import fa4_standin
 from hf_ring.kernels import available_backends, base, get_backend, registry
 from hf_ring.kernels.cuda import flash_attn2, flash_attn3, flash_attn4, torch_cudnn, torch_flash
 from hf_ring.kernels.cuda import glue as cuda_glue
-from reference_attention import rel_err, segment_attention
+from reference_attention import block_attention, block_attention_grads, rel_err, segment_attention
 from test_kernels_cuda import _check_against_reference, _inputs
 
 
@@ -49,36 +50,23 @@ def test_a_reordered_schema_is_refused():
         cs.bind_schema(cs.OPS.flash_fwd, (), {"softcap": 1.0})
 
 
-# torch_efficient is not in this list: PyTorch 2.13's meta function of
-# _efficient_attention_backward lacks the schema's ``out`` parameter, so no call can bind.
-@pytest.mark.parametrize("name", ["torch_flash", "torch_cudnn"])
-@pytest.mark.parametrize("heads", [(4, 4), (4, 1)])
-def test_glue_through_the_real_ops_on_meta_tensors(monkeypatch, name, heads):
-    """The installed ops' dispatcher and meta functions accept the glue's calls, and what
-    comes back has the contract's shapes and dtypes."""
-    module = {"torch_flash": torch_flash, "torch_cudnn": torch_cudnn}[name]
-    monkeypatch.setattr(module, "check_block", lambda *a: None)
-    backend = registry._REGISTERED[name].backend
-    hq, hk = heads
-    q = torch.empty(2, 40, hq, 64, device="meta", dtype=torch.bfloat16)
-    k, v = (torch.empty(2, 24, hk, 64, device="meta", dtype=torch.bfloat16) for _ in range(2))
-    out, lse = backend.forward(q, k, v, False, 0.125)
-    assert out.shape == q.shape and out.dtype == q.dtype
-    assert lse.shape == (2, hq, 40) and lse.dtype == torch.float32
-    final_out = torch.empty(q.shape, device="meta", dtype=torch.float32)  # the merge's float32 accumulator
-    dq, dk, dv = backend.backward(torch.empty_like(q), q, k, v, final_out, lse[..., :40], False, 0.125)
-    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
-
-
-def test_flash_varlen_through_the_real_op_on_meta_tensors(monkeypatch):
-    monkeypatch.setattr(torch_flash, "check_block", lambda *a: None)
-    q = torch.empty(11, 4, 64, device="meta", dtype=torch.float16)
-    k = torch.empty(11, 2, 64, device="meta", dtype=torch.float16)
-    cu = torch.tensor([0, 3, 9, 11], dtype=torch.int32, device="meta")
-    out, lse = torch_flash.flash_varlen_forward(q, k, k, cu, cu, 6, 6, True, 0.125)
-    assert out.shape == q.shape and lse.shape == (4, 11) and lse.dtype == torch.float32
-    grads = torch_flash.flash_varlen_backward(torch.empty_like(q), q, k, k, out, lse, cu, cu, 6, 6, True, 0.125)
-    assert [g.shape for g in grads] == [q.shape, k.shape, k.shape]
+@pytest.mark.parametrize("era", cs.CUDNN_ERAS)
+@pytest.mark.parametrize("causal,sq,sk", [(True, 5, 5), (False, 1, 7)])
+def test_torch_cudnn_lse_of_either_rank(monkeypatch, era, causal, sq, sk):
+    """cuDNN attention's lse is (b, h, sq, 1) in this PyTorch and was (b, h, sq) before 2.9:
+    the glue reads the rank from the installed op (its meta function) and hands the
+    backward the forward's own shape; one query row keeps its sequence dimension."""
+    cs.install(monkeypatch.setattr, ("torch_cudnn",))
+    fwd, bwd = cs.cudnn_ops(era)
+    monkeypatch.setattr(torch_cudnn, "_FWD", fwd)
+    monkeypatch.setattr(torch_cudnn, "_BWD", bwd)
+    q, k, v, dout = _inputs(hq=4, hk=2, sq=sq, sk=sk)
+    out, lse = torch_cudnn.cudnn_forward(q, k, v, causal, 0.3)
+    ref_out, ref_lse = block_attention(q, k, v, causal, 0.3)
+    assert lse.shape == (2, 4, sq) and rel_err(out, ref_out) < 1e-10 and rel_err(lse, ref_lse) < 1e-6
+    grads = torch_cudnn.cudnn_backward(dout, q, k, v, ref_out, ref_lse, causal, 0.3)
+    for got, want in zip(grads, block_attention_grads(dout, q, k, v, causal, 0.3)):
+        assert got.shape == want.shape and rel_err(got, want) < 1e-6
 
 
 @pytest.mark.parametrize("name", ["torch_flash", "torch_cudnn", "flash_attn_4"])

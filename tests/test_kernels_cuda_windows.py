@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import cuda_standins as cs
+import fa3_standin
 import fa4_standin
 import hf_ring
 from hf_ring.kernels import registry
@@ -77,10 +78,15 @@ def _masked_attention(q, k, v, mask, scale, softcap=0.0):
     return (torch.softmax(s, -1).nan_to_num(0.0) @ vt).transpose(1, 2), torch.logsumexp(s, -1)
 
 
-@pytest.mark.parametrize("name,softcap", [("torch_flash", None), ("flash_attn_4", None), ("flash_attn_4", 3.0),
-                                          ("flash_attn_3", None)])
-def test_masked_kernel_on_window_edges(monkeypatch, name, softcap):
+@pytest.mark.parametrize("name,softcap,era", [("torch_flash", None, None), ("flash_attn_4", None, None),
+                                              ("flash_attn_4", 3.0, None), ("flash_attn_3", None, "release"),
+                                              ("flash_attn_3", None, "main")])
+def test_masked_kernel_on_window_edges(monkeypatch, name, softcap, era):
+    """``era``: the hopper interface's (tests/fa3_standin.py): ``window_size=(l, r)`` in the
+    release, two ints later."""
     backend = cs.install(monkeypatch.setattr, (name,))[name]
+    if era is not None:
+        monkeypatch.setattr(flash_attn3, "_fa3", lambda: fa3_standin.module(era))
     assert backend.masked
     extra = {"softcap": softcap} if softcap else {}
     g = torch.Generator().manual_seed(3)

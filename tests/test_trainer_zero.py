@@ -35,6 +35,7 @@ import sys
 import pytest
 import torch
 from test_trainer_cp import COMMON, REL_TOL, STEPS, _free_port  # the same runs as the DDP parity tests
+from subprocess_limits import HANG_GUARD_S
 
 pytest.importorskip("deepspeed")
 
@@ -69,7 +70,7 @@ def _launch(nproc: int, out_dir: str, args: list[str], launcher: str = "accelera
     os.makedirs(extensions, exist_ok=True)
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false", TORCH_EXTENSIONS_DIR=extensions)
     cmd = _command(nproc, launcher, [RUNNER, dump, "--output_dir", out_dir, *COMMON, *args])
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=HANG_GUARD_S)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{log[-6000:]}"
     ranks = re.findall(rf"\[hf_ring\] rank (\d+)/{nproc} \(dist_backend", log)

@@ -266,13 +266,14 @@ def test_refuses_unsupported_trl_versions(monkeypatch):
     with pytest.raises(trl_patches.UnsupportedTRLVersion, match=r"1\.16\.0"):
         trl_patches.check_version("1.15.2")
     assert trl_patches.check_version("1.16.0") == "1.16.0"
+    assert trl_patches.check_version("1.17.0") == "1.17.0"  # newer 1.x: one warning (tests/test_versions.py)
     # hf_ring.trl is the face of hf_ring.training.trl, whose import runs the check: both are imported afresh.
     packages = ("hf_ring.trl", "hf_ring.training.trl")
     saved = {k: v for k, v in sys.modules.items() if k in packages or k.startswith(tuple(p + "." for p in packages))}
-    monkeypatch.setattr(trl, "__version__", "1.17.0")
+    monkeypatch.setattr(trl, "__version__", "2.0.0")
     for name in saved:
         monkeypatch.delitem(sys.modules, name)
-    with pytest.raises(trl_patches.UnsupportedTRLVersion, match=r"TRL 1\.16\.0 and does not know TRL 1\.17\.0"):
+    with pytest.raises(trl_patches.UnsupportedTRLVersion, match=r"does not know trl 2\.0\.0 \(tested 1\.16\.0, accepted: 1\.x\)"):
         import hf_ring.trl  # noqa: F401
     for name in [k for k in sys.modules if k in packages or k.startswith(tuple(p + "." for p in packages))]:
         sys.modules.pop(name)
@@ -300,12 +301,46 @@ def test_trl_accessors_of_internals(monkeypatch):
             pass
     assert trl_patches.language_modeling_collator_class() is DataCollatorForLanguageModeling
     assert trl_patches.fused_output_class() is FusedCausalLMOutput
-    monkeypatch.setattr(trl, "__version__", "1.17.0")
+    monkeypatch.setattr(trl, "__version__", "2.0.0")
     for call in (trl_patches.language_modeling_collator_class, trl_patches.fused_output_class,
                  lambda: trl_patches.reference_model_replaced(trainer, "ring").__enter__()):
-        with pytest.raises(trl_patches.UnsupportedTRLVersion, match="1.17.0"):
+        with pytest.raises(trl_patches.UnsupportedTRLVersion, match="2.0.0"):
             call()
     assert trainer.ref_model == "reference"
+
+
+def _divides_by_tp_size(self):
+    return self.tokens // self._tp_size
+
+
+def _divides_by_another_name(self):
+    return self.tokens // self._tensor_parallel_size
+
+
+def test_trl_accessors_check_that_trl_still_reads_what_they_write(monkeypatch):
+    import trl.trainer.utils
+
+    from hf_ring.patches import trl as trl_patches
+
+    def fake_trainer(compute_loss):
+        # A class of a (fake) TRL module, as a newer TRL would define it.
+        return type("DPOTrainer", (), {"__module__": "trl.fake", "compute_loss": compute_loss, "_tp_size": 1})()
+
+    from trl import DPOTrainer
+
+    # The installed TRL's DPO trainer is what set_batch_replicas is called on (RingDPOTrainer).
+    trl_patches._check_reads(DPOTrainer, ("_compute_loss", "compute_loss"), "// self._tp_size", "reads it")
+    trainer = fake_trainer(_divides_by_tp_size)
+    trl_patches.set_batch_replicas(trainer, 2)
+    assert trainer._tp_size == 2
+    with pytest.raises(trl_patches.UnsupportedTRLVersion,
+                       match=r"DPOTrainer._compute_loss / compute_loss no longer divides its token count by _tp_size"):
+        trl_patches.set_batch_replicas(fake_trainer(_divides_by_another_name), 2)
+    with pytest.raises(trl_patches.UnsupportedTRLVersion, match="is not a TRL trainer"):
+        trl_patches.set_batch_replicas(object(), 2)
+    monkeypatch.delattr(trl.trainer.utils, "FusedCausalLMOutput")
+    with pytest.raises(trl_patches.UnsupportedTRLVersion, match="trl.trainer.utils has no class FusedCausalLMOutput"):
+        trl_patches.fused_output_class()
 
 
 def test_ring_forward_refuses_what_it_cannot_shard():

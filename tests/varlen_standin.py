@@ -1,12 +1,16 @@
 """A CPU stand-in for a variable-length attention kernel: hf_ring's reference block kernel
 looped over the ``cu_seqlens`` segments, with the varlen contract of
-``hf_ring.kernels.base`` (rows concatenated, lse ``(heads, total_q)`` float32)."""
+``hf_ring.kernels.base`` (rows concatenated, lse ``(heads, total_q)`` float32).
+
+Under ``FakeTensorMode`` (the device tests) the boundaries have no values to loop over:
+then the results are of the contract's shapes, dtypes and device only."""
 
 from __future__ import annotations
 
 import torch
 
 from hf_ring.kernels.reference import reference_backward, reference_forward
+from kernel_checks import is_fake
 
 
 def _accum(dtype: torch.dtype) -> torch.dtype:
@@ -22,6 +26,8 @@ def segments(cu: torch.Tensor) -> list[tuple[int, int]]:
 
 def looped_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
     """q ``(total_q, hq, d)``, k/v ``(total_k, hk, d)`` -> out like q, lse ``(hq, total_q)`` f32."""
+    if is_fake(cu_q):
+        return torch.empty_like(q), torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
     outs, lses = [], []
     for (qa, qb), (ka, kb) in zip(segments(cu_q), segments(cu_k), strict=True):
         assert qb - qa <= max_q and kb - ka <= max_k
@@ -35,6 +41,8 @@ def looped_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, ca
     """dq, dk, dv shaped like q, k, v, given the final out and lse ``(hq, total_q)``."""
     assert lse.shape == (q.shape[1], q.shape[0])
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if is_fake(cu_q):
+        return dq, dk, dv
     for (qa, qb), (ka, kb) in zip(segments(cu_q), segments(cu_k), strict=True):
         g = reference_backward(dout[None, qa:qb], q[None, qa:qb], k[None, ka:kb], v[None, ka:kb],
                                out[None, qa:qb], lse[None, :, qa:qb].to(_accum(q.dtype)), causal, scale)

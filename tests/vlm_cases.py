@@ -156,7 +156,8 @@ FAMILIES: dict[str, tuple[Callable[[], Any], Callable[[int], dict]]] = {
 
 def tiny_gemma(kind: str, attn_implementation: str = "ring_flash"):
     """A tiny Gemma 3 (``kind="gemma3"``: bidirectional image spans) or PaliGemma model, two
-    families hf_ring refuses under CP (tests/test_cp_vlm.py, tests/test_cp_vlm_packed.py)."""
+    families hf_ring refuses on packed rows (tests/test_cp_vlm_packed.py; padded under CP:
+    tests/test_cp_vlm_gemma.py)."""
     from transformers import Gemma3Config, PaliGemmaConfig
 
     vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -191,6 +192,53 @@ def build(config, attn_implementation: str, state_dict=None):
     if state_dict is not None:
         model.load_state_dict(state_dict)
     return model.float().train()
+
+
+def gemma3(window: int = 3):
+    """Gemma 3: a SigLIP tower on 8 x 8 images (2 x 2 patches of 4, pooled to 4 tokens), a
+    sliding layer (``window`` tokens: shorter than an image's 4 tokens by default) and a full one."""
+    from transformers import Gemma3Config
+
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=8, patch_size=PATCH)
+    text = dict(_TEXT, model_type="gemma3_text", head_dim=16, sliding_window=window,
+                layer_types=["sliding_attention", "full_attention"])
+    return Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=IMAGE,
+                        boi_token_index=START, eoi_token_index=END)
+
+
+# Row 0: images across the zigzag chunk boundaries at 8 and 16 (cp=2); row 1: one inside
+# the first chunk (rank 0 only) and one across 24.
+GEMMA_IMAGES = ((0, 6), (0, 14), (1, 0), (1, 22))
+
+
+def gemma3_batch(seed: int) -> dict[str, Any]:
+    """Four images of 4 tokens at :data:`GEMMA_IMAGES`, with Gemma 3's ``token_type_ids`` (1
+    on image tokens: each run of them is one bidirectional block)."""
+    batch = _placeholder_batch(seed, GEMMA_IMAGES, 4, (4, 3, 8, 8))
+    batch["token_type_ids"] = (batch["input_ids"] == IMAGE).long()
+    return batch
+
+
+def paligemma():
+    """PaliGemma: the same SigLIP tower (4 tokens an image), a Gemma language model."""
+    from transformers import PaliGemmaConfig
+
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=8, patch_size=PATCH, projection_dim=64)
+    text = dict(_TEXT, model_type="gemma", head_dim=16)
+    return PaliGemmaConfig(text_config=text, vision_config=vision, image_token_index=IMAGE, projection_dim=64)
+
+
+def paligemma_batch(seed: int) -> dict[str, Any]:
+    """One image a row at the start, then the prompt: a prefix (type 0) of 12 tokens in row
+    0 (across the zigzag boundary at 8, cp=2) and of 20 in row 1 (across 8 and 16), then
+    the suffix (type 1)."""
+    batch = _placeholder_batch(seed, ((0, 0), (1, 0)), 4, (2, 3, 8, 8))
+    types = torch.ones(ROWS, SEQ, dtype=torch.long)
+    types[0, :12], types[1, :20] = 0, 0
+    batch["token_type_ids"] = types
+    return batch
 
 
 # Packed rows (tests/test_cp_vlm_packed.py): per-sample processor outputs, one document each,

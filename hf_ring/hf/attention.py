@@ -104,7 +104,8 @@ def _ring_attention(
     context: ForwardContext,
     kwargs: dict[str, Any],
 ) -> tuple[torch.Tensor, None]:
-    refuse_under_ring(module, query, key, kwargs, "ring_flash under context parallelism")
+    refuse_under_ring(module, query, key, kwargs, "ring_flash under context parallelism",
+                      causal_by_mask=context.causal_by_mask)
     if attention_mask is not None:
         raise ValueError(
             f"{layer_name(module)} received a {attention_mask.dim()}-D attention mask under context "

@@ -68,9 +68,12 @@ def is_causal(module: nn.Module, kwargs: dict[str, Any]) -> bool:
 
 
 def refuse_under_ring(
-    module: nn.Module, query: torch.Tensor, key: torch.Tensor, kwargs: dict[str, Any], what: str
+    module: nn.Module, query: torch.Tensor, key: torch.Tensor, kwargs: dict[str, Any], what: str,
+    causal_by_mask: bool = False,
 ) -> None:
-    if not is_causal(module, kwargs):
+    """``causal_by_mask``: the layer is flagged non-causal but the model's own mask makes it
+    causal plus bidirectional spans, which the forward's plan computes (PaliGemma)."""
+    if not is_causal(module, kwargs) and not causal_by_mask:
         raise NotImplementedError(
             f"{layer_name(module)} runs non-causal attention, but {what} computes causal self-attention "
             "only (a decoder's); encoders and cross-attention are not supported"

@@ -35,6 +35,7 @@ from hf_ring.patterns.api import documents_fields
 from hf_ring.distributed.comm import peer_failed
 from hf_ring.patterns.state import ContextParallelState
 from hf_ring.patterns.plan import PATTERNS
+from hf_ring.patterns.ring.spans import BidirectionalSpans
 from hf_ring.patterns.validation import check_agreement, dtype_code, layout_code, name_code
 from hf_ring.sharding.layouts import shard_indices
 from hf_ring.sharding.packed import check_cu_seqlens, packed_shard_indices
@@ -51,9 +52,15 @@ class FullBatchShards:
     its language model's entry): their ``position_ids`` are the model's own (M-RoPE's
     ``(3, batch, seq_local)`` ones included), so they are not checked against ``arange``;
     ``digest``, 0-d int64 on the inputs' device, summarises the full batch (token ids,
-    grids) and must agree across the ranks."""
+    grids, token types) and must agree across the ranks; ``spans``, the full batch's
+    bidirectional spans (Gemma 3's images, read from the token types the digest covers), or
+    None: what every attention layer's plan computes on top of causal; ``causal_by_mask``:
+    the language model's layers are flagged non-causal, and the mask the model built
+    (causal plus the spans) is what they compute (PaliGemma)."""
 
     digest: torch.Tensor
+    spans: Optional[BidirectionalSpans] = None
+    causal_by_mask: bool = False
 
 _HINT = (
     "every rank of a CP group must run the same forward on its shard of the same batch: "

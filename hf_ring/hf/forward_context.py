@@ -27,6 +27,7 @@ from hf_ring.hf.support.detectors import Handed
 from hf_ring.patterns.state import ContextParallelState
 from hf_ring.patterns.build import build_plan
 from hf_ring.patterns.plan import AttentionPlan
+from hf_ring.patterns.ring.spans import BidirectionalSpans
 
 # The keyword the context travels under through the model's forward.
 CONTEXT_KWARG = "hf_ring_context"
@@ -57,6 +58,12 @@ class ForwardContext:
             ``"mamba2_chunk_scan"``, ...) a routed token-mixer layer ran on its CP path in
             this forward (``hf.mixers``).
         cache: what the layers of this forward share besides plans (sequence_features.py).
+        spans: under CP, the full batch's bidirectional spans (Gemma 3's images, validated
+            by the guard's digest of the token types), which every attention layer's plan
+            computes on top of causal and its window; None: none.
+        causal_by_mask: the model's attention layers are flagged non-causal but the mask it
+            builds (replaced by ``spans``) is causal plus the spans (PaliGemma's
+            ``use_bidirectional_attention``): they run the ring's causal plan with the spans.
     """
 
     state: Optional[ContextParallelState]
@@ -68,6 +75,8 @@ class ForwardContext:
     ran_ring: set[int] = field(default_factory=set)
     ran_mixers: set[tuple[int, str]] = field(default_factory=set)
     cache: dict = field(default_factory=dict, repr=False)
+    spans: Optional[BidirectionalSpans] = None
+    causal_by_mask: bool = False
     _plans: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -121,6 +130,7 @@ class ForwardContext:
                 need_lse=False,
                 local_world_size=s.local_world_size if s is not None else 1,
                 first_rank=s.first_rank if s is not None else 0,
+                spans=self.spans,
             )
             self._plans[key] = plan
         return plan

@@ -181,7 +181,9 @@ def _pre_forward(model: nn.Module, args: tuple, kwargs: dict):
     check_model_under_cp(model, state.cp_size, rows_and_length(inputs)[1] * state.cp_size, doc_lens=checked.doc_lens)
     sequence_features.hand_max_position(model, checked.max_position)
     context = ForwardContext(state, checked.doc_lens, comm_stats, made_by_guard=True,
-                             token_index=checked.token_index, handed=handed_to_the_ring(model))
+                             token_index=checked.token_index, handed=handed_to_the_ring(model),
+                             spans=shards.spans if shards is not None else None,
+                             causal_by_mask=shards is not None and shards.causal_by_mask)
     kwargs = {**kwargs, CONTEXT_KWARG: context}
     if inputs.get("use_cache") is None and "use_cache" in signature.parameters:
         # A cache filled under CP holds only this rank's shard of K/V: useless to continue

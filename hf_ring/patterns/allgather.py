@@ -44,7 +44,8 @@ def allgather_forward(
     every_kv = coll.all_gather(kv)  # (world, *kv.shape)
     acc = None
     for step, src in _sources(plan):
-        acc = forward_blocks(plan, plan.blocks(step, s), q, *unpack_kv(every_kv[src], q.shape[-1]), acc)
+        acc = forward_blocks(plan, plan.blocks(step, s), q, *unpack_kv(every_kv[src], q.shape[-1]), acc,
+                             plan.span_blocks(step, s))
     out, lse = acc
     if sinks is not None:
         out, lse = apply_sinks(out, lse, sinks.detach())
@@ -65,7 +66,8 @@ def allgather_backward(
     dq = None
     for step, src in _sources(plan):
         k, v = unpack_kv(every_kv[src], q.shape[-1])
-        dq, block_dkv = backward_blocks(plan, plan.blocks(step, s), dout, q, k, v, out, lse, dq)
+        dq, block_dkv = backward_blocks(plan, plan.blocks(step, s), dout, q, k, v, out, lse, dq,
+                                        plan.span_blocks(step, s))
         add_block_dkv(shares[src], block_dkv, s, True, q.shape[-1])  # each src once: initialise it
     dk, dv = unpack_kv(coll.reduce_scatter(shares), q.shape[-1])  # summed over every rank's rows
     return dq.to(q.dtype), dk.to(kv.dtype), dv.to(kv.dtype)

@@ -35,11 +35,14 @@ from hf_ring.distributed.comm import CommWaitStats
 from hf_ring.distributed.groups import group_coords, local_world_size
 from hf_ring.patterns.build import build_plan, check_settings
 from hf_ring.patterns.plan import PATTERNS
+from hf_ring.patterns.ring.spans import BidirectionalSpans, as_spans, spans_fields
 from hf_ring.patterns.run import run_plan
-from hf_ring.patterns.validation import check_across_ranks, check_local, float_bits, name_code
+from hf_ring.patterns.validation import check_across_ranks, check_local, float_bits, int_hash, name_code
 from hf_ring.sharding.packed import check_cu_seqlens
 
 Output = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
+# Per batch row, its bidirectional spans as (start, end) global positions, or validated ones.
+SpansArg = Union[None, BidirectionalSpans, Sequence[Sequence[tuple[int, int]]]]
 
 
 def _placement(group: Optional[dist.ProcessGroup], world: int) -> tuple[int, int]:
@@ -72,18 +75,12 @@ def agreement_fields(pattern: str, window, softcap, sinks, ulysses_size, backend
             ("kernel", name_code(backend))]
 
 
-_HASH_PRIME = (1 << 61) - 1  # a Mersenne prime: a polynomial hash over it rarely collides
-
-
 def documents_fields(bounds: Sequence[int]) -> list[tuple[str, int]]:
     """What ranks must agree on about a packed row's boundaries, as fixed-length fields:
     their count, the last one, and a polynomial hash of all of them (order-sensitive; a
     weighted sum would collide on simple reorderings of document lengths)."""
-    digest = 0
-    for b in bounds:
-        digest = (digest * 1_000_003 + int(b) + 1) % _HASH_PRIME
     return [("cu_seqlens.numel", len(bounds)), ("cu_seqlens[-1]", bounds[-1] if bounds else -1),
-            ("cu_seqlens.hash", digest)]
+            ("cu_seqlens.hash", int_hash(bounds))]
 
 
 def context_parallel_attn_func(
@@ -104,6 +101,7 @@ def context_parallel_attn_func(
     return_lse: bool = False,
     check_ranks: bool = True,
     comm_stats: Optional[CommWaitStats] = None,
+    spans: SpansArg = None,
 ) -> Output:
     """Exact attention over a sequence sharded across the ranks of ``group``, by ``pattern``.
 
@@ -141,6 +139,11 @@ def context_parallel_attn_func(
         check_ranks: first check that every rank passes the same shapes, dtype and settings
             (one small all-gather and a host sync); pass False only when the caller has.
         comm_stats: a sink for the time the transfers were waited on.
+        spans: bidirectional spans on top of causal (Gemma 3's images, PaliGemma's prefix):
+            per batch row, ``(start, end)`` ranges of global positions (sorted, disjoint);
+            a query in a span also sees the span's later keys (with a window too, which only
+            cuts earlier keys). The same on every rank; causal only; needs a masked kernel
+            (``"auto"`` picks one). None: none.
 
     Returns:
         ``out`` shaped and typed like q, in the same layout, differentiable in q, k, v and
@@ -156,16 +159,18 @@ def context_parallel_attn_func(
     if world > 1 and check_ranks:
         # Agreement first: a setting that is wrong on one rank only must fail on all of them.
         check_across_ranks(group, q, k, v, layout, causal, scale,
-                           agreement_fields(pattern, window, softcap, sinks, ulysses_size, backend))
+                           agreement_fields(pattern, window, softcap, sinks, ulysses_size, backend)
+                           + spans_fields(spans))
     check_settings(pattern, causal, window, softcap, ulysses_size, world)
     check_local(q, k, v, layout, causal)
     _check_sinks(sinks, q.shape[2])
+    spans = as_spans(spans, q.shape[1] * world)
     lws, first = _placement(group, world)
     plan = build_plan(pattern=pattern, group=group, rank=rank, world=world, layout=layout, causal=causal,
                       scale=scale, backend=backend, device=q.device, dtype=q.dtype, n_heads=q.shape[2],
                       n_kv_heads=k.shape[2], head_dim=q.shape[3], value_head_dim=v.shape[3],
-                      seq=q.shape[1] * world, window=window, softcap=softcap, ulysses_size=ulysses_size, comm_stats=comm_stats, need_lse=return_lse,
-                      local_world_size=lws, first_rank=first)
+                      seq=q.shape[1] * world, window=window, softcap=softcap, ulysses_size=ulysses_size,
+                      comm_stats=comm_stats, need_lse=return_lse, local_world_size=lws, first_rank=first, spans=spans)
     out, lse = run_plan(q, k, v, plan, sinks)
     return (out, lse) if return_lse else out
 
@@ -244,6 +249,7 @@ def ring_flash_attn_varlen_func(
     check_ranks: bool = True,
     comm_stats: Optional[CommWaitStats] = None,
     sinks: Optional[torch.Tensor] = None,
+    spans: SpansArg = None,
 ) -> Output:
     """Ring attention over a packed row: documents never attend to each other.
 
@@ -259,6 +265,9 @@ def ring_flash_attn_varlen_func(
             on every rank of the group.
         group, causal, softmax_scale, backend, return_lse, check_ranks, comm_stats, sinks:
             as in ``ring_flash_attn_func``; ``check_ranks`` also covers the documents.
+        spans: bidirectional spans of the packed row (one row: ``[[(start, end), ...]]``,
+            global positions of the packed sequence), each inside one document; as in
+            ``context_parallel_attn_func``.
 
     Returns:
         ``out`` ``(total_local, n_heads, head_dim)``; with ``return_lse`` also ``lse``
@@ -271,7 +280,7 @@ def ring_flash_attn_varlen_func(
         # Agreement first: a rank whose boundaries are invalid must not raise alone.
         check_across_ranks(group, q, k, v, "zigzag", causal, scale,
                            [*documents_fields(bounds), ("sinks", int(sinks is not None)),
-                            ("kernel", name_code(backend))])
+                            ("kernel", name_code(backend)), *spans_fields(spans)])
     doc_lens = check_cu_seqlens(torch.as_tensor(cu_seqlens), world)
     if q.dim() != 3:
         raise ValueError(f"varlen q must be (total_local, n_heads, head_dim), got shape {tuple(q.shape)}")
@@ -287,7 +296,7 @@ def ring_flash_attn_varlen_func(
     plan = build_plan(pattern="ring", group=group, rank=rank, world=world, layout="zigzag", causal=causal,
                       scale=scale, backend=backend, device=q.device, dtype=q.dtype, n_heads=q.shape[2],
                       n_kv_heads=k.shape[2], head_dim=q.shape[3], value_head_dim=v.shape[3], seq=sum(doc_lens),
-                      local_doc_lens=local_doc_lens, comm_stats=comm_stats)
+                      local_doc_lens=local_doc_lens, comm_stats=comm_stats, spans=as_spans(spans, sum(doc_lens)))
     out, lse = run_plan(q, k, v, plan, sinks)
     out, lse = out.squeeze(0), lse.squeeze(0)
     return (out, lse) if return_lse else out

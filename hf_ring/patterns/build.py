@@ -32,6 +32,7 @@ from hf_ring.kernels.value_heads import with_value_head_dim
 from hf_ring.patterns.auto import first_that_runs, log_choice_once, pattern_candidates
 from hf_ring.patterns.hybrid import RING_SHARD_LAYOUTS, hybrid_groups, hybrid_ring_plan
 from hf_ring.patterns.plan import PATTERNS, AttentionPlan
+from hf_ring.patterns.ring.spans import BidirectionalSpans
 from hf_ring.patterns.ulysses import kv_repeat
 
 
@@ -89,6 +90,7 @@ def build_plan(
     first_rank: int = 0,
     transport: Optional[Transport] = None,
     collectives: Optional[Collectives] = None,
+    spans: Optional[BidirectionalSpans] = None,
 ) -> AttentionPlan:
     """The plan of one kind of attention call (settings checked by :func:`check_settings`).
 
@@ -113,6 +115,8 @@ def build_plan(
             group is inside one node) and the CP group's first global rank.
         transport, collectives: how the ring's blocks, or the other patterns' collectives,
             travel (default: over ``group``; benchmarks pass virtual ones).
+        spans: bidirectional spans on top of causal (``AttentionPlan.spans``), validated for
+            ``seq`` tokens, or None; every pattern computes them (they need a masked kernel).
 
     Raises:
         NotImplementedError: a feature the pattern or its kernel does not compute, or head
@@ -124,7 +128,7 @@ def build_plan(
                   window=window if window is not None and window < seq else None, softcap=softcap,
                   chunk=chunk if chunk is not None and chunk < seq else None,
                   local_doc_lens=local_doc_lens, comm_stats=comm_stats, need_lse=need_lse, transport=transport,
-                  collectives=collectives)
+                  collectives=collectives, spans=spans)
     if world == 1:
         return _build("ring", None, **common)  # one process: the ring's single step, local attention
     if local_doc_lens is not None:
@@ -137,8 +141,8 @@ def build_plan(
         return _build(pattern, ulysses_size, **common)
     candidates = pattern_candidates(n_heads, n_kv_heads, seq, world, local_world_size or world, first_rank)
     plan, choice = first_that_runs(candidates, lambda c: _build(c.pattern, c.ulysses_size, **common))
-    features = [f for f, on in (("window", common["window"]), ("chunk", common["chunk"]), ("softcap", softcap))
-                if on is not None]
+    features = [f for f, on in (("window", common["window"]), ("chunk", common["chunk"]), ("softcap", softcap),
+                                ("spans", spans)) if on is not None]
     log_choice_once(choice, (n_heads, n_kv_heads, *features),
                     f"{seq} tokens over cp={world}, {n_heads}/{n_kv_heads} heads"
                     + (f", {', '.join(features)}" if features else ""))
@@ -147,7 +151,7 @@ def build_plan(
 
 def _build(pattern: str, ulysses_size: Optional[int], *, group, rank, world, layout, causal, scale, backend, device,
            dtype, n_heads, n_kv_heads, head_dim, value_head_dim, seq, window, softcap, local_doc_lens, comm_stats,
-           need_lse, transport, collectives, chunk) -> AttentionPlan:
+           need_lse, transport, collectives, chunk, spans) -> AttentionPlan:
     if pattern == "hybrid" and ulysses_size == 1:  # Ulysses groups of one rank: the ring over all of them
         pattern, ulysses_size = "ring", None
     if pattern == "hybrid" and ulysses_size == world:  # one Ulysses group: no ring
@@ -155,10 +159,10 @@ def _build(pattern: str, ulysses_size: Optional[int], *, group, rank, world, lay
     if pattern in ("ulysses", "hybrid"):
         kv_repeat(n_heads, n_kv_heads, world if pattern == "ulysses" else ulysses_size, pattern)
     position_ring = pattern == "hybrid" and layout not in RING_SHARD_LAYOUTS and causal
-    masked = window is not None or chunk is not None or position_ring
+    masked = window is not None or chunk is not None or position_ring or spans is not None
     needs = KernelNeeds(masked=masked, softcap=softcap is not None, head_dim=max(head_dim, value_head_dim))
     kernel = with_value_head_dim(get_backend(backend, device, dtype, needs), head_dim, value_head_dim)
-    settings = dict(window=window, chunk=chunk, softcap=softcap, comm_stats=comm_stats)
+    settings = dict(window=window, chunk=chunk, softcap=softcap, comm_stats=comm_stats, spans=spans)
     if pattern == "ring":
         return AttentionPlan(group, rank, world, layout, causal, scale, kernel, local_doc_lens=local_doc_lens,
                              transport=transport, **settings)
@@ -168,12 +172,12 @@ def _build(pattern: str, ulysses_size: Optional[int], *, group, rank, world, lay
     if pattern == "ulysses":
         # Every rank attends the whole sequence (in its global order) for its heads: one process's plan.
         inner = AttentionPlan(None, 0, 1, "contiguous", causal, scale, kernel, window=window, softcap=softcap,
-                              chunk=chunk)
+                              chunk=chunk, spans=spans)
         return AttentionPlan(group, rank, world, layout, causal, scale, kernel, pattern=pattern, need_lse=need_lse,
                              collectives=collectives or GroupCollectives(group, comm_stats), inner=inner,
                              **settings)
     groups = hybrid_groups(group, ulysses_size)
-    inner = hybrid_ring_plan(groups, seq, layout, causal, scale, kernel, window, softcap, comm_stats, chunk)
+    inner = hybrid_ring_plan(groups, seq, layout, causal, scale, kernel, window, softcap, comm_stats, chunk, spans)
     return AttentionPlan(group, rank, world, layout, causal, scale, kernel, pattern=pattern,
                          ulysses_size=ulysses_size, need_lse=need_lse,
                          collectives=collectives or GroupCollectives(groups.ulysses, comm_stats), inner=inner,

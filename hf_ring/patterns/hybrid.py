@@ -34,6 +34,7 @@ import torch.distributed as dist
 from hf_ring.distributed.comm import CommWaitStats
 from hf_ring.kernels import AttentionBackend
 from hf_ring.patterns.plan import AttentionPlan
+from hf_ring.patterns.ring.spans import BidirectionalSpans
 from hf_ring.patterns.ulysses import ulysses_attention
 from hf_ring.sharding.layouts import shard_indices
 
@@ -116,15 +117,17 @@ def hybrid_groups(group: Optional[dist.ProcessGroup], ulysses_size: int) -> Hybr
 def hybrid_ring_plan(
     groups: HybridGroups, seq: int, layout: str, causal: bool, scale: float, backend: AttentionBackend,
     window: Optional[int] = None, softcap: Optional[float] = None, comm_stats: Optional[CommWaitStats] = None,
-    chunk: Optional[int] = None,
+    chunk: Optional[int] = None, spans: Optional[BidirectionalSpans] = None,
 ) -> AttentionPlan:
     """The plan of the ring across the Ulysses groups for a ``seq``-token sequence sharded
     by ``layout`` over ``U * R`` ranks: the layout's own ring shards under zigzag and
-    contiguous, the groups' explicit positions under stripe (a masked kernel needed)."""
+    contiguous, the groups' explicit positions under stripe (a masked kernel needed); the
+    bidirectional ``spans`` over the whole sequence, if any."""
     world = groups.ulysses_size * groups.ring_size
     positions = None if layout in RING_SHARD_LAYOUTS else group_positions(seq, world, groups.ulysses_size, layout)
     return AttentionPlan(groups.ring, groups.group_index, groups.ring_size, layout, causal, scale, backend,
-                         window=window, comm_stats=comm_stats, softcap=softcap, positions=positions, chunk=chunk)
+                         window=window, comm_stats=comm_stats, softcap=softcap, positions=positions, chunk=chunk,
+                         spans=spans)
 
 
 def hybrid_attention(

@@ -31,8 +31,10 @@ from hf_ring.kernels.cuda.window_bands import bands
 from hf_ring.kernels.registry import backends_that
 from hf_ring.patterns.ring.packed_step import StepBatch, step_batch
 from hf_ring.patterns.ring.schedule import Block, step_blocks
+from hf_ring.patterns.ring.spans import BidirectionalSpans, SpanBlock, span_blocks
 from hf_ring.patterns.ring.window import window_blocks
 from hf_ring.sharding.layouts import check_layout, shard_indices
+from hf_ring.sharding.packed import packed_shard_indices
 
 if TYPE_CHECKING:  # hybrid.py builds on plans: a type-only import keeps the two apart
     from hf_ring.patterns.hybrid import HybridGroups
@@ -79,6 +81,10 @@ class AttentionPlan:
             ``group``; benchmarks pass virtual ones).
         inner: Ulysses and hybrid: the plan of the attention after the all-to-all.
         hybrid: hybrid only, this rank's subgroups (``hybrid.HybridGroups``).
+        spans: bidirectional spans on top of causal (``ring/spans.py``: a query in a span
+            also sees the span's later keys), per batch row, or None; causal plans, a
+            backend with a masked kernel; with a window (which never hides a later key),
+            not with chunks; on packed rows each span inside one document.
     """
 
     group: Optional[dist.ProcessGroup]
@@ -101,9 +107,11 @@ class AttentionPlan:
     collectives: Optional[Collectives] = None
     inner: Optional["AttentionPlan"] = None
     hybrid: Optional["HybridGroups"] = None
+    spans: Optional[BidirectionalSpans] = None
     _blocks: dict = field(default_factory=dict, repr=False)
     _masks: dict = field(default_factory=dict, repr=False)
     _varlen_batches: dict = field(default_factory=dict, repr=False)
+    _span_blocks: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         check_layout(self.layout)
@@ -122,6 +130,8 @@ class AttentionPlan:
             self._check_softcap()
         if self.positions is not None:
             self._check_positions()
+        if self.spans is not None:
+            self._check_spans()
         if self.pattern not in PATTERNS:
             raise ValueError(f"unknown context-parallel pattern {self.pattern!r}; choose one of {', '.join(PATTERNS)}")
         if self.pattern in ("ulysses", "hybrid") and self.world > 1 and self.inner is None:
@@ -171,6 +181,26 @@ class AttentionPlan:
                 f"layout describes needs; use {backends_that('masked')}"
             )
 
+    def _check_spans(self) -> None:
+        if not self.causal:
+            raise ValueError("bidirectional spans are defined on top of causal attention (without a causal "
+                             "mask every key is visible already); pass causal=True")
+        if self.chunk is not None:
+            raise NotImplementedError("bidirectional spans with chunked attention (attention_chunk_size) are "
+                                      "not computed by the ring; use one or the other")
+        if not self.backend.masked:
+            raise NotImplementedError(
+                f"attention backend {self.backend.name!r} has no masked kernel, which bidirectional spans "
+                f"inside the ring need (each span's later keys are a masked block); use {backends_that('masked')}"
+            )
+        if self.local_doc_lens is not None:
+            bounds = [0]
+            for n in self.local_doc_lens:
+                bounds.append(bounds[-1] + n * self.world)
+            if bounds[-1] != self.spans.seq:
+                raise ValueError(f"the spans describe {self.spans.seq} tokens, the packed row has {bounds[-1]}")
+            self.spans.check_inside(bounds)
+
     @property
     def kernel_kwargs(self) -> dict:
         """Keywords every block kernel call gets: the softcap when there is one."""
@@ -199,10 +229,34 @@ class AttentionPlan:
         window = self.window if self.window is not None and self.window < seq else None
         chunk = self.chunk if self.chunk is not None and self.chunk < seq else None
         if window is not None or chunk is not None:
-            q_pos = shard_indices(seq, self.world, self.rank, self.layout)
-            k_pos = shard_indices(seq, self.world, src, self.layout)
-            blocks = window_blocks(blocks, q_pos, k_pos, window, chunk)
+            blocks = window_blocks(blocks, self.token_positions(self.rank, local_len),
+                                   self.token_positions(src, local_len), window, chunk)
         return blocks
+
+    def token_positions(self, rank: int, local_len: int) -> torch.Tensor:
+        """Global positions of the rows ring rank ``rank`` holds, int64 ``(local_len,)``
+        (CPU): the explicit positions, a packed row's per-document zigzag, or the layout's."""
+        if self.positions is not None:
+            return self.positions[rank]
+        if self.local_doc_lens is not None:
+            bounds = torch.tensor([0, *self.local_doc_lens]).cumsum(0) * self.world
+            return packed_shard_indices(bounds, self.world, rank)
+        return shard_indices(local_len * self.world, self.world, rank, self.layout)
+
+    def span_blocks(self, step: int, local_len: int) -> list[SpanBlock]:
+        """The extra blocks of ring step ``step`` that the bidirectional spans add (none
+        without spans); the rows of the call are checked against the spans by the caller."""
+        if self.spans is None:
+            return []
+        key = (step, local_len)
+        if key not in self._span_blocks:
+            src = (self.rank - step) % self.world
+            if local_len * self.world != self.spans.seq:
+                raise ValueError(f"the spans describe {self.spans.seq} tokens, the call holds {local_len} of "
+                                 f"{local_len * self.world}")
+            self._span_blocks[key] = span_blocks(self.spans, self.token_positions(self.rank, local_len),
+                                                 self.token_positions(src, local_len))
+        return self._span_blocks[key]
 
     def _position_blocks(self, src: int, local_len: int) -> list[Block]:
         """One step's block from explicit positions: everything without a causal mask, else

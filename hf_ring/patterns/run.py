@@ -41,6 +41,8 @@ def run_plan(
         local_seq)`` float32 (float64 for float64 inputs), not differentiable; None for a
         Ulysses or hybrid plan built with ``need_lse=False``.
     """
+    if plan.spans is not None:
+        plan.spans.check_batch(q.shape[0])
     if plan.world == 1 or plan.pattern == "ring":
         return ring_attention(q, k, v, plan, sinks)
     if plan.pattern == "allgather":

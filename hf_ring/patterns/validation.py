@@ -99,6 +99,18 @@ def name_code(name: str) -> int:
     return zlib.crc32(str(name).encode())
 
 
+_HASH_PRIME = (1 << 61) - 1  # a Mersenne prime: a polynomial hash over it rarely collides
+
+
+def int_hash(values: Sequence[int]) -> int:
+    """An order-sensitive polynomial hash of ``values`` as one agreement field (a weighted
+    sum would collide on simple reorderings, e.g. of document lengths)."""
+    digest = 0
+    for x in values:
+        digest = (digest * 1_000_003 + int(x) + 1) % _HASH_PRIME
+    return digest
+
+
 def layout_code(layout: str) -> int:
     return LAYOUTS.index(layout) if layout in LAYOUTS else -1
 

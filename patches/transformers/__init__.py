@@ -2,8 +2,10 @@
 and every private internal of transformers that hf_ring reads.
 
 Written for transformers 4.57.6 (the last 4.x, the oldest with the attention registry)
-and 5.24.0; applied to the release lines they belong to (4.57.x and 5.x) and refused,
-with an error that says what to install, on any other version (``versions``).
+and 5.24.0; applied to the release lines they belong to (4.57.x and 5.x; a 5.x newer than
+5.24.0 with one warning, behind the shape checks below) and refused, with an error that
+says what to install, on any other version (``versions``; the table of tested ranges is
+``hf_ring.patches.versions``).
 
 The patches (``hooks.apply``):
 

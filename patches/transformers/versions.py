@@ -1,5 +1,6 @@
-"""Which transformers releases ``hf_ring.patches.transformers`` was written for, and the error
-every patch and accessor raises on any other release or on an internal of another shape.
+"""Which transformers releases ``hf_ring.patches.transformers`` accepts (the table in
+``hf_ring.patches.versions``), which set of patches each release line gets, and the error
+every patch and accessor raises on a refused release or on an internal of another shape.
 
 Owns: ``WRITTEN_FOR``, the release lines, ``UnsupportedTransformersVersion``. Imports
 transformers only when asked for the installed version (``import hf_ring`` needs only torch).
@@ -11,7 +12,10 @@ import functools
 
 from packaging.version import Version
 
-WRITTEN_FOR = ("4.57.6", "5.24.0")
+from .. import versions
+
+_TESTED = versions.TESTED["transformers"]
+WRITTEN_FOR = (_TESTED.lowest, _TESTED.highest)
 
 
 class UnsupportedTransformersVersion(RuntimeError):
@@ -19,20 +23,13 @@ class UnsupportedTransformersVersion(RuntimeError):
 
 
 def release_line(version: str) -> str:
-    """``"4.57"`` or ``"5"``: which set of patches a transformers version gets.
+    """``"4.57"`` or ``"5"``: which set of patches a transformers version gets. A 5.x newer
+    than the tested range is accepted with one warning (``hf_ring.patches.versions``).
 
-    Raises ``UnsupportedTransformersVersion`` for any other version.
+    Raises ``UnsupportedTransformersVersion`` for a release outside 4.57.x and 5.x.
     """
-    v = Version(version)
-    if Version("4.57") <= v < Version("4.58"):
-        return "4.57"
-    if Version("5.0.0.dev0") <= v < Version("6"):
-        return "5"
-    raise UnsupportedTransformersVersion(
-        f"hf_ring's transformers patches were written for transformers {' and '.join(WRITTEN_FOR)} "
-        f"(release lines 4.57.x and 5.x) and do not know how to patch transformers {version}; "
-        'install a supported release, e.g. `pip install "transformers>=4.57,<6"`'
-    )
+    versions.check("transformers", version, UnsupportedTransformersVersion)
+    return "4.57" if Version(version) < Version("5.0.0.dev0") else "5"
 
 
 def fail(what: str, version: str) -> UnsupportedTransformersVersion:

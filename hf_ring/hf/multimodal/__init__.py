@@ -5,8 +5,9 @@ positions, Qwen's 3-D M-RoPE included); at the language model's entry hf_ring sh
 merged embeddings, the positions and the family's other per-token inputs in the state's
 layout (``shard.py``), and the language model runs under the ring guard as a text model.
 Logits come out sharded like the tokens. ``families.py`` lists the families whose merge and
-positions were read and tested, and refuses the others by name (Gemma 3: bidirectional
-image spans); ``setup.py`` puts the hooks on a model. Packed rows of image-text samples are cut
+positions were read and tested (Gemma 3's and PaliGemma's bidirectional spans, read from
+``token_type_ids`` and computed in the ring), and refuses the others by name; ``setup.py``
+puts the hooks on a model. Packed rows of image-text samples are cut
 document by document at the same entry (``shard.py``), each document numbered as the model
 numbers it alone (``positions.py``, the model's own position code per document).
 

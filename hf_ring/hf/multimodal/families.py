@@ -25,9 +25,40 @@ What was read, for the families below:
 - LLaVA, LLaVA-OneVision, Mistral 3, InternVL: embeddings, tower, projector,
   ``masked_scatter``; no positions of their own: the language model (a stock decoder,
   e.g. ``LlamaModel``, ``Qwen2Model``) numbers ``arange(seq)`` when given none.
+- The same, read for the multimodal sweep (``tests/vlm_sweep.py``, which checks each at
+  cp=2): VipLLaVA (features of several tower layers), LLaVA-NeXT and LLaVA-NeXT-Video
+  (anyres views with newlines; videos pooled), Video-LLaVA (an image tower and a video
+  tower), Aya Vision (pixel shuffle; a Cohere 2 language model with sliding windows),
+  Idefics3 and SmolVLM (``inputs_merger`` / ``masked_scatter`` into ``text_model``),
+  LightOnOCR (Pixtral), DeepSeek-VL, Cohere2 Vision. None computes positions or a mask of
+  its own; each passes ``attention_mask``, ``position_ids`` and ``inputs_embeds`` to its
+  language model as given.
+- GLM-4.1V, GLM-4.5V-MoE (``Glm4vModel`` / ``Glm4vMoeModel``): Qwen2-VL's forward, with GLM's
+  own ``get_rope_index`` (3-D, from the full ``input_ids``, grids, ``mm_token_type_ids``).
 
-Refused by name: Gemma 3 (its mask lets each image's tokens attend to each other both
-ways, a block mask the ring does not compute), and every family not listed.
+Refused by name after reading: Qwen3.5 image-text (its merge and positions are Qwen3-VL's;
+its gated delta layers' decay gradients differ at cp=2, see ``REFUSED``).
+- Gemma 3 (``Gemma3Model.forward``): embeddings, tower, projector, ``masked_scatter``; no
+  positions of its own; then it builds its language model's mask itself, a dict by layer
+  type, from ``token_type_ids`` (``get_block_sequence_ids_for_mask``: each maximal run of
+  image tokens, type 1, is one block; ``create_masks_for_vision_model``: full layers
+  ``causal OR same block``, sliding layers ``window AND (causal OR same block)``, each AND
+  the padding mask). Under CP, ``ring_flash``'s mask builder returns None, so the dict holds
+  None for each type; hf_ring replaces it by the 2-D padding mask the base model got and
+  hands the blocks down as bidirectional spans (``hf_ring.patterns.ring.spans``), which
+  every attention layer's plan computes exactly.
+- PaliGemma (``PaliGemmaModel.forward``): the same merge; its own positions (``arange + 1``,
+  passed to the language model); its mask has one bidirectional block, every token of type
+  0 (the image and the prompt: the prefix), ``causal OR prefix`` (PaliGemma 2: by layer
+  type, with Gemma 2's sliding layers): one span per row, which must be one run of real
+  tokens (a prefix split by the suffix is refused). PaliGemma 2's sliding layers compute
+  ``(causal AND window) OR prefix``, not Gemma 3's ``window AND (causal OR block)``: a
+  PaliGemma with a sliding window is refused under CP. Its config sets the language model's
+  ``use_bidirectional_attention``, so its attention layers are flagged non-causal and what
+  they compute is the mask: with ``token_type_ids``, causal OR prefix, which the ring runs;
+  without (refused under CP), SDPA attends both ways when no padding mask is built.
+
+Refused by name: every family not listed.
 
 Owns the table. Must not import: the Trainer, TRL, hf_ring's training or memory layers.
 """
@@ -35,9 +66,12 @@ Owns the table. Must not import: the Trainer, TRL, hf_ring's training or memory 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
+import torch
 import torch.nn as nn
+
+from hf_ring.patterns.ring.spans import BidirectionalSpans
 
 # The language model's inputs that run along the sequence in every family, with the
 # dimension they run along (positions: the last, behind M-RoPE's leading axis).
@@ -57,6 +91,16 @@ class Family:
         visual_rows: inputs whose rows follow the True positions of a mask input, by name
             (Qwen3-VL's ``deepstack_visual_embeds`` -> ``visual_pos_masks``): a list of
             ``(n_true, hidden)`` tensors.
+        spans: for a family whose base model builds its language model's mask itself with
+            bidirectional blocks (Gemma 3, PaliGemma), the blocks from the full batch's
+            ``token_type_ids`` ``(batch, seq)`` int and its real tokens (bool ``(batch, seq)``,
+            the padding mask's ones): the spans the ring computes instead.
+        window_cuts_spans: whether its sliding layers see ``window AND (causal OR block)``
+            (what the ring computes); False (PaliGemma 2) refuses a model with a window.
+        causal_by_mask: its language model's layers are flagged non-causal and its own mask
+            makes them causal plus the spans (PaliGemma sets ``use_bidirectional_attention``):
+            under CP it needs ``token_type_ids`` (without, that mask may be skipped and SDPA
+            attends both ways, or not: refused).
         tower: the base model's attribute holding a vision tower called as
             ``tower(patches, grid_thw)`` that encodes each grid entry on its own, which hf_ring
             splits over the CP group (``tower.py``); None: the tower runs whole on every rank.
@@ -73,6 +117,20 @@ class Family:
     visual_rows: dict[str, str] = field(default_factory=dict)
     tower: Optional[str] = None
     mrope: bool = False
+    spans: Optional[Callable[[torch.Tensor, torch.Tensor], BidirectionalSpans]] = None
+    window_cuts_spans: bool = True
+    causal_by_mask: bool = False
+
+
+def image_runs(token_type_ids: torch.Tensor, real: torch.Tensor) -> BidirectionalSpans:
+    """Gemma 3's blocks: each maximal run of image tokens (``token_type_ids == 1``)."""
+    return BidirectionalSpans.from_runs(token_type_ids == 1)
+
+
+def prefix_block(token_type_ids: torch.Tensor, real: torch.Tensor) -> BidirectionalSpans:
+    """PaliGemma's block: the real tokens of type 0 (its mask hides padded keys, and a padded
+    query's row is nobody's output), which must form one run."""
+    return BidirectionalSpans.from_runs((token_type_ids == 0) & real, single=True)
 
 
 _QWEN3 = dict(sequence_inputs={"visual_pos_masks": 1}, visual_rows={"deepstack_visual_embeds": "visual_pos_masks"},
@@ -88,17 +146,33 @@ FAMILIES: dict[str, Family] = {
     "LlavaOnevisionModel": Family("LLaVA-OneVision"),
     "Mistral3Model": Family("Mistral 3"),
     "InternVLModel": Family("InternVL"),
+    "VipLlavaModel": Family("VipLLaVA"),
+    "LlavaNextModel": Family("LLaVA-NeXT"),
+    "LlavaNextVideoModel": Family("LLaVA-NeXT-Video"),
+    "VideoLlavaModel": Family("Video-LLaVA"),
+    "AyaVisionModel": Family("Aya Vision"),
+    "Idefics3Model": Family("Idefics3"),
+    "SmolVLMModel": Family("SmolVLM"),
+    "LightOnOcrModel": Family("LightOnOCR"),
+    "Cohere2VisionModel": Family("Cohere2 Vision"),
+    "DeepseekVLModel": Family("DeepSeek-VL"),
+    "Glm4vModel": Family("GLM-4.1V"),
+    "Glm4vMoeModel": Family("GLM-4.5V (MoE)"),
+    "Gemma3Model": Family("Gemma 3", spans=image_runs),
+    "PaliGemmaModel": Family("PaliGemma", spans=prefix_block, window_cuts_spans=False, causal_by_mask=True),
 }
+
+_QWEN3_5 = (
+    "{name} (Qwen3.5 image-text) is not supported {where}: its merge and 3-D positions are Qwen3-VL's and "
+    "its logits match one process, but the gradients of its gated delta rule layers' decay parameters "
+    "(linear_attn.A_log, dt_bias) differ by ~1e-3 relative at cp=2 (tests/vlm_sweep.py), over the 1e-4 "
+    "the contract allows. Run it without context parallelism"
+)
 
 # Families read and refused, with the reason (formatted with {name}, {where}).
 REFUSED: dict[str, str] = {
-    "Gemma3Model": (
-        "{name} (Gemma 3) is not supported {where}: its mask lets the tokens of each image attend "
-        "to each other both ways (bidirectional image spans, built from token_type_ids), and the ring "
-        "computes causal attention (and packed documents) only, so the image tokens would see only "
-        "their causal past. Run Gemma 3 without context parallelism; for text alone, Gemma3ForCausalLM "
-        "runs under it"
-    ),
+    "Qwen3_5Model": _QWEN3_5,
+    "Qwen3_5MoeModel": _QWEN3_5,
 }
 
 
@@ -111,10 +185,19 @@ def language_model_of(base: nn.Module) -> Optional[nn.Module]:
     return None
 
 
-def family_refusal(base: nn.Module, where: str) -> Optional[str]:
-    """Why ``base`` (a multimodal base model) cannot run ``where``, or None if it can."""
+def family_refusal(base: nn.Module, where: str, packed: bool = False) -> Optional[str]:
+    """Why ``base`` (a multimodal base model) cannot run ``where`` (``packed``: on packed
+    image-text rows), or None if it can."""
     name = type(base).__name__
     if name in FAMILIES:
+        family = FAMILIES[name]
+        if packed and family.spans is not None:
+            return (
+                f"{name} ({family.name}) is not supported {where}: its mask lets the tokens of each block attend "
+                "to each other both ways (bidirectional image spans, built from token_type_ids), which hf_ring "
+                "computes on padded rows but does not hand down on packed rows yet (the varlen ring would see "
+                "each document causal only); pad the samples instead of packing them"
+            )
         return None
     if name in REFUSED:
         return REFUSED[name].format(name=name, where=where)

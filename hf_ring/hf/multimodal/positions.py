@@ -37,7 +37,7 @@ def packing_family(model: nn.Module):
             f"{type(model).__name__} is not an image-text model (no language model inside it); pack text "
             "documents with RingDataCollator(packing=True)"
         )
-    refusal = family_refusal(base, _WHERE)
+    refusal = family_refusal(base, _WHERE, packed=True)
     if refusal is not None:
         raise NotImplementedError(refusal)
     return FAMILIES[type(base).__name__]

@@ -5,7 +5,8 @@ A model that asks for ``ring_flash`` and holds a language model inside its base 
 
 - the **base model** (the outer ``*VLModel``) gets a pre-hook that, under context
   parallelism, refuses a family hf_ring has not checked (``families.py``) and a cache, takes a
-  digest of the full batch, and marks the forward (``shard.CURRENT``) so that its language
+  digest of the full batch, reads the full batch's bidirectional spans (Gemma 3, PaliGemma:
+  from ``token_type_ids``), and marks the forward (``shard.CURRENT``) so that its language
   model shards what it receives; a forward hook (run on errors too) ends the mark;
 - the **language model** gets the ring guard of a text model (``hf_ring.hf.guard``: its
   attention layers, the validated context, the check after the forward) and, before it, the
@@ -43,7 +44,7 @@ _SHARDING = "_hf_ring_multimodal_sharding"
 # pixel values by their bits: ranks holding the same ids but other images would train on a
 # mixture of both without a word).
 _DIGESTED = ("input_ids", "mm_token_type_ids", "image_grid_thw", "video_grid_thw", "position_ids", "image_sizes",
-             "pixel_values", "pixel_values_videos")
+             "pixel_values", "pixel_values_videos", "token_type_ids")
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -113,16 +114,18 @@ def _digest(inputs: dict[str, Any], device: torch.device) -> torch.Tensor:
 
 def _enter(base: nn.Module, args: tuple, kwargs: dict):
     state = get_context_parallel_state()
+    packed = kwargs.get("cu_seq_lens_q") is not None
     if state is None or state.cp_size == 1:
-        if kwargs.get("cu_seq_lens_q") is not None:
+        if packed:
             # Packed rows run ring_flash's varlen ring even without CP, which computes causal
-            # attention per document only: a family not in the table may need more (Gemma 3's spans).
-            refusal = family_refusal(base, "with packed rows (cu_seq_lens_q)")
+            # attention per document only: a family not in the table may need more, and
+            # Gemma 3's / PaliGemma's spans are not handed down on packed rows.
+            refusal = family_refusal(base, "with packed rows (cu_seq_lens_q)", packed=True)
             if refusal is not None:
                 raise NotImplementedError(refusal)
         return None
     where = f"under context parallelism (cp_size={state.cp_size})"
-    refusal = family_refusal(base, where)
+    refusal = family_refusal(base, where + (" with packed rows (cu_seq_lens_q)" if packed else ""), packed=packed)
     if refusal is not None:
         raise NotImplementedError(refusal)
     try:
@@ -131,8 +134,53 @@ def _enter(base: nn.Module, args: tuple, kwargs: dict):
         return None  # arguments the forward does not take: let it raise its own error
     _refuse(inputs, f"for {type(base).__name__} {where}")
     device = next((t.device for t in inputs.values() if isinstance(t, torch.Tensor)), torch.device("cpu"))
-    CURRENT.set(FullBatch(FAMILIES[type(base).__name__], state, _digest(inputs, device)))
+    family = FAMILIES[type(base).__name__]
+    mask = inputs.get("attention_mask")
+    spans = _spans(base, family, inputs, mask, f"{type(base).__name__} {where}")
+    CURRENT.set(FullBatch(family, state, _digest(inputs, device), spans, mask if spans is not None else None))
     return None
+
+
+def family_window(base: nn.Module):
+    """The language model's sliding window (None: none)."""
+    text = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
+    return getattr(text, "sliding_window", None)
+
+
+def _spans(base: nn.Module, family, inputs: dict[str, Any], mask, where: str):
+    """The full batch's bidirectional spans for a family whose model builds them into its
+    mask (None: a family without, or no ``token_type_ids``: the model then builds a causal
+    mask). One host sync. A span over padding is refused: the model's mask hides padded
+    keys, the ring drops the right-padding mask (no real token sees a later one without spans)."""
+    types = inputs.get("token_type_ids")
+    if family.spans is not None and types is None and family.causal_by_mask:
+        raise NotImplementedError(
+            f"{where}: {family.name} needs token_type_ids under context parallelism (0 on the prefix: the image "
+            "and the prompt, 1 on the suffix); without them its mask is not causal OR prefix (its layers are "
+            "flagged bidirectional), which the ring does not compute"
+        )
+    if family.spans is None or types is None:
+        return None
+    if not family.window_cuts_spans and family_window(base) is not None:
+        raise NotImplementedError(
+            f"{where}: {family.name}'s sliding layers let a block's tokens see each other beyond the window "
+            "(window-causal OR block), and the ring computes window AND (causal OR block) (Gemma 3's); run "
+            f"{family.name} with a sliding window without context parallelism"
+        )
+    padded = isinstance(mask, torch.Tensor) and mask.dim() == 2
+    real = mask.to(device=types.device, dtype=torch.bool) if padded else torch.ones(types.shape, dtype=torch.bool,
+                                                                                   device=types.device)
+    try:
+        spans = family.spans(types, real)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from e
+    if padded:
+        real = real.tolist()
+        for r, row in enumerate(spans.rows):
+            if any(not all(real[r][a:b]) for a, b in row):
+                raise ValueError(f"{where}: a bidirectional span of row {r} (a {family.name} block) covers "
+                                 "padding (attention_mask 0); pad after the block's last token")
+    return spans
 
 
 def _leave(base: nn.Module, args: tuple, output: Any):

@@ -33,6 +33,7 @@ import torch.nn as nn
 from hf_ring.hf.cp_inputs import SHARDED_KWARG, FullBatchShards
 from hf_ring.hf.guard import bind_arguments
 from hf_ring.hf.multimodal.families import SEQUENCE_INPUTS, Family
+from hf_ring.patterns.ring.spans import BidirectionalSpans
 from hf_ring.patterns.state import ContextParallelState
 from hf_ring.sharding.layouts import required_multiple, shard_sequence
 from hf_ring.sharding.packed import packed_shard_indices
@@ -43,12 +44,16 @@ DOCUMENT_INPUTS = ("cu_seq_lens_q", "cu_seq_lens_k")
 
 @dataclass(frozen=True)
 class FullBatch:
-    """One multimodal forward under CP, seen by its outer model: the family, the state, and
-    the digest of its full batch (0-d int64)."""
+    """One multimodal forward under CP, seen by its outer model: the family, the state, the
+    digest of its full batch (0-d int64) and, for a family that builds bidirectional blocks
+    into its mask (Gemma 3), the full batch's spans and the 2-D padding mask the base model
+    got (``(batch, seq)`` or None), which replace the mask the model built."""
 
     family: Family
     state: ContextParallelState
     digest: torch.Tensor
+    spans: Optional[BidirectionalSpans] = None
+    padding_mask: Optional[torch.Tensor] = None
 
 
 # Set by the outer model's pre-hook for the duration of its forward (setup.py): the language
@@ -121,6 +126,8 @@ def shard_language_model_inputs(model: nn.Module, args: tuple, kwargs: dict):
     batch, seq = tokens.shape[:2]
     shard = _sharder(full.state, seq, inputs.get("cu_seq_lens_q"), where)
     along = {**SEQUENCE_INPUTS, **full.family.sequence_inputs}
+    if full.family.spans is not None:
+        inputs["attention_mask"] = _ring_mask(inputs.get("attention_mask"), full, where)
     mask = inputs.get("attention_mask")
     if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 2):
         raise NotImplementedError(
@@ -147,8 +154,24 @@ def shard_language_model_inputs(model: nn.Module, args: tuple, kwargs: dict):
                 f"not know how to cut along the sequence for {full.family.name}; run without context "
                 "parallelism, or report the model"
             )
-    out[SHARDED_KWARG] = FullBatchShards(full.digest)
+    out[SHARDED_KWARG] = FullBatchShards(full.digest, full.spans, full.family.causal_by_mask and full.spans is not None)
     return (), out
+
+
+def _ring_mask(built: Any, full: FullBatch, where: str) -> Optional[torch.Tensor]:
+    """What replaces the mask a family built itself (Gemma 3's dict by layer type): the base
+    model's 2-D padding mask, the spans going down apart. Under CP ``ring_flash``'s mask
+    builder returns None for every layer type; anything else (a 4-D mask, a prepared dict
+    passed in) is a mask hf_ring did not make, and is refused."""
+    values = list(built.values()) if isinstance(built, dict) else [built]
+    if all(v is None for v in values):
+        return full.padding_mask
+    raise NotImplementedError(
+        f"{where}: {full.family.name}'s language model got a mask that is not the one ring_flash builds under "
+        f"context parallelism ({type(built).__name__} with a prepared mask): hf_ring computes the causal mask, "
+        "the sliding windows and the bidirectional image spans (from token_type_ids) in the ring; pass a 2-D "
+        "right-padding attention_mask (or none) and token_type_ids"
+    )
 
 
 def _tensors(value: Any) -> bool:

@@ -18,7 +18,8 @@ import torch
 from packaging.version import Version
 
 from hf_ring.kernels.base import HALF_FLOATS, AttentionBackend
-from hf_ring.kernels.cuda.glue import bind_kwargs, check_block, distribution_installed, grad_buffers, pick_out_lse
+from hf_ring.kernels.cuda.glue import (bind_kwargs, check_block, distribution_installed, grad_buffers, in_q_dtype,
+                                       pick_out_lse)
 
 FA2_MIN, FA2_SPLIT_WINDOW, FA2_END = Version("2.6.0"), Version("2.7.0"), Version("3")
 
@@ -74,8 +75,9 @@ def fa2_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     as in :func:`fa2_forward` (the kernel differentiates through its tanh)."""
     check_block(FLASH_ATTN, q)
     dq, dk, dv = grad_buffers(q, k, v)
+    out, dout = in_q_dtype(q, out, dout)
     # The kernel indexes lse as a dense (b, h, sq) array; the ring passes a column slice.
-    given = dict(dout=dout, q=q, k=k, v=v, out=out.to(q.dtype), softmax_lse=lse.float().contiguous(),
+    given = dict(dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse.float().contiguous(),
                  dq=dq, dk=dk, dv=dv, softmax_scale=scale, causal=causal, deterministic=False,
                  softcap=softcap or 0.0)
     _fa2_call("_flash_attn_backward", given)
@@ -111,7 +113,8 @@ def fa2_varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     ``(total_q, hq, d)`` and ``lse`` ``(hq, total_q)``; dq, dk, dv shaped and typed like q, k, v."""
     check_block(FLASH_ATTN, q)
     dq, dk, dv = grad_buffers(q, k, v)
-    given = dict(dout=dout.contiguous(), q=q, k=k, v=v, out=out.to(q.dtype).contiguous(),
+    out, dout = in_q_dtype(q, out, dout)
+    given = dict(dout=dout.contiguous(), q=q, k=k, v=v, out=out.contiguous(),
                  softmax_lse=lse.float().contiguous(), dq=dq, dk=dk, dv=dv, softmax_scale=scale,
                  causal=causal, deterministic=False, **_varlen_args(cu_q, cu_k, max_q, max_k))
     _fa2_call("_flash_attn_varlen_backward", given)

@@ -18,7 +18,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from hf_ring.kernels.base import HALF_FLOATS, AttentionBackend, gpu_capability
-from hf_ring.kernels.cuda.glue import NEUTRAL, bind_kwargs, check_block, grad_buffers, params_of, pick_out_lse
+from hf_ring.kernels.cuda.glue import (NEUTRAL, bind_kwargs, check_block, grad_buffers, in_q_dtype, params_of,
+                                       pick_out_lse)
 from hf_ring.kernels.cuda.window_bands import banded_backward, banded_forward, window_kwargs
 
 
@@ -63,8 +64,9 @@ def fa3_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     as in :func:`fa3_forward`."""
     check_block(FLASH_ATTN_3, q)
     dq, dk, dv = grad_buffers(q, k, v)
+    out, dout = in_q_dtype(q, out, dout)
     # The kernel indexes lse as a dense (b, h, sq) array; the ring passes a column slice.
-    given = dict(dout=dout, q=q, k=k, v=v, out=out.to(q.dtype), softmax_lse=lse.float().contiguous(),
+    given = dict(dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse.float().contiguous(),
                  dq=dq, dk=dk, dv=dv, softmax_scale=scale)
     _fa3_call(_fa3()._flash_attn_backward, "flash_attn_interface._flash_attn_backward", given, causal, window)
     return dq, dk, dv

@@ -33,7 +33,7 @@ import torch
 from packaging.version import Version
 
 from hf_ring.kernels.base import HALF_FLOATS, AttentionBackend, gpu_capability
-from hf_ring.kernels.cuda.glue import bind_kwargs, check_block, distribution_installed, pick_out_lse
+from hf_ring.kernels.cuda.glue import bind_kwargs, check_block, distribution_installed, in_q_dtype, pick_out_lse
 from hf_ring.kernels.cuda.window_bands import banded_backward, banded_forward, window_kwargs
 
 FA4_DIST = "flash-attn-4"
@@ -104,7 +104,8 @@ def fa4_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     :func:`fa4_forward`."""
     check_fa4_block(q, softcap)
     # The kernel checks out's dtype against q's and reads lse as a dense (b, hq, sq) array.
-    given = dict(q=q, k=k, v=v, out=out.to(q.dtype), dout=dout.to(q.dtype), lse=lse.float().contiguous(),
+    out, dout = in_q_dtype(q, out, dout)
+    given = dict(q=q, k=k, v=v, out=out, dout=dout, lse=lse.float().contiguous(),
                  softmax_scale=scale, causal=causal, softcap=float(softcap or 0.0), deterministic=False,
                  **window_kwargs(window))
     dq, dk, dv = _call("_flash_attn_bwd", given)[:3]

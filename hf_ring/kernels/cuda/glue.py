@@ -122,6 +122,16 @@ def pick_out_lse(result: Any, q: torch.Tensor, what: str,
                               f"{lse_shape}: this kernel version is not supported")
 
 
+def in_q_dtype(q: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``tensors`` (the backward's ``out`` and ``dout``, any float dtype) in q's dtype.
+
+    Every CUDA kernel's backward checks "query and out / dout must have the same dtype";
+    the ring hands ``out`` over in the merge's float32, and ``dout`` arrives in whatever
+    dtype the loss upstream produced.
+    """
+    return tuple(t.to(q.dtype) for t in tensors)
+
+
 def grad_buffers(q: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Uninitialised dq, dk, dv shaped and typed like q, k, v, for kernels that write into

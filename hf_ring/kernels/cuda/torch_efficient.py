@@ -15,7 +15,7 @@ import math
 import torch
 
 from hf_ring.kernels.base import HALF_FLOATS, AttentionBackend
-from hf_ring.kernels.cuda.glue import check_block, check_op_schema, repeat_kv, sum_kv_groups
+from hf_ring.kernels.cuda.glue import check_block, check_op_schema, in_q_dtype, repeat_kv, sum_kv_groups
 
 _EFF_FWD = torch.ops.aten._efficient_attention_forward.default
 _EFF_BWD = torch.ops.aten._efficient_attention_backward.default
@@ -61,11 +61,14 @@ def efficient_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     padded = torch.full((b, hq, math.ceil(sq / _LSE_ALIGN) * _LSE_ALIGN), float("inf"),
                         dtype=torch.float32, device=q.device)
     padded[:, :, :sq] = lse
-    empty = torch.empty((), dtype=torch.int64)  # philox seed/offset: unused without dropout
+    # philox seed/offset: unused without dropout, where the op's own forward returns them as
+    # CPU scalars (its backward takes them there: it skips the device check).
+    empty = torch.empty((), dtype=torch.int64)
     mask = _MASK_CAUSAL_TOP_LEFT if causal else _MASK_NONE
+    out, dout = in_q_dtype(q, out, dout)
     # The kernel assumes out's row stride is heads * head_dim, hence the contiguous copy.
     dq, dk, dv = _EFF_BWD(dout.contiguous(), q, repeat_kv(k, group), repeat_kv(v, group), None,
-                          out.to(q.dtype).contiguous(), None, None, sq, k.shape[1], padded, 0.0,
+                          out.contiguous(), None, None, sq, k.shape[1], padded, 0.0,
                           empty, empty, mask, False, scale=scale)[:3]
     return dq, sum_kv_groups(dk, hk), sum_kv_groups(dv, hk)
 

@@ -10,8 +10,9 @@ returns the lse; the backward takes any ``out`` and ``lse``, here the ring's fin
 - GQA natively (the kernel reads query head h from KV head h // group); causal blocks are
   square, where the kernel's bottom-right alignment is top-left.
 - ``rng_state`` / ``unused`` are the forward's dropout seed and offset; with dropout 0
-  the kernel never reads them, so the backward passes tensors of the forward's shape and
-  dtype (as the op's meta function declares them) without a value.
+  the kernel never reads them, so the backward passes tensors of the forward's shape,
+  dtype and device (as the op's meta function declares them: on the query's device)
+  without a value.
 - sliding windows: the op's ``window_size_left/right`` give the masked kernel, each
   window-edge mask cut into bands (:mod:`hf_ring.kernels.cuda.window_bands`).
 - sm80+, fp16/bf16, head_dim a multiple of 8 up to 256. No softcap (the op fixes it at
@@ -29,7 +30,7 @@ from typing import Optional
 import torch
 
 from hf_ring.kernels.base import HALF_FLOATS, AttentionBackend
-from hf_ring.kernels.cuda.glue import check_block, check_op_schema
+from hf_ring.kernels.cuda.glue import check_block, check_op_schema, in_q_dtype
 from hf_ring.kernels.cuda.window_bands import banded_backward, banded_forward, window_kwargs
 
 _FWD = torch.ops.aten._flash_attention_forward.default
@@ -50,10 +51,12 @@ def check_flash_schema() -> None:
     check_op_schema(_BWD, FLASH_BWD_ARGS, keywords, _INSTEAD)
 
 
-@functools.lru_cache(maxsize=None)  # made once: the kernel never writes or reads them
-def _no_dropout_rng() -> tuple[torch.Tensor, torch.Tensor]:
-    """rng_state ``(2,)`` and offset ``()`` uint64, the forward's shapes; never read at dropout 0."""
-    return torch.empty(2, dtype=torch.uint64), torch.empty((), dtype=torch.uint64)
+def _no_dropout_rng(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """rng_state ``(2,)`` and offset ``()`` uint64 on ``device``: the forward's shapes, dtype and
+    device (its meta function's). The kernel gets their pointer whatever the dropout, so they
+    must be device memory; at dropout 0 it never reads them. Made per call (two tiny
+    allocations, no copy): a cached tensor would outlive a fake mode or a CUDA graph capture."""
+    return torch.empty(2, dtype=torch.uint64, device=device), torch.empty((), dtype=torch.uint64, device=device)
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: Optional[torch.Tensor],
@@ -69,9 +72,10 @@ def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
               max_k: int, causal: bool, scale: float,
               window: Optional[tuple[int, int]] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     check_block(TORCH_FLASH, q)
-    rng_state, unused = _no_dropout_rng()
+    rng_state, unused = _no_dropout_rng(q.device)
+    out, dout = in_q_dtype(q, out, dout)
     # The kernel indexes lse as a dense array; the ring passes a column slice of a wider one.
-    dq, dk, dv = _BWD(dout, q, k, v, out.to(q.dtype), lse.float().contiguous(), cu_q, cu_k, max_q, max_k,
+    dq, dk, dv = _BWD(dout, q, k, v, out, lse.float().contiguous(), cu_q, cu_k, max_q, max_k,
                       0.0, causal, rng_state, unused, scale=scale, **window_kwargs(window))
     return dq, dk, dv
 

@@ -14,7 +14,7 @@ inputs) and are returned in the input dtype.
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -22,6 +22,7 @@ from hf_ring.distributed.comm import DKV_CHANNEL, KV_CHANNEL, BlockStream, Doubl
 from hf_ring.patterns.merge import merge_block_
 from hf_ring.patterns.ring.packed_step import backward_varlen, forward_varlen
 from hf_ring.patterns.plan import AttentionPlan
+from hf_ring.patterns.ring.spans import SpanBlock
 
 
 def pack_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -77,11 +78,12 @@ def _block_backward(plan: AttentionPlan, blk, dout, q, k, v, out, lse):
 
 def forward_blocks(
     plan: AttentionPlan, blocks, q: torch.Tensor, cur_k: torch.Tensor, cur_v: torch.Tensor,
-    acc: Optional[tuple[torch.Tensor, torch.Tensor]],
+    acc: Optional[tuple[torch.Tensor, torch.Tensor]], extra: Sequence[SpanBlock] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One ring step of the forward: every block against the K/V shard held now, folded
     into the accumulators ``acc = (out (b, s, hq, d), lse (b, hq, s))`` (float32, float64
-    for float64 inputs), which are returned.
+    for float64 inputs), which are returned; then the step's ``extra`` blocks (the
+    bidirectional spans' later keys, ``plan.span_blocks``), merged into their rows.
 
     ``acc`` is None on the first step. Its blocks (the diagonal) usually cover every query
     row once: their results then become the accumulators, with no merge and, when the
@@ -89,6 +91,18 @@ def forward_blocks(
     (a row with no visible key comes back as out 0, lse -inf, a valid accumulator); a
     step whose blocks a window dropped, wholly or partly, starts from zeros and -inf.
     """
+    acc = _causal_forward(plan, blocks, q, cur_k, cur_v, acc)
+    out, lse = acc
+    for sb in extra:
+        blk, rows = sb.block, sb.rows
+        qs, ks = slice(blk.q_start, blk.q_end), slice(blk.k_start, blk.k_end)
+        block_out, block_lse = _block_forward(plan, blk, q[rows, qs], cur_k[rows, ks], cur_v[rows, ks])
+        merge_block_(out[rows, qs], lse[rows, :, qs], block_out, block_lse)
+    return acc
+
+
+def _causal_forward(plan: AttentionPlan, blocks, q, cur_k, cur_v, acc) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`forward_blocks` for the step's schedule blocks."""
     s = q.shape[1]
     dtype = accum_dtype(q.dtype)
     if acc is None and _whole(blocks, s) and not plan.varlen:
@@ -122,13 +136,27 @@ def forward_blocks(
 
 def backward_blocks(
     plan: AttentionPlan, blocks, dout: torch.Tensor, q: torch.Tensor, cur_k: torch.Tensor, cur_v: torch.Tensor,
-    out: torch.Tensor, lse: torch.Tensor, dq: Optional[torch.Tensor],
+    out: torch.Tensor, lse: torch.Tensor, dq: Optional[torch.Tensor], extra: Sequence[SpanBlock] = (),
 ) -> tuple[torch.Tensor, list]:
     """One ring step of the backward: every block's gradients given the final ``out`` and
     ``lse``. dq is accumulated into ``dq`` (float32; None on the first step, when a block
     covering every row becomes it) and returned, with the blocks' dK/dV as
-    ``[(k_slice, dk, dv)]`` for :func:`add_block_dkv`, so they can be computed while the
+    ``[(k_index, dk, dv)]`` for :func:`add_block_dkv` (a key slice, or for the ``extra``
+    span blocks a ``(row slice, key slice)`` pair), so they can be computed while the
     accumulator they belong to is still in flight."""
+    dq, block_dkv = _causal_backward(plan, blocks, dout, q, cur_k, cur_v, out, lse, dq)
+    for sb in extra:
+        blk, rows = sb.block, sb.rows
+        qs, ks = slice(blk.q_start, blk.q_end), slice(blk.k_start, blk.k_end)
+        bdq, bdk, bdv = _block_backward(plan, blk, dout[rows, qs], q[rows, qs], cur_k[rows, ks], cur_v[rows, ks],
+                                        out[rows, qs], lse[rows, :, qs])
+        dq[rows, qs] += bdq
+        block_dkv.append(((rows, ks), bdk, bdv))
+    return dq, block_dkv
+
+
+def _causal_backward(plan: AttentionPlan, blocks, dout, q, cur_k, cur_v, out, lse, dq) -> tuple[torch.Tensor, list]:
+    """:func:`backward_blocks` for the step's schedule blocks."""
     s = q.shape[1]
     dtype = accum_dtype(q.dtype)
     if dq is None and _whole(blocks, s) and not plan.varlen:
@@ -160,18 +188,21 @@ def backward_blocks(
 def add_block_dkv(dkv: torch.Tensor, block_dkv: list, length: int, first_step: bool, k_dim: int) -> None:
     """Add a step's dK/dV blocks into the accumulator ``dkv`` (shaped like the step's
     :func:`pack_kv` buffer, K heads of ``k_dim``); on the first step, when the blocks cover
-    every key once, they initialise it instead."""
-    first = first_step and _covers([(ks.start, ks.stop) for ks, _, _ in block_dkv], length)
+    every key of every row once, they initialise it instead. A block's index is a key slice
+    (every row) or a ``(row slice, key slice)`` pair (a span's block)."""
+    whole_rows = all(isinstance(ks, slice) for ks, _, _ in block_dkv)
+    first = first_step and whole_rows and _covers([(ks.start, ks.stop) for ks, _, _ in block_dkv], length)
     if first_step and not first:
         dkv.zero_()
     dk, dv = unpack_kv(dkv, k_dim)
     for ks, bdk, bdv in block_dkv:
+        ks = ks if isinstance(ks, tuple) else (slice(None), ks)
         if first:
-            dk[:, ks] = bdk
-            dv[:, ks] = bdv
+            dk[ks] = bdk
+            dv[ks] = bdv
         else:
-            dk[:, ks] += bdk
-            dv[:, ks] += bdv
+            dk[ks] += bdk
+            dv[ks] += bdv
 
 
 def ring_forward(
@@ -187,7 +218,8 @@ def ring_forward(
     for step in range(plan.world):
         if step + 1 < plan.world:
             blocks.start(exchange)
-        acc = forward_blocks(plan, plan.blocks(step, s), q, *unpack_kv(blocks.current, q.shape[-1]), acc)
+        acc = forward_blocks(plan, plan.blocks(step, s), q, *unpack_kv(blocks.current, q.shape[-1]), acc,
+                             plan.span_blocks(step, s))
         if step + 1 < plan.world:
             blocks.advance(exchange)
     out, lse = acc
@@ -246,7 +278,8 @@ def ring_backward(
         if step + 1 < plan.world:
             blocks.start(kv_exchange)
         dq, block_dkv = backward_blocks(
-            plan, plan.blocks(step, s), dout, q, *unpack_kv(blocks.current, q.shape[-1]), out, lse, dq
+            plan, plan.blocks(step, s), dout, q, *unpack_kv(blocks.current, q.shape[-1]), out, lse, dq,
+            plan.span_blocks(step, s),
         )
         if step > 0:
             # The accumulator for the block we now hold arrives from the previous rank; the

@@ -1,0 +1,72 @@
+"""LoRA with RingTrainer's defaults logs what the stock Trainer + PEFT logs (issue 22).
+
+Runs examples/finetune_llama_long.py with ``--lora_r 4`` (PEFT's LoRA on q_proj and v_proj,
+every other weight frozen) in float32 with a fixed seed, 8 AdamW steps of 2 x 2 examples
+(gradient accumulation 2), evaluated at steps 4 and 8:
+
+    1 process, --stock_trainer: transformers.Trainer, the model's own loss, SDPA (the reference)
+    1 process, RingTrainer, cp 1
+    2 processes, RingTrainer, cp 2: ring_flash, and the chunked LM-head loss (on by default
+      under CP: it used to fail on PEFT models, whose head sits two modules down)
+
+Every logged training loss, gradient norm and eval loss must match the reference within
+1e-5 relative (float32: the runs differ only in the order of sums, the ring's online softmax
+against SDPA's one pass and the chunked loss's chunks; measured <= 1e-6). The adapter the
+cp 2 run saves loads into the plain model with ``PeftModel.from_pretrained``, and its weights
+are the reference run's within 1e-4 (8 Adam steps amplify float32 rounding a little).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+peft = pytest.importorskip("peft")
+
+from test_trainer_cp import _assert_same, _eval_losses, _grad_norms, _launch, _losses  # noqa: E402
+
+TOL = 1e-5
+LORA = ["--lora_r", "4"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = {}
+    for name, nproc, args in (
+        ("stock", 1, ["--cp_size", "1", "--stock_trainer"]),
+        ("cp1", 1, ["--cp_size", "1"]),
+        ("cp2", 2, ["--cp_size", "2"]),
+    ):
+        path = str(tmp_path_factory.mktemp(name))
+        out[name] = (path, _launch(nproc, path, [*LORA, *args]))
+    return out
+
+
+@pytest.mark.parametrize("name", ["cp1", "cp2"])
+def test_lora_logs_what_the_stock_trainer_logs(runs, name):
+    ref, got = runs["stock"][1], runs[name][1]
+    assert len(_losses(ref)) == 8 and len(_eval_losses(ref)) >= 2
+    _assert_same(_losses(got), _losses(ref), f"{name} loss", TOL)
+    _assert_same(_grad_norms(got), _grad_norms(ref), f"{name} grad norm", TOL)
+    _assert_same(_eval_losses(got), _eval_losses(ref), f"{name} eval loss", TOL)
+
+
+def test_adapter_saved_at_cp2_loads_into_the_plain_model(runs):
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = runs["cp2"][0]
+    config = LlamaConfig(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    model = peft.PeftModel.from_pretrained(LlamaForCausalLM(config), path)
+    saved = load_file(os.path.join(path, "adapter_model.safetensors"))
+    reference = load_file(os.path.join(runs["stock"][0], "adapter_model.safetensors"))
+    loaded = {n: p for n, p in model.named_parameters() if "lora_" in n}
+    assert len(saved) == len(loaded) == 8  # A and B of q_proj and v_proj in 2 layers
+    for name, tensor in saved.items():
+        match = [p for n, p in loaded.items() if n.replace(".default", "").endswith(name.split("base_model.model.")[-1])]
+        assert len(match) == 1 and torch.equal(match[0].detach(), tensor), name
+        err = (tensor - reference[name]).norm() / reference[name].norm()
+        assert err <= 1e-4, (name, err.item())

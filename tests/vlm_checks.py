@@ -1,0 +1,71 @@
+"""The image-text check, shared by tests/test_cp_vlm.py and the multimodal sweep (tests/vlm_sweep.py).
+
+One rank of a CP group runs the model on the full batch and gets its shard of the logits;
+its loss is its share of a fixed random weighting of the logits (the sum over ranks is the
+full batch's loss). Against one process on the full batch: the logits put back in order,
+and every parameter's gradient summed over the ranks, each as a relative error. A gradient
+that is zero in exact arithmetic (a key bias without rotary positions: softmax ignores it)
+holds rounding only on both sides: there both norms must stay below ``ZERO`` instead.
+
+Must not import hf_ring's internals (only its public functions).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+import hf_ring
+from reference_attention import rel_err
+
+ZERO = 1e-5  # the norm below which a gradient is zero in exact arithmetic (others are >= 1e-1 here)
+
+
+def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient, by name (those that got one)."""
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def run_shard(model: torch.nn.Module, batch: dict, weights: torch.Tensor, world: int, rank: int) -> dict:
+    """This rank's logits ``(rows, seq / world, vocab)`` and gradients for the full ``batch``;
+    ``weights`` ``(rows, seq, vocab)`` float32 weight the full batch's logits into its loss."""
+    model.zero_grad(set_to_none=True)
+    logits = model(**batch).logits
+    (logits * hf_ring.shard_sequence(weights, world, rank)).sum().backward()
+    return {"logits": logits.detach(), "grads": grads(model)}
+
+
+def run_full(model: torch.nn.Module, batch: dict, weights: torch.Tensor) -> dict:
+    """One process on the full batch: logits ``(rows, seq, vocab)`` and gradients."""
+    model.zero_grad(set_to_none=True)
+    logits = model(**batch).logits
+    (logits * weights).sum().backward()
+    return {"logits": logits.detach(), "grads": grads(model)}
+
+
+def errors(ranks: list[dict], reference: dict, mask: Optional[torch.Tensor] = None) -> dict[str, float]:
+    """Relative error of the unsharded logits (on the real tokens of the 2-D ``mask``: the
+    padding's logits are nobody's) and of each gradient summed over the ranks, by name.
+    Raises AssertionError when the ranks and the reference disagree on which parameters
+    got a gradient, or a zero gradient is not zero."""
+    logits = hf_ring.unshard_sequence([r["logits"] for r in ranks])
+    real = slice(None) if mask is None else mask.bool()
+    out = {"logits": rel_err(logits[real], reference["logits"][real])}
+    assert set(ranks[0]["grads"]) == set(reference["grads"]), set(ranks[0]["grads"]) ^ set(reference["grads"])
+    for name, ref in reference["grads"].items():
+        cp = sum(r["grads"][name] for r in ranks)
+        if ref.norm() < ZERO:  # zero in exact arithmetic: both sides hold rounding only
+            assert cp.norm() < ZERO, (name, cp.norm().item())
+            out[name] = 0.0
+        else:
+            out[name] = rel_err(cp, ref)
+    return out
+
+
+def tower_names(names) -> tuple[list[str], list[str]]:
+    """The vision tower's and the projector's parameters among ``names``."""
+    names = list(names)
+    tower = [n for n in names if ".visual." in n or ".vision_tower." in n or ".vision_model." in n]
+    projector = [n for n in names if "merger" in n or "multi_modal_projector" in n or "connector" in n]
+    return tower, projector
