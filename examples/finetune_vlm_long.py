@@ -1,4 +1,4 @@
-"""Fine-tune an image-text model (Qwen2.5-VL, Qwen3-VL, LLaVA) on many images per sample with
+"""Fine-tune an image-text model (Qwen2.5-VL, Qwen3-VL, LLaVA, Gemma 3) on many images per sample with
 context parallelism, and compare it with plain transformers.
 
 At ``--cp_size 1`` this runs the **stock** model (``sdpa``) with the **stock**
@@ -45,7 +45,7 @@ from finetune_llama_long import (  # noqa: E402
     build_parser, parse_args, share_cores, start_plugin, train_and_report, training_arguments,
 )
 from vlm_data import Layout, WordTokenizer, shapes_dataset  # noqa: E402
-from vlm_models import MODEL_TYPES  # noqa: E402
+from vlm_models import MODEL_TYPES, init_untrained  # noqa: E402
 
 # finetune_llama_long.py's flags that do not apply here, with why.
 NOT_APPLIED = {
@@ -101,6 +101,7 @@ def _model_and_data(args: argparse.Namespace, attn: str) -> tuple[torch.nn.Modul
         config, layout = MODEL_TYPES[args.model_type](tok, args.hidden_size, args.num_layers, args.seq_len)
         transformers.set_seed(args.seed)  # the same initial weights on every rank and in every run
         model = AutoModelForImageTextToText.from_config(config, attn_implementation=attn).to(dtype)
+        init_untrained(model)
         ids = dict(pad_token_id=tok.pad_token_id, image_token_id=tok.image_token_id,
                    video_token_id=tok.video_token_id if layout.kind == "qwen" else None,
                    spatial_merge_size=layout.merge if layout.kind == "qwen" else None)

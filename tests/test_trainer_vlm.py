@@ -14,7 +14,7 @@ a mean of batch means). Every logged training loss, gradient norm and eval loss 
 online softmax, a gradient summed from two shards, the loss by chunks); measured at most
 8.1e-7 (Qwen3-VL's gradient norm), 2.4e-7 for Qwen2.5-VL.
 
-Cases (CASES: a family and its flags, one line each; adding Gemma 3 is one line):
+Cases (CASES: a family and its flags, one line each):
 Qwen2.5-VL, whose every other sample opens with a 4-frame video of a moving shape;
 Qwen3-VL (deepstack features); Qwen2.5-VL with the weights sharded by FSDP2 over both
 processes in the cp 2 run (the chunked loss is off there by default); Qwen2.5-VL (videos
@@ -27,6 +27,11 @@ test_the_stock_trainer_trains_packed_rows_as_padded_ones shows that the example'
 ``--packing`` at cp 1 (the stock model on the packed row, its positions' text row telling it
 the documents, no cache) gives those figures too. Measured, packed: Qwen2.5-VL cp 2 vs stock
 padded <= 9.8e-8, Qwen3-VL <= 1.1e-6 (its gradient norm), stock packed vs stock padded <= 9.8e-8.
+Gemma 3 (a SigLIP tower; sliding and full layers, each image one bidirectional span, which
+its stock mask builds from ``token_type_ids`` and hf_ring's ring computes), padded, at a
+learning rate of 1e-4 (GEMMA3: why): measured 2.3e-7 (loss), 9.0e-6 (gradient norm, where
+stock eager and stock sdpa are 6.0e-6 apart), 1.6e-7 (eval loss). Packed Gemma 3 is refused
+(hf_ring does not hand the spans down on packed rows): test_packed_gemma3_is_refused.
 test_the_data_is_what_it_says checks the example's pixel layout against transformers' own
 Qwen-VL processor and that videos are there; the example's refusals are checked in-process.
 """
@@ -57,6 +62,10 @@ VLM = ["--seq_len", "96", "--max_steps", str(STEPS), "--seed", "3", "--num_train
        "--num_eval_examples", "3", "--eval_steps", "4", "--per_device_train_batch_size", "2",
        "--per_device_eval_batch_size", "2", "--learning_rate", "1e-3", "--disable_tqdm"]
 QWEN2_5_VL, QWEN3_VL, PACKED = ("--model_type", "qwen2_5_vl"), ("--model_type", "qwen3_vl"), ("--packing",)
+# Gemma 3 at a tenth of the learning rate: its tiny model amplifies rounding step by step (stock
+# eager against stock sdpa, both one process: gradient norms 7.7e-5 apart by step 6 at 1e-3,
+# 6.0e-6 at 1e-4), which would leave the 1e-4 check no margin at 1e-3.
+GEMMA3 = ("--model_type", "gemma3", "--learning_rate", "1e-4")
 # case -> (the example's flags at cp 2; whether that run shards the weights with FSDP2 over both
 # processes: examples/accelerate_fsdp_cpu.yaml, as test_trainer_fsdp; the flags of the stock
 # cp 1 reference run). A packed case's reference is its family's padded stock run, shared:
@@ -67,6 +76,7 @@ CASES = {
     "qwen2_5_vl_fsdp2": (QWEN2_5_VL, True, QWEN2_5_VL),
     "qwen2_5_vl_packed": (QWEN2_5_VL + PACKED, False, QWEN2_5_VL),
     "qwen3_vl_packed": (QWEN3_VL + PACKED, False, QWEN3_VL),
+    "gemma3": (GEMMA3, False, GEMMA3),
 }
 
 sys.path.insert(0, os.path.join(ROOT, "examples"))
@@ -127,6 +137,15 @@ def test_the_stock_trainer_trains_packed_rows_as_padded_ones(runs):
     of its positions (no cache), and its own loss shifts the row with each document's first
     label -100: the same figures as the same batches padded."""
     _compare(runs(QWEN2_5_VL, 1), runs(QWEN2_5_VL + PACKED, 1), "qwen2_5_vl stock cp1 packed vs padded")
+
+
+def test_packed_gemma3_is_refused(tmp_path):
+    """The varlen ring would run each packed document causal only, losing Gemma 3's image
+    spans: the packing collator refuses the family by name, at cp 1 as under CP."""
+    import finetune_vlm_long
+
+    with pytest.raises(NotImplementedError, match="does not hand down on packed rows"):
+        finetune_vlm_long.main(["--model_type", "gemma3", "--packing", "--output_dir", str(tmp_path), *VLM])
 
 
 def test_the_data_is_what_it_says():
