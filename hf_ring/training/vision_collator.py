@@ -25,8 +25,8 @@ makes them, and the packing mode's model is handed in.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import functools
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
