@@ -1,4 +1,4 @@
-"""Fine-tune an image-text model (Qwen2.5-VL, Qwen3-VL, LLaVA) on many images per sample with
+"""Fine-tune an image-text model (Qwen2.5-VL, Qwen3-VL, LLaVA, Gemma 3) on many images per sample with
 context parallelism, and compare it with plain transformers.
 
 At ``--cp_size 1`` this runs the **stock** model (``sdpa``) with the **stock**
@@ -20,7 +20,11 @@ loss (tests/test_trainer_vlm.py).
 Default: a tiny model of ``--model_type`` made on the spot and samples of drawn shapes with
 their captions (examples/vlm_data.py; Qwen2.5-VL's include a short video), nothing
 downloaded. The flags are finetune_llama_long.py's (``--seq_len`` is a sample's longest
-length in tokens, images included), plus ``--model_type``.
+length in tokens, images included), plus ``--model_type``. With ``--packing`` each batch's
+samples (``--per_device_train_batch_size`` of them) go into one row, each a document with its
+own images and the model's own positions for it alone (``RingVisionDataCollator(packing=True)``);
+at ``--cp_size 1`` the stock model reads the documents from its positions (no cache: its text
+config's ``use_cache`` is set False), as transformers' own packed rows.
 """
 
 from __future__ import annotations
@@ -41,11 +45,10 @@ from finetune_llama_long import (  # noqa: E402
     build_parser, parse_args, share_cores, start_plugin, train_and_report, training_arguments,
 )
 from vlm_data import Layout, WordTokenizer, shapes_dataset  # noqa: E402
-from vlm_models import MODEL_TYPES  # noqa: E402
+from vlm_models import MODEL_TYPES, init_untrained  # noqa: E402
 
 # finetune_llama_long.py's flags that do not apply here, with why.
 NOT_APPLIED = {
-    "packing": "packing image-text samples is not built yet (issue 21): leave --packing out",
     "deepspeed": "DeepSpeed is not tested with image-text models yet: use --fsdp, or no weight sharding",
     "offload_checkpoints": "offloaded checkpoints are not tested with image-text models yet",
     "tiled_mlp": "the tiled MLP is not tested with image-text models yet",
@@ -98,6 +101,7 @@ def _model_and_data(args: argparse.Namespace, attn: str) -> tuple[torch.nn.Modul
         config, layout = MODEL_TYPES[args.model_type](tok, args.hidden_size, args.num_layers, args.seq_len)
         transformers.set_seed(args.seed)  # the same initial weights on every rank and in every run
         model = AutoModelForImageTextToText.from_config(config, attn_implementation=attn).to(dtype)
+        init_untrained(model)
         ids = dict(pad_token_id=tok.pad_token_id, image_token_id=tok.image_token_id,
                    video_token_id=tok.video_token_id if layout.kind == "qwen" else None,
                    spatial_merge_size=layout.merge if layout.kind == "qwen" else None)
@@ -124,19 +128,21 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         common = dict(ring_plugin=plugin, chunked_loss=hf_ring.ChunkedLossConfig(
             enabled={"auto": None, "on": True, "off": False}[args.chunked_loss], chunk_tokens=args.loss_chunk_tokens))
     model, ids, train_set, eval_set = _model_and_data(args, attn)
+    packing = dict(packing=True, model=model) if args.packing else {}
+    if args.packing:
+        # Training builds no cache; with one, stock transformers' mask would let packed
+        # documents attend to each other (the collator refuses that at cp 1).
+        model.config.get_text_config().use_cache = False
+        print(f"[hf_ring] packing: the {args.per_device_train_batch_size} samples of a batch in one row, each a "
+              "document with its own images and positions", flush=True)
     if hasattr(model.config, "vision_feature_layer"):
         # LLaVA-style models read a hidden layer of the tower (not its output): the layers
-        # after it and the tower's final norm get no gradient, which DDP must be told. With
-        # that, DDP fails on the chunked loss's step here (it expects gradients for the tower's
-        # unused last layer; not understood yet): the chunked loss stays off unless asked for.
+        # after it and the tower's final norm get no gradient, which DDP must be told.
         training_args.ddp_find_unused_parameters = True
-        if args.cp_size > 1 and args.chunked_loss == "auto":
-            common["chunked_loss"] = hf_ring.ChunkedLossConfig(enabled=False)
-            print("[hf_ring] LLaVA-style model under DDP: chunked loss off (--chunked_loss on to try it)", flush=True)
     if args.cp_size == 1:
-        collator = hf_ring.RingVisionDataCollator(**ids, model_labels=True)  # the model's own loss from labels
+        collator = hf_ring.RingVisionDataCollator(**ids, model_labels=True, **packing)  # the model's own loss
     else:
-        collator = plugin.make_vision_collator(**ids)
+        collator = plugin.make_vision_collator(**ids, **packing)
     trainer = trainer_class(
         model=model, args=training_args, train_dataset=train_set,
         eval_dataset=eval_set if args.num_eval_examples > 0 else None, data_collator=collator, **common,

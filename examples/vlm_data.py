@@ -79,8 +79,10 @@ def qwen_patches(frames: torch.Tensor, patch: int, merge: int, temporal: int) ->
 
 @dataclass(frozen=True)
 class Layout:
-    """How a family's model takes pixels: ``kind`` ``"qwen"`` (patch rows and grids) or
-    ``"llava"`` (whole images, ``tokens`` placeholders each); ``image`` the canvas side."""
+    """How a family's model takes pixels: ``kind`` ``"qwen"`` (patch rows and grids),
+    ``"llava"`` (whole images, ``tokens`` placeholders each) or ``"gemma"`` (whole images, their
+    ``tokens`` placeholders between begin / end of image, marked in ``token_type_ids``);
+    ``image`` the canvas side."""
 
     kind: str
     image: int
@@ -106,6 +108,8 @@ def _item(layout: Layout, rng: random.Random, video: bool) -> dict[str, Any]:
 
 
 def _placeholders(tok: WordTokenizer, layout: Layout, item: dict[str, Any]) -> list[int]:
+    if layout.kind == "gemma":  # <start_of_image> image tokens <end_of_image>, in the tiny vocabulary
+        return [tok.vision_start_token_id, *[tok.image_token_id] * layout.tokens, tok.vision_end_token_id]
     if layout.kind != "qwen":
         return [tok.image_token_id] * layout.tokens
     t = item["frames"].shape[0]
@@ -134,7 +138,7 @@ def drawn_sample(tok: WordTokenizer, layout: Layout, rng: random.Random, max_tok
 
 def feature(tok: WordTokenizer, layout: Layout, items: list[dict[str, Any]]) -> dict[str, Any]:
     """The tiny model's feature for ``RingVisionDataCollator``: ids with placeholders,
-    ``mm_token_type_ids`` (Qwen), pixel values and grids."""
+    ``mm_token_type_ids`` (Qwen) or ``token_type_ids`` (Gemma 3), pixel values and grids."""
     ids, kinds, pixels, grids, videos, video_grids = [tok.bos_token_id], [0], [], [], [], []
     for item in items:
         marks = _placeholders(tok, layout, item)
@@ -151,6 +155,8 @@ def feature(tok: WordTokenizer, layout: Layout, items: list[dict[str, Any]]) -> 
     ids.append(tok.eos_token_id)
     kinds.append(0)
     out: dict[str, Any] = {"input_ids": ids, "pixel_values": torch.cat(pixels)}
+    if layout.kind == "gemma":  # Gemma 3's image marks: each run of them attends to itself both ways
+        out["token_type_ids"] = [int(t == tok.image_token_id) for t in ids]
     if layout.kind == "qwen":
         out.update(mm_token_type_ids=kinds, image_grid_thw=torch.tensor(grids))
         if videos:

@@ -3,7 +3,8 @@
 Each is a family's own config class at toy sizes (a vision tower of 2 blocks of width 32,
 a language model of ``--num_layers`` layers of ``--hidden_size`` with heads of 16), its
 special tokens set to the word tokenizer's (examples/vlm_data.py), with the pixel layout its
-data needs.
+data needs (Gemma 3: its image tokens between ``<vision_start>`` / ``<vision_end>``, standing for
+its begin / end of image tokens, and ``token_type_ids`` 1 on them: each image one bidirectional span).
 """
 
 from __future__ import annotations
@@ -67,9 +68,36 @@ def llava(tok: WordTokenizer, hidden: int, layers: int, seq_len: int) -> tuple[A
     return config, Layout("llava", IMAGE, tokens=16)
 
 
+def gemma3(tok: WordTokenizer, hidden: int, layers: int, seq_len: int) -> tuple[Any, Layout]:
+    from transformers import Gemma3Config, SiglipVisionConfig
+
+    # A SigLIP tower on 32 x 32 images in patches of 4 (8 x 8), pooled 2 x 2 to 16 tokens.
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                image_size=IMAGE, patch_size=4, vision_use_head=False)  # as Gemma 3 checkpoints
+    # Sliding and full layers alternating; the window (12) is shorter than an image's 16 tokens,
+    # so the sliding layers compute window AND (causal OR same image).
+    text = dict(_text(tok, hidden, layers, seq_len), model_type="gemma3_text", sliding_window=12,
+                layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)])
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=16,
+                          image_token_index=tok.image_token_id, boi_token_index=tok.vision_start_token_id,
+                          eoi_token_index=tok.vision_end_token_id)
+    return config, Layout("gemma", IMAGE, tokens=16)
+
+
+def init_untrained(model: Any) -> None:
+    """Weights a family starts at zero for a checkpoint to fill, drawn like the others for a
+    model trained from scratch: Gemma 3's image projection (zero, its image embeddings would be
+    0, and the first RMSNorm's gradient there ~1 / sqrt(eps): a gradient norm of ~3e7)."""
+    projector = getattr(getattr(model, "model", None), "multi_modal_projector", None)
+    weight = getattr(projector, "mm_input_projection_weight", None)
+    if weight is not None:
+        weight.data.normal_(std=model.config.get_text_config().initializer_range)
+
+
 # --model_type -> its tiny config and pixel layout
 MODEL_TYPES: dict[str, Callable[[WordTokenizer, int, int, int], tuple[Any, Layout]]] = {
     "qwen2_5_vl": qwen2_5_vl,
     "qwen3_vl": qwen3_vl,
     "llava": llava,
+    "gemma3": gemma3,
 }

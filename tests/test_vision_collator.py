@@ -7,8 +7,8 @@ labels (exact: integer tensors); everything else is the full batch, the same for
 rank; rows are padded at their end to the layout's multiple. Refusals, each with what to
 do: placeholders without pixels and pixels without placeholders, placeholder counts that
 disagree with the grids, patches that disagree with the grids, inputs it cannot batch,
-already padded rows, ``model_labels`` under CP, packing (not built yet), a collator that
-shards for another rank than the trainer's.
+already padded rows, ``model_labels`` under CP, a collator that shards for another rank than
+the trainer's. The packing mode: tests/test_vision_collator_packing.py.
 """
 
 from __future__ import annotations
@@ -108,8 +108,6 @@ def test_bad_inputs_are_refused():
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="model_labels=True hands the model its labels"):
         _collator(cp_size=2, model_labels=True)
-    with pytest.raises(NotImplementedError, match="packing image-text samples"):
-        _collator(packing=True)
     with pytest.raises(ValueError, match="must be a positive multiple of 4"):
         _collator(cp_size=2, pad_to_multiple_of=6)
     with pytest.raises(ValueError, match="cp_rank must be"):

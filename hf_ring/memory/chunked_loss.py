@@ -265,18 +265,34 @@ def _head_of(model: nn.Module) -> tuple[str, nn.Module, nn.Linear]:
     return attr, head, linear
 
 
+class _SkippedHead(torch.autograd.Function):
+    """The skipped head's output: an empty ``x.shape[:-1] + (0,)`` tensor of ``x``'s dtype, in
+    the autograd graph of ``x`` and of the head's weight and bias (DDP's search for unused
+    parameters starts from the forward's outputs and must reach them), passing back no
+    gradient at all (undefined), so that a loss reaching it computes and allocates nothing."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        return x.new_empty(x.shape[:-1] + (0,))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[None, None, None]:
+        return None, None, None
+
+
 @contextlib.contextmanager
 def _head_input_recorded(head: nn.Module, linear: nn.Linear) -> Iterator[list[torch.Tensor]]:
-    """While open, ``head(x)`` records ``x`` and returns an empty ``x.shape[:-1] + (0,)``:
-    ``linear`` (the head, or the module a PEFT wrapper of it runs) computed for none of its
-    outputs, so that the forward's outputs still reach the head's weight in the autograd graph. DDP with ``find_unused_parameters=True`` (the
-    Trainer's default without gradient checkpointing) would otherwise take the weight for
-    unused, mark it ready after the forward, and fail when the chunks' backward reaches it."""
+    """While open, ``head(x)`` records ``x`` and returns an empty ``x.shape[:-1] + (0,)``
+    (:class:`_SkippedHead`), through which the forward's outputs still reach the weight and
+    bias of ``linear`` (the head, or the module a PEFT wrapper of it runs) in the autograd
+    graph. DDP with ``find_unused_parameters=True`` (the Trainer's default without gradient
+    checkpointing) would otherwise take the weight for unused, mark it ready after the
+    forward, and fail when the chunks' backward reaches it."""
     recorded: list[torch.Tensor] = []
 
     def record(x: torch.Tensor) -> torch.Tensor:
         recorded.append(x)
-        return F.linear(x, linear.weight[:0], None if linear.bias is None else linear.bias[:0])
+        return _SkippedHead.apply(x, linear.weight, linear.bias)
 
     head.forward = record
     try:
@@ -323,4 +339,13 @@ def model_token_loss_sum(
         recorded[0], shift_labels, linear.weight, linear.bias,
         chunk_tokens=config.rows_per_chunk(linear.weight.shape[0]), transform=transform,
     )
+    # The loss also reaches the forward's outputs, through their empty logits (which add exactly
+    # 0 and pass back nothing). Under DDP with find_unused_parameters=True the outputs go through
+    # DDP's sink, whose backward hands every output the loss does not use an undefined gradient
+    # (LLaVA's image_outputs: the vision tower's last layer, whose output no feature layer reads),
+    # which the reducer takes as those parameters' turn. A loss that bypassed the sink left them
+    # pending: "Expected to have finished reduction in the prior iteration" at the next step.
+    logits = getattr(outputs, "logits", None)
+    if logits is not None and logits.requires_grad:
+        token_sum = token_sum + logits.sum().to(token_sum.dtype)  # float32 whatever the model's dtype
     return token_sum, outputs

@@ -85,7 +85,7 @@ def check_trainer_supported(trainer: Any, subclass_loss: bool) -> None:
         )
     collator = trainer.data_collator
     ring = collator if isinstance(collator, RingDataCollator) else getattr(collator, "ring", None)  # TRL's wraps one
-    if isinstance(ring, RingDataCollator) and ring.config.packing:
+    if isinstance(ring, (RingDataCollator, RingVisionDataCollator)) and ring.config.packing:
         # Stock transformers keeps packed documents apart in attention (from position_ids) but
         # not in convolutions and recurrences; hf_ring's ring_flash model does both.
         mixers = unrouted_token_mixers(trainer.model)

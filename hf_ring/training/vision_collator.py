@@ -11,25 +11,34 @@ token ``-100``), then sharded with ``shard_sequence`` exactly as the model's hoo
 sequence, so that each rank's labels line up with its sharded logits. No ``position_ids``:
 the model computes its own.
 
-Rows are built by one function per mode (:func:`dense_rows`; a packed mode, each sample's
-images with it, would be another function returning the same fields for one packed row,
-plugged in at :func:`row_builder`).
+Rows are built by one function per mode, chosen by :func:`row_builder`: :func:`dense_rows`
+(one padded row per sample) or :func:`packed_rows` (``packing=True``: the batch's samples in
+one row, each a document with its own images, padding, zigzag and positions, built by
+``hf_ring.training.vision_packing.packed_row``). Packed positions are the model's own for
+each document alone (Qwen's M-RoPE from its own code), so the packing collator is handed the
+model (``model=``); the labels are then cut with ``shard_packed``, as the model's hook cuts
+the packed row.
 
-Must not import transformers: features are mappings of lists and tensors, as a processor
-makes them.
+Imports no transformers itself: features are mappings of lists and tensors, as a processor
+makes them, and the packing mode's model is handed in.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
+import torch.nn as nn
 
 from hf_ring.patterns.state import ContextParallelState
-from hf_ring.sharding import required_multiple, shard_sequence
+from hf_ring.sharding import required_multiple, shard_packed, shard_sequence
 from hf_ring.sharding.labels import IGNORE_INDEX
-from hf_ring.training.collator import _as_ids, _round_up, _shift, check_coordinates, shards_as
+from hf_ring.training.collator import (
+    RingCollatorConfig, _as_ids, _round_up, _shift, check_coordinates, shards_as,
+)
+from hf_ring.training.vision_packing import check_no_cache, check_packing_model, packed_row
 
 # Per-sample visual inputs, concatenated over the batch along dim 0 (as the processors do),
 # with the placeholder kind they belong to.
@@ -58,8 +67,10 @@ class RingVisionCollatorConfig:
         model_labels: emit ``labels`` (full rows, unshifted, ``-100`` on placeholders and
             padding: what a stock model's own loss takes) instead of ``shift_labels``, for the
             stock ``Trainer`` at ``cp_size=1``; refused under CP (the model's loss would be a
-            mean over one rank's shard).
-        packing: pack a batch's samples into one row; not built yet (refused).
+            mean over one rank's shard). With ``packing``, each document's first label is -100,
+            so that the model's shift over the whole row shifts within each document.
+        packing: pack a batch's samples into one row, each a document (zigzag layout only;
+            the collator must be given the model: :class:`RingVisionDataCollator`).
     """
 
     pad_token_id: int
@@ -100,15 +111,19 @@ class RingVisionCollatorConfig:
                 "RingTrainer (it computes the loss from shift_labels)"
             )
         if self.packing:
-            raise NotImplementedError(
-                "packing=True: packing image-text samples into one row (each sample's images with it) is not "
-                "built yet (issue 21); collate padded rows (packing=False)"
-            )
+            self.packing_config  # noqa: B018  the text collator's packing checks (zigzag only)
 
     @property
     def multiple(self) -> int:
-        """The length multiple rows are padded to."""
+        """The length multiple rows (dense) or documents (packing) are padded to."""
         return self.pad_to_multiple_of or required_multiple(self.cp_size, self.layout)
+
+    @property
+    def packing_config(self) -> RingCollatorConfig:
+        """What ``packed_row`` takes: these settings as a packing text collator's (validated
+        there: a layout other than zigzag is refused)."""
+        return RingCollatorConfig(pad_token_id=self.pad_token_id, cp_size=self.cp_size, cp_rank=self.cp_rank,
+                                  layout=self.layout, pad_to_multiple_of=self.pad_to_multiple_of, packing=True)
 
 
 @dataclass(frozen=True)
@@ -223,9 +238,23 @@ def dense_rows(examples: Sequence[VisionExample], config: RingVisionCollatorConf
     return out
 
 
-def row_builder(config: RingVisionCollatorConfig) -> Callable[[Sequence[VisionExample], RingVisionCollatorConfig], dict]:
-    """The function that builds the full batch's tensors for ``config``'s mode."""
-    return dense_rows  # packing=True is refused by the config until its builder exists
+def packed_rows(examples: Sequence[VisionExample], config: RingVisionCollatorConfig, model: nn.Module) -> dict[str, Any]:
+    """The full batch as one packed row (``hf_ring.training.vision_packing.packed_row``):
+    ``input_ids``, ``labels`` int64 ``(1, L)`` (L the sum of the documents, each padded to
+    ``config.multiple``; each document's first label -100), ``position_ids`` (``(4, 1, L)``
+    M-RoPE or ``(1, L)``: ``model``'s own per document), ``mm_token_type_ids`` ``(1, L)`` where
+    given, the visual inputs concatenated along dim 0 in document order, ``cu_seq_lens_q`` /
+    ``cu_seq_lens_k`` int32 ``(n_docs + 1,)`` and ``max_length_q`` / ``max_length_k`` (ints).
+    No ``attention_mask``: the documents' boundaries and causal attention keep padding out."""
+    samples = [{"input_ids": e.input_ids, "labels": e.labels, **e.per_token, **e.visual} for e in examples]
+    return packed_row(samples, model, config.packing_config)
+
+
+def row_builder(config: RingVisionCollatorConfig, model: Optional[nn.Module] = None,
+                ) -> Callable[[Sequence[VisionExample], RingVisionCollatorConfig], dict]:
+    """The function that builds the full batch's tensors (``labels`` unshifted) for
+    ``config``'s mode; ``model`` numbers the packed documents (``packing=True`` only)."""
+    return functools.partial(packed_rows, model=model) if config.packing else dense_rows
 
 
 class RingVisionDataCollator:
@@ -248,11 +277,22 @@ class RingVisionDataCollator:
       padding and each row's last token ``-100``), this rank's shard in the layout; or, with
       ``model_labels`` (cp_size 1), ``labels`` int64 ``(B, L)``, unshifted.
 
-    Args: the fields of :class:`RingVisionCollatorConfig`, or ``config=`` one.
+    With ``packing=True`` the batch is **one** row (:func:`packed_rows`: ``B = 1``, ``L`` the
+    sum of the documents, each padded to the layout's multiple): ``input_ids``,
+    ``position_ids`` (the model's own per document), ``mm_token_type_ids``, the visual inputs,
+    ``cu_seq_lens_q`` / ``cu_seq_lens_k`` / ``max_length_q`` / ``max_length_k``, and
+    ``shift_labels`` shifted within each document and cut with ``shard_packed``; or
+    ``labels`` with each document's first label -100 (``model_labels``: the stock model's own
+    loss then is the per-document one, given ``use_cache=False``, which is checked).
+
+    Args: the fields of :class:`RingVisionCollatorConfig`, or ``config=`` one; ``model``:
+    the image-text model, required with ``packing=True`` (it numbers each document), refused
+    without.
     """
 
     def __init__(self, pad_token_id: Optional[int] = None, image_token_id: Optional[int] = None, *,
-                 config: Optional[RingVisionCollatorConfig] = None, **kwargs: Any):
+                 config: Optional[RingVisionCollatorConfig] = None, model: Optional[nn.Module] = None,
+                 **kwargs: Any):
         if config is not None:
             if pad_token_id is not None or image_token_id is not None or kwargs:
                 raise ValueError("pass either config= or the settings as keyword arguments, not both")
@@ -261,6 +301,12 @@ class RingVisionDataCollator:
             if pad_token_id is None or image_token_id is None:
                 raise ValueError("RingVisionDataCollator needs pad_token_id and image_token_id")
             self.config = RingVisionCollatorConfig(pad_token_id=pad_token_id, image_token_id=image_token_id, **kwargs)
+        if self.config.packing:
+            check_packing_model(model, self.config.image_token_id)
+        elif model is not None:
+            raise ValueError("model= numbers packed documents; it is used only with packing=True (padded rows are "
+                             "numbered by the model itself): drop it or set packing=True")
+        self.model = model
 
     @classmethod
     def for_state(cls, state: ContextParallelState, pad_token_id: int, image_token_id: int,
@@ -277,9 +323,13 @@ class RingVisionDataCollator:
         if len(features) == 0:
             raise ValueError("RingVisionDataCollator got an empty batch")
         cfg = self.config
-        full = row_builder(cfg)([read_example(f, i, cfg) for i, f in enumerate(features)], cfg)
+        full = row_builder(cfg, self.model)([read_example(f, i, cfg) for i, f in enumerate(features)], cfg)
         labels = full.pop("labels")
         if cfg.model_labels:
+            if cfg.packing:
+                check_no_cache(self.model)  # checked per batch: the config may change after the collator is made
             return {**full, "labels": labels}
-        shift_labels = _shift(labels)
-        return {**full, "shift_labels": shard_sequence(shift_labels, cfg.cp_size, cfg.cp_rank, dim=1, layout=cfg.layout)}
+        shifted = _shift(labels)  # packed: within each document, as its first label is -100
+        if cfg.packing:
+            return {**full, "shift_labels": shard_packed(shifted, full["cu_seq_lens_q"], cfg.cp_size, cfg.cp_rank, dim=1)}
+        return {**full, "shift_labels": shard_sequence(shifted, cfg.cp_size, cfg.cp_rank, dim=1, layout=cfg.layout)}

@@ -10,13 +10,15 @@ its own document's placeholders. Every rank of a CP group gets the same full bat
 runs its tower and merge on it, and hf_ring cuts the merged row document by document at the
 language model's entry; only ``shift_labels`` is this rank's.
 
-This is what an image-text collator's packing mode calls, once per batch. Must not import
-the Trainer or TRL (it is handed the model).
+Owns ``packed_row`` (the full row, labels unshifted: what ``RingVisionDataCollator``'s packing
+mode builds each batch with), ``pack_image_text`` (the same, this rank's ``shift_labels``), and
+the checks of the model such a collator is handed.
+Must not import the Trainer or TRL (it is handed the model).
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -99,6 +101,84 @@ def _concatenated(docs: list[dict[str, torch.Tensor]], name: str) -> torch.Tenso
     return torch.cat(parts, dim=0)
 
 
+def check_packing_model(model: Optional[nn.Module], image_token_id: int) -> None:
+    """The model a packing collator is handed: given, of a family hf_ring packs, with the
+    collator's image token (ValueError / NotImplementedError naming what to do)."""
+    if model is None:
+        raise ValueError(
+            "packing=True needs model= (the image-text model being trained): each document's positions are the "
+            "model's own for it alone (Qwen's M-RoPE from its own code), computed per batch by the collator"
+        )
+    packing_family(model)  # a family hf_ring has not checked with packed rows is refused here, by name
+    own = next((v for a in ("image_token_id", "image_token_index")
+                if isinstance(v := getattr(model.config, a, None), int)), None)
+    if own is not None and own != image_token_id:
+        raise ValueError(f"image_token_id={image_token_id} but {type(model).__name__}'s config says {own}; give the "
+                         "collator the model's image token")
+
+
+def check_no_cache(model: nn.Module) -> None:
+    """Packed rows for the stock model's own loss: its forward must build no cache (ValueError)."""
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if getattr(text, "use_cache", False):
+        raise ValueError(
+            f"packing=True with model_labels=True (the stock Trainer): {type(model).__name__}'s text config has "
+            "use_cache=True, and with a cache transformers' SDPA / eager mask does not keep the packed documents "
+            "apart (each would attend to those before it); set model.config.get_text_config().use_cache = False"
+        )
+
+
+def packed_row(samples: Sequence[Mapping[str, Any]], model: nn.Module, config: RingCollatorConfig) -> dict[str, Any]:
+    """The full packed row of image-text samples, labels unshifted and uncut: what
+    :func:`pack_image_text` builds before it shifts and shards the labels, and what an
+    image-text collator's packing mode builds on.
+
+    Args: as :func:`pack_image_text`.
+
+    Returns:
+        :func:`pack_image_text`'s keys, with ``labels`` int64 ``(1, L)`` in place of
+        ``shift_labels``: each document's labels (padding -100) with its **first** token -100,
+        transformers' convention for packed rows (``DataCollatorWithFlattening``): shifting the
+        whole row then shifts within each document (a document's last token would learn the
+        next one's first), so a stock model's own loss on ``labels`` is the per-document loss.
+    """
+    if not config.packing:
+        raise ValueError("pack_image_text packs documents per document in the zigzag layout: give it a "
+                         "RingCollatorConfig with packing=True")
+    if len(samples) == 0:
+        raise ValueError("pack_image_text got no samples")
+    packing_family(model)  # refuses a family hf_ring has not checked, before any work
+    placeholders = _placeholders(model)
+    docs, bounds = [], [0]
+    for i, sample in enumerate(samples):
+        if "input_ids" not in sample:
+            raise ValueError(f"sample {i} has no input_ids (keys: {sorted(sample)})")
+        length = _round_up(_tokens(sample, "input_ids", i).numel(), config.multiple)
+        docs.append(_document(sample, i, length, config.pad_token_id, placeholders))
+        bounds.append(bounds[-1] + length)
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+    out: dict[str, Any] = {
+        "input_ids": torch.cat([d["input_ids"] for d in docs], dim=1),
+        "position_ids": torch.cat([document_position_ids(model, d) for d in docs], dim=-1),
+    }
+    if any("mm_token_type_ids" in d for d in docs):
+        kinds = [d.get("mm_token_type_ids", torch.zeros_like(d["input_ids"])) for d in docs]
+        out["mm_token_type_ids"] = torch.cat(kinds, dim=1)
+    out.update({name: _concatenated(docs, name) for name in IMAGE_KEYS if any(name in d for d in docs)})
+    timed = out.get("second_per_grid_ts")
+    if timed is not None and timed.numel() != out["video_grid_thw"].shape[0]:
+        raise ValueError(
+            f"{timed.numel()} second_per_grid_ts for {out['video_grid_thw'].shape[0]} videos: give it for the "
+            "videos of every sample or of none (the processor's default is 1 s a grid)"
+        )
+    labels = torch.cat([d["labels"] for d in docs], dim=1)  # (1, L)
+    labels[0, cu[:-1].long()] = IGNORE_INDEX  # no document's first token is a target: see Returns
+    out.update(labels=labels, cu_seq_lens_q=cu, cu_seq_lens_k=cu.clone(), max_length_q=longest,
+               max_length_k=longest)
+    return out
+
+
 def pack_image_text(samples: Sequence[Mapping[str, Any]], model: nn.Module,
                     config: RingCollatorConfig) -> dict[str, Any]:
     """Pack image-text samples into one row: the full batch every rank of a CP group feeds to
@@ -140,37 +220,7 @@ def pack_image_text(samples: Sequence[Mapping[str, Any]], model: nn.Module,
             ``second_per_grid_ts`` for some videos only.
         NotImplementedError: a family hf_ring has not checked (or refuses, Gemma 3).
     """
-    if not config.packing:
-        raise ValueError("pack_image_text packs documents per document in the zigzag layout: give it a "
-                         "RingCollatorConfig with packing=True")
-    if len(samples) == 0:
-        raise ValueError("pack_image_text got no samples")
-    packing_family(model)  # refuses a family hf_ring has not checked, before any work
-    placeholders = _placeholders(model)
-    docs, bounds = [], [0]
-    for i, sample in enumerate(samples):
-        if "input_ids" not in sample:
-            raise ValueError(f"sample {i} has no input_ids (keys: {sorted(sample)})")
-        length = _round_up(_tokens(sample, "input_ids", i).numel(), config.multiple)
-        docs.append(_document(sample, i, length, config.pad_token_id, placeholders))
-        bounds.append(bounds[-1] + length)
-    cu = torch.tensor(bounds, dtype=torch.int32)
-    longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
-    out: dict[str, Any] = {
-        "input_ids": torch.cat([d["input_ids"] for d in docs], dim=1),
-        "position_ids": torch.cat([document_position_ids(model, d) for d in docs], dim=-1),
-    }
-    if any("mm_token_type_ids" in d for d in docs):
-        kinds = [d.get("mm_token_type_ids", torch.zeros_like(d["input_ids"])) for d in docs]
-        out["mm_token_type_ids"] = torch.cat(kinds, dim=1)
-    out.update({name: _concatenated(docs, name) for name in IMAGE_KEYS if any(name in d for d in docs)})
-    timed = out.get("second_per_grid_ts")
-    if timed is not None and timed.numel() != out["video_grid_thw"].shape[0]:
-        raise ValueError(
-            f"{timed.numel()} second_per_grid_ts for {out['video_grid_thw'].shape[0]} videos: give it for the "
-            "videos of every sample or of none (the processor's default is 1 s a grid)"
-        )
-    shifted = torch.cat([_shift(d["labels"]) for d in docs], dim=1)  # (1, L): per document
-    out.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu.clone(), max_length_q=longest, max_length_k=longest,
-               shift_labels=shard_packed(shifted, cu, config.cp_size, config.cp_rank, dim=1))
+    out = packed_row(samples, model, config)
+    shifted = _shift(out.pop("labels"))  # (1, L): within each document, its first tokens being -100
+    out["shift_labels"] = shard_packed(shifted, out["cu_seq_lens_q"], config.cp_size, config.cp_rank, dim=1)
     return out
