@@ -27,7 +27,7 @@ is far from the full one (the images straddle the shards, so the sum is what mat
 the test's positions matter (dropping M-RoPE moves the logits by 4e-3, over 10 x 1e-4).
 Refusals, each raised on every rank: labels, a cache, ``logits_to_keep``, a length the
 layout cannot split, ranks holding different batches, left padding and a family hf_ring has
-not checked (Idefics3). Gemma 3 and PaliGemma (bidirectional spans): tests/test_cp_vlm_gemma.py.
+not checked (LFM2-VL). Gemma 3 and PaliGemma (bidirectional spans): tests/test_cp_vlm_gemma.py.
 """
 
 from __future__ import annotations
@@ -87,15 +87,11 @@ def _error(call) -> str:
     return "no error"
 
 
-def _tiny_idefics3():
-    from transformers import Idefics3Config, LlamaConfig
+def _tiny_unchecked():
+    """LFM2-VL, a family hf_ring has not read (the multimodal sweep's tiny config)."""
+    from vlm_sweep_configs import build_config
 
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=8,
-                  patch_size=4)
-    text = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, pad_token_id=0)
-    return build(Idefics3Config(vision_config=vision, text_config=text.to_dict(), image_token_id=120, scale_factor=1),
-                 "ring_flash")
+    return build(build_config("lfm2_vl"), "ring_flash")
 
 
 def _refusals(model, batch: dict, rank: int) -> dict[str, str]:
@@ -112,7 +108,7 @@ def _refusals(model, batch: dict, rank: int) -> dict[str, str]:
         "length": _error(lambda: model(**short)),
         "ranks_differ": _error(lambda: model(**(other if rank == 1 else batch))),
         "left_padding": _error(lambda: model(**batch, attention_mask=left)),
-        "unchecked": _error(lambda: _tiny_idefics3()(**text_only)),
+        "unchecked": _error(lambda: _tiny_unchecked()(**text_only)),
     }
 
 
@@ -193,7 +189,7 @@ _EXPECTED = {
     "length": "pad every row to a multiple of 4",
     "ranks_differ": "full_batch_digest",
     "left_padding": "accepts only right padding",
-    "unchecked": "Idefics3Model is an image-text model hf_ring has not checked",
+    "unchecked": "Lfm2VlModel is an image-text model hf_ring has not checked",
 }
 
 

@@ -23,10 +23,18 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from hf_ring.hf.multimodal.positions import document_position_ids, packing_family
 from hf_ring.sharding import shard_packed
 from hf_ring.sharding.labels import IGNORE_INDEX
 from hf_ring.training.collator import RingCollatorConfig, _round_up, _shift
+
+
+def _positions():
+    """``hf_ring.hf.multimodal.positions``, imported when a packed row is built: it needs
+    transformers, and ``import hf_ring`` (which imports the collators) must not."""
+    from hf_ring.hf.multimodal import positions as module
+
+    return module
+
 
 # Per token of a sample, ``(n,)`` or ``(1, n)``.
 TOKEN_KEYS = ("input_ids", "labels", "attention_mask", "mm_token_type_ids")
@@ -109,7 +117,7 @@ def check_packing_model(model: Optional[nn.Module], image_token_id: int) -> None
             "packing=True needs model= (the image-text model being trained): each document's positions are the "
             "model's own for it alone (Qwen's M-RoPE from its own code), computed per batch by the collator"
         )
-    packing_family(model)  # a family hf_ring has not checked with packed rows is refused here, by name
+    _positions().packing_family(model)  # a family hf_ring has not checked with packed rows is refused here, by name
     own = next((v for a in ("image_token_id", "image_token_index")
                 if isinstance(v := getattr(model.config, a, None), int)), None)
     if own is not None and own != image_token_id:
@@ -147,7 +155,7 @@ def packed_row(samples: Sequence[Mapping[str, Any]], model: nn.Module, config: R
                          "RingCollatorConfig with packing=True")
     if len(samples) == 0:
         raise ValueError("pack_image_text got no samples")
-    packing_family(model)  # refuses a family hf_ring has not checked, before any work
+    _positions().packing_family(model)  # refuses a family hf_ring has not checked, before any work
     placeholders = _placeholders(model)
     docs, bounds = [], [0]
     for i, sample in enumerate(samples):
@@ -160,7 +168,7 @@ def packed_row(samples: Sequence[Mapping[str, Any]], model: nn.Module, config: R
     longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
     out: dict[str, Any] = {
         "input_ids": torch.cat([d["input_ids"] for d in docs], dim=1),
-        "position_ids": torch.cat([document_position_ids(model, d) for d in docs], dim=-1),
+        "position_ids": torch.cat([_positions().document_position_ids(model, d) for d in docs], dim=-1),
     }
     if any("mm_token_type_ids" in d for d in docs):
         kinds = [d.get("mm_token_type_ids", torch.zeros_like(d["input_ids"])) for d in docs]
