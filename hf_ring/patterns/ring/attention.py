@@ -19,7 +19,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 import torch
 
 from hf_ring.distributed.comm import DKV_CHANNEL, KV_CHANNEL, BlockStream, DoubleBuffer
-from hf_ring.patterns.merge import merge_block_
+from hf_ring.patterns.merge import apply_sinks, merge_block_, sinks_grad
 from hf_ring.patterns.ring.packed_step import backward_varlen, forward_varlen
 from hf_ring.patterns.plan import AttentionPlan
 from hf_ring.patterns.ring.spans import SpanBlock
@@ -226,34 +226,6 @@ def ring_forward(
     if sinks is not None:
         out, lse = apply_sinks(out, lse, sinks.detach())
     return out.to(q.dtype), lse
-
-
-def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention with one more logit per head, the sink, in every row's softmax: its value
-    vector is zero, so it only rescales the rows and raises their lse.
-
-    Args:
-        out: ``(b, s, h, d)``, attention over the real keys, accumulation dtype.
-        lse: ``(b, h, s)``, its log-sum-exp.
-        sinks: ``(h,)``, one logit per query head (GPT-OSS's ``s_aux``).
-
-    Returns:
-        ``out * exp(lse - lse_s)`` and ``lse_s = logaddexp(lse, sink)``: the final out and
-        lse, with which the ring's backward gives exact dq, dk, dv.
-    """
-    lse_s = torch.logaddexp(lse, sinks.to(lse.dtype).view(1, -1, 1))
-    return out * torch.exp(lse - lse_s).transpose(1, 2).unsqueeze(-1), lse_s
-
-
-def sinks_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
-    """d loss / d sinks ``(h,)`` from this rank's rows: the sink's probability is
-    ``p = exp(sink - lse)`` and ``d out / d sink = -p * out``, so the gradient is
-    ``-sum over rows of p * (dout . out)``; the final ``out`` ``(b, s, h, d)`` and ``lse``
-    ``(b, h, s)`` include the sink."""
-    acc = lse.dtype
-    delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2)  # (b, h, s)
-    p_sink = torch.exp(sinks.to(acc).view(1, -1, 1) - lse)
-    return -(p_sink * delta).sum(dim=(0, 2)).to(sinks.dtype)
 
 
 def ring_backward(
