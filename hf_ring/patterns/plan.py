@@ -175,11 +175,8 @@ class AttentionPlan:
     def _check_positions(self) -> None:
         if len(self.positions) != self.world or self.local_doc_lens is not None:
             raise ValueError(f"positions must give each of the {self.world} ranks' tokens (dense rows only)")
-        if self.causal and not self.backend.masked:
-            raise NotImplementedError(
-                f"attention backend {self.backend.name!r} has no masked kernel, which a ring over tokens no "
-                f"layout describes needs; use {backends_that('masked')}"
-            )
+        if self.causal:
+            self._require_masked_kernel("a ring over tokens no layout describes needs")
 
     def _check_spans(self) -> None:
         if not self.causal:
@@ -188,10 +185,14 @@ class AttentionPlan:
         if self.chunk is not None:
             raise NotImplementedError("bidirectional spans with chunked attention (attention_chunk_size) are "
                                       "not computed by the ring; use one or the other")
+        self._require_masked_kernel("bidirectional spans inside the ring need (each span's later keys are a "
+                                    "masked block)")
+
+    def _require_masked_kernel(self, why: str) -> None:
         if not self.backend.masked:
             raise NotImplementedError(
-                f"attention backend {self.backend.name!r} has no masked kernel, which bidirectional spans "
-                f"inside the ring need (each span's later keys are a masked block); use {backends_that('masked')}"
+                f"attention backend {self.backend.name!r} has no masked kernel, which {why}; use "
+                f"{backends_that('masked')}"
             )
         if self.local_doc_lens is not None:
             bounds = [0]
