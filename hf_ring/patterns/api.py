@@ -250,6 +250,7 @@ def ring_flash_attn_varlen_func(
     comm_stats: Optional[CommWaitStats] = None,
     sinks: Optional[torch.Tensor] = None,
     spans: SpansArg = None,
+    window: Optional[int] = None,
 ) -> Output:
     """Ring attention over a packed row: documents never attend to each other.
 
@@ -268,6 +269,9 @@ def ring_flash_attn_varlen_func(
         spans: bidirectional spans of the packed row (one row: ``[[(start, end), ...]]``,
             global positions of the packed sequence), each inside one document; as in
             ``context_parallel_attn_func``.
+        window: sliding window in tokens inside each document (key j visible to query i
+            iff ``0 <= i - j < window``, both of one document), on top of causal; needs a
+            backend with a masked kernel (``"auto"`` picks one). None: no window.
 
     Returns:
         ``out`` ``(total_local, n_heads, head_dim)``; with ``return_lse`` also ``lse``
@@ -279,8 +283,9 @@ def ring_flash_attn_varlen_func(
     if world > 1 and check_ranks:
         # Agreement first: a rank whose boundaries are invalid must not raise alone.
         check_across_ranks(group, q, k, v, "zigzag", causal, scale,
-                           [*documents_fields(bounds), ("sinks", int(sinks is not None)),
-                            ("kernel", name_code(backend)), *spans_fields(spans)])
+                           [*documents_fields(bounds), *agreement_fields("ring", window, None, sinks, None, backend),
+                            *spans_fields(spans)])
+    check_settings("ring", causal, window, None, None, world)
     doc_lens = check_cu_seqlens(torch.as_tensor(cu_seqlens), world)
     if q.dim() != 3:
         raise ValueError(f"varlen q must be (total_local, n_heads, head_dim), got shape {tuple(q.shape)}")
@@ -296,7 +301,8 @@ def ring_flash_attn_varlen_func(
     plan = build_plan(pattern="ring", group=group, rank=rank, world=world, layout="zigzag", causal=causal,
                       scale=scale, backend=backend, device=q.device, dtype=q.dtype, n_heads=q.shape[2],
                       n_kv_heads=k.shape[2], head_dim=q.shape[3], value_head_dim=v.shape[3], seq=sum(doc_lens),
-                      local_doc_lens=local_doc_lens, comm_stats=comm_stats, spans=as_spans(spans, sum(doc_lens)))
+                      window=window, local_doc_lens=local_doc_lens, comm_stats=comm_stats,
+                      spans=as_spans(spans, sum(doc_lens)))
     out, lse = run_plan(q, k, v, plan, sinks)
     out, lse = out.squeeze(0), lse.squeeze(0)
     return (out, lse) if return_lse else out

@@ -61,11 +61,12 @@ class AttentionPlan:
         transport: how the ring's blocks travel (default: P2P over ``group``, its waits
             added to ``comm_stats``); the ring pattern only.
         window: sliding window in tokens (key j visible to query i iff ``0 <= i - j <
-            window``, global positions), or None; causal dense rows only, and a backend
-            with a masked kernel. Blocks outside it are skipped, blocks on its edge masked.
+            window``, global positions), or None; causal only, and a backend with a masked
+            kernel. Blocks outside it are skipped, blocks on its edge masked. On packed rows
+            it applies inside each document (a document's blocks never meet another's).
         chunk: attention chunks in tokens (Llama 4's ``attention_chunk_size``: key j visible
             to query i iff ``i // chunk == j // chunk``, on top of causal), or None; like
-            ``window``, causal dense rows only, on a masked kernel; both may be given.
+            ``window``, on a masked kernel, but dense rows only; both may be given.
         softcap: logit softcapping (scores become ``softcap * tanh(scores / softcap)``), or
             None; dense rows, and a backend whose kernels take it (``backend.softcap``).
         positions: instead of the layout's shards, each ring rank's global token positions
@@ -148,10 +149,11 @@ class AttentionPlan:
             raise ValueError(f"{name} must be a positive int (tokens), got {w!r}")
         if not self.causal:
             raise ValueError(f"{what} is defined on top of causal attention; pass causal=True")
-        if self.local_doc_lens is not None:
+        if name == "chunk" and self.local_doc_lens is not None:
+            # Llama 4 cuts chunks at row indices, which a packed row's documents do not share.
             raise NotImplementedError(
-                f"{what} on packed rows (several documents per row) is not computed by the ring yet; use "
-                f"dense rows, or documents no longer than the {name}"
+                "chunked attention on packed rows (several documents per row) is not computed by the ring; "
+                "use dense rows, or documents no longer than the chunk"
             )
         if not self.backend.masked:
             raise NotImplementedError(

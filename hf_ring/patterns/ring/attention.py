@@ -20,7 +20,7 @@ import torch
 
 from hf_ring.distributed.comm import DKV_CHANNEL, KV_CHANNEL, BlockStream, DoubleBuffer
 from hf_ring.patterns.merge import apply_sinks, merge_block_, sinks_grad
-from hf_ring.patterns.ring.packed_step import backward_varlen, forward_varlen
+from hf_ring.patterns.ring.packed_step import backward_varlen, forward_varlen, varlen_groups
 from hf_ring.patterns.plan import AttentionPlan
 from hf_ring.patterns.ring.spans import SpanBlock
 
@@ -121,8 +121,9 @@ def _causal_forward(plan: AttentionPlan, blocks, q, cur_k, cur_v, acc) -> tuple[
             acc[1].fill_(float("-inf"))
     out, lse = acc
     if plan.varlen:
-        forward_varlen(plan, blocks, q, cur_k, cur_v, out, lse, first)
-        return out, lse
+        batched, blocks = varlen_groups(blocks)
+        for group in batched:
+            forward_varlen(plan, group, q, cur_k, cur_v, out, lse, first)
     for blk in blocks:
         qs, ks = slice(blk.q_start, blk.q_end), slice(blk.k_start, blk.k_end)
         block_out, block_lse = _block_forward(plan, blk, q[:, qs], cur_k[:, ks], cur_v[:, ks])
@@ -169,9 +170,11 @@ def _causal_backward(plan: AttentionPlan, blocks, dout, q, cur_k, cur_v, out, ls
         dq = torch.empty(q.shape, dtype=dtype, device=q.device)
         if not first:
             dq.zero_()
-    if plan.varlen:
-        return dq, backward_varlen(plan, blocks, dout, q, cur_k, cur_v, out, lse, dq, first)
     block_dkv = []
+    if plan.varlen:
+        batched, blocks = varlen_groups(blocks)
+        for group in batched:
+            block_dkv += backward_varlen(plan, group, dout, q, cur_k, cur_v, out, lse, dq, first)
     for blk in blocks:
         qs, ks = slice(blk.q_start, blk.q_end), slice(blk.k_start, blk.k_end)
         bdq, bdk, bdv = _block_backward(

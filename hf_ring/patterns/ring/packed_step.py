@@ -1,12 +1,14 @@
 """One variable-length kernel call per ring step for packed rows.
 
-A packed row's schedule gives one block per document per step (see schedule.py); with a
-per-block kernel that is one launch per document, which for many short documents costs
-more in launches than in attention. When the backend has a varlen kernel, a step's blocks
+A packed row's schedule gives one block per document per step (see schedule.py; a sliding
+window may drop a document's block, trim it, or mask it); with a per-block kernel that is
+one launch per document, which for many short documents costs more in launches than in
+attention. When the backend has a varlen kernel, a step's blocks
 run in one call instead: their query rows and key rows are gathered into contiguous
 tensors, the blocks' boundaries become ``cu_q``/``cu_k``, and the results are put back at
 the rows they came from. The blocks of one step never share a query row nor a key row
-(one block per document), so putting back is a plain assignment or add.
+(one block per document), so putting back is a plain assignment or add, and a step's blocks
+may be split over several calls (by causal flag; masked blocks one by one) in any order.
 
 Tensors here are the ring's ``(1, s, h, d)`` (a packed row is one batch row) and lse
 ``(1, h, s)``; the kernel sees ``(total, h, d)`` and lse ``(h, total)``.
@@ -66,6 +68,16 @@ def step_batch(blocks, device: torch.device) -> Optional[StepBatch]:
         _rows([(b.k_start, b.k_end) for b in blocks], device),
         k_lens, _cu(q_lens, device), _cu(k_lens, device), max(q_lens), max(k_lens), causal.pop(),
     )
+
+
+def varlen_groups(blocks: list) -> tuple[list[list], list]:
+    """A step's blocks split into varlen calls and the rest: the unmasked blocks grouped by
+    their causal flag (one call each), and the masked ones (a sliding window's edge), which
+    run one by one on the masked kernel. A window cuts some documents' blocks to full
+    rectangles and leaves others causal, so a windowed step may need both calls."""
+    plain = [b for b in blocks if b.mask is None]
+    groups = [[b for b in plain if b.causal == causal] for causal in (True, False)]
+    return [g for g in groups if g], [b for b in blocks if b.mask is not None]
 
 
 def _check_one_row(q: torch.Tensor) -> None:
