@@ -8,7 +8,8 @@ softmax sums), and every parameter's gradient, summed over the ranks, must match
 full-sequence gradient within 1e-4. The loss is a fixed random weighting of the logits,
 so that its sum over ranks is the full-sequence loss. Covered: tiny Llama, Qwen2 and
 Mistral (GQA), Mistral with a 4-token sliding window (computed inside the ring: 16 tokens
-at cp=2, 32 at cp=4), with and without a right-padding mask, packed rows (varlen ring),
+at cp=2, 32 at cp=4), with and without a right-padding mask, packed rows (varlen ring; Llama,
+and Mistral's window inside documents of 4 to 16 tokens),
 and gradient checkpointing (the ring recomputed in the backward). The world of 2 also
 checks that what the ring cannot serve is refused on every rank.
 One spawn per world size.
@@ -44,6 +45,8 @@ def _doc_lens(world: int) -> list[int]:
 # The dense cases: the families, and Mistral with a window far shorter than the sequence.
 CASES = (*FAMILIES, "mistral_window4")
 WINDOW = 4
+# Packed rows: documents of 2, 4 and 2 chunks, so the window cuts the longer ones.
+PACKED_CASES = ("llama", "mistral_window4")
 
 
 def _case(family: str, world: int, seed: int) -> dict:
@@ -60,9 +63,9 @@ def _case(family: str, world: int, seed: int) -> dict:
     }
 
 
-def _packed_case(world: int) -> dict:
+def _packed_case(world: int, family: str) -> dict:
     lens = _doc_lens(world)
-    case = _case("llama", world, seed=7)
+    case = _case(family, world, seed=7)
     g = torch.Generator().manual_seed(8)
     total = sum(lens)
     case["ids"] = torch.randint(3, VOCAB, (1, total), generator=g)
@@ -139,13 +142,6 @@ def _refusals(rank: int, world: int) -> dict[str, str]:
     }
     sliding = tiny_model(tiny_config("mistral", sliding_window=4), "ring_flash", case["state_dict"])
     out["sliding_window"] = _error_of(lambda: sliding(ids, position_ids=positions))
-    packed = _packed_case(world)
-    cu = packed["cu"]
-    longest = int((cu[1:] - cu[:-1]).max())
-    out["sliding_window_packed"] = _error_of(lambda: sliding(
-        shard_packed(packed["ids"], cu, world, rank), position_ids=shard_packed(packed["positions"], cu, world, rank),
-        cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest,
-    ))
 
     # A layer whose attention no longer goes through ring_flash (as if an upgrade routed it
     # to SDPA) must make the forward fail, and the next, intact forward must pass again.
@@ -166,7 +162,7 @@ def _refusals(rank: int, world: int) -> dict[str, str]:
 def _rank_main(rank: int, world: int, cases: dict, packed: dict) -> dict:
     hf_ring.setup_context_parallel(world)
     result = {family: _dense_on_rank(case, rank, world) for family, case in cases.items()}
-    result["packed"] = _packed_on_rank(packed, rank, world)
+    result["packed"] = {family: _packed_on_rank(case, rank, world) for family, case in packed.items()}
     if world == 2:
         result["checkpointed"] = _dense_on_rank(cases["llama"], rank, world, checkpointing=True)
         result["refusals"] = _refusals(rank, world)
@@ -199,7 +195,7 @@ def _run(world: int) -> tuple:
     """One spawn per world size, shared by every test of this module."""
     if world not in _RUNS:
         cases = {family: _case(family, world, seed=i) for i, family in enumerate(CASES)}
-        packed = _packed_case(world)
+        packed = {family: _packed_case(world, family) for family in PACKED_CASES}
         _RUNS[world] = (world, cases, packed, run_world(world, _rank_main, cases, packed))
     return _RUNS[world]
 
@@ -239,12 +235,13 @@ def test_gradient_checkpointing_recomputes_the_ring():
     assert max(errors.values()) <= TOL, errors
 
 
-def test_packed_rows_match_each_document_alone(world_run):
+@pytest.mark.parametrize("family", PACKED_CASES)
+def test_packed_rows_match_each_document_alone(world_run, family):
     world, _, packed, ranks = world_run
-    reference = _packed_reference(packed)
-    logits = hf_ring.sharding.unshard_packed([r["packed"]["logits"] for r in ranks], packed["cu"])
+    reference = _packed_reference(packed[family])
+    logits = hf_ring.sharding.unshard_packed([r["packed"][family]["logits"] for r in ranks], packed[family]["cu"])
     assert rel_err(logits, reference["logits"]) <= TOL
-    errors = _summed_grad_errors([r["packed"] for r in ranks], reference)
+    errors = _summed_grad_errors([r["packed"][family] for r in ranks], reference)
     assert max(errors.values()) <= TOL, errors
 
 
@@ -257,9 +254,6 @@ EXPECTED_REFUSALS = {
     "generate": "NotImplementedError: KV cache / generate\\(\\) is not supported under context parallelism",
     # Mistral passes its window to the attention function: computed inside the ring.
     "sliding_window": "no error",
-    # Not on packed rows yet: read from the config once per forward (hf_ring.hf.support).
-    "sliding_window_packed": "NotImplementedError: config.sliding_window=4 gives every layer a sliding window of 4 "
-                             "tokens, which ring_flash computes on dense rows but not yet under context parallelism",
     "bypass": "RuntimeError: ring attention was bypassed: .* layers.1.self_attn\\. ",
     "after_bypass": "no error",
     "deep_copy": "no error",

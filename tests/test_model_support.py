@@ -200,17 +200,17 @@ def test_dynamic_rope_in_a_per_layer_type_dict_is_handed_the_sequence_length():
         ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1), {}),
     ],
 )
-def test_sliding_windows_are_computed_on_dense_rows_refused_on_packed(model_type, overrides, layers):
+def test_sliding_windows_are_computed_on_dense_and_packed_rows(model_type, overrides, layers):
     model = tiny(model_type, **overrides)
     if TRANSFORMERS_5:  # 4.57's Qwen2-MoE and PhiMoE pick their attention class from a table: refused
         assert detectors.handed_to_the_ring(model).windows == layers
     # Dense rows: the ring computes the window (handed down where the mask alone applies it).
     assert refusal(model, seq_len=17) == ""
     assert refusal(model, seq_len=4096) == ""
-    # Packed rows: not computed yet, so documents longer than the window are refused.
+    # Packed rows: the ring computes it inside each document (tests/test_ring_packed_window.py;
+    # a whole model: test_hf_attention_distributed.py).
     assert refusal(model, seq_len=48, doc_lens=[16, 16, 16]) == ""
-    message = refusal(model, seq_len=48, doc_lens=[17, 15, 16])
-    assert "config.sliding_window=16" in message and "packed rows" in message, message
+    assert refusal(model, seq_len=96, doc_lens=[40, 40, 16]) == ""
 
 
 @pytest.mark.skipif(not TRANSFORMERS_5, reason="4.57's Qwen2-MoE attention has no sliding_window attribute")

@@ -26,12 +26,13 @@ sliding windows a layer passes as ``sliding_window`` or applies through its mask
 Llama 4's attention chunks (handed down by the guard, ``hf_ring.hf.sequence_features``) and
 logit softcapping (Gemma 2's ``softcap``) on dense rows (without CP: sinks and softcapping
 eagerly, local_eager.py, windows and chunks through transformers' mask; under CP: by the
-pattern, which refuses, naming one that computes it, what it or its kernel does not;
-windows, chunks and softcapping on packed rows are refused). What ``ring_flash`` cannot
+pattern, which refuses, naming one that computes it, what it or its kernel does not).
+On packed rows, with or without CP, the varlen ring computes sinks and sliding windows
+(inside each document) and refuses chunks and softcapping. What ``ring_flash`` cannot
 compute is refused, naming the model feature (attention_refusals.py): attention dropout,
 keywords such as a sparse indexer's ``indices`` or a ``position_bias``, non-causal
 attention and KV caches under CP; what is read from the model's config and structure once
-per forward (token mixers, windows on packed rows, ...) is refused by ``hf_ring.hf.support``.
+per forward (token mixers, chunks on packed rows, ...) is refused by ``hf_ring.hf.support``.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ import torch.nn as nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from hf_ring.hf.attention_refusals import (
-    is_causal, layer_name, refuse_dropout, refuse_short_window, refuse_softcap_on_packed, refuse_uncomputed,
+    is_causal, layer_name, refuse_dropout, refuse_softcap_on_packed, refuse_uncomputed,
     refuse_under_ring, refuse_without_context,
 )
 from hf_ring.hf.forward_context import CONTEXT_KWARG, ForwardContext
@@ -142,16 +143,19 @@ def _run_packed(
     scaling: Optional[float],
     context: ForwardContext,
     sinks: Optional[torch.Tensor],
+    window: Optional[int],
     chunk: Optional[int],
 ) -> torch.Tensor:
     """transformers' ``(batch, heads, seq_local, dim)`` through the forward's (varlen) ring
-    plan, with the layer's attention sinks (``s_aux``, ``(heads,)``) if it has them and its
-    attention chunk (refused by the plan where it cuts the row); returns ``(batch,
-    seq_local, heads, dim)``. No collective but the ring's transfers."""
+    plan, with the layer's attention sinks (``s_aux``, ``(heads,)``) if it has them, its
+    sliding window (inside each document) and its attention chunk (refused by the plan on
+    packed rows); returns ``(batch, seq_local, heads, dim)``. No collective but the ring's
+    transfers."""
     query, key, value = one_dtype(query, key, value)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    out, _ = run_plan(q, k, v, context.plan(q, k.shape[2], scale, value_head_dim=v.shape[3], chunk=chunk), sinks)
+    plan = context.plan(q, k.shape[2], scale, window, value_head_dim=v.shape[3], chunk=chunk)
+    out, _ = run_plan(q, k, v, plan, sinks)
     return out
 
 
@@ -176,10 +180,9 @@ def _packed_attention(
     if context is None:
         # An unguarded model without context parallelism: the boundaries are read here.
         _refuse_unguarded_packed()
-        out = _packed_without_context(module, query, key, value, scaling, sliding_window, kwargs, what)
+        out = _packed_without_context(query, key, value, scaling, sliding_window, kwargs)
         return out, None
-    refuse_short_window(module, sliding_window, max(context.doc_lens), what)
-    out = _run_packed(query, key, value, scaling, context, kwargs.get("s_aux"), chunk)
+    out = _run_packed(query, key, value, scaling, context, kwargs.get("s_aux"), sliding_window, chunk)
     if context.state is not None:
         context.ran_ring.add(id(module))
     return out, None
@@ -195,17 +198,16 @@ def _refuse_unguarded_packed() -> None:
         )
 
 
-def _packed_without_context(module, query, key, value, scaling, sliding_window, kwargs, what) -> torch.Tensor:
+def _packed_without_context(query, key, value, scaling, sliding_window, kwargs) -> torch.Tensor:
     cu_q = kwargs["cu_seq_lens_q"]
     cu_k = kwargs.get("cu_seq_lens_k")
     if cu_k is not None and not torch.equal(cu_k.to(cu_q.device), cu_q):
         raise ValueError("cu_seq_lens_k must equal cu_seq_lens_q: ring_flash computes self-attention")
-    refuse_short_window(module, sliding_window, int((cu_q[1:] - cu_q[:-1]).max()), what)
     query, key, value = one_dtype(query, key, value)
     # (1, heads, tokens, dim) -> (tokens, heads, dim)
     out = ring_flash_attn_varlen_func(
         query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu_q,
-        causal=True, softmax_scale=scaling, sinks=kwargs.get("s_aux"),
+        causal=True, softmax_scale=scaling, sinks=kwargs.get("s_aux"), window=sliding_window,
     )
     return out.unsqueeze(0)
 

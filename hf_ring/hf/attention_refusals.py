@@ -1,7 +1,6 @@
 """What ``ring_flash`` refuses in one attention call, naming the layer and what to do: the
 features of the call it does not compute (dropout, keywords such as a sparse indexer's
-``indices``, non-causal attention, a KV cache under the ring, softcapping or a short
-window on packed rows), and a call under context parallelism without the validated
+``indices``, non-causal attention, a KV cache under the ring, softcapping on packed rows), and a call under context parallelism without the validated
 context the guard hands down.
 
 Owns the refusals; the attention function (attention.py) calls them. Must not import the
@@ -83,18 +82,6 @@ def refuse_under_ring(
             f"{layer_name(module)} got {key.shape[-2]} keys for {query.shape[-2]} queries: a KV cache "
             f"(generation) is not supported by {what}; pass use_cache=False, and generate without "
             "context parallelism"
-        )
-
-
-def refuse_short_window(module: nn.Module, sliding_window: Optional[int], span: int, what: str) -> None:
-    # transformers' window keeps key j for query i when i - j < window: a window of at least
-    # `span` tokens masks nothing.
-    if sliding_window is not None and sliding_window < span:
-        raise NotImplementedError(
-            f"{layer_name(module)} uses sliding-window attention (window {sliding_window} tokens) over "
-            f"{span} tokens, which {what} does not compute (it attends to the whole causal past); "
-            f"use sequences (documents) of at most {sliding_window} tokens, or a model without "
-            "sliding windows"
         )
 
 

@@ -137,7 +137,7 @@ def check_model_under_cp(
         raise NotImplementedError(support.refusals[0].format(where=where))
     span = max(doc_lens) if doc_lens else seq_len
     for b in support.bounds:
-        if b.measure in ("packed", "packed_row") and not doc_lens:
+        if b.measure == "packed_row" and not doc_lens:
             continue
         length = seq_len if b.measure in ("row", "packed_row") else span
         if length >= b.bound:

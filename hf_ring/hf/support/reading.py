@@ -26,9 +26,8 @@ _TOWER = re.compile(r"(^|_)(vision|visual|image|img|audio|speech|video)")
 @dataclass(frozen=True)
 class Bound:
     """The model is exact while ``length < bound``, where length is the forward's longest
-    attention span (``span``: the sequence, or the longest packed document; ``packed``:
-    the longest packed document, dense rows unbounded) or its whole row (``row``;
-    ``packed_row``: a packed row's, dense rows unbounded)."""
+    attention span (``span``: the sequence, or the longest packed document) or its whole
+    row (``row``; ``packed_row``: a packed row's, dense rows unbounded)."""
 
     bound: int
     measure: str

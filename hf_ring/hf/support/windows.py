@@ -7,8 +7,9 @@ function as ``sliding_window=`` (Mistral, Mixtral, Gemma 2/3, Qwen2, GPT-OSS, Co
 (and on packed rows) does not take, so their windows are read from the config here
 (:func:`mask_windows`, per layer) and handed to the ring by the guard. Llama 4's
 attention chunks live in the mask only too; they are read the same way, on the layers
-``config.layer_types`` marks chunked (:func:`mask_chunks`). Windows and chunks are
-bounded on packed rows only (the ring does not compute them there yet).
+``config.layer_types`` marks chunked (:func:`mask_chunks`). Windows are computed on packed
+rows too (inside each document); chunks are bounded there (the ring cuts them at row
+indices, which a packed row's documents do not share).
 
 Whether a layer passes its window is read from its forward's source, through
 ``hf_ring.patches.transformers`` (how transformers writes a forward is its implementation
@@ -25,13 +26,9 @@ from hf_ring.patches.transformers import forward_passes_keyword
 
 
 def bounds(config: Any, modules: Modules) -> Iterator[Bound]:
-    """The bound of the config's sliding window and of its attention chunks, if any."""
-    window = _config_window(config)
-    if window is not None:
-        # Key j is visible to query i when 0 <= i - j < window: a window of at least the
-        # span masks nothing. Dense rows get it from the layer or from mask_windows.
-        yield from _masked_layers(config, "sliding_window", window, "sliding_attention", "a sliding window",
-                                  "packed")
+    """The bound of the config's attention chunks, if any (sliding windows have none: the
+    ring computes them on dense and packed rows, handed down by mask_windows where the
+    model applies them through its mask only)."""
     chunk = smallest(config, "attention_chunk_size")
     if chunk is not None:
         # Query i sees key j only in the same chunk of the row (i // chunk == j // chunk,
@@ -94,19 +91,13 @@ def _masked_layers(
 ) -> Iterator[Bound]:
     """The bound of a window or chunk of ``size`` tokens on the layers of ``kind`` (every
     layer when the config has no layer_types: Mistral, Mixtral, PhiMoE, Starcoder2);
-    ``measure`` ``"packed"`` or ``"packed_row"`` where the ring computes it on dense rows."""
+    ``measure`` ``"packed_row"`` where the ring computes it on dense rows."""
     kinds = first(config, "layer_types")
     layers = [i for i, k in enumerate(kinds) if k == kind] if isinstance(kinds, (list, tuple)) else None
     if layers == []:
         return
     on = "every layer" if layers is None else f"layers {listed([str(i) for i in layers], 8)}"
-    if measure == "packed":
-        message = (
-            f"config.{field}={size} gives {on} {what} of {size} tokens, which ring_flash computes "
-            "on dense rows but not yet {where} (packed rows); this forward's longest document has "
-            "{length} tokens. Use documents of at most {limit} tokens, or dense rows (no packing)"
-        )
-    elif measure == "packed_row":
+    if measure == "packed_row":
         message = (
             f"config.{field}={size} gives {on} {what} of {size} tokens of the row, which ring_flash "
             "computes on dense rows but not yet {where} (packed rows); this packed row has {length} "
