@@ -35,7 +35,7 @@ far more than 1e-4; with the M-RoPE rows replaced by the text row, Qwen2.5-VL's 
 more than 10 x 1e-4 (the per-document 3-D positions are exercised); each rank's tower gradient
 alone is far from the full one (images straddle the shards). Refused on every rank: a packed
 row in the stripe layout, a document length the layout cannot split, boundaries that do not
-cover the row, a padding mask; refused by the packing function: Gemma 3, PaliGemma, a text
+cover the row, a padding mask; refused by the packing function: PaliGemma, a text
 model, samples it cannot pack (an unknown key, padding, images of other sizes, videos timed in part);
 and without CP, packed rows for a family not in the table.
 """
@@ -57,7 +57,7 @@ from hf_ring.training.loss import all_reduce_sum, count_valid_tokens, token_loss
 from hf_ring.training.vision_packing import pack_image_text
 from reference_attention import rel_err
 from vlm_cases import (
-    FAMILIES, IMAGE, PACKED_SAMPLES, VIDEO, VOCAB, assert_refused_on_every_rank,
+    FAMILIES, IMAGE, PACKED_CONFIGS, PACKED_SAMPLES, VIDEO, VOCAB, assert_refused_on_every_rank,
     assert_tower_gradient_split, build, tiny_gemma,
 )
 
@@ -99,7 +99,7 @@ _SDPA: dict[str, torch.nn.Module] = {}
 
 def _cases() -> dict[str, dict]:
     cases, g = {}, torch.Generator().manual_seed(7)
-    for i, (name, (config, _)) in enumerate(FAMILIES.items()):
+    for i, (name, config) in enumerate(PACKED_CONFIGS.items()):
         c = config()
         _SDPA[name] = build(c, "sdpa")
         samples = PACKED_SAMPLES[name](i)
@@ -205,7 +205,7 @@ def _errors(name: str, logits: torch.Tensor, cu: torch.Tensor, grads: dict, loss
     return errors
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", PACKED_CONFIGS)
 def test_packed_row_at_cp2_is_each_sample_alone(name):
     _, ranks = _run()
     cu = ranks[0][name]["cu"]
@@ -215,7 +215,7 @@ def test_packed_row_at_cp2_is_each_sample_alone(name):
     assert max(errors.values()) <= TOL, sorted(errors.items(), key=lambda e: -e[1])[:4]
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", PACKED_CONFIGS)
 def test_packed_row_without_cp_is_each_sample_alone(name):
     cases, _ = _run()
     case = cases[name]
@@ -240,6 +240,28 @@ def test_stock_sdpa_reads_the_same_packed_batch(name):
                                         "max_length_k"), use_cache=False).logits
     for start, ref in zip(cu.tolist(), _reference(name)["logits"]):
         assert rel_err(logits[0, start:start + ref.shape[0]], ref) <= TOL
+
+
+def test_stock_gemma3_packs_wrong_so_its_stock_collator_refuses():
+    """transformers 5.24's own Gemma 3 mask on a packed row is not each sample alone (its
+    sliding layers): the collator for the stock model's loss refuses to pack it. If a
+    release fixes the mask, the first assertion fails: lift ``Family.stock_packing``."""
+    cases, _ = _run()
+    model = _SDPA["gemma3"]
+    model.config.get_text_config().use_cache = False
+    batch = pack_image_text(cases["gemma3"]["samples"], model, _config(1))
+    cu = batch["cu_seq_lens_q"].tolist()
+    with torch.no_grad():
+        logits = model(**_without(batch, "shift_labels", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
+                                  "max_length_k")).logits
+    second = _reference("gemma3")["logits"][1]
+    assert rel_err(logits[0, cu[1]:cu[1] + second.shape[0]], second) > 1e-2
+    collator = hf_ring.RingVisionDataCollator(pad_token_id=0, image_token_id=IMAGE, model_labels=True, packing=True,
+                                              model=model)
+    features = [{k: v[0] if k in ("input_ids", "token_type_ids") else v for k, v in f.items()}
+                for f in cases["gemma3"]["samples"]]  # the collator's examples: one row of ids each
+    with pytest.raises(ValueError, match="Gemma 3 mask on a packed row is not each document alone"):
+        collator(features)
 
 
 def test_the_documents_and_their_positions_are_exercised():
@@ -274,15 +296,15 @@ def test_the_packing_function_refuses_what_it_cannot_pack():
     qwen, timed = _SDPA.get("qwen2_5_vl") or build(FAMILIES["qwen2_5_vl"][0](), "sdpa"), PACKED_SAMPLES["qwen2_5_vl"](0)
     cases = {
         "not packing": (lambda: pack_image_text(samples, llava, RingCollatorConfig(pad_token_id=0)), "packing=True"),
-        "unknown key": (lambda: pack_image_text([{**samples[0], "token_type_ids": samples[0]["input_ids"]}], llava,
-                                                _config(2)), "token_type_ids, which pack_image_text does not know"),
+        "unknown key": (lambda: pack_image_text([{**samples[0], "image_attention_mask": samples[0]["input_ids"]}],
+                                                llava, _config(2)),
+                        "image_attention_mask, which pack_image_text does not know"),
         "padded": (lambda: pack_image_text([{**samples[2], "attention_mask": torch.tensor([[1, 1, 1, 0, 0]])}], llava,
                                            _config(2)), "already padded"),
         "image sizes": (lambda: pack_image_text([samples[0], {**samples[1], "pixel_values": torch.randn(1, 3, 16, 16)}],
                                                 llava, _config(2)), "process the samples' images to one size"),
         "untimed video": (lambda: pack_image_text([*timed, {**timed[1], "second_per_grid_ts": None}], qwen, _config(2)),
                           "1 second_per_grid_ts for 2 videos"),
-        "gemma3": (lambda: pack_image_text(samples, tiny_gemma("gemma3"), _config(2)), "bidirectional image spans"),
         "paligemma": (lambda: pack_image_text(samples, tiny_gemma("paligemma"), _config(2)),
                       "PaliGemmaModel (PaliGemma) is not supported with packed image-text rows"),
         "text model": (lambda: pack_image_text(samples, llava.model.language_model, _config(2)),
@@ -295,13 +317,27 @@ def test_the_packing_function_refuses_what_it_cannot_pack():
 
 
 def test_packed_rows_of_an_unchecked_family_are_refused_without_cp():
-    """Without CP a packed row runs the varlen ring, causal per document: Gemma 3's image
-    spans would be lost, so Gemma 3 (like a family outside the table) is refused on packed rows."""
-    model = tiny_gemma("gemma3")
+    """Without CP a packed row runs the varlen ring, causal per document (plus the spans of
+    a family that has them): PaliGemma's one prefix a row is not read on packed rows."""
+    model = tiny_gemma("paligemma")
     cu = torch.tensor([0, 4, 8], dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match="bidirectional image spans"):
+    with pytest.raises(NotImplementedError, match="PaliGemmaModel .*with packed rows"):
         model(input_ids=torch.randint(3, 100, (1, 8)), position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]]),
               cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=4, max_length_k=4)
+
+
+def test_gemma3_image_runs_are_cut_at_the_documents():
+    """A run of image tokens across a document boundary is two blocks: with one block, the
+    first document's last image would see the next document's first (the ring refuses a
+    span that crosses a boundary; transformers' mask ANDs the documents')."""
+    from hf_ring.patterns.ring.spans import BidirectionalSpans
+
+    spans = BidirectionalSpans((((3, 7), (20, 28), (33, 37)),), 48).cut_at([0, 24, 44, 48])
+    assert spans.rows == (((3, 7), (20, 24), (24, 28), (33, 37)),)
+    batch = pack_image_text(PACKED_SAMPLES["gemma3"](0), _SDPA.get("gemma3") or build(PACKED_CONFIGS["gemma3"](), "sdpa"),
+                            _config(WORLD))
+    types, cu = batch["token_type_ids"][0], batch["cu_seq_lens_q"].tolist()
+    assert bool(types[cu[1] - 1]) and bool(types[cu[1]]), "the samples put an image on each side of a boundary"
 
 
 def test_the_position_reader_refuses_a_model_of_another_shape(monkeypatch):

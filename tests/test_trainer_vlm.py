@@ -30,8 +30,11 @@ padded <= 9.8e-8, Qwen3-VL <= 1.1e-6 (its gradient norm), stock packed vs stock 
 Gemma 3 (a SigLIP tower; sliding and full layers, each image one bidirectional span, which
 its stock mask builds from ``token_type_ids`` and hf_ring's ring computes), padded, at a
 learning rate of 1e-4 (GEMMA3: why): measured 2.3e-7 (loss), 9.0e-6 (gradient norm, where
-stock eager and stock sdpa are 6.0e-6 apart), 1.6e-7 (eval loss). Packed Gemma 3 is refused
-(hf_ring does not hand the spans down on packed rows): test_packed_gemma3_is_refused.
+stock eager and stock sdpa are 6.0e-6 apart), 1.6e-7 (eval loss); packed at cp 2 (each image
+a span inside its document, the sliding layers' window inside each document) against the
+same padded stock run. The stock model itself packs Gemma 3 wrong (transformers 5.24's
+sliding-layer mask on a packed row), so the example's --packing at cp 1 is refused for it:
+test_stock_packed_gemma3_is_refused.
 test_the_data_is_what_it_says checks the example's pixel layout against transformers' own
 Qwen-VL processor and that videos are there; the example's refusals are checked in-process.
 """
@@ -77,6 +80,7 @@ CASES = {
     "qwen2_5_vl_packed": (QWEN2_5_VL + PACKED, False, QWEN2_5_VL),
     "qwen3_vl_packed": (QWEN3_VL + PACKED, False, QWEN3_VL),
     "gemma3": (GEMMA3, False, GEMMA3),
+    "gemma3_packed": (GEMMA3 + PACKED, False, GEMMA3),
 }
 
 sys.path.insert(0, os.path.join(ROOT, "examples"))
@@ -139,12 +143,13 @@ def test_the_stock_trainer_trains_packed_rows_as_padded_ones(runs):
     _compare(runs(QWEN2_5_VL, 1), runs(QWEN2_5_VL + PACKED, 1), "qwen2_5_vl stock cp1 packed vs padded")
 
 
-def test_packed_gemma3_is_refused(tmp_path):
-    """The varlen ring would run each packed document causal only, losing Gemma 3's image
-    spans: the packing collator refuses the family by name, at cp 1 as under CP."""
+def test_stock_packed_gemma3_is_refused(tmp_path):
+    """transformers' own Gemma 3 mask does not keep a packed row's documents apart (its sliding
+    layers, tests/test_cp_vlm_packed.py): at cp 1 the example's --packing (the stock model on
+    the packed row) is refused, saying to pad; under CP (ring_flash) it is computed."""
     import finetune_vlm_long
 
-    with pytest.raises(NotImplementedError, match="does not hand down on packed rows"):
+    with pytest.raises(ValueError, match="Gemma 3 mask on a packed row is not each document alone"):
         finetune_vlm_long.main(["--model_type", "gemma3", "--packing", "--output_dir", str(tmp_path), *VLM])
 
 

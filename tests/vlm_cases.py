@@ -155,8 +155,8 @@ FAMILIES: dict[str, tuple[Callable[[], Any], Callable[[int], dict]]] = {
 
 
 def tiny_gemma(kind: str, attn_implementation: str = "ring_flash"):
-    """A tiny Gemma 3 (``kind="gemma3"``: bidirectional image spans) or PaliGemma model, two
-    families hf_ring refuses on packed rows (tests/test_cp_vlm_packed.py; padded under CP:
+    """A tiny Gemma 3 (``kind="gemma3"``: bidirectional image spans) or PaliGemma model
+    (refused on packed rows, tests/test_cp_vlm_packed.py; padded under CP:
     tests/test_cp_vlm_gemma.py)."""
     from transformers import Gemma3Config, PaliGemmaConfig
 
@@ -326,7 +326,23 @@ def _onevision_samples(seed: int) -> list[dict]:
     return [*samples, {"input_ids": _text(g, TEXT_ONLY)}]
 
 
-# name -> samples(seed), for the families of FAMILIES.
+def _gemma3_samples(seed: int) -> list[dict]:
+    """Gemma 3's ``token_type_ids`` (1 on image tokens) with each sample: one of 24 tokens
+    whose second image ends it (24 is a multiple of 4, so no padding follows at cp=2) and
+    one of 17 that starts with an image, so that on the packed row one run of image tokens
+    spans the boundary between them (two blocks, one per document); text alone."""
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for length, starts in ((24, (3, 20)), (17, (0, 9))):
+        ids = _text(g, length)
+        for start in starts:
+            ids[0, start:start + 4] = IMAGE
+        samples.append({"input_ids": ids, "token_type_ids": (ids == IMAGE).long(),
+                        "pixel_values": torch.randn(len(starts), 3, 8, 8, generator=g)})
+    return [*samples, {"input_ids": _text(g, TEXT_ONLY)}]
+
+
+# name -> samples(seed), for the families of FAMILIES and Gemma 3.
 PACKED_SAMPLES: dict[str, Callable[[int], list[dict]]] = {
     "qwen2_5_vl": _qwen_samples,
     "qwen2_vl": lambda seed: _qwen_samples(seed, video=False),
@@ -336,4 +352,10 @@ PACKED_SAMPLES: dict[str, Callable[[int], list[dict]]] = {
     "llava_onevision": _onevision_samples,
     "mistral3": lambda seed: _placeholder_samples(seed, 4, (3, 16, 16), image_sizes=torch.tensor([[16, 16]])),
     "internvl": lambda seed: _placeholder_samples(seed, 4, (3, 8, 8)),
+    "gemma3": _gemma3_samples,
+}
+# name -> config, for the packed tests: FAMILIES' and Gemma 3's (a window of 3 tokens,
+# shorter than its images and documents, on its sliding layer).
+PACKED_CONFIGS: dict[str, Callable[[], Any]] = {
+    **{name: config for name, (config, _) in FAMILIES.items()}, "gemma3": lambda: gemma3(window=3),
 }

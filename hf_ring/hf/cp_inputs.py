@@ -56,9 +56,10 @@ class FullBatchShards:
     bidirectional spans (Gemma 3's images, read from the token types the digest covers), or
     None: what every attention layer's plan computes on top of causal; ``causal_by_mask``:
     the language model's layers are flagged non-causal, and the mask the model built
-    (causal plus the spans) is what they compute (PaliGemma)."""
+    (causal plus the spans) is what they compute (PaliGemma). Without CP (a packed row on
+    the varlen ring) only ``spans`` is given, and ``digest`` is None."""
 
-    digest: torch.Tensor
+    digest: Optional[torch.Tensor]
     spans: Optional[BidirectionalSpans] = None
     causal_by_mask: bool = False
 

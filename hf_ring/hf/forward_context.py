@@ -58,9 +58,9 @@ class ForwardContext:
             ``"mamba2_chunk_scan"``, ...) a routed token-mixer layer ran on its CP path in
             this forward (``hf.mixers``).
         cache: what the layers of this forward share besides plans (sequence_features.py).
-        spans: under CP, the full batch's bidirectional spans (Gemma 3's images, validated
-            by the guard's digest of the token types), which every attention layer's plan
-            computes on top of causal and its window; None: none.
+        spans: the full batch's bidirectional spans (Gemma 3's images; under CP validated
+            by the guard's digest of the token types; without CP on packed rows only), which
+            every attention layer's plan computes on top of causal and its window; None: none.
         causal_by_mask: the model's attention layers are flagged non-causal but the mask it
             builds (replaced by ``spans``) is causal plus the spans (PaliGemma's
             ``use_bidirectional_attention``): they run the ring's causal plan with the spans.

@@ -167,7 +167,9 @@ def _pre_forward(model: nn.Module, args: tuple, kwargs: dict):
         # The forward holds whole rows: rotaries read the length from their own positions.
         sequence_features.hand_max_position(model, None)
         doc_lens = packed_document_lengths(inputs, 1)
-        context = ForwardContext(None, doc_lens, comm_stats, made_by_guard=True)
+        # A multimodal packed row's spans (Gemma 3's images), which the varlen ring computes.
+        spans = shards.spans if shards is not None and doc_lens is not None else None
+        context = ForwardContext(None, doc_lens, comm_stats, made_by_guard=True, spans=spans)
         if doc_lens is not None:
             # Packed rows run the ring (varlen) even without CP: the same model features apply.
             check_model_under_cp(model, 1, sum(doc_lens), doc_lens=doc_lens)

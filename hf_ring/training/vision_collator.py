@@ -38,7 +38,7 @@ from hf_ring.sharding.labels import IGNORE_INDEX
 from hf_ring.training.collator import (
     RingCollatorConfig, _as_ids, _round_up, _shift, check_coordinates, shards_as,
 )
-from hf_ring.training.vision_packing import check_no_cache, check_packing_model, packed_row
+from hf_ring.training.vision_packing import TYPE_KEYS, check_no_cache, check_packing_model, packed_row
 
 # Per-sample visual inputs, concatenated over the batch along dim 0 (as the processors do),
 # with the placeholder kind they belong to.
@@ -46,7 +46,7 @@ IMAGE_INPUTS = ("pixel_values", "image_grid_thw", "image_sizes")
 VIDEO_INPUTS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 # Per-token ints besides the ids, padded with 0 (Qwen's modality of each token; Gemma 3's
 # image-token marks).
-PER_TOKEN = ("mm_token_type_ids", "token_type_ids")
+PER_TOKEN = TYPE_KEYS
 TEXT_INPUTS = ("input_ids", "labels", "attention_mask", *PER_TOKEN)
 
 

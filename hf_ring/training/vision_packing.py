@@ -37,7 +37,9 @@ def _positions():
 
 
 # Per token of a sample, ``(n,)`` or ``(1, n)``.
-TOKEN_KEYS = ("input_ids", "labels", "attention_mask", "mm_token_type_ids")
+TOKEN_KEYS = ("input_ids", "labels", "attention_mask", "mm_token_type_ids", "token_type_ids")
+# Token kinds (Qwen's mm_token_type_ids, Gemma 3's token_type_ids): 0 on padding and text.
+TYPE_KEYS = ("mm_token_type_ids", "token_type_ids")
 # Per image or video of a sample, concatenated along dim 0 in document order.
 IMAGE_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "second_per_grid_ts",
               "image_sizes")
@@ -64,9 +66,9 @@ def _placeholders(model: nn.Module) -> list[int]:
 
 def _document(sample: Mapping[str, Any], index: int, length: int, pad_token_id: int,
               placeholders: list[int]) -> dict[str, torch.Tensor]:
-    """One sample padded to ``length``: ``input_ids``, ``labels`` and, if given,
-    ``mm_token_type_ids``, int64 ``(1, length)`` (padding: ``pad_token_id``, -100, 0), and its
-    image inputs as given."""
+    """One sample padded to ``length``: ``input_ids``, ``labels`` and, if given, its token
+    types (:data:`TYPE_KEYS`), int64 ``(1, length)`` (padding: ``pad_token_id``, -100, 0), and
+    its image inputs as given."""
     unknown = sorted(set(sample) - set(TOKEN_KEYS) - set(IMAGE_KEYS))
     if unknown:
         raise ValueError(
@@ -88,8 +90,9 @@ def _document(sample: Mapping[str, Any], index: int, length: int, pad_token_id: 
     if labels is None:  # the ids, with the image / video placeholders left unlearned
         labels = ids.masked_fill(torch.isin(ids, torch.tensor(placeholders, dtype=ids.dtype)), IGNORE_INDEX)
     rows = {"input_ids": (ids, pad_token_id), "labels": (labels, IGNORE_INDEX)}
-    if "mm_token_type_ids" in present:  # only as given: without it a Qwen model numbers text positions
-        rows["mm_token_type_ids"] = (present["mm_token_type_ids"], 0)
+    for name in TYPE_KEYS:  # only as given: without it a Qwen model numbers text positions
+        if name in present:
+            rows[name] = (present[name], 0)
     doc = {}
     for name, (row, fill) in rows.items():
         padded = torch.full((1, length), fill, dtype=torch.int64)
@@ -126,7 +129,9 @@ def check_packing_model(model: Optional[nn.Module], image_token_id: int) -> None
 
 
 def check_no_cache(model: nn.Module) -> None:
-    """Packed rows for the stock model's own loss: its forward must build no cache (ValueError)."""
+    """Packed rows for the stock model's own loss: its forward must build no cache, and its
+    family's own mask must keep the documents apart (ValueError)."""
+    _positions().check_stock_packing(model)
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     if getattr(text, "use_cache", False):
         raise ValueError(
@@ -170,9 +175,9 @@ def packed_row(samples: Sequence[Mapping[str, Any]], model: nn.Module, config: R
         "input_ids": torch.cat([d["input_ids"] for d in docs], dim=1),
         "position_ids": torch.cat([_positions().document_position_ids(model, d) for d in docs], dim=-1),
     }
-    if any("mm_token_type_ids" in d for d in docs):
-        kinds = [d.get("mm_token_type_ids", torch.zeros_like(d["input_ids"])) for d in docs]
-        out["mm_token_type_ids"] = torch.cat(kinds, dim=1)
+    for name in TYPE_KEYS:
+        if any(name in d for d in docs):
+            out[name] = torch.cat([d.get(name, torch.zeros_like(d["input_ids"])) for d in docs], dim=1)
     out.update({name: _concatenated(docs, name) for name in IMAGE_KEYS if any(name in d for d in docs)})
     timed = out.get("second_per_grid_ts")
     if timed is not None and timed.numel() != out["video_grid_thw"].shape[0]:
@@ -197,7 +202,8 @@ def pack_image_text(samples: Sequence[Mapping[str, Any]], model: nn.Module,
             that sample alone: ``input_ids`` int ``(n,)`` or ``(1, n)``; optionally ``labels``
             (same shape, -100 where nothing is learned; default: the ids with the image /
             video placeholder tokens -100), ``attention_mask`` (all ones), ``mm_token_type_ids``
-            (Qwen: 0 text, 1 image, 2 video); per image or video, in the sample's order:
+            (Qwen: 0 text, 1 image, 2 video) or ``token_type_ids`` (Gemma 3: 1 image); per
+            image or video, in the sample's order:
             ``pixel_values``, ``pixel_values_videos``, ``image_grid_thw`` / ``video_grid_thw`` int
             ``(k, 3)``, ``second_per_grid_ts`` ``(n_videos,)``, ``image_sizes`` int ``(k, 2)``.
         model: the image-text model (its family decides the positions, computed by its own code
@@ -212,8 +218,8 @@ def pack_image_text(samples: Sequence[Mapping[str, Any]], model: nn.Module,
         - ``position_ids`` int64 ``(4, 1, L)`` for the M-RoPE families (row 0 the text positions,
           restarting at 0 per document; rows 1-3 each document's own M-RoPE), else ``(1, L)``
           restarting per document;
-        - ``mm_token_type_ids`` int64 ``(1, L)`` if a sample gave it (0 on padding and in the
-          samples that did not);
+        - ``mm_token_type_ids`` / ``token_type_ids`` int64 ``(1, L)`` if a sample gave it (0 on
+          padding and in the samples that did not);
         - each image key the samples gave, concatenated along dim 0 in document order;
         - ``cu_seq_lens_q``, ``cu_seq_lens_k`` int32 ``(n_docs + 1,)``: the padded documents'
           global boundaries; ``max_length_q``, ``max_length_k``: the longest, an int;
@@ -226,7 +232,7 @@ def pack_image_text(samples: Sequence[Mapping[str, Any]], model: nn.Module,
         ValueError: ``config.packing`` False, no samples, a sample that is not one row of token
             ids, padded already, or holds a key it cannot pack; image inputs of other shapes;
             ``second_per_grid_ts`` for some videos only.
-        NotImplementedError: a family hf_ring has not checked (or refuses, Gemma 3).
+        NotImplementedError: a family hf_ring has not checked, or does not pack (PaliGemma).
     """
     out = packed_row(samples, model, config)
     shifted = _shift(out.pop("labels"))  # (1, L): within each document, its first tokens being -100

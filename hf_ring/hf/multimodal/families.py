@@ -46,7 +46,9 @@ its gated delta layers' decay gradients differ at cp=2, see ``REFUSED``).
   the padding mask). Under CP, ``ring_flash``'s mask builder returns None, so the dict holds
   None for each type; hf_ring replaces it by the 2-D padding mask the base model got and
   hands the blocks down as bidirectional spans (``hf_ring.patterns.ring.spans``), which
-  every attention layer's plan computes exactly.
+  every attention layer's plan computes exactly. On a packed row (transformers' mask then
+  ANDs each document's own) the runs are cut at the documents' boundaries, and the sliding
+  layers' windows apply inside each document; with or without CP.
 - PaliGemma (``PaliGemmaModel.forward``): the same merge; its own positions (``arange + 1``,
   passed to the language model); its mask has one bidirectional block, every token of type
   0 (the image and the prompt: the prefix), ``causal OR prefix`` (PaliGemma 2: by layer
@@ -97,6 +99,11 @@ class Family:
             the padding mask's ones): the spans the ring computes instead.
         window_cuts_spans: whether its sliding layers see ``window AND (causal OR block)``
             (what the ring computes); False (PaliGemma 2) refuses a model with a window.
+        packs_spans: its blocks are found on a packed row as on a padded one (Gemma 3's: each
+            run of image tokens, cut at the documents' boundaries); False (PaliGemma: one
+            prefix a row) refuses packed rows.
+        stock_packing: why transformers' own (SDPA / eager) mask does not keep a packed
+            row's documents apart for this family, or None where it does.
         causal_by_mask: its language model's layers are flagged non-causal and its own mask
             makes them causal plus the spans (PaliGemma sets ``use_bidirectional_attention``):
             under CP it needs ``token_type_ids`` (without, that mask may be skipped and SDPA
@@ -119,6 +126,8 @@ class Family:
     mrope: bool = False
     spans: Optional[Callable[[torch.Tensor, torch.Tensor], BidirectionalSpans]] = None
     window_cuts_spans: bool = True
+    packs_spans: bool = False
+    stock_packing: Optional[str] = None
     causal_by_mask: bool = False
 
 
@@ -158,7 +167,10 @@ FAMILIES: dict[str, Family] = {
     "DeepseekVLModel": Family("DeepSeek-VL"),
     "Glm4vModel": Family("GLM-4.1V"),
     "Glm4vMoeModel": Family("GLM-4.5V (MoE)"),
-    "Gemma3Model": Family("Gemma 3", spans=image_runs),
+    "Gemma3Model": Family("Gemma 3", spans=image_runs, packs_spans=True, stock_packing=(
+        "transformers' own Gemma 3 mask on a packed row is not each document alone in its sliding layers (their "
+        "window and image blocks are read at per-document positions as if they were row indices: logits off by "
+        "~0.8 from the second document on, transformers 5.24)")),
     "PaliGemmaModel": Family("PaliGemma", spans=prefix_block, window_cuts_spans=False, causal_by_mask=True),
 }
 
@@ -191,12 +203,12 @@ def family_refusal(base: nn.Module, where: str, packed: bool = False) -> Optiona
     name = type(base).__name__
     if name in FAMILIES:
         family = FAMILIES[name]
-        if packed and family.spans is not None:
+        if packed and family.spans is not None and not family.packs_spans:
             return (
-                f"{name} ({family.name}) is not supported {where}: its mask lets the tokens of each block attend "
-                "to each other both ways (bidirectional image spans, built from token_type_ids), which hf_ring "
-                "computes on padded rows but does not hand down on packed rows yet (the varlen ring would see "
-                "each document causal only); pad the samples instead of packing them"
+                f"{name} ({family.name}) is not supported {where}: its mask lets the tokens of one block per row "
+                "(its prefix, from token_type_ids) attend to each other both ways, which hf_ring computes on "
+                "padded rows; a packed row holds one prefix per document, which it does not read yet; pad the "
+                "samples instead of packing them"
             )
         return None
     if name in REFUSED:

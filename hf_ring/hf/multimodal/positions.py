@@ -11,7 +11,7 @@ LLaVA-style models' language models number ``arange`` and take 2-D positions.
 The positions come from the model's own ``compute_3d_position_ids`` on the document alone
 (``hf_ring.patches.transformers.positions``); nothing here computes M-RoPE itself.
 
-Owns ``document_position_ids``. Must not import: the Trainer, TRL, hf_ring's training or
+Owns ``document_position_ids`` and the check of a stock model's packing. Must not import: the Trainer, TRL, hf_ring's training or
 memory layers.
 """
 
@@ -23,6 +23,8 @@ import torch
 import torch.nn as nn
 
 from hf_ring.hf.multimodal.families import FAMILIES, family_refusal, language_model_of
+from hf_ring.hf.support import RING_FLASH
+from hf_ring.patches.transformers import attn_implementation
 from hf_ring.patches.transformers.positions import own_position_ids
 
 _WHERE = "with packed image-text rows"
@@ -41,6 +43,20 @@ def packing_family(model: nn.Module):
     if refusal is not None:
         raise NotImplementedError(refusal)
     return FAMILIES[type(base).__name__]
+
+
+def check_stock_packing(model: nn.Module) -> None:
+    """A packed row for a model that is not ``ring_flash`` (transformers' own mask decides
+    what its documents see): refused (ValueError) for a family whose mask does not keep them
+    apart."""
+    family = packing_family(model)
+    if family.stock_packing is not None and attn_implementation(model.config) != RING_FLASH:
+        raise ValueError(
+            f"packed rows for {type(model).__name__} with attn_implementation="
+            f"{attn_implementation(model.config)!r}: {family.stock_packing}. Pad the samples instead (the same "
+            f"numbers: each sample alone), or pack them with attn_implementation={RING_FLASH!r}, which computes "
+            "each document alone"
+        )
 
 
 def document_position_ids(model: nn.Module, document: Mapping[str, Any]) -> torch.Tensor:

@@ -7,7 +7,8 @@ A model that asks for ``ring_flash`` and holds a language model inside its base 
   parallelism, refuses a family hf_ring has not checked (``families.py``) and a cache, takes a
   digest of the full batch, reads the full batch's bidirectional spans (Gemma 3, PaliGemma:
   from ``token_type_ids``), and marks the forward (``shard.CURRENT``) so that its language
-  model shards what it receives; a forward hook (run on errors too) ends the mark;
+  model shards what it receives; on packed rows without CP it marks the forward with the
+  spans only (nothing is cut); a forward hook (run on errors too) ends the mark;
 - the **language model** gets the ring guard of a text model (``hf_ring.hf.guard``: its
   attention layers, the validated context, the check after the forward) and, before it, the
   sharding hook (``shard.py``);
@@ -117,12 +118,7 @@ def _enter(base: nn.Module, args: tuple, kwargs: dict):
     packed = kwargs.get("cu_seq_lens_q") is not None
     if state is None or state.cp_size == 1:
         if packed:
-            # Packed rows run ring_flash's varlen ring even without CP, which computes causal
-            # attention per document only: a family not in the table may need more, and
-            # Gemma 3's / PaliGemma's spans are not handed down on packed rows.
-            refusal = family_refusal(base, "with packed rows (cu_seq_lens_q)", packed=True)
-            if refusal is not None:
-                raise NotImplementedError(refusal)
+            _enter_packed_without_cp(base, args, kwargs)
         return None
     where = f"under context parallelism (cp_size={state.cp_size})"
     refusal = family_refusal(base, where + (" with packed rows (cu_seq_lens_q)" if packed else ""), packed=packed)
@@ -141,6 +137,27 @@ def _enter(base: nn.Module, args: tuple, kwargs: dict):
     return None
 
 
+def _enter_packed_without_cp(base: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Packed rows without CP run ring_flash's varlen ring, which computes causal attention
+    per document: a family not in the table may need more (refused), and a family's
+    bidirectional blocks (Gemma 3's) go down as spans, as under CP."""
+    where = "with packed rows (cu_seq_lens_q)"
+    refusal = family_refusal(base, where, packed=True)
+    if refusal is not None:
+        raise NotImplementedError(refusal)
+    family = FAMILIES[type(base).__name__]
+    if family.spans is None:
+        return
+    try:
+        inputs = bind_arguments(base, args, kwargs)
+    except TypeError:
+        return  # arguments the forward does not take: let it raise its own error
+    mask = inputs.get("attention_mask")
+    spans = _spans(base, family, inputs, mask, f"{type(base).__name__} {where}")
+    if spans is not None:
+        CURRENT.set(FullBatch(family, None, None, spans, mask))
+
+
 def family_window(base: nn.Module):
     """The language model's sliding window (None: none)."""
     text = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
@@ -150,7 +167,7 @@ def family_window(base: nn.Module):
 def _spans(base: nn.Module, family, inputs: dict[str, Any], mask, where: str):
     """The full batch's bidirectional spans for a family whose model builds them into its
     mask (None: a family without, or no ``token_type_ids``: the model then builds a causal
-    mask). One host sync. A span over padding is refused: the model's mask hides padded
+    mask), cut at a packed row's documents' boundaries. One host sync. A span over padding is refused: the model's mask hides padded
     keys, the ring drops the right-padding mask (no real token sees a later one without spans)."""
     types = inputs.get("token_type_ids")
     if family.spans is not None and types is None and family.causal_by_mask:
@@ -172,6 +189,9 @@ def _spans(base: nn.Module, family, inputs: dict[str, Any], mask, where: str):
                                                                                    device=types.device)
     try:
         spans = family.spans(types, real)
+        documents = inputs.get("cu_seq_lens_q")
+        if documents is not None:  # one host sync, as the language model's cut makes anyway
+            spans = spans.cut_at(torch.as_tensor(documents).reshape(-1).tolist())
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from e
     if padded:

@@ -47,11 +47,13 @@ class FullBatch:
     """One multimodal forward under CP, seen by its outer model: the family, the state, the
     digest of its full batch (0-d int64) and, for a family that builds bidirectional blocks
     into its mask (Gemma 3), the full batch's spans and the 2-D padding mask the base model
-    got (``(batch, seq)`` or None), which replace the mask the model built."""
+    got (``(batch, seq)`` or None), which replace the mask the model built. A packed row
+    without CP has no state and no digest: its spans only go down (the row is not cut, and
+    the varlen ring ignores the mask the model built)."""
 
     family: Family
-    state: ContextParallelState
-    digest: torch.Tensor
+    state: Optional[ContextParallelState]
+    digest: Optional[torch.Tensor]
     spans: Optional[BidirectionalSpans] = None
     padding_mask: Optional[torch.Tensor] = None
 
@@ -120,6 +122,12 @@ def shard_language_model_inputs(model: nn.Module, args: tuple, kwargs: dict):
     full = CURRENT.get()
     if full is None:
         return None
+    if full.state is None:
+        # A packed row without CP: nothing is cut. The mask the model built holds the
+        # documents and the blocks, which go down as cu_seq_lens and spans instead.
+        inputs = bind_arguments(model, args, kwargs)
+        inputs["attention_mask"] = full.padding_mask
+        return (), {**inputs, SHARDED_KWARG: FullBatchShards(None, full.spans)}
     where = f"{type(model).__name__} under context parallelism (cp_size={full.state.cp_size})"
     inputs = bind_arguments(model, args, kwargs)
     tokens = _tokens(inputs)

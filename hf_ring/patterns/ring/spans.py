@@ -95,6 +95,20 @@ class BidirectionalSpans:
             rows.append(tuple(spans))
         return cls(tuple(rows), inside.shape[1])
 
+    def cut_at(self, bounds: Sequence[int]) -> "BidirectionalSpans":
+        """Each span cut at the packed documents' boundaries ``bounds`` (global, from 0 to
+        ``seq``): a run of image tokens that ends one document and starts the next is two
+        blocks, as transformers' mask (the documents' AND each block's) makes it."""
+        inner = sorted({int(e) for e in bounds} - {0, self.seq})
+        rows = []
+        for spans in self.rows:
+            row = []
+            for a, b in spans:
+                cuts = [a, *(e for e in inner if a < e < b), b]
+                row += list(zip(cuts[:-1], cuts[1:]))
+            rows.append(tuple(row))
+        return BidirectionalSpans(tuple(rows), self.seq)
+
     def check_batch(self, batch: int) -> None:
         if batch != len(self.rows):
             raise ValueError(f"bidirectional spans are given for {len(self.rows)} batch rows, the call has {batch}")
