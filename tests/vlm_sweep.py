@@ -17,7 +17,9 @@ each family's failure caught on its own:
   loss is its share of a fixed random weighting of the logits. Against one process with
   ``sdpa`` on the full batch (``tests/vlm_checks.py``): the unsharded logits and every
   parameter's gradient summed over the ranks within ``TOL``; and without a CP state the same
-  ``ring_flash`` model's logits within ``TOL`` of SDPA's;
+  ``ring_flash`` model's logits within ``TOL`` of SDPA's. The families of ``FLOAT64``
+  (Qwen3.5 image-text: gated delta rule layers) run both sides in float64 instead, the
+  reference's recurrence in float64 too (``tests/float64_reference.py``), within ``TOL64``;
 - any other family (a tiny config from its own config class, a batch of text and one image
   a row): under CP it must raise an hf_ring error on every rank. The refusal by name fires at
   the base model's entry, before any image is read, so the batch need not be the family's
@@ -53,6 +55,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import sweep_ratchet  # noqa: E402
+from float64_reference import cast_floats, float64_delta_rule, to_dtype  # noqa: E402
 import vlm_cases  # noqa: E402
 import vlm_sweep_cases  # noqa: E402
 from model_sweep import describe_error  # noqa: E402
@@ -64,6 +67,13 @@ CP = 2
 # softmax against SDPA's one pass, a gradient summed from two shards): the checked families
 # measure <= 2e-6; a wrong merge or wrong positions are 1e-3 and up (tests/test_cp_vlm.py).
 TOL = 1e-4
+# Checked in float64: the gradients of their gated delta rule layers' decay parameters
+# (linear_attn.A_log, dt_bias) are 1e-3 to 2e-2 relative from exact in float32 whichever
+# side computes them, one process included (tests/test_cp_vlm_hybrid.py). In float64 CP
+# measures <= 2.1e-7 (what the models' own float32 casts leave: RMSNorms, rotary, the ring's
+# float32 accumulators); a wrong merge or wrong positions are 1e-3 and up.
+FLOAT64 = ("qwen3_5", "qwen3_5_moe")
+TOL64 = 1e-6
 # Configs are checked on the meta device first: a family whose size knobs the tables
 # missed is not swept instead of filling the machine's memory.
 MAX_PARAMS = 4_000_000
@@ -94,12 +104,17 @@ def _model_class(name: str):
     return getattr(transformers, model_class_name(name))
 
 
+def _dtype(name: str) -> torch.dtype:
+    return torch.float64 if name in FLOAT64 else torch.float32
+
+
 def _build(name: str, config, implementation: str, state_dict=None):
     torch.manual_seed(0)
     model = _model_class(name)._from_config(copy.deepcopy(config), attn_implementation=implementation)
+    model = to_dtype(model.float(), _dtype(name))
     if state_dict is not None:
         model.load_state_dict(state_dict)
-    return model.float().train()
+    return model.train()
 
 
 def _reference_model(name: str, config):
@@ -110,6 +125,14 @@ def _reference_model(name: str, config):
         if "scaled_dot_product_attention" not in str(e):
             raise
     return _build(name, config, "eager")
+
+
+def _run_reference(name: str, model, batch: dict, weights: torch.Tensor) -> dict:
+    """One process on the full batch; a ``FLOAT64`` family with its recurrence in float64."""
+    if name not in FLOAT64:
+        return run_full(model, batch, weights)
+    with float64_delta_rule(model):
+        return run_full(model, batch, weights)
 
 
 def _generic_batch(name: str, config) -> dict[str, Any]:
@@ -132,7 +155,7 @@ def _case(name: str):
     cases = checked_cases()
     try:
         if name in cases:
-            config, batch = cases[name][0](), cases[name][1](_seed(name))
+            config, batch = cases[name][0](), cast_floats(cases[name][1](_seed(name)), _dtype(name))
         else:
             config = build_config(name)
             batch = _generic_batch(name, config)
@@ -182,10 +205,10 @@ def _family_on_rank(name: str, rank: int, world: int, state) -> dict[str, Any]:
             with torch.no_grad():
                 vocab = sdpa(**batch).logits.shape[-1]
             g = torch.Generator().manual_seed(_seed(name) + 1)
-            weights = torch.randn(vlm_cases.ROWS, vlm_cases.SEQ, vocab, generator=g)
+            weights = torch.randn(vlm_cases.ROWS, vlm_cases.SEQ, vocab, generator=g).to(_dtype(name))
             mask = batch.get("attention_mask")
             weights = weights if mask is None else weights * mask[..., None]
-            reference = run_full(sdpa, batch, weights)
+            reference = _run_reference(name, sdpa, batch, weights)
         except Exception as e:  # noqa: BLE001
             status = describe_error(e)
         failed = next((s for s in _agree(world, status) if s is not None), None)
@@ -241,6 +264,7 @@ def summarize(record: dict[str, Any]) -> dict[str, Any]:
     """One family's outcome and detail from rank 0's record (every rank's errors are in it)."""
     name = record["name"]
     summary = {"name": name, "seconds": record["seconds"], "checked": record.get("checked", False)}
+    tol, dtype = (TOL64, "float64; ") if name in FLOAT64 else (TOL, "")
     if record.get("outcome") == "not swept":
         return {**summary, "outcome": "not swept", "detail": record["detail"]}
     present = [e for e in record["errors"] if e is not None]
@@ -256,9 +280,9 @@ def summarize(record: dict[str, Any]) -> dict[str, Any]:
                 "detail": "ran under CP without being checked: hf_ring must refuse a family it has not read"}
     errs = record["errors_by_tensor"]
     worst = max((n for n in errs if n != "logits"), key=errs.get)
-    detail = (f"logits {errs['logits']:.1e}, worst gradient {errs[worst]:.1e} ({worst}), "
+    detail = (f"{dtype}logits {errs['logits']:.1e}, worst gradient {errs[worst]:.1e} ({worst}), "
               f"{len(errs) - 1} gradients; no CP: logits {record['no_cp']:.1e}")
-    exact = max(*errs.values(), record["no_cp"]) <= TOL
+    exact = max(*errs.values(), record["no_cp"]) <= tol
     return {**summary, "outcome": "exact" if exact else "WRONG", "detail": detail}
 
 
@@ -306,7 +330,8 @@ def markdown_table(results: dict[str, dict[str, Any]], seconds: float) -> str:
     lines = [
         f"Generated by `python tests/vlm_sweep.py --write-table` on transformers {transformers.__version__}, "
         f"torch {torch.__version__}: cp={CP} (zigzag), {vlm_cases.ROWS} rows of {vlm_cases.SEQ} tokens, against "
-        f"one process with SDPA on the full batch; tolerance {TOL:g} relative on the logits and every gradient. "
+        f"one process with SDPA on the full batch; tolerance {TOL:g} relative on the logits and every gradient "
+        f"(float64 and {TOL64:g} for {', '.join(FLOAT64)}). "
         "Counts: " + ", ".join(f"{o} {counts[o]}" for o in OUTCOMES) + f"; {seconds:.0f} s on this machine.",
         "",
         "| family | outcome | what was checked, or why |",

@@ -35,9 +35,15 @@ What was read, for the families below:
   language model as given.
 - GLM-4.1V, GLM-4.5V-MoE (``Glm4vModel`` / ``Glm4vMoeModel``): Qwen2-VL's forward, with GLM's
   own ``get_rope_index`` (3-D, from the full ``input_ids``, grids, ``mm_token_type_ids``).
-
-Refused by name after reading: Qwen3.5 image-text (its merge and positions are Qwen3-VL's;
-its gated delta layers' decay gradients differ at cp=2, see ``REFUSED``).
+- Qwen3.5, Qwen3.5-MoE (``Qwen3_5Model`` / ``Qwen3_5MoeModel``): Qwen2-VL's forward, Qwen3-VL's
+  tower without deepstack (``visual``, each grid entry encoded on its own) and Qwen3-VL's
+  ``get_rope_index`` (a video's frames split by timestamps); the text model expands 2-D
+  positions to 4-D as Qwen3-VL's does. Its language model is hybrid: gated delta rule
+  layers (``linear_attn``, routed to hf_ring's CP op like a text Qwen3.5's) and full
+  attention; packed rows too (each document's mixer states kept apart). Checked in float64
+  (``tests/test_cp_vlm_hybrid.py``): in float32 the decay
+  parameters' gradients (``A_log``, ``dt_bias``: sums over every token that nearly cancel)
+  are ~1e-3 to 2e-2 apart between any two orderings of the sums, one process included.
 - Gemma 3 (``Gemma3Model.forward``): embeddings, tower, projector, ``masked_scatter``; no
   positions of its own; then it builds its language model's mask itself, a dict by layer
   type, from ``token_type_ids`` (``get_block_sequence_ids_for_mask``: each maximal run of
@@ -151,6 +157,8 @@ FAMILIES: dict[str, Family] = {
     "Qwen2_5_VLModel": Family("Qwen2.5-VL", tower="visual", mrope=True),
     "Qwen3VLModel": Family("Qwen3-VL", **_QWEN3),
     "Qwen3VLMoeModel": Family("Qwen3-VL-MoE", **_QWEN3),
+    "Qwen3_5Model": Family("Qwen3.5", tower="visual", mrope=True),
+    "Qwen3_5MoeModel": Family("Qwen3.5-MoE", tower="visual", mrope=True),
     "LlavaModel": Family("LLaVA"),
     "LlavaOnevisionModel": Family("LLaVA-OneVision"),
     "Mistral3Model": Family("Mistral 3"),
@@ -172,19 +180,6 @@ FAMILIES: dict[str, Family] = {
         "window and image blocks are read at per-document positions as if they were row indices: logits off by "
         "~0.8 from the second document on, transformers 5.24)")),
     "PaliGemmaModel": Family("PaliGemma", spans=prefix_block, window_cuts_spans=False, causal_by_mask=True),
-}
-
-_QWEN3_5 = (
-    "{name} (Qwen3.5 image-text) is not supported {where}: its merge and 3-D positions are Qwen3-VL's and "
-    "its logits match one process, but the gradients of its gated delta rule layers' decay parameters "
-    "(linear_attn.A_log, dt_bias) differ by ~1e-3 relative at cp=2 (tests/vlm_sweep.py), over the 1e-4 "
-    "the contract allows. Run it without context parallelism"
-)
-
-# Families read and refused, with the reason (formatted with {name}, {where}).
-REFUSED: dict[str, str] = {
-    "Qwen3_5Model": _QWEN3_5,
-    "Qwen3_5MoeModel": _QWEN3_5,
 }
 
 
@@ -211,8 +206,6 @@ def family_refusal(base: nn.Module, where: str, packed: bool = False) -> Optiona
                 "samples instead of packing them"
             )
         return None
-    if name in REFUSED:
-        return REFUSED[name].format(name=name, where=where)
     checked = ", ".join(f"{f.name} ({n})" for n, f in FAMILIES.items())
     return (
         f"{name} is an image-text model hf_ring has not checked {where}: how it merges image features "
