@@ -15,7 +15,7 @@ Compared: every figure logged (loss, grad_norm, eval_loss, and TRL's entropy,
 mean_token_accuracy, num_tokens, train and eval) within 1e-4 (tests/test_trl.py's TOL and
 why). Measured, absolute: loss <= 4.8e-7, grad_norm <= 1.4e-6 (prompt_completion), entropy
 <= 3.0e-7, mean_token_accuracy <= 2.6e-8, eval_loss equal, num_tokens equal. In-process: the collator's batches against TRL's collator's (assistant-only masks
-too), and what is refused.
+too), what is refused, and the warning where TRL's own loss is a mean of micro-batch means.
 """
 
 from __future__ import annotations
@@ -170,3 +170,23 @@ def test_what_trl_refuses_with_images_ring_refuses_too(tmp_path, fresh_process_s
     with pytest.raises(ValueError, match=says):
         RingSFTTrainer(model=model, args=config, train_dataset=sft_vlm_dataset("messages", 2, seed=1),
                        processing_class=processor, ring_plugin=RingAttentionPlugin())
+
+
+def test_warns_where_trl_averages_micro_batch_means(tmp_path, fresh_process_state, caplog):
+    """Qwen2.5-VL sets accepts_loss_kwargs=False: with accumulation TRL's loss is a mean of the
+    micro-batches' means, RingSFTTrainer's the token mean of the step; it says so."""
+    from transformers import AutoModelForImageTextToText
+    from trl import SFTConfig
+    from vlm_sft_data import sft_vlm_dataset, shapes_processor
+
+    from hf_ring import RingAttentionPlugin
+    from hf_ring.trl import RingSFTTrainer
+
+    processor = shapes_processor()
+    model = AutoModelForImageTextToText.from_config(_model_config(processor))
+    assert model.accepts_loss_kwargs is False
+    config = SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", gradient_accumulation_steps=2)
+    with caplog.at_level("WARNING", logger="hf_ring.training.trl.sft"):
+        RingSFTTrainer(model=model, args=config, train_dataset=sft_vlm_dataset("messages", 2, seed=1),
+                       processing_class=processor, ring_plugin=RingAttentionPlugin())
+    assert "agree at gradient_accumulation_steps=1 with one data-parallel rank" in caplog.text
