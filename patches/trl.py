@@ -15,8 +15,9 @@ TRL keeps both in private attributes, read and written only here:
 - ``reference_model_replaced(trainer, replacement)``: ``DPOTrainer.compute_loss`` calls
   ``self.ref_model`` itself (TRL has no argument for the model it computes the reference
   log-probabilities with), so ``RingDPOTrainer`` points it at the ring for that call;
-- ``language_modeling_collator_class()`` / ``fused_output_class()``: TRL's
-  ``DataCollatorForLanguageModeling`` (``trl.trainer.sft_trainer``) and
+- ``language_modeling_collator_class()`` / ``vision_collator_class()`` /
+  ``fused_output_class()``: TRL's ``DataCollatorForLanguageModeling`` and
+  ``DataCollatorForVisionLanguageModeling`` (``trl.trainer.sft_trainer``) and
   ``FusedCausalLMOutput`` (``trl.trainer.utils``), which TRL does not export.
 
 Written for TRL 1.16.0 (the source of ``SFTTrainer`` and ``DPOTrainer``, and of the
@@ -146,6 +147,13 @@ def reference_model_replaced(trainer: Any, replacement: Any) -> Iterator[None]:
 def language_modeling_collator_class() -> type:
     """TRL's ``DataCollatorForLanguageModeling``: the collator ``SFTTrainer`` builds by default."""
     return _trl_member("trl.trainer.sft_trainer", "DataCollatorForLanguageModeling")
+
+
+def vision_collator_class() -> type:
+    """TRL's ``DataCollatorForVisionLanguageModeling``: the collator ``SFTTrainer`` builds for a
+    dataset with images (its fields ``processor``, ``max_length`` and ``pad_to_multiple_of``
+    are read)."""
+    return _trl_member("trl.trainer.sft_trainer", "DataCollatorForVisionLanguageModeling")
 
 
 def fused_output_class() -> type:

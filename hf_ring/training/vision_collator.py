@@ -71,6 +71,9 @@ class RingVisionCollatorConfig:
             so that the model's shift over the whole row shifts within each document.
         packing: pack a batch's samples into one row, each a document (zigzag layout only;
             the collator must be given the model: :class:`RingVisionDataCollator`).
+        mask_placeholders: set the placeholders' labels to -100 (default). False keeps the
+            labels as given (TRL's vision collator learns the placeholders unless its
+            completion / assistant mask leaves them out: ``hf_ring.training.trl``).
     """
 
     pad_token_id: int
@@ -83,6 +86,7 @@ class RingVisionCollatorConfig:
     spatial_merge_size: Optional[int] = None
     model_labels: bool = False
     packing: bool = False
+    mask_placeholders: bool = True
 
     def __post_init__(self) -> None:
         for name in ("pad_token_id", "image_token_id", "video_token_id"):
@@ -129,8 +133,9 @@ class RingVisionCollatorConfig:
 @dataclass(frozen=True)
 class VisionExample:
     """One sample, read and checked: int64 ``input_ids`` and ``labels`` ``(n,)`` (placeholders
-    already ``-100``), its per-token ints by name (:data:`PER_TOKEN`, int64 ``(n,)``), and its
-    visual inputs by name (each a tensor whose dim 0 runs over its images, videos or patches)."""
+    ``-100`` unless ``mask_placeholders`` is False), its per-token ints by name (:data:`PER_TOKEN`,
+    int64 ``(n,)``), and its visual inputs by name (each a tensor whose dim 0 runs over its
+    images, videos or patches)."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor
@@ -202,7 +207,7 @@ def read_example(feature: Mapping[str, Any], index: int, config: RingVisionColla
         if token is None and any(n in visual for n in names):
             raise ValueError(f"example {index} has {kind} inputs but the collator has no {kind}_token_id")
         _check_visual(index, kind, _placeholders(ids, token), token, visual, names, cfg.spatial_merge_size)
-    for token in (cfg.image_token_id, cfg.video_token_id):
+    for token in (cfg.image_token_id, cfg.video_token_id) if cfg.mask_placeholders else ():
         if token is not None:
             labels = labels.masked_fill(ids.eq(token), IGNORE_INDEX)
     return VisionExample(ids, labels, per_token, visual)

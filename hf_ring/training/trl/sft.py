@@ -2,7 +2,10 @@
 
 TRL prepares the data (chat templates, completion-only and assistant-only loss masks,
 packing) exactly as it does without CP; :class:`~hf_ring.training.trl.sft_collator.RingSFTCollator`
-collates it from TRL's own settings into this rank's shard; :class:`~hf_ring.RingTrainer`
+collates it from TRL's own settings into this rank's shard (a vision dataset: TRL's own vision
+collator makes the rows and labels, and
+:class:`~hf_ring.training.trl.sft_vision_collator.RingSFTVisionCollator` hands the full batch to
+every rank, the labels sharded); :class:`~hf_ring.RingTrainer`
 brings the dp x cp groups, the data-parallel sharding of batches, the token-mean loss
 over the whole dp x cp world and the stock Trainer's eval loss. The loss is computed with TRL's
 fused LM head (no ``(tokens, vocab)`` logits), fed the collator's ``shift_labels``, and
@@ -15,8 +18,10 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+from transformers.utils import logging as hf_logging
 from trl import SFTTrainer
 
+from hf_ring.distributed.errors import raise_together
 from hf_ring.training.collator import RingDataCollator
 from hf_ring.hf.guard import per_token_labels
 from hf_ring.training.loss import all_reduce_sum, count_valid_tokens
@@ -25,6 +30,9 @@ from hf_ring.training.trainer import RingTrainer, _model_inputs
 from hf_ring.patches import transformers as transformers_patches
 from hf_ring.patches import trl as trl_patches
 from hf_ring.training.trl.sft_collator import NUM_TOKENS_KEY, RingSFTCollator
+from hf_ring.training.trl.sft_vision_collator import RingSFTVisionCollator
+
+logger = hf_logging.get_logger(__name__)
 
 
 class RingSFTTrainer(RingTrainer, SFTTrainer):
@@ -36,16 +44,42 @@ class RingSFTTrainer(RingTrainer, SFTTrainer):
         *args, **kwargs: as for ``trl.SFTTrainer``. Leave ``data_collator`` unset: the
             collator is built from TRL's settings (``padding_free``, ``packing`` and
             ``packing_strategy``, ``pad_to_multiple_of``); padding-free batches (TRL's
-            best-fit packing) become hf_ring's per-document zigzag packing.
+            best-fit packing) become hf_ring's per-document zigzag packing. A vision dataset
+            (``images`` / ``image``, with a processor as ``processing_class``) is collated by
+            TRL's vision collator, whose rows and labels
+            :class:`~hf_ring.training.trl.sft_vision_collator.RingSFTVisionCollator` hands
+            whole to every rank of a CP group, the labels sharded.
 
-    Refused (besides what :class:`~hf_ring.RingTrainer` refuses): a data collator other than
-    TRL's language-modeling one or hf_ring's, vision datasets, an MoE router auxiliary loss,
+    Refused (besides what :class:`~hf_ring.RingTrainer` refuses, and what TRL refuses for vision
+    datasets itself: packing, padding-free, ``truncation_mode="keep_end"``): a data collator other
+    than TRL's language-modeling or vision one or hf_ring's, an MoE router auxiliary loss,
     Accelerate's sequence parallelism.
     """
 
     def __init__(self, *args: Any, ring_plugin: Optional[RingAttentionPlugin] = None, **kwargs: Any):
         trl_patches.check_version()
         super().__init__(*args, ring_plugin=ring_plugin, **kwargs)
+        # A collator refused on one rank only (built for another CP rank) is refused on every rank.
+        raise_together(self._install_ring_collator)
+        self._note_trl_batch_means()
+
+    def _note_trl_batch_means(self) -> None:
+        """Say so where TRL's own loss is not a token mean: for a model that declares
+        ``accepts_loss_kwargs = False`` (Qwen2.5-VL and other image-text models) the Trainer
+        counts no tokens over the step, so TRL averages each micro-batch's (and each process's)
+        own mean. hf_ring's loss is the token mean over the step and the dp x cp world, which
+        is TRL's when one micro-batch on one data-parallel rank makes the step."""
+        if getattr(self.model, "accepts_loss_kwargs", True) is not False:
+            return
+        if self.args.gradient_accumulation_steps > 1 or self.ring_state.dp_size > 1:
+            logger.warning(
+                f"hf_ring: {type(self.model).__name__} sets accepts_loss_kwargs=False, so TRL's SFTTrainer would "
+                "average per-micro-batch means over gradient accumulation and data-parallel ranks; RingSFTTrainer "
+                "trains on the token mean of the whole step (every token weighs the same): the two agree at "
+                "gradient_accumulation_steps=1 with one data-parallel rank"
+            )
+
+    def _install_ring_collator(self) -> None:
         self.data_collator = self._ring_collator(self.data_collator)
 
     def _check_supported(self) -> None:
@@ -63,17 +97,20 @@ class RingSFTTrainer(RingTrainer, SFTTrainer):
             )
 
     def _ring_collator(self, collator: Any) -> Any:
-        if isinstance(collator, RingSFTCollator):
+        if isinstance(collator, (RingSFTCollator, RingSFTVisionCollator)):
             if not collator.matches(self.ring_state):
-                raise ValueError("the RingSFTCollator shards for another CP rank or layout; leave data_collator unset")
+                raise ValueError(f"the {type(collator).__name__} shards for another CP rank or layout; leave "
+                                 "data_collator unset")
             return collator
         if isinstance(collator, RingDataCollator):
             return RingSFTCollator(collator)  # RingTrainer checked it shards as this process's state says
+        if type(collator) is trl_patches.vision_collator_class():
+            return RingSFTVisionCollator.for_trl(self.ring_state, collator, self.model.config)
         if type(collator) is not trl_patches.language_modeling_collator_class():
             raise ValueError(
                 f"RingSFTTrainer builds its collator from TRL's settings; got data_collator of type "
-                f"{type(collator).__name__}. Leave data_collator unset (vision datasets are not supported), "
-                "or pass ring_plugin.make_collator(...)"
+                f"{type(collator).__name__}. Leave data_collator unset (TRL's own collator, for text or vision "
+                "datasets, is then wrapped), or pass ring_plugin.make_collator(...) for a text dataset"
             )
         return RingSFTCollator.for_trl(
             self.ring_state,
