@@ -19,13 +19,15 @@ What changes against the stock Trainer, and why:
   gathered over data-parallel ranks only (:mod:`hf_ring.training.eval_loss`); the token
   mean over the whole set (every token weighs the same) is logged beside it as
   ``eval_token_loss``;
-- bookkeeping: the total train batch size counts data-parallel ranks only.
+- bookkeeping: the total train batch size counts data-parallel ranks only;
+- saving: a PEFT adapter whose weights FSDP2 shards is written by ``save_model`` (the stock
+  one writes nothing under a sharded state dict: :mod:`hf_ring.training.adapter_saving`).
 
 Works with transformers 4.57 and 5.x (it overrides only public or long-stable methods:
 ``compute_loss``, ``get_batch_samples``, ``prediction_step``, ``evaluation_loop``,
-``get_total_train_batch_size``). The Trainer's and the config's private attributes it needs
-are read through :mod:`hf_ring.patches.transformers`, which checks them against the
-versions it was written for.
+``get_total_train_batch_size``, ``save_model``). The Trainer's and the config's private
+attributes it needs are read through :mod:`hf_ring.patches.transformers`, which checks
+them against the versions it was written for.
 """
 
 from __future__ import annotations
@@ -38,8 +40,7 @@ from transformers import Trainer
 from transformers.utils import logging as hf_logging
 
 from hf_ring.distributed.errors import raise_together
-from hf_ring.training import weight_sharding
-from hf_ring.training import deepspeed_support
+from hf_ring.training import adapter_saving, deepspeed_support, weight_sharding
 from hf_ring.training.eval_loss import batch_token_mean, data_parallel_gather
 from hf_ring.memory.chunked_loss import ChunkedLossConfig, model_token_loss_sum
 from hf_ring.training.loss import (
@@ -233,6 +234,14 @@ class RingTrainer(Trainer):
                 "support yet): the LM head's full logits are materialised per rank"
             )
         return False
+
+    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+        """The stock ``save_model``, except that a PEFT adapter under FSDP2 with a sharded state
+        dict is gathered and written (call on every rank, as the Trainer does)."""
+        if adapter_saving.saves_sharded_adapter(self):
+            adapter_saving.save_sharded_adapter(self, output_dir if output_dir is not None else self.args.output_dir)
+            return
+        super().save_model(output_dir, _internal_call)
 
     # ---- evaluation ----
 
