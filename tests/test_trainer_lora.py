@@ -29,7 +29,7 @@ import torch
 
 peft = pytest.importorskip("peft")
 
-from test_trainer_cp import _assert_same, _eval_losses, _grad_norms, _launch, _losses  # noqa: E402
+from test_trainer_cp import _assert_same, _eval_losses, _grad_norms, _launch, _losses, fresh_process_state  # noqa: E402,F401
 from test_trainer_fsdp import TRANSFORMERS_5, needs_transformers_5  # noqa: E402
 
 TOL = 1e-5
@@ -81,3 +81,31 @@ def test_adapter_saved_at_cp2_loads_into_the_plain_model(runs, name):
         assert len(match) == 1 and torch.equal(match[0].detach(), tensor), name
         err = (tensor - reference[name]).norm() / reference[name].norm()
         assert err <= 1e-4, (name, err.item())
+
+
+def test_quantised_models_are_recognised_and_left_alone_at_cp1(tmp_path, fresh_process_state):
+    """The markers of a bitsandbytes model are read without bitsandbytes (its layers by class
+    name, through PEFT's wrapper); at cp 1 RingTrainer takes such a model as the stock Trainer
+    does (the refusal under CP, on every rank: tests/test_errors_every_rank.py)."""
+    from test_errors_every_rank import mark_as_bnb_4bit
+    from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+
+    import hf_ring
+    from hf_ring.training.trainer_checks import quantization_markers
+
+    class Linear8bitLt(torch.nn.Linear):  # bitsandbytes' 8-bit layer, by name
+        pass
+
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=64))
+    assert quantization_markers(model) is None
+    model.model.layers[0].mlp.up_proj = Linear8bitLt(32, 64, bias=False)
+    assert quantization_markers(model) == "Linear8bitLt layers"
+    mark_as_bnb_4bit(model)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    assert quantization_markers(model) == (
+        "quantization_method='bitsandbytes', config.quantization_config (quant_method='bitsandbytes'), "
+        "is_quantized, is_loaded_in_4bit, hf_quantizer=SimpleNamespace, Linear8bitLt layers"
+    )
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, max_steps=1)
+    hf_ring.RingTrainer(model=model, args=args, data_collator=hf_ring.RingDataCollator(0))

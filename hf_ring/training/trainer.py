@@ -99,7 +99,8 @@ class RingTrainer(Trainer):
     Not supported (clear error at construction): ``compute_loss_func``, label smoothing,
     ``compute_metrics`` with ``cp_size > 1`` (predictions are sharded), the legacy
     prediction loop, the ``batch_rebalance`` sampling strategy, ``torch.nn.DataParallel``,
-    loss terms the model adds to its own loss (an MoE router auxiliary loss, a z-loss).
+    loss terms the model adds to its own loss (an MoE router auxiliary loss, a z-loss), a
+    quantised base model (QLoRA) with ``cp_size > 1``.
     """
 
     # compute_loss returns a share already normalised over the whole accumulated step.
