@@ -108,8 +108,9 @@ def check_trainer_supported(trainer: Any, subclass_loss: bool) -> None:
         _refuse_quantized(trainer.model, state.cp_size)
         if trainer.compute_metrics is not None:
             raise NotImplementedError(
-                "compute_metrics sees per-rank shards of the predictions under context parallelism; "
-                "drop compute_metrics (the eval loss is exact) or evaluate with cp_size=1"
+                "compute_metrics is not tested under context parallelism; drop it (the eval loss is exact) and "
+                "compute your metrics from trainer.predict(...), which returns whole rows gathered over the CP "
+                "group, or evaluate with cp_size=1"
             )
     weight_sharding.check_accelerate_parallelism(trainer.accelerator)
     if trainer.compute_loss_func is not None:
