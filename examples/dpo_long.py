@@ -43,6 +43,8 @@ def parse_args(argv: Optional[Sequence[str]] = None):
     p.add_argument("--gradient_checkpointing", action="store_true")
     args = parse_shared_args(argv, p)
     refuse_memory_options(p, args, "RingDPOTrainer computes its loss with TRL's fused LM head; offloaded checkpoints and the tiled MLP are not wired into this example")
+    if args.lora_r or args.stock_trainer:
+        p.error("--lora_r and --stock_trainer are not wired into the DPO example (examples/sft_long.py has both)")
     return args
 
 

@@ -269,13 +269,19 @@ def main(argv: Optional[Sequence[str]] = None, callbacks: Optional[list] = None)
     return train_and_report(trainer, args)
 
 
+def lora_config(args: argparse.Namespace):
+    """PEFT's ``LoraConfig`` of rank ``--lora_r`` on ``--lora_modules`` (no dropout: runs compare exactly)."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0,
+                      target_modules=args.lora_modules.split(","))
+
+
 def with_lora(model: torch.nn.Module, args: argparse.Namespace) -> torch.nn.Module:
     """``model`` with a LoRA adapter of rank ``--lora_r`` on ``--lora_modules`` (PEFT)."""
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
-    config = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0,
-                        target_modules=args.lora_modules.split(","))
-    return get_peft_model(model, config)
+    return get_peft_model(model, lora_config(args))
 
 
 def _stock_trainer(model, training_args, train_set, eval_set, plugin, pad_id, args) -> transformers.Trainer:

@@ -4,6 +4,8 @@
     accelerate launch --config_file examples/accelerate_cpu.yaml examples/sft_long.py --cp_size 2
     # TRL's best-fit packing, each document zigzag-sharded on its own:
     accelerate launch --config_file examples/accelerate_cpu.yaml examples/sft_long.py --cp_size 2 --packing
+    # a LoRA adapter through TRL's peft_config (saved in --output_dir); --stock_trainer: TRL alone, cp 1:
+    accelerate launch --config_file examples/accelerate_cpu.yaml examples/sft_long.py --cp_size 2 --lora_r 8
     # 8 GPUs, 2 data-parallel x 4 context-parallel, a real checkpoint:
     accelerate launch --config_file examples/accelerate_gpu.yaml examples/sft_long.py \\
         --cp_size 4 --seq_len 65536 --model_name_or_path /path/to/llama --bf16
@@ -22,11 +24,11 @@ import sys
 from typing import Optional, Sequence
 
 import transformers
-from trl import SFTConfig
+from trl import SFTConfig, SFTTrainer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from finetune_llama_long import build_model, build_parser, parse_args as parse_shared_args, share_cores, start_plugin, train_and_report  # noqa: E402
-from finetune_llama_long import refuse_memory_options, training_arguments  # noqa: E402
+from finetune_llama_long import lora_config, refuse_memory_options, training_arguments  # noqa: E402
 from trl_data import FORMATS, load_chat_tokenizer, sft_dataset  # noqa: E402
 
 from hf_ring.trl import RingSFTTrainer  # noqa: E402
@@ -86,13 +88,18 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     transformers.set_seed(args.seed)  # the same initial weights on every rank and in every run
     model = build_model(args, tokenizer, attn, config)
 
-    trainer = RingSFTTrainer(
+    # --lora_r: TRL wraps the model with PEFT itself (its peft_config), as without hf_ring.
+    peft = {"peft_config": lora_config(args)} if args.lora_r else {}
+    # --stock_trainer: TRL's own SFTTrainer, what hf_ring's runs are compared against.
+    trainer_cls, ring = (SFTTrainer, {}) if args.stock_trainer else (RingSFTTrainer, {"ring_plugin": plugin})
+    trainer = trainer_cls(
         model=model,
         args=config,
         train_dataset=train_set,
         eval_dataset=eval_set if args.num_eval_examples > 0 else None,
         processing_class=tokenizer,
-        ring_plugin=plugin,
+        **peft,
+        **ring,
     )
     return train_and_report(trainer, args)
 

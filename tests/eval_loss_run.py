@@ -2,7 +2,8 @@
 the stock ``Trainer``), as tests/test_eval_loss.py compares them.
 
 Launched for cp 2 with ``accelerate launch`` (2 processes); imported by the test for the
-one-process runs. Writes rank 0's eval metrics, for padded and packed rows, as JSON.
+one-process runs. Writes rank 0's eval metrics, for padded and packed rows, as JSON, and
+each rank's ``predict()`` output on the padded rows (torch.save).
 
     python tests/eval_loss_run.py CP_SIZE OUT.json
 """
@@ -13,6 +14,7 @@ import gc
 import json
 import random
 import sys
+from typing import Optional
 
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Trainer, TrainingArguments
@@ -60,31 +62,53 @@ def stock_collate(features: list[dict]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
-def stock_eval(out: str) -> dict:
+def _predicted(trainer: Trainer) -> dict:
+    """``trainer.predict`` on the eval rows: predictions (logits ``(rows, length, vocab)``),
+    label_ids and metrics."""
+    output = trainer.predict(eval_rows())
+    return {"predictions": torch.as_tensor(output.predictions), "label_ids": torch.as_tensor(output.label_ids),
+            "metrics": output.metrics}
+
+
+def stock_eval(out: str) -> tuple[dict, dict]:
+    """The stock Trainer's eval metrics and predict() output."""
     trainer = Trainer(model=tiny_llama(), args=arguments(out), eval_dataset=eval_rows(), data_collator=stock_collate)
-    return trainer.evaluate()
+    return trainer.evaluate(), _predicted(trainer)
 
 
-def ring_eval(cp_size: int, out: str, packing: bool) -> dict:
+def ring_eval(cp_size: int, out: str, packing: bool) -> tuple[dict, Optional[dict]]:
+    """RingTrainer's eval metrics, and its predict() output on padded rows (packed: None at
+    cp 1, the refusal's message under CP)."""
     plugin = hf_ring.RingAttentionPlugin(cp_size=cp_size)
     plugin.setup()
     model = tiny_llama("ring_flash" if cp_size > 1 else "sdpa")
     trainer = hf_ring.RingTrainer(model=model, args=arguments(out), eval_dataset=eval_rows(), ring_plugin=plugin,
                                   data_collator=plugin.make_collator(PAD, packing=packing))
     metrics = trainer.evaluate()
+    predicted = None if packing else _predicted(trainer)
+    if packing and cp_size > 1:
+        try:
+            trainer.predict(eval_rows())
+            predicted = {"refused": "no error"}
+        except NotImplementedError as e:  # raised on every rank: each holds the same packed batch
+            predicted = {"refused": str(e)}
     trainer.accelerator.free_memory()
     trainer.model_wrapped = trainer.model = None
     gc.collect()
-    return metrics
+    return metrics, predicted
 
 
 def main(cp_size: int, out_path: str) -> None:
+    """Writes rank 0's eval metrics to ``out_path`` (JSON) and every rank's padded-row
+    predict() output to ``out_path.rank{r}.pt``."""
     torch.set_num_threads(1)
-    metrics = {name: ring_eval(cp_size, out_path + name, packing) for name, packing in (("padded", False),
-                                                                                         ("packed", True))}
-    if torch.distributed.get_rank() == 0:
+    runs = {name: ring_eval(cp_size, out_path + name, packing) for name, packing in (("padded", False),
+                                                                                      ("packed", True))}
+    rank = torch.distributed.get_rank()
+    if rank == 0:
         with open(out_path, "w") as f:
-            json.dump(metrics, f)
+            json.dump({name: metrics for name, (metrics, _) in runs.items()}, f)
+    torch.save({**runs["padded"][1], "packed": runs["packed"][1]}, f"{out_path}.rank{rank}.pt")
     torch.distributed.destroy_process_group()
 
 

@@ -65,12 +65,15 @@ def _run(nproc: int, script: list[str]) -> str:
     return log
 
 
-def _launch(nproc: int, out_dir: str, args: list[str]) -> dict:
-    """Run the example on ``nproc`` processes; return its trainer_state.json."""
+def _launch(nproc: int, out_dir: str, args: list[str], expect: tuple[str, ...] = ()) -> dict:
+    """Run the example on ``nproc`` processes; return its trainer_state.json. ``expect``: lines
+    its output must contain (which code path ran)."""
     log = _run(nproc, [EXAMPLE, "--output_dir", out_dir, *COMMON, *args])
     # Every process reports where it sits in the dp x cp grid: proof that nproc really ran.
     ranks = re.findall(rf"\[hf_ring\] rank (\d+)/{nproc} \(dist_backend", log)
     assert sorted(map(int, ranks)) == list(range(nproc)), log[-3000:]
+    for line in expect:
+        assert line in log, (line, log[-3000:])
     with open(os.path.join(out_dir, "trainer_state.json")) as f:
         return json.load(f)
 

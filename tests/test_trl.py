@@ -31,6 +31,7 @@ import sys
 import pytest
 import torch
 
+from sft_cases import sft_trainer
 from test_trainer_cp import ROOT, _run
 
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -76,8 +77,9 @@ def _figures(state: dict) -> dict[tuple[int, str], float]:
     return out
 
 
-def compare(got: dict, ref: dict) -> dict[str, float]:
-    """Max |got - ref| per figure name; asserts every figure within TOL (see above)."""
+def compare(got: dict, ref: dict, tol: float = TOL) -> dict[str, float]:
+    """Max |got - ref| per figure name; asserts every figure within ``tol`` relative (absolute
+    below 1; default TOL, see above)."""
     g, r = _figures(got), _figures(ref)
     assert sorted(g) == sorted(r), (sorted(set(g) ^ set(r)))
     worst: dict[str, float] = {}
@@ -85,7 +87,7 @@ def compare(got: dict, ref: dict) -> dict[str, float]:
         step, name = key
         assert math.isfinite(g[key]) and math.isfinite(value), (key, g[key], value)
         diff = abs(g[key] - value)
-        assert diff <= TOL * max(1.0, abs(value)), f"{name} at step {step}: {g[key]} vs {value} (reference)"
+        assert diff <= tol * max(1.0, abs(value)), f"{name} at step {step}: {g[key]} vs {value} (reference)"
         worst[name] = max(worst.get(name, 0.0), diff)
     return worst
 
@@ -144,9 +146,6 @@ def test_dpo_rewards_move(runs):
 # ---- in one process: TRL itself as the reference, the collator, the refusals ----
 
 
-sys.path.insert(0, EXAMPLES)
-
-
 @pytest.fixture
 def fresh_process_state():
     from accelerate.state import AcceleratorState
@@ -156,31 +155,6 @@ def fresh_process_state():
     yield
     AcceleratorState._reset_state(reset_partial_state=True)
     hf_ring.set_context_parallel_state(None)
-
-
-def _sft_trainer(trainer_cls, fmt: str, packing: bool, out_dir: str, **kwargs):
-    """A 3-step SFT run on the examples' data and tokenizer, tiny Llama, one process."""
-    import transformers
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from trl import SFTConfig
-    from trl_data import chat_tokenizer, sft_dataset
-
-    tokenizer = chat_tokenizer()
-    config = SFTConfig(
-        output_dir=out_dir, max_steps=3, per_device_train_batch_size=2, gradient_accumulation_steps=2,
-        per_device_eval_batch_size=4, learning_rate=1e-3, lr_scheduler_type="constant", logging_steps=1,
-        report_to="none", use_cpu=True, bf16=False, gradient_checkpointing=False, seed=5, data_seed=5,
-        max_length=560 if packing else 280, packing=packing, assistant_only_loss=fmt == "messages",
-        dataset_num_proc=None, disable_tqdm=True, save_strategy="no",
-    )
-    transformers.set_seed(5)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id, use_cache=False,
-    ))
-    return trainer_cls(model=model, args=config, train_dataset=sft_dataset(fmt, 24, 216, seed=5),
-                       eval_dataset=sft_dataset(fmt, 4, 216, seed=6), processing_class=tokenizer, **kwargs)
 
 
 @pytest.mark.parametrize("fmt,packing", [("messages", False), ("prompt_completion", True)])
@@ -195,7 +169,7 @@ def test_ring_sft_at_cp1_is_trl_sft(tmp_path, fresh_process_state, fmt, packing)
 
     results = {}
     for name, cls, kwargs in (("trl", SFTTrainer, {}), ("ring", RingSFTTrainer, {"ring_plugin": RingAttentionPlugin()})):
-        trainer = _sft_trainer(cls, fmt, packing, str(tmp_path / name), **kwargs)
+        trainer = sft_trainer(cls, fmt, packing, str(tmp_path / name), **kwargs)
         trainer.train()
         trainer.evaluate()
         results[name] = {"log_history": [{k: v for k, v in e.items()} for e in trainer.state.log_history]}
@@ -367,5 +341,5 @@ def test_trainers_refuse_what_they_cannot_do_exactly(tmp_path, fresh_process_sta
     with pytest.raises(NotImplementedError, match="precompute_ref_log_probs"):
         RingDPOTrainer(model=None, args=config, ring_plugin=RingAttentionPlugin(cp_size=2))
     with pytest.raises(ValueError, match="builds its collator"):
-        _sft_trainer(RingSFTTrainer, "text", False, str(tmp_path / "sft"), data_collator=lambda rows: rows,
+        sft_trainer(RingSFTTrainer, "text", False, str(tmp_path / "sft"), data_collator=lambda rows: rows,
                      ring_plugin=RingAttentionPlugin())

@@ -19,13 +19,15 @@ What changes against the stock Trainer, and why:
   gathered over data-parallel ranks only (:mod:`hf_ring.training.eval_loss`); the token
   mean over the whole set (every token weighs the same) is logged beside it as
   ``eval_token_loss``;
-- bookkeeping: the total train batch size counts data-parallel ranks only.
+- bookkeeping: the total train batch size counts data-parallel ranks only;
+- saving: a PEFT adapter whose weights FSDP2 shards is written by ``save_model`` (the stock
+  one writes nothing under a sharded state dict: :mod:`hf_ring.training.adapter_saving`).
 
 Works with transformers 4.57 and 5.x (it overrides only public or long-stable methods:
 ``compute_loss``, ``get_batch_samples``, ``prediction_step``, ``evaluation_loop``,
-``get_total_train_batch_size``). The Trainer's and the config's private attributes it needs
-are read through :mod:`hf_ring.patches.transformers`, which checks them against the
-versions it was written for.
+``get_total_train_batch_size``, ``save_model``). The Trainer's and the config's private
+attributes it needs are read through :mod:`hf_ring.patches.transformers`, which checks
+them against the versions it was written for.
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ from transformers import Trainer
 from transformers.utils import logging as hf_logging
 
 from hf_ring.distributed.errors import raise_together
-from hf_ring.training import weight_sharding
-from hf_ring.training import deepspeed_support
+from hf_ring.distributed.rows import gather_rows
+from hf_ring.training import adapter_saving, deepspeed_support, weight_sharding
 from hf_ring.training.eval_loss import batch_token_mean, data_parallel_gather
 from hf_ring.memory.chunked_loss import ChunkedLossConfig, model_token_loss_sum
 from hf_ring.training.loss import (
@@ -95,10 +97,15 @@ class RingTrainer(Trainer):
             ``ring_plugin.make_vision_collator``);
             with ``cp_size > 1`` the model must use ``attn_implementation="ring_flash"``.
 
+    ``predict()`` returns what it returns at cp 1 under CP too: every row's logits and
+    ``shift_labels``, gathered over the CP group in token order (padded rows; packed rows are
+    refused there), and ``test_loss``.
+
     Not supported (clear error at construction): ``compute_loss_func``, label smoothing,
-    ``compute_metrics`` with ``cp_size > 1`` (predictions are sharded), the legacy
+    ``compute_metrics`` with ``cp_size > 1`` (not tested; use ``predict()``), the legacy
     prediction loop, the ``batch_rebalance`` sampling strategy, ``torch.nn.DataParallel``,
-    loss terms the model adds to its own loss (an MoE router auxiliary loss, a z-loss).
+    loss terms the model adds to its own loss (an MoE router auxiliary loss, a z-loss), a
+    quantised base model (QLoRA) with ``cp_size > 1``.
     """
 
     # compute_loss returns a share already normalised over the whole accumulated step.
@@ -234,6 +241,14 @@ class RingTrainer(Trainer):
             )
         return False
 
+    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+        """The stock ``save_model``, except that a PEFT adapter under FSDP2 with a sharded state
+        dict is gathered and written (call on every rank, as the Trainer does)."""
+        if adapter_saving.saves_sharded_adapter(self):
+            adapter_saving.save_sharded_adapter(self, output_dir if output_dir is not None else self.args.output_dir)
+            return
+        super().save_model(output_dir, _internal_call)
+
     # ---- evaluation ----
 
     def prediction_step(
@@ -245,8 +260,10 @@ class RingTrainer(Trainer):
     ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
         """Loss of the CP group's batch (its token mean); adds this rank's totals for eval_loss.
 
-        Returns ``(loss, logits, labels)``; logits and labels (this rank's shards) only when
-        ``prediction_loss_only`` is False.
+        Returns ``(loss, logits, labels)``; logits and labels only when ``prediction_loss_only``
+        is False: the whole rows' logits ``(batch, seq, vocab)`` and ``shift_labels``
+        ``(batch, seq)`` (what each position predicts, -100 where nothing), gathered over the
+        CP group in token order (:meth:`_whole_rows`).
         """
         inputs = transformers_patches.prepare_inputs(self, inputs)
         kwargs, shift_labels = _model_inputs(inputs, getattr(self.model, "config", None))
@@ -257,7 +274,24 @@ class RingTrainer(Trainer):
         loss = self._record_eval_batch(token_sum, count)
         if prediction_loss_only:
             return loss, None, None
-        return loss, outputs.logits.detach(), shift_labels
+        return loss, self._whole_rows(outputs.logits.detach(), inputs), self._whole_rows(shift_labels, inputs)
+
+    def _whole_rows(self, local: torch.Tensor, inputs: dict[str, Any]) -> torch.Tensor:
+        """This rank's shard ``(batch, local_seq, ...)`` of a batch's rows, as whole rows
+        ``(batch, seq, ...)`` in token order (collective over the CP group; itself at cp 1).
+
+        Raises:
+            NotImplementedError: packed rows under CP (each document is sharded on its own).
+        """
+        state = self.ring_state
+        if state.cp_size == 1:
+            return local
+        if "cu_seq_lens_q" in inputs:
+            raise NotImplementedError(
+                "predictions of packed rows under context parallelism are not supported (each document is "
+                "sharded on its own); predict on padded rows (make_collator(..., packing=False)), or with cp_size=1"
+            )
+        return gather_rows(local, state.cp_group, state.cp_size, state.layout)
 
     def _record_eval_batch(self, token_sum: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         """Add this rank's ``(token loss sum, valid count)`` (scalars) to the eval totals; return the
@@ -266,17 +300,6 @@ class RingTrainer(Trainer):
         if self._eval_totals is not None:
             self._eval_totals.add(token_sum, count)
         return batch_token_mean(token_sum, count, self.ring_state.cp_group)
-
-    def predict(self, *args: Any, **kwargs: Any) -> Any:
-        """The stock ``predict`` without context parallelism; refused under it."""
-        if self.ring_state.cp_size > 1:
-            raise NotImplementedError(
-                f"RingTrainer.predict() under context parallelism (cp_size={self.ring_state.cp_size}) "
-                "would return each rank's shard of every sequence, in the layout's order, as if it "
-                "were a row of its own; predict with cp_size=1 (the model is the same), or use "
-                "evaluate() for the exact loss"
-            )
-        return super().predict(*args, **kwargs)
 
     def evaluation_loop(
         self,

@@ -1,16 +1,18 @@
 """What ``RingTrainer`` refuses at construction, and why: each is a setting under which the
 stock Trainer would compute something that context parallelism cannot reproduce exactly
 (a mean over a shard, predictions split across ranks, a loss term from whole-batch
-statistics), so it is an error that says what to change, never a silently different run.
+statistics), or one never checked against a run without CP (a quantised base model), so
+it is an error that says what to change, never a silently different run.
 
 Must not import TRL (the TRL trainers reuse these checks through ``RingTrainer``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from hf_ring.hf.support import unrouted_token_mixers
+from hf_ring.patches import peft as peft_patches
 from hf_ring.patches import transformers as transformers_patches
 from hf_ring.training import weight_sharding
 from hf_ring.training.collator import RingDataCollator
@@ -45,6 +47,50 @@ def _refuse_loss_terms(model: Any) -> None:
         )
 
 
+# bitsandbytes' quantised layers (and PEFT's LoRA layers over them), matched by class name so
+# that bitsandbytes need not be installed to recognise them.
+_QUANTIZED_LAYERS = ("Linear4bit", "Linear8bitLt")
+
+
+def quantization_markers(model: Any) -> Optional[str]:
+    """What marks ``model`` (or the model under its PEFT adapters) as quantised, or None: the
+    attributes transformers sets when it loads a model with a ``quantization_config``
+    (``is_quantized``, ``quantization_method``, ``hf_quantizer``, ``is_loaded_in_4bit`` /
+    ``is_loaded_in_8bit``, ``config.quantization_config``) and bitsandbytes' layers."""
+    inner = peft_patches.base_model(model)
+    config = getattr(inner, "config", None)
+    found = []
+    method = getattr(inner, "quantization_method", None)
+    if method is not None:
+        found.append(f"quantization_method={getattr(method, 'value', method)!r}")
+    quant_config = getattr(config, "quantization_config", None)
+    if quant_config is not None:
+        quant_method = quant_config.get("quant_method") if isinstance(quant_config, dict) else getattr(
+            quant_config, "quant_method", None)
+        found.append(f"config.quantization_config (quant_method={getattr(quant_method, 'value', quant_method)!r})")
+    flags = ("is_quantized", "is_loaded_in_4bit", "is_loaded_in_8bit")
+    found += [name for name in flags if getattr(inner, name, False) is True]
+    if getattr(inner, "hf_quantizer", None) is not None:
+        found.append(f"hf_quantizer={type(inner.hf_quantizer).__name__}")
+    layers = sorted({type(m).__name__ for m in inner.modules() if type(m).__name__ in _QUANTIZED_LAYERS})
+    found += [f"{name} layers" for name in layers]
+    return ", ".join(found) or None
+
+
+def _refuse_quantized(model: Any, cp_size: int) -> None:
+    """QLoRA (a bitsandbytes-quantised base model) under CP: bitsandbytes runs on CUDA only and
+    hf_ring's exactness checks run on CPU, so it has never been checked against a run
+    without CP; refused rather than trained unchecked."""
+    markers = quantization_markers(model)
+    if markers is not None:
+        raise NotImplementedError(
+            f"the model is quantised ({markers}): QLoRA and other quantised base models are not tested under "
+            f"context parallelism (bitsandbytes runs on CUDA only; hf_ring's exactness checks run on CPU), so "
+            f"RingTrainer refuses it at cp_size={cp_size}. Train the quantised model with cp_size=1, or load it "
+            "unquantised (no quantization_config, e.g. dtype=torch.bfloat16) and train LoRA under CP"
+        )
+
+
 def check_trainer_supported(trainer: Any, subclass_loss: bool) -> None:
     """Raise ValueError / NotImplementedError for what ``trainer`` (a ``RingTrainer`` whose
     Accelerator and ring state exist) cannot run exactly under context parallelism;
@@ -59,10 +105,12 @@ def check_trainer_supported(trainer: Any, subclass_loss: bool) -> None:
                 f"with attn_implementation={RING_ATTENTION!r} (after `import hf_ring`), otherwise each "
                 "rank would attend only within its own shard"
             )
+        _refuse_quantized(trainer.model, state.cp_size)
         if trainer.compute_metrics is not None:
             raise NotImplementedError(
-                "compute_metrics sees per-rank shards of the predictions under context parallelism; "
-                "drop compute_metrics (the eval loss is exact) or evaluate with cp_size=1"
+                "compute_metrics is not tested under context parallelism; drop it (the eval loss is exact) and "
+                "compute your metrics from trainer.predict(...), which returns whole rows gathered over the CP "
+                "group, or evaluate with cp_size=1"
             )
     weight_sharding.check_accelerate_parallelism(trainer.accelerator)
     if trainer.compute_loss_func is not None:

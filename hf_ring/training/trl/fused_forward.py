@@ -29,24 +29,16 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from hf_ring.distributed.rows import gather_rows as gather_rows_whole
 from hf_ring.hf.guard import per_token_labels
 from hf_ring.patches import trl as trl_patches
 from hf_ring.patterns.state import ContextParallelState
-from hf_ring.sharding import required_multiple, shard_sequence, unshard_sequence
+from hf_ring.sharding import required_multiple, shard_sequence
 from hf_ring.sharding.labels import IGNORE_INDEX
 
 # What TRL's preference trainers pass; anything else (pixel values, router logits) is refused under CP.
 _ACCEPTED = frozenset({"input_ids", "attention_mask", "labels", "fused_lm_head", "use_cache"})
 _PER_TOKEN_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")
-
-
-def _gather_rows(local: torch.Tensor, state: ContextParallelState) -> torch.Tensor:
-    """Every rank's shard ``(batch, local_seq)`` back into whole rows ``(batch, seq)``."""
-    dtype = local.dtype
-    send = local.to(torch.int32) if dtype == torch.bool else local
-    pieces = [torch.empty_like(send) for _ in range(state.cp_size)]
-    dist.all_gather(pieces, send.contiguous(), group=state.cp_group)
-    return unshard_sequence(pieces, dim=1, layout=state.layout).to(dtype)
 
 
 class _GatherRows(torch.autograd.Function):
@@ -55,7 +47,7 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, local: torch.Tensor, state: ContextParallelState) -> torch.Tensor:
         ctx.state = state
-        return _gather_rows(local, state)
+        return gather_rows_whole(local, state.cp_group, state.cp_size, state.layout)
 
     @staticmethod
     def backward(ctx: Any, grad_rows: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -70,7 +62,7 @@ def gather_rows(local: torch.Tensor, state: ContextParallelState) -> torch.Tenso
     ``local`` when it requires grad (see the module docstring for the backward)."""
     if local.requires_grad:
         return _GatherRows.apply(local, state)
-    return _gather_rows(local, state)
+    return gather_rows_whole(local, state.cp_group, state.cp_size, state.layout)
 
 
 def _check_right_padded(attention_mask: torch.Tensor) -> None:

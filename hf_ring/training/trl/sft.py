@@ -119,6 +119,16 @@ class RingSFTTrainer(RingTrainer, SFTTrainer):
             pad_to_multiple_of=collator.pad_to_multiple_of,
         )
 
+    def predict(self, *args: Any, **kwargs: Any) -> Any:
+        """TRL's ``predict`` without context parallelism; refused under it (not tested there)."""
+        if self.ring_state.cp_size > 1:
+            raise NotImplementedError(
+                f"RingSFTTrainer.predict() under context parallelism (cp_size={self.ring_state.cp_size}) is not "
+                "tested; predict with cp_size=1 (the model is the same), or with hf_ring.RingTrainer and "
+                "ring_plugin.make_collator(...) on padded rows (its predict gathers whole rows under CP)"
+            )
+        return super().predict(*args, **kwargs)
+
     # ---- the loss and TRL's metrics ----
 
     def _token_losses(self, model: torch.nn.Module, inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, Any]:
@@ -181,7 +191,7 @@ class RingSFTTrainer(RingTrainer, SFTTrainer):
         eval_loss); adds this rank's totals for eval_token_loss.
 
         Logits (a second forward, as TRL does) only when ``prediction_loss_only`` is False, which
-        ``RingTrainer`` allows only without CP (``compute_metrics`` is refused under it).
+        happens without CP only (``compute_metrics`` and :meth:`predict` are refused under it).
         """
         inputs = transformers_patches.prepare_inputs(self, inputs)
         with torch.no_grad(), self.compute_loss_context_manager():
