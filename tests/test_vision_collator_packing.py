@@ -10,7 +10,7 @@ Trainer at cp 1) the labels carry each document's first token as -100, so the st
 own loss over the whole row (it shifts the row) is each sample's loss alone: checked on the
 model within 1e-5 relative (float32, the same sums in another order: SDPA over the packed row
 against SDPA per sample; measured 0 on this CPU). Refused, each saying what to do: packing without
-the model, a model without packing, the stripe layout, Gemma 3 (its image spans), another
+the model, a model without packing, the stripe layout, PaliGemma (one prefix a row), another
 image token than the model's, and the stock path with a model that would build a cache (its
 mask would then let the documents attend to each other: shown here to move the loss).
 """
@@ -104,8 +104,8 @@ def test_what_it_cannot_pack_is_refused(qwen):
         hf_ring.RingVisionDataCollator(0, IMAGE, model=qwen)
     with pytest.raises(ValueError, match="use layout='zigzag' with packing=True"):
         _collator(qwen, cp_size=2, layout="stripe")
-    with pytest.raises(NotImplementedError, match="bidirectional image spans"):
-        hf_ring.RingVisionDataCollator(0, 120, packing=True, model=tiny_gemma("gemma3", "sdpa"))
+    with pytest.raises(NotImplementedError, match="PaliGemma.*one prefix per document"):
+        hf_ring.RingVisionDataCollator(0, 120, packing=True, model=tiny_gemma("paligemma", "sdpa"))
     with pytest.raises(ValueError, match="give the collator the model's image token"):
         hf_ring.RingVisionDataCollator(0, IMAGE + 1, packing=True, model=qwen)
     text = qwen.config.get_text_config()
