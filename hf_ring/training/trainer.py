@@ -36,7 +36,7 @@ import math
 from typing import Any, Optional
 
 import torch
-from transformers import Trainer
+from transformers import Trainer, TrainingArguments
 from transformers.utils import logging as hf_logging
 
 from hf_ring.distributed.errors import raise_together
@@ -120,7 +120,8 @@ class RingTrainer(Trainer):
     ):
         self.ring_plugin = ring_plugin if ring_plugin is not None else RingAttentionPlugin(cp_size=1)
         # Before the Trainer builds its Accelerator: on CPU accelerate would drop FSDP silently.
-        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        # Trainer takes (model, args, ...); TRL's DPOTrainer (model, ref_model, args, ...).
+        training_args = kwargs.get("args", next((a for a in args if isinstance(a, TrainingArguments)), None))
         on_cpu = training_args is None or training_args.device.type == "cpu"
         if on_cpu and weight_sharding.fsdp_requested(training_args, None):
             accelerate_patches.enable_fsdp_on_cpu()
