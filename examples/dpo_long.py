@@ -67,7 +67,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     config = dpo_config(args)
     plugin = start_plugin(args)
 
-    tokenizer = load_chat_tokenizer(args.model_name_or_path)
+    tokenizer = load_chat_tokenizer(args.model_name_or_path, args.tokenizer_name)
     train_set = preference_dataset(args.num_train_examples, args.seq_len, seed=args.seed)
     eval_set = preference_dataset(args.num_eval_examples, args.seq_len, seed=args.seed + 1)
 

@@ -66,6 +66,9 @@ def build_parser(description: Optional[str] = __doc__) -> argparse.ArgumentParse
     p.add_argument("--max_steps", type=int, default=60)
     p.add_argument("--output_dir", default="output/finetune_llama_long")
     p.add_argument("--model_name_or_path", default=None, help="a real checkpoint instead of the tiny default model")
+    p.add_argument("--tokenizer_name", default=None,
+                   help="with --model_name_or_path: the tokenizer (name or folder) when the checkpoint has none "
+                        "beside it; default: the checkpoint's own")
     p.add_argument("--config_name", default=None,
                    help="a model config (file or folder) to build from scratch instead of the tiny Llama; "
                         "its vocabulary is set to the byte tokenizer's")
@@ -226,6 +229,13 @@ def start_plugin(args: argparse.Namespace) -> hf_ring.RingAttentionPlugin:
     return plugin
 
 
+def tokenizer_source(args: argparse.Namespace) -> str:
+    """Where the checkpoint's tokenizer is read from: ``--tokenizer_name``, else the checkpoint."""
+    if args.tokenizer_name and not args.model_name_or_path:
+        raise ValueError("--tokenizer_name goes with --model_name_or_path (the default model has its own tokenizer)")
+    return args.tokenizer_name or args.model_name_or_path
+
+
 def main(argv: Optional[Sequence[str]] = None, callbacks: Optional[list] = None) -> dict:
     """Train and evaluate; ``callbacks`` (TrainerCallback) join the Trainer's."""
     args = parse_args(argv)
@@ -234,7 +244,7 @@ def main(argv: Optional[Sequence[str]] = None, callbacks: Optional[list] = None)
     plugin = start_plugin(args)
 
     if args.model_name_or_path:
-        tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source(args))
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     else:
         tokenizer = ByteTokenizer()

@@ -80,7 +80,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     config = sft_config(args)
     plugin = start_plugin(args)
 
-    tokenizer = load_chat_tokenizer(args.model_name_or_path)
+    tokenizer = load_chat_tokenizer(args.model_name_or_path, args.tokenizer_name)
     train_set = sft_dataset(args.dataset_format, args.num_train_examples, args.seq_len, seed=args.seed)
     eval_set = sft_dataset(args.dataset_format, args.num_eval_examples, args.seq_len, seed=args.seed + 1)
 

@@ -44,12 +44,15 @@ def chat_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def load_chat_tokenizer(model_name_or_path: str | None) -> PreTrainedTokenizerFast:
-    """The checkpoint's tokenizer (given :data:`CHAT_TEMPLATE` if it has no chat template of
-    its own), or :func:`chat_tokenizer` for the embedded default model."""
+def load_chat_tokenizer(model_name_or_path: str | None, tokenizer_name: str | None = None) -> PreTrainedTokenizerFast:
+    """The checkpoint's tokenizer (``tokenizer_name``'s where given; with :data:`CHAT_TEMPLATE`
+    if it has no chat template of its own), or :func:`chat_tokenizer` for the embedded default model."""
     if not model_name_or_path:
+        if tokenizer_name:
+            raise ValueError("--tokenizer_name goes with --model_name_or_path (the default model has its own "
+                             "tokenizer)")
         return chat_tokenizer()
-    tokenizer = AutoTokenizer.from_pretrained(model_name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_name or model_name_or_path)
     tokenizer.chat_template = tokenizer.chat_template or CHAT_TEMPLATE
     return tokenizer
 

@@ -258,9 +258,10 @@ def test_trainer_refuses_what_it_cannot_do_exactly(tmp_path, fresh_process_state
         trainer.compute_loss(model, {"input_ids": torch.zeros(1, 4, dtype=torch.long), "labels": torch.zeros(1, 4)})
 
 
-def _save_tiny_checkpoint(path: str) -> None:
+def _save_tiny_checkpoint(path: str, bare: str) -> None:
     """A Llama checkpoint with a real (byte-level BPE, no merges) HF tokenizer, as a user's
-    ``--model_name_or_path`` would be; its config keeps ``use_cache=True``, as real ones do."""
+    ``--model_name_or_path`` would be; its config keeps ``use_cache=True``, as real ones do.
+    ``bare``: the same weights without a tokenizer beside them."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -276,16 +277,20 @@ def _save_tiny_checkpoint(path: str) -> None:
                          num_attention_heads=4, num_key_value_heads=2, use_cache=True,
                          pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
                          eos_token_id=tokenizer.eos_token_id)
-    LlamaForCausalLM(config).save_pretrained(path)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(path)
+    model.save_pretrained(bare)
 
 
 def test_pretrained_checkpoint_with_its_tokenizer(tmp_path):
-    checkpoint = str(tmp_path / "tiny-llama")
-    _save_tiny_checkpoint(checkpoint)
-    args = ["--model_name_or_path", checkpoint, "--max_steps", "3", "--eval_steps", "3",
-            "--per_device_train_batch_size", "2"]
-    ref = _launch(1, str(tmp_path / "cp1"), args)
-    got = _launch(2, str(tmp_path / "cp2"), ["--cp_size", "2", *args])
+    """cp 1 reads the checkpoint's own tokenizer; cp 2 a checkpoint without one, given the
+    tokenizer with --tokenizer_name: the same figures."""
+    checkpoint, bare = str(tmp_path / "tiny-llama"), str(tmp_path / "tiny-llama-bare")
+    _save_tiny_checkpoint(checkpoint, bare)
+    common = ["--max_steps", "3", "--eval_steps", "3", "--per_device_train_batch_size", "2"]
+    ref = _launch(1, str(tmp_path / "cp1"), ["--model_name_or_path", checkpoint, *common])
+    got = _launch(2, str(tmp_path / "cp2"), ["--cp_size", "2", "--model_name_or_path", bare,
+                                             "--tokenizer_name", checkpoint, *common])
     _assert_same(_losses(got), _losses(ref), "training loss")
     _assert_same(_eval_losses(got), _eval_losses(ref), "eval loss")
 
