@@ -25,6 +25,12 @@ samples (``--per_device_train_batch_size`` of them) go into one row, each a docu
 own images and the model's own positions for it alone (``RingVisionDataCollator(packing=True)``);
 at ``--cp_size 1`` the stock model reads the documents from its positions (no cache: its text
 config's ``use_cache`` is set False), as transformers' own packed rows.
+
+With ``--model_name_or_path`` (a Qwen-VL checkpoint; other families are refused) the drawn
+samples are made by the checkpoint's processor (``AutoProcessor``; ``--trust_remote_code``
+where its class is the checkpoint's own code), sized in its tokenizer's tokens, with every
+token id read from the checkpoint; run on a local checkpoint of the tiny Qwen2.5-VL and a
+real processor (tests/test_trainer_vlm.py), not on a released one.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import transformers
@@ -63,6 +69,9 @@ def build_vlm_parser() -> argparse.ArgumentParser:
     p = build_parser(__doc__)
     p.add_argument("--model_type", default="qwen2_5_vl", choices=sorted(MODEL_TYPES),
                    help="the tiny default model's family (ignored with --model_name_or_path)")
+    p.add_argument("--trust_remote_code", action="store_true",
+                   help="--model_name_or_path: run the checkpoint's own code for its processor (or model) where "
+                        "transformers has no class of that name")
     p.set_defaults(seq_len=256, hidden_size=64, max_steps=40, learning_rate=1e-3, num_train_examples=64,
                    num_eval_examples=6, eval_steps=20, output_dir="output/finetune_vlm_long")
     return p
@@ -72,9 +81,53 @@ def _check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
     for name, why in NOT_APPLIED.items():
         if getattr(args, name) not in (None, False, 0):
             parser.error(f"--{name}: {why}")
+    if args.trust_remote_code and not args.model_name_or_path:
+        parser.error("--trust_remote_code applies to --model_name_or_path only")
     if args.fsdp and args.cp_size == 1 and not torch.cuda.is_available():
         parser.error("--fsdp with --cp_size 1 runs the stock Trainer, whose FSDP accelerate drops on CPU without a "
                      "word; shard the weights at --cp_size 2 or more (RingTrainer keeps FSDP2 on CPU), or on GPUs")
+
+
+def _checkpoint(args: argparse.Namespace, attn: str, dtype: torch.dtype) -> tuple[torch.nn.Module, Any, Layout, dict]:
+    """A checkpoint, its processor, the pixel layout of its samples and its token ids, every id
+    read from the checkpoint (its config's placeholders, its tokenizer's padding)."""
+    from transformers import AutoConfig, AutoProcessor, ProcessorMixin
+
+    path, remote = args.model_name_or_path, args.trust_remote_code
+    config = AutoConfig.from_pretrained(path, trust_remote_code=remote)
+    vision = getattr(config, "vision_config", None)
+    if not hasattr(vision, "spatial_merge_size"):
+        raise NotImplementedError(f"--model_name_or_path: a {config.model_type} checkpoint, whose vision config has no "
+                                  "spatial_merge_size; the samples are sized by Qwen-VL's patch arithmetic only (other "
+                                  "processors' placeholders are not sized yet): train the tiny --model_type instead")
+    processor = AutoProcessor.from_pretrained(path, trust_remote_code=remote)
+    if not isinstance(processor, ProcessorMixin) or getattr(processor, "image_processor", None) is None:
+        # AutoProcessor gives a bare tokenizer where it finds no processor class it can load.
+        raise ValueError(f"AutoProcessor.from_pretrained({path!r}) gave a {type(processor).__name__}, not a processor "
+                         "with an image processor: the checkpoint needs its processor's files (processor_config.json "
+                         "or preprocessor_config.json), and --trust_remote_code where its processor class is not "
+                         "transformers' own")
+    model = AutoModelForImageTextToText.from_pretrained(path, attn_implementation=attn, dtype=dtype,
+                                                        trust_remote_code=remote)
+    for name in ("image_token_id", "video_token_id"):
+        theirs = getattr(processor, name, None)
+        if theirs is not None and theirs != getattr(config, name, None):
+            raise ValueError(f"the processor's {name} is {theirs} but the checkpoint's config says "
+                             f"{getattr(config, name, None)}: the two are not one checkpoint's")
+    # Qwen-VL's patch arithmetic: images of 4 x 4 merged patches (16 placeholders each, as the tiny
+    # model's), which a processor that resizes to multiples of patch x merge keeps at their size.
+    patch, merge = vision.patch_size, vision.spatial_merge_size
+    layout = Layout("qwen", 4 * merge * patch, patch=patch, merge=merge, temporal=vision.temporal_patch_size,
+                    video=getattr(processor, "video_processor", None) is not None)
+    print(f"[hf_ring] checkpoint {args.model_name_or_path}: {type(model).__name__}, processor "
+          f"{type(processor).__name__} (images: {type(processor.image_processor).__name__}, videos: "
+          f"{type(getattr(processor, 'video_processor', None)).__name__}), image_token_id {config.image_token_id}",
+          flush=True)
+    pad = processor.tokenizer.pad_token_id
+    ids = dict(pad_token_id=pad if pad is not None else processor.tokenizer.eos_token_id,
+               image_token_id=config.image_token_id, video_token_id=getattr(config, "video_token_id", None),
+               spatial_merge_size=merge)
+    return model, processor, layout, ids
 
 
 def _model_and_data(args: argparse.Namespace, attn: str) -> tuple[torch.nn.Module, dict, list, list]:
@@ -82,20 +135,7 @@ def _model_and_data(args: argparse.Namespace, attn: str) -> tuple[torch.nn.Modul
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     tok = WordTokenizer()
     if args.model_name_or_path:
-        from transformers import AutoProcessor
-
-        processor = AutoProcessor.from_pretrained(args.model_name_or_path)
-        model = AutoModelForImageTextToText.from_pretrained(args.model_name_or_path, attn_implementation=attn,
-                                                            dtype=dtype)
-        vision = getattr(model.config, "vision_config", None)
-        # Sizes the samples to --seq_len by the checkpoint's own patches; the processor counts.
-        layout = Layout("qwen", 224, patch=getattr(vision, "patch_size", 14),
-                        merge=getattr(vision, "spatial_merge_size", 1), video=hasattr(processor, "video_token"))
-        pad = processor.tokenizer.pad_token_id
-        pad = pad if pad is not None else processor.tokenizer.eos_token_id
-        ids = dict(pad_token_id=pad, image_token_id=model.config.image_token_id,
-                   video_token_id=getattr(model.config, "video_token_id", None),
-                   spatial_merge_size=getattr(vision, "spatial_merge_size", None))
+        model, processor, layout, ids = _checkpoint(args, attn, dtype)
     else:
         processor = None
         config, layout = MODEL_TYPES[args.model_type](tok, args.hidden_size, args.num_layers, args.seq_len)

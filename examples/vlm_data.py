@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -112,21 +112,25 @@ def _placeholders(tok: WordTokenizer, layout: Layout, item: dict[str, Any]) -> l
         return [tok.vision_start_token_id, *[tok.image_token_id] * layout.tokens, tok.vision_end_token_id]
     if layout.kind != "qwen":
         return [tok.image_token_id] * layout.tokens
-    t = item["frames"].shape[0]
-    n = -(-t // layout.temporal) * (layout.image // layout.patch) ** 2 // layout.merge**2
     token = tok.video_token_id if item["video"] else tok.image_token_id
-    return [tok.vision_start_token_id, *[token] * n, tok.vision_end_token_id]
+    return [tok.vision_start_token_id, *[token] * _qwen_visual_tokens(layout, item), tok.vision_end_token_id]
 
 
-def drawn_sample(tok: WordTokenizer, layout: Layout, rng: random.Random, max_tokens: int,
-                 video: bool) -> list[dict[str, Any]]:
-    """The items of one sample of at most ``max_tokens`` tokens (counted in the tiny model's
-    tokens), a video first when ``video``."""
+def _qwen_visual_tokens(layout: Layout, item: dict[str, Any]) -> int:
+    """A Qwen-VL item's placeholders: its temporal patches x merged patches per frame."""
+    t = item["frames"].shape[0]
+    return -(-t // layout.temporal) * (layout.image // layout.patch) ** 2 // layout.merge**2
+
+
+def drawn_sample(layout: Layout, rng: random.Random, max_tokens: int, video: bool,
+                 count: Callable[[dict[str, Any]], int], overhead: int) -> list[dict[str, Any]]:
+    """The items of one sample of at most ``max_tokens`` tokens, a video first when ``video``:
+    ``count(item)`` is an item's tokens, ``overhead`` the row's own (e.g. ``<s>`` and ``</s>``)."""
     target = rng.randint(3 * max_tokens // 4, max_tokens)
-    items, used = [], 2  # <s> and </s>
+    items, used = [], overhead
     while True:
         item = _item(layout, rng, video=video and not items)
-        n = len(_placeholders(tok, layout, item)) + len(tok.encode(item["caption"]))
+        n = count(item)
         if used + n > target:
             break
         items.append(item)
@@ -168,26 +172,62 @@ def feature(tok: WordTokenizer, layout: Layout, items: list[dict[str, Any]]) -> 
 def shapes_dataset(tok: WordTokenizer, layout: Layout, num_examples: int, max_tokens: int, seed: int,
                    processor: Optional[Any] = None) -> list[dict[str, Any]]:
     """``num_examples`` samples (every other one opening with a video when ``layout.video``);
-    with a real ``processor``, the same images and captions made into features by it."""
+    with a real ``processor``, the same images and captions made into features by it, each
+    sample sized in its tokenizer's tokens."""
     rng = random.Random(seed)
-    samples = [drawn_sample(tok, layout, rng, max_tokens, video=layout.video and i % 2 == 1)
+    if processor is None:
+        def count(item: dict[str, Any]) -> int:
+            return len(_placeholders(tok, layout, item)) + len(tok.encode(item["caption"]))
+
+        overhead = 2  # <s> and </s>
+    else:
+        count, overhead = _processor_count(processor, layout), len(processor.tokenizer("")["input_ids"])
+    samples = [drawn_sample(layout, rng, max_tokens, layout.video and i % 2 == 1, count, overhead)
                for i in range(num_examples)]
     if processor is None:
         return [feature(tok, layout, items) for items in samples]
-    return [processed(items, processor) for items in samples]
+    rows = [processed(items, processor) for items in samples]
+    for row in rows:
+        if len(row["input_ids"]) > max_tokens:
+            # The layout counted fewer placeholders than the processor made: it resized the images.
+            raise ValueError(f"the processor made a sample of {len(row['input_ids'])} tokens, more than --seq_len "
+                             f"{max_tokens}: its image processor does not keep {layout.image} x {layout.image} "
+                             "images at their size (check its resizing settings)")
+    return rows
+
+
+def _processor_text(item: dict[str, Any], processor: Any) -> str:
+    """An item as text for ``processor``: its caption after the processor's own image (video)
+    token, wrapped in ``<|vision_start|>`` / ``<|vision_end|>`` where its tokenizer has them (Qwen-VL)."""
+    wrapped = "<|vision_start|>" in processor.tokenizer.get_vocab()
+    start, end = ("<|vision_start|>", "<|vision_end|>") if wrapped else ("", "")
+    token = processor.video_token if item["video"] else processor.image_token
+    return f"{start}{token}{end}{item['caption']} "
+
+
+def _processor_count(processor: Any, layout: Layout) -> Callable[[dict[str, Any]], int]:
+    """An item's tokens once ``processor`` has expanded its placeholder: every item's text opens
+    with a special token, which the tokenizer never merges with its neighbours, so a row's tokens
+    are its items' tokens added up."""
+    if layout.kind != "qwen":
+        raise NotImplementedError(f"samples for a {layout.kind!r} checkpoint's processor are not sized yet: only "
+                                  "Qwen-VL's patch arithmetic is (a layout of kind 'qwen')")
+    tok = processor.tokenizer
+
+    def count(item: dict[str, Any]) -> int:
+        text = tok(_processor_text(item, processor), add_special_tokens=False)["input_ids"]
+        return len(text) - 1 + _qwen_visual_tokens(layout, item)  # its one placeholder, expanded
+
+    return count
 
 
 def processed(items: list[dict[str, Any]], processor: Any) -> dict[str, Any]:
-    """A sample made into a feature by a real checkpoint's processor: each caption after the
-    processor's own image (video) token, wrapped in ``<|vision_start|>`` / ``<|vision_end|>``
-    where its tokenizer has them (Qwen-VL); the processor expands the placeholders and makes
-    the pixel values (resized and normalised as the checkpoint expects)."""
-    vocab = processor.tokenizer.get_vocab()
-    start, end = ("<|vision_start|>", "<|vision_end|>") if "<|vision_start|>" in vocab else ("", "")
+    """A sample made into a feature by a real checkpoint's processor (:func:`_processor_text`
+    for each item): the processor expands the placeholders and makes the pixel values (resized
+    and normalised as the checkpoint expects; the drawn pixels are already in [0, 1])."""
     text, images, videos = "", [], []
     for item in items:
-        token = processor.video_token if item["video"] else processor.image_token
-        text += f"{start}{token}{end}{item['caption']} "
+        text += _processor_text(item, processor)
         (videos if item["video"] else images).append(item["frames"] if item["video"] else item["frames"][0])
     out = processor(text=[text], images=images or None, videos=videos or None, return_tensors="pt",
                     return_mm_token_type_ids=True, do_rescale=False)

@@ -4,8 +4,9 @@ processor at the tiny model's patch sizes) and datasets in TRL's formats, whose 
 the shapes of examples/vlm_data.py (nothing is downloaded).
 
 TRL runs the processor on every batch itself (``DataCollatorForVisionLanguageModeling``), so
-what it needs is a ``ProcessorMixin``: ``Qwen2_5_VLProcessor`` of a ``PreTrainedTokenizerFast``
-and a ``Qwen2VLImageProcessorPil`` (patches of 4 pixels merged 2 x 2: a 32 x 32 image is 16
+what it needs is a ``ProcessorMixin``: ``Qwen2_5_VLProcessor`` (as examples/shapes_processor.py's
+``ShapesProcessor``, without a video processor) of a ``PreTrainedTokenizerFast`` and a
+``Qwen2VLImageProcessorPil`` (patches of 4 pixels merged 2 x 2: a 32 x 32 image is 16
 placeholder tokens). Its chat template marks the assistant's turns with ``{% generation %}``
 (TRL's ``assistant_only_loss``). A sample: 1 to 3 images in the user's turn, which asks
 ``what is shown ?``; the assistant answers with each image's caption (``a red circle on the
@@ -21,9 +22,10 @@ import datasets
 import numpy as np
 import PIL.Image
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen2_5_VLProcessor
+from transformers import PreTrainedTokenizerFast
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+from shapes_processor import ShapesProcessor
 from vlm_data import COLORS, PLACES, SHAPES, WORDS, draw
 from vlm_models import IMAGE
 
@@ -44,14 +46,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-
-
-class ShapesProcessor(Qwen2_5_VLProcessor):
-    """Qwen2.5-VL's processor without a video processor: the data holds no videos, and
-    transformers' video processors need torchvision, which this example does not."""
-
-    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-        super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
 
 
 def shapes_processor() -> ShapesProcessor:
