@@ -62,6 +62,7 @@ NOT_APPLIED = {
     "vocab_size": "the tiny model's vocabulary is the word tokenizer's",
     "lora_r": "LoRA is tested with the text example (examples/finetune_llama_long.py) only",
     "stock_trainer": "at --cp_size 1 this example runs the stock Trainer already",
+    "tokenizer_name": "the checkpoint's processor (AutoProcessor) holds its tokenizer: save both in one folder",
 }
 
 

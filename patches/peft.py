@@ -26,7 +26,8 @@ from typing import Optional
 
 import torch.nn as nn
 
-WRITTEN_FOR = ("0.21.2",)
+from . import versions
+
 _WRAPPER_ATTRIBUTES = ("disable_adapters", "active_adapters", "_adapters", "modules_to_save", "original_module")
 
 
@@ -71,7 +72,8 @@ def module_run_by(module: nn.Module) -> Optional[nn.Module]:
     if missing:
         raise UnsupportedPEFTVersion(
             f"PEFT {peft.__version__}'s ModulesToSaveWrapper has no {', '.join(missing)}: hf_ring reads which head "
-            f"it runs from them (written for PEFT {', '.join(WRITTEN_FOR)}); turn the chunked loss off, or report it"
+            f"it runs from them (written for PEFT {versions.TESTED['peft'].tested_text()}); turn the chunked loss off, or "
+            "report it"
         )
     active = list(module.active_adapters)
     if module.disable_adapters or not active or any(name not in module._adapters for name in active):

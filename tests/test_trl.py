@@ -361,3 +361,6 @@ def test_trainers_refuse_what_they_cannot_do_exactly(tmp_path, fresh_process_sta
     with pytest.raises(ValueError, match="builds its collator"):
         sft_trainer(RingSFTTrainer, "text", False, str(tmp_path / "sft"), data_collator=lambda rows: rows,
                      ring_plugin=RingAttentionPlugin())
+    with pytest.raises(ValueError, match="RingSFTTrainer takes no chunked_loss="):
+        sft_trainer(RingSFTTrainer, "text", False, str(tmp_path / "sft"), chunked_loss=False,
+                    ring_plugin=RingAttentionPlugin())

@@ -53,11 +53,17 @@ class RingSFTTrainer(RingTrainer, SFTTrainer):
     Refused (besides what :class:`~hf_ring.RingTrainer` refuses, and what TRL refuses for vision
     datasets itself: packing, padding-free, ``truncation_mode="keep_end"``): a data collator other
     than TRL's language-modeling or vision one or hf_ring's, an MoE router auxiliary loss,
-    Accelerate's sequence parallelism.
+    Accelerate's sequence parallelism, ``chunked_loss=`` (TRL's fused head is used instead).
     """
 
     def __init__(self, *args: Any, ring_plugin: Optional[RingAttentionPlugin] = None, **kwargs: Any):
         trl_patches.check_version()
+        if "chunked_loss" in kwargs:
+            # Accepted and ignored it would promise a setting that changes nothing.
+            raise ValueError(
+                "RingSFTTrainer takes no chunked_loss=: its loss comes from TRL's fused LM head, which already "
+                "computes it without full-vocabulary logits; chunked_loss= is RingTrainer's. Drop the argument"
+            )
         super().__init__(*args, ring_plugin=ring_plugin, **kwargs)
         # A collator refused on one rank only (built for another CP rank) is refused on every rank.
         raise_together(self._install_ring_collator)
