@@ -10,6 +10,9 @@ every other weight frozen) in float32 with a fixed seed, 8 AdamW steps of 2 x 2 
       under CP: it used to fail on PEFT models, whose head sits two modules down)
     2 processes, RingTrainer, cp 2, --fsdp full_shard (FSDP2 through TrainingArguments, the
       frozen base and the adapter sharded over the CP group; the chunked loss is off there)
+    2 processes, RingTrainer, cp 2, --offload_checkpoints (gradient checkpointing of every
+      layer, its saved inputs in host memory: with the base frozen, the adapters' gradients
+      must still flow through the recomputed layers)
 
 Every logged training loss, gradient norm and eval loss must match the reference within
 1e-5 relative (float32: the runs differ only in the order of sums, the ring's online softmax
@@ -45,6 +48,7 @@ def runs(tmp_path_factory):
         ("cp1", 1, ["--cp_size", "1"]),
         ("cp2", 2, ["--cp_size", "2"]),
         ("fsdp_cp2", 2, ["--cp_size", "2", "--fsdp", "full_shard"]),
+        ("offload_cp2", 2, ["--cp_size", "2", "--offload_checkpoints"]),
     ):
         if name == "fsdp_cp2" and not TRANSFORMERS_5:  # the example's --fsdp needs transformers 5
             continue
@@ -54,7 +58,7 @@ def runs(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("name", ["cp1", "cp2", FSDP])
+@pytest.mark.parametrize("name", ["cp1", "cp2", FSDP, "offload_cp2"])
 def test_lora_logs_what_the_stock_trainer_logs(runs, name):
     ref, got = runs["stock"][1], runs[name][1]
     assert len(_losses(ref)) == 8 and len(_eval_losses(ref)) >= 2
