@@ -39,6 +39,7 @@ import hf_ring
 from distributed import run_world
 from hf_ring.patches.transformers import release_line
 from reference_attention import rel_err
+from vlm_checks import assert_tower_exercised
 from vlm_cases import (
     ROWS, SEQ, VOCAB, assert_refused_on_every_rank, build, gemma3, gemma3_batch,
     paligemma, paligemma_batch,
@@ -173,6 +174,7 @@ def test_logits_and_every_gradient_match_one_process(pattern, m, name):
             errors[n] = rel_err(cp, ref)
     tower = [n for n in reference["grads"] if ".vision_tower." in n or "multi_modal_projector" in n]
     assert len(tower) > 4, "the vision tower and projector must get gradients"
+    assert_tower_exercised(reference["grads"])
     worst = max(errors, key=errors.get)
     print(f"{m} {pattern} {name}: logits {errors['logits']:.1e}, worst gradient {worst} {errors[worst]:.1e}, "
           f"tower {max(errors[n] for n in tower):.1e} over {len(tower)} tensors")

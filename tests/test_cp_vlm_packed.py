@@ -56,6 +56,7 @@ from hf_ring.training.collator import RingCollatorConfig
 from hf_ring.training.loss import all_reduce_sum, count_valid_tokens, token_loss_sum
 from hf_ring.training.vision_packing import pack_image_text
 from reference_attention import rel_err
+from vlm_checks import assert_tower_exercised
 from vlm_cases import (
     FAMILIES, IMAGE, PACKED_CONFIGS, PACKED_SAMPLES, VIDEO, VOCAB, assert_refused_on_every_rank,
     assert_tower_gradient_split, build, tiny_gemma,
@@ -199,6 +200,7 @@ def _errors(name: str, logits: torch.Tensor, cu: torch.Tensor, grads: dict, loss
             errors[n] = rel_err(grads[n], ref)
     tower = [n for n in grads if ".visual." in n or ".vision_tower." in n]
     assert tower and any("merger" in n or "multi_modal_projector" in n for n in grads), "tower and projector"
+    assert_tower_exercised(reference["grads"])
     worst = max(errors, key=errors.get)
     print(f"{name}: logits {max(v for k, v in errors.items() if k.startswith('logits')):.1e}, loss "
           f"{errors['loss']:.1e}, worst {worst} {errors[worst]:.1e}, tower {max(errors[n] for n in tower):.1e}")

@@ -12,6 +12,8 @@ chunks of 8 tokens); the Qwen families' second row holds a video (except Qwen2-V
 from __future__ import annotations
 
 import copy
+import os
+import sys
 from typing import Any, Callable
 
 import torch
@@ -22,6 +24,9 @@ from transformers import (
 )
 
 from reference_attention import rel_err
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+from vlm_models import init_untrained  # noqa: E402
 
 ROWS, SEQ, VOCAB = 2, 32, 128
 IMAGE, VIDEO, START, END = 120, 121, 122, 123
@@ -186,9 +191,13 @@ def assert_tower_gradient_split(rank_grads: list[dict], reference: dict,
 
 
 def build(config, attn_implementation: str, state_dict=None):
-    """A float32 model of ``config`` in train mode (no dropout in these configs)."""
+    """A float32 model of ``config`` in train mode (no dropout in these configs), with the
+    weights a family starts at zero drawn (``examples/vlm_models.init_untrained``)."""
     torch.manual_seed(0)
     model = AutoModelForImageTextToText.from_config(copy.deepcopy(config), attn_implementation=attn_implementation)
+    # Gemma 3's image projection starts at zero: its images would be zero vectors and its tower
+    # would get no gradient, so the tower's checks would hold nothing.
+    init_untrained(model)
     if state_dict is not None:
         model.load_state_dict(state_dict)
     return model.float().train()

@@ -69,3 +69,12 @@ def tower_names(names) -> tuple[list[str], list[str]]:
     tower = [n for n in names if ".visual." in n or ".vision_tower." in n or ".vision_model." in n]
     projector = [n for n in names if "merger" in n or "multi_modal_projector" in n or "connector" in n]
     return tower, projector
+
+
+def assert_tower_exercised(reference_grads: dict[str, torch.Tensor]) -> None:
+    """Some vision tower parameter gets a gradient (norm >= ZERO) in the reference: a tower
+    whose features never reach the loss (Gemma 3's projection left at its zero init) would
+    make every tower check hold trivially."""
+    tower, _ = tower_names(reference_grads)
+    assert tower and any(reference_grads[n].norm() >= ZERO for n in tower), "the vision tower gets no gradient"
+
