@@ -1,4 +1,4 @@
-"""Reinforcement learning (GRPO) with TRL's GRPOTrainer and context parallelism.
+"""Reinforcement learning (GRPO, RLOO) with TRL's GRPOTrainer / RLOOTrainer and context parallelism.
 
     # CPU, 2 processes, one CP group of 2:
     accelerate launch --config_file examples/accelerate_cpu.yaml examples/grpo_long.py --cp_size 2
@@ -6,6 +6,8 @@
     python examples/grpo_long.py --cp_size 1
     # TRL's own GRPOTrainer, one process (what RingGRPOTrainer at cp 1 must log):
     python examples/grpo_long.py --stock_trainer
+    # RLOO instead of GRPO (--beta: its KL penalty in the reward):
+    accelerate launch --config_file examples/accelerate_cpu.yaml examples/grpo_long.py --cp_size 2 --algorithm rloo
     # 8 GPUs, 2 data-parallel x 4 context-parallel, a real checkpoint, long rollouts:
     accelerate launch --config_file examples/accelerate_gpu.yaml examples/grpo_long.py \\
         --cp_size 4 --model_name_or_path /path/to/llama --max_completion_length 16384 --bf16
@@ -32,14 +34,14 @@ import datasets
 import torch
 import transformers
 from transformers import AutoModelForCausalLM
-from trl import GRPOConfig, GRPOTrainer
+from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from finetune_llama_long import build_model, build_parser, parse_args as parse_shared_args, share_cores, start_plugin, train_and_report  # noqa: E402
 from finetune_llama_long import refuse_memory_options, training_arguments  # noqa: E402
 from trl_data import load_chat_tokenizer  # noqa: E402
 
-from hf_ring.trl import RingGRPOTrainer  # noqa: E402
+from hf_ring.trl import RingGRPOTrainer, RingRLOOTrainer  # noqa: E402
 
 KEY_DIGITS = 4
 
@@ -49,7 +51,8 @@ def parse_args(argv: Optional[Sequence[str]] = None):
     p.set_defaults(output_dir="output/grpo_long", learning_rate=1e-3, max_steps=8, seq_len=64, hidden_size=64,
                    per_device_train_batch_size=8, num_train_examples=64, num_eval_examples=0)
     p.add_argument("--algorithm", default="grpo", choices=["grpo", "rloo"])
-    p.add_argument("--loss_type", default="grpo", help="TRL's GRPO loss type (grpo, dapo, dr_grpo, bnpo, ...)")
+    p.add_argument("--loss_type", default=None,
+                   help="--algorithm grpo: TRL's GRPO loss type (default grpo; dapo, dr_grpo, bnpo, ...)")
     p.add_argument("--beta", type=float, default=0.0, help="KL coefficient (> 0: a reference model)")
     p.add_argument("--num_generations", type=int, default=4, help="completions per prompt")
     p.add_argument("--max_completion_length", type=int, default=8)
@@ -59,9 +62,8 @@ def parse_args(argv: Optional[Sequence[str]] = None):
     args = parse_shared_args(argv, p)
     refuse_memory_options(p, args, "TRL's fused LM head computes the per-token log-probabilities by chunks; "
                                    "offloaded checkpoints and the tiled MLP are not wired into this example")
-    if args.algorithm == "rloo":
-        p.error("--algorithm rloo: RingRLOOTrainer is not implemented yet (TRL's RLOOTrainer is not wired to the "
-                "ring); use --algorithm grpo")
+    if args.algorithm == "rloo" and args.loss_type is not None:
+        p.error("--loss_type is GRPO's; RLOO has one loss")
     if args.packing:
         p.error("--packing: packed rollouts are not implemented for GRPO yet (rows are padded); drop --packing")
     if args.lora_r:
@@ -91,11 +93,13 @@ def copy_reward(prompts: list, completions: list, key: list, **kwargs) -> list[f
     return rewards
 
 
-def grpo_config(args) -> GRPOConfig:
-    """The fine-tune example's training arguments as a GRPOConfig, plus GRPO's options."""
+def rl_config(args) -> GRPOConfig | RLOOConfig:
+    """The fine-tune example's training arguments as a GRPOConfig (--algorithm grpo) or an
+    RLOOConfig, plus their options."""
     settings = training_arguments(args).to_dict()  # initialises the process group
+    if args.algorithm == "grpo":
+        settings["loss_type"] = args.loss_type or "grpo"
     settings.update(
-        loss_type=args.loss_type,
         beta=args.beta,
         num_generations=args.num_generations,
         max_completion_length=args.max_completion_length,
@@ -107,10 +111,10 @@ def grpo_config(args) -> GRPOConfig:
         log_completions=False,
         remove_unused_columns=False,  # the reward reads the "key" column
     )
-    return GRPOConfig(**settings)
+    return (GRPOConfig if args.algorithm == "grpo" else RLOOConfig)(**settings)
 
 
-def initial_policy(args, tokenizer, attn: str, config: GRPOConfig) -> torch.nn.Module:
+def initial_policy(args, tokenizer, attn: str, config: GRPOConfig | RLOOConfig) -> torch.nn.Module:
     """The policy, loaded from a path (TRL builds the reference model from the policy's path):
     the checkpoint's, or the default model saved under ``--output_dir`` by the first process."""
     if args.model_name_or_path:
@@ -124,22 +128,23 @@ def initial_policy(args, tokenizer, attn: str, config: GRPOConfig) -> torch.nn.M
     return AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn, dtype=torch.bfloat16 if args.bf16 else torch.float32)
 
 
-def build_trainer(args, config: GRPOConfig, plugin=None):
-    """``RingGRPOTrainer`` (``GRPOTrainer`` with --stock_trainer) on the copy task."""
+def build_trainer(args, config: GRPOConfig | RLOOConfig, plugin=None):
+    """``RingGRPOTrainer`` / ``RingRLOOTrainer`` (TRL's ``GRPOTrainer`` / ``RLOOTrainer`` with
+    --stock_trainer) on the copy task."""
     tokenizer = load_chat_tokenizer(args.model_name_or_path, args.tokenizer_name)
     attn = args.attn_implementation or ("ring_flash" if args.cp_size > 1 else "sdpa")
     model = initial_policy(args, tokenizer, attn, config)
     common = dict(model=model, reward_funcs=copy_reward, args=config,
                   train_dataset=copy_prompts(args.num_train_examples, args.seed), processing_class=tokenizer)
     if args.stock_trainer:
-        return GRPOTrainer(**common)
-    return RingGRPOTrainer(**common, ring_plugin=plugin)
+        return (GRPOTrainer if args.algorithm == "grpo" else RLOOTrainer)(**common)
+    return (RingGRPOTrainer if args.algorithm == "grpo" else RingRLOOTrainer)(**common, ring_plugin=plugin)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:
     args = parse_args(argv)
     share_cores()
-    config = grpo_config(args)
+    config = rl_config(args)
     plugin = None if args.stock_trainer else start_plugin(args)
     return train_and_report(build_trainer(args, config, plugin), args)
 
