@@ -48,8 +48,9 @@ KEY_DIGITS = 4
 
 def parse_args(argv: Optional[Sequence[str]] = None):
     p = build_parser(__doc__)
-    p.set_defaults(output_dir="output/grpo_long", learning_rate=1e-3, max_steps=8, seq_len=64, hidden_size=64,
-                   per_device_train_batch_size=8, num_train_examples=64, num_eval_examples=0)
+    # 60 steps of 16 rollouts (4 prompts x 4): the mean reward goes from 0 to about 0.3 (digits, some in place).
+    p.set_defaults(output_dir="output/grpo_long", learning_rate=5e-3, max_steps=60, seq_len=64, hidden_size=64,
+                   per_device_train_batch_size=16, num_train_examples=256, num_eval_examples=0)
     p.add_argument("--algorithm", default="grpo", choices=["grpo", "rloo"])
     p.add_argument("--loss_type", default=None,
                    help="--algorithm grpo: TRL's GRPO loss type (default grpo; dapo, dr_grpo, bnpo, ...)")

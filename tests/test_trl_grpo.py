@@ -9,8 +9,9 @@ float32, fixed seed) is run for 8 optimizer steps in these cases:
     bnpo: loss_type bnpo (a per-process token mean, which the CP group rescales to its own)
     rloo: TRL's RLOOTrainer, beta 0.05 (its KL penalty in the reward), num_iterations 2
 
-each at cp 2 on 2 processes (one CP group, `accelerate launch`) against cp 1 in this process,
-and (grpo, dapo, rloo) cp 1 against TRL's own trainer in this process.
+each at cp 2 on 2 processes (one CP group, `accelerate launch`; grpo with gradient
+checkpointing, TRL's default) against cp 1 in this process, and (grpo, dapo, rloo) cp 1
+against TRL's own trainer in this process.
 12 rollouts per step (3 prompts x 4 completions), so each CP rank's slice of 6 cuts a prompt's
 group in two: the group-wise advantages are computed across the two ranks' rollouts.
 At cp 2 the group's first rank generates all 12 completions as one process does (same seed,
@@ -53,6 +54,8 @@ CASES = {
 # At cp 1 every method is TRL's own; checked once per trainer and for the loss types with their own code paths.
 AGAINST_TRL = ("grpo", "dapo", "rloo")
 WITH_KL = ("grpo", "rloo")
+# Gradient checkpointing (TRL's GRPOConfig default) in the CP run only: it recomputes the ring in the backward.
+CP_ONLY = {"grpo": ["--gradient_checkpointing"]}
 # What each case must have logged (and compared), beyond loss and grad_norm.
 EXPECTED = {"reward", "reward_std", "rewards/copy_reward/mean", "rewards/copy_reward/std", "entropy",
             "completions/mean_length", "num_tokens", "clip_ratio/region_mean", "frac_reward_zero_std"}
@@ -94,7 +97,7 @@ def in_process_runs(tmp_path_factory):
 
 def _launch_cp2(case: str, out_dir: str) -> dict:
     log = _run(2, [os.path.join(EXAMPLES, "grpo_long.py"), "--output_dir", out_dir, "--cp_size", "2",
-                   *COMMON, *CASES[case]])
+                   *COMMON, *CASES[case], *CP_ONLY.get(case, [])])
     assert "[hf_ring] rank 1/2 (dist_backend" in log, log[-3000:]
     with open(os.path.join(out_dir, "trainer_state.json")) as f:
         return _figures_only(json.load(f)["log_history"])

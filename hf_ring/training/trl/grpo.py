@@ -45,6 +45,7 @@ class RingGRPOTrainer(RingRolloutTrainer, GRPOTrainer):
     # TRL's GRPO loss is already normalised for gradient accumulation.
     loss_is_scaled_for_ga = True
     _trl_trainer = GRPOTrainer
+    _generation_returns_logprobs = True
     _check_config = staticmethod(check_grpo_config)
 
     def _group_loss(self, loss: torch.Tensor, inputs: dict[str, Any]) -> torch.Tensor:

@@ -37,4 +37,5 @@ class RingRLOOTrainer(RingRolloutTrainer, RLOOTrainer):
     # TRL's RLOO loss is a per-batch mean: the Trainer divides it by the accumulation steps.
     loss_is_scaled_for_ga = False
     _trl_trainer = RLOOTrainer
+    _generation_returns_logprobs = False
     _check_config = staticmethod(check_rloo_config)

@@ -54,6 +54,8 @@ class RingRolloutTrainer(RingTrainer):
 
     _trl_trainer: type
     _check_config: Callable[[Any, dict[str, Any], int], None]
+    # Whether TRL's _generate_single_turn returns (completion ids, sampling log-probs) or the ids alone.
+    _generation_returns_logprobs: bool
 
     def __init__(self, model: Any, reward_funcs: Any = None, args: Any = None, *rest: Any,
                  ring_plugin: Optional[RingAttentionPlugin] = None, **kwargs: Any):
@@ -109,17 +111,22 @@ class RingRolloutTrainer(RingTrainer):
         with trl_patches.shuffle_replaced(self._trl_trainer, group_shuffle(state)):
             return self._trl_trainer._prepare_inputs(self, mine)
 
-    def _generate_single_turn(self, prompt_ids: list, images: Any, multimodal_fields: Any,
-                              *rest: Any) -> tuple[list, Optional[list]]:
-        """TRL's generation (``rest``: GRPO's ``num_generations``, ...); under CP once per CP
+    def _generate_single_turn(self, prompt_ids: list, images: Any, multimodal_fields: Any, *rest: Any) -> Any:
+        """TRL's generation (``rest``: GRPO's ``num_generations``, ...), returning what TRL's
+        does (GRPO: completion ids and sampling log-probs; RLOO: the ids); under CP once per CP
         group, on its first rank, without CP."""
         generate_one = self._trl_trainer._generate_single_turn
         if self.ring_state.cp_size == 1:
             return generate_one(self, prompt_ids, images, multimodal_fields, *rest)
         if images is not None or multimodal_fields:
             raise NotImplementedError("image-text rollouts are not supported under context parallelism")
-        return generate_for_group(self.ring_state, prompt_ids,
-                                  lambda group_prompt_ids: generate_one(self, group_prompt_ids, None, {}, *rest))
+
+        def generate(group_prompt_ids: list) -> tuple[list, Optional[list]]:
+            out = generate_one(self, group_prompt_ids, None, {}, *rest)
+            return out if self._generation_returns_logprobs else (out, None)
+
+        completions, logprobs = generate_for_group(self.ring_state, prompt_ids, generate)
+        return (completions, logprobs) if self._generation_returns_logprobs else completions
 
     # ---- log-probabilities and loss ----
 
