@@ -38,7 +38,7 @@ from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from finetune_llama_long import build_model, build_parser, parse_args as parse_shared_args, share_cores, start_plugin, train_and_report  # noqa: E402
-from finetune_llama_long import refuse_memory_options, training_arguments  # noqa: E402
+from finetune_llama_long import lora_config, refuse_memory_options, training_arguments  # noqa: E402
 from trl_data import load_chat_tokenizer  # noqa: E402
 
 from hf_ring.trl import RingGRPOTrainer, RingRLOOTrainer  # noqa: E402
@@ -67,8 +67,6 @@ def parse_args(argv: Optional[Sequence[str]] = None):
         p.error("--loss_type is GRPO's; RLOO has one loss")
     if args.packing:
         p.error("--packing: packed rollouts are not implemented for GRPO yet (rows are padded); drop --packing")
-    if args.lora_r:
-        p.error("--lora_r is not wired into the GRPO example (RingGRPOTrainer refuses PEFT under CP)")
     if args.stock_trainer and args.cp_size != 1:
         p.error("--stock_trainer is TRL's own GRPOTrainer: --cp_size 1")
     if args.num_eval_examples:
@@ -135,8 +133,10 @@ def build_trainer(args, config: GRPOConfig | RLOOConfig, plugin=None):
     tokenizer = load_chat_tokenizer(args.model_name_or_path, args.tokenizer_name)
     attn = args.attn_implementation or ("ring_flash" if args.cp_size > 1 else "sdpa")
     model = initial_policy(args, tokenizer, attn, config)
+    # --lora_r: TRL wraps the policy with the adapter; its reference (beta > 0) is the policy with the adapter off.
     common = dict(model=model, reward_funcs=copy_reward, args=config,
-                  train_dataset=copy_prompts(args.num_train_examples, args.seed), processing_class=tokenizer)
+                  train_dataset=copy_prompts(args.num_train_examples, args.seed), processing_class=tokenizer,
+                  peft_config=lora_config(args) if args.lora_r else None)
     if args.stock_trainer:
         return (GRPOTrainer if args.algorithm == "grpo" else RLOOTrainer)(**common)
     return (RingGRPOTrainer if args.algorithm == "grpo" else RingRLOOTrainer)(**common, ring_plugin=plugin)

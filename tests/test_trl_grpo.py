@@ -6,12 +6,14 @@ float32, fixed seed) is run for 8 optimizer steps in these cases:
     grpo: loss_type grpo, beta 0.04 (KL against TRL's reference model, run through the ring)
     dapo: loss_type dapo (normalised by TRL's global token count), num_iterations 2 (the
           old policy's log-probabilities, importance ratios and clipping)
-    bnpo: loss_type bnpo (a per-process token mean, which the CP group rescales to its own)
     rloo: TRL's RLOOTrainer, beta 0.05 (its KL penalty in the reward), num_iterations 2
+    lora_bnpo: loss_type bnpo (a per-process token mean, which the CP group rescales to its
+          own) with a LoRA adapter through TRL's peft_config, beta 0.04 (the reference is the
+          policy with its adapter disabled, through the ring too)
 
 each at cp 2 on 2 processes (one CP group, `accelerate launch`; grpo with gradient
-checkpointing, TRL's default) against cp 1 in this process, and (grpo, dapo, rloo) cp 1
-against TRL's own trainer in this process.
+checkpointing, TRL's default) against cp 1 in this process, and (grpo, rloo: one case per
+trainer, every method at cp 1 is TRL's own) cp 1 against TRL's own trainer in this process.
 12 rollouts per step (3 prompts x 4 completions), so each CP rank's slice of 6 cuts a prompt's
 group in two: the group-wise advantages are computed across the two ranks' rollouts.
 At cp 2 the group's first rank generates all 12 completions as one process does (same seed,
@@ -48,12 +50,12 @@ COMMON = ["--max_steps", str(STEPS), "--seed", "3", "--per_device_train_batch_si
 CASES = {
     "grpo": ["--loss_type", "grpo", "--beta", "0.04"],
     "dapo": ["--loss_type", "dapo", "--num_iterations", "2"],
-    "bnpo": ["--loss_type", "bnpo"],
     "rloo": ["--algorithm", "rloo", "--beta", "0.05", "--num_iterations", "2"],
+    "lora_bnpo": ["--loss_type", "bnpo", "--beta", "0.04", "--lora_r", "4"],
 }
 # At cp 1 every method is TRL's own; checked once per trainer and for the loss types with their own code paths.
-AGAINST_TRL = ("grpo", "dapo", "rloo")
-WITH_KL = ("grpo", "rloo")
+AGAINST_TRL = ("grpo", "rloo")
+WITH_KL = ("grpo", "rloo", "lora_bnpo")
 # Gradient checkpointing (TRL's GRPOConfig default) in the CP run only: it recomputes the ring in the backward.
 CP_ONLY = {"grpo": ["--gradient_checkpointing"]}
 # What each case must have logged (and compared), beyond loss and grad_norm.
@@ -131,6 +133,8 @@ def test_cp2_logs_what_cp1_logs(in_process_runs, tmp_path, case):
     assert any(e.get("reward", 0.0) > 0.0 for e in ref["log_history"])
     if case in WITH_KL:
         assert any(abs(e.get("kl", 0.0)) > 1e-6 for e in ref["log_history"])
+    if case == "lora_bnpo":  # the adapter alone was trained and saved
+        assert os.path.exists(os.path.join(str(tmp_path / case), "adapter_model.safetensors"))
 
 
 # ---- in one process: the pieces ----
@@ -225,5 +229,5 @@ def test_refuses_what_is_not_exact_under_cp(tmp_path, change, message):
         args = GRPOConfig(**{**settings, **change})
     with pytest.raises((NotImplementedError, ValueError), match=message):
         check_grpo_config(args, {}, cp_size=2)
-    with pytest.raises(NotImplementedError, match="PEFT"):
-        check_grpo_config(GRPOConfig(**settings), {"peft_config": object()}, cp_size=2)
+    with pytest.raises(NotImplementedError, match="tools="):
+        check_grpo_config(GRPOConfig(**settings), {"tools": [len]}, cp_size=2)

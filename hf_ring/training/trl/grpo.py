@@ -36,7 +36,7 @@ class RingGRPOTrainer(RingRolloutTrainer, GRPOTrainer):
         ring_plugin: the :class:`~hf_ring.RingAttentionPlugin`; default ``cp_size=1``.
 
     Refused under CP (:func:`~hf_ring.training.trl.rollout_checks.check_grpo_config`): vLLM
-    and continuous-batching generation, tools / environments / ``rollout_func``, PEFT, loss
+    and continuous-batching generation, tools / environments / ``rollout_func``, loss
     types other than ``grpo``, ``dapo``, ``dr_grpo``, ``bnpo``, ``steps_per_generation > 1``,
     the entropy bonus and entropy masks, the off-policy mask, sequence-level importance
     sampling, evaluation, FSDP / DeepSpeed, image-text rollouts, an MoE auxiliary loss.

@@ -29,7 +29,7 @@ class RingRLOOTrainer(RingRolloutTrainer, RLOOTrainer):
         ring_plugin: the :class:`~hf_ring.RingAttentionPlugin`; default ``cp_size=1``.
 
     Refused under CP (:func:`~hf_ring.training.trl.rollout_checks.check_rloo_config`): vLLM
-    and continuous-batching generation, tools / environments / ``rollout_func``, PEFT,
+    and continuous-batching generation, tools / environments / ``rollout_func``,
     ``steps_per_generation > 1``, evaluation, FSDP / DeepSpeed, image-text rollouts, an MoE
     auxiliary loss.
     """

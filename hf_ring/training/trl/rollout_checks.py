@@ -39,9 +39,6 @@ def check_rollout_config(args: Any, constructor_kwargs: dict[str, Any], cp_size:
         if constructor_kwargs.get(name) is not None:
             refuse(f"{name}= (multi-turn rollouts: their tool masks are not one run of tokens per row)",
                    f"drop {name}=, or train at cp_size=1")
-    if constructor_kwargs.get("peft_config") is not None:
-        refuse("PEFT (peft_config=): its reference forward disables the adapter, not checked under CP",
-               "train the full model under CP, or LoRA at cp_size=1")
     if (args.steps_per_generation or 1) != 1:
         refuse(
             f"steps_per_generation={args.steps_per_generation} (TRL shuffles each process's generation batch "
