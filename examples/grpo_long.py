@@ -20,6 +20,7 @@ generated once, without CP, on its first rank; the policy, old-policy and refere
 log-probabilities and the backward run through the ring. The reward is logged at every
 step (``reward``, ``rewards/copy_reward/mean``). At the defaults, runs at cp 1 and cp 2 with
 the same --seed sample the same completions, so their logs compare step by step.
+--lora_r trains a LoRA adapter through TRL's peft_config (its reference: the adapter disabled).
 The fine-tune example's flags apply (see finetune_llama_long.py), plus those below.
 """
 
