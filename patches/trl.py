@@ -15,6 +15,15 @@ TRL keeps both in private attributes, read and written only here:
 - ``reference_model_replaced(trainer, replacement)``: ``DPOTrainer.compute_loss`` calls
   ``self.ref_model`` itself (TRL has no argument for the model it computes the reference
   log-probabilities with), so ``RingDPOTrainer`` points it at the ring for that call;
+- ``check_rollout_hooks(cls)``: ``RingGRPOTrainer`` and ``RingRLOOTrainer`` override three
+  private methods of TRL's ``GRPOTrainer`` / ``RLOOTrainer`` (``_prepare_inputs``,
+  ``_generate_single_turn``, ``_get_per_token_logps_and_entropies``); checked that each
+  still exists with the parameters it was written for and that TRL still calls it where the
+  override expects;
+- ``shuffle_replaced(cls, replacement)``: ``_prepare_inputs`` shuffles each process's
+  generation batch with ``shuffle_sequence_dict`` (a global of the trainer's module), drawn
+  from the process's own RNG; under CP the CP group's rows are shuffled as one batch
+  (:mod:`hf_ring.training.trl.rollouts`);
 - ``language_modeling_collator_class()`` / ``vision_collator_class()`` /
   ``fused_output_class()``: TRL's ``DataCollatorForLanguageModeling`` and
   ``DataCollatorForVisionLanguageModeling`` (``trl.trainer.sft_trainer``) and
@@ -142,6 +151,52 @@ def reference_model_replaced(trainer: Any, replacement: Any) -> Iterator[None]:
         yield
     finally:
         trainer.ref_model = original
+
+
+# The private methods of GRPOTrainer / RLOOTrainer that hf_ring's rollout trainers override,
+# the parameters each was written for, and where TRL calls it (a method whose source holds the call).
+_ROLLOUT_HOOKS = {
+    "_prepare_inputs": (("self", "generation_batch"), "training_step", "_prepare_inputs("),
+    "_generate_single_turn": (("self", "prompt_ids", "images", "multimodal_fields"),
+                              "_generate", "self._generate_single_turn("),
+    "_get_per_token_logps_and_entropies": (("self", "model", "input_ids", "attention_mask", "logits_to_keep",
+                                            "batch_size", "compute_entropy", "compute_aux_loss"),
+                                           "_compute_loss", "self._get_per_token_logps_and_entropies("),
+}
+
+
+def check_rollout_hooks(cls: type) -> None:
+    """Raise unless TRL's ``GRPOTrainer`` or ``RLOOTrainer`` (``cls``) still has the private
+    methods hf_ring's rollout trainers override, with the parameters they were written for,
+    called where they were (an override TRL no longer calls would leave its rows outside the ring)."""
+    check_version()
+    for name, (params, caller, call) in _ROLLOUT_HOOKS.items():
+        method = getattr(cls, name, None)
+        if method is None:
+            raise _fail(f"{cls.__name__} has no method {name}")
+        have = tuple(inspect.signature(method).parameters)
+        if have[: len(params)] != params:
+            raise _fail(f"{cls.__name__}.{name} takes {have}, not {params} first")
+        if caller != "training_step":  # the Trainer's training_step calls _prepare_inputs
+            _check_reads(cls, (caller,), call, f"calls {name}")
+    _check_reads(cls, ("_prepare_inputs",), "shuffle_sequence_dict(", "shuffles with shuffle_sequence_dict")
+
+
+@contextlib.contextmanager
+def shuffle_replaced(cls: type, replacement: Any) -> Iterator[None]:
+    """While open, TRL's ``cls._prepare_inputs`` (``GRPOTrainer`` / ``RLOOTrainer``) shuffles
+    its generation batch with ``replacement`` (a function ``dict -> dict``, as
+    ``trl.trainer.utils.shuffle_sequence_dict``)."""
+    check_version()
+    module = importlib.import_module(cls.__module__)
+    original = getattr(module, "shuffle_sequence_dict", None)
+    if not callable(original):
+        raise _fail(f"{cls.__module__} has no shuffle_sequence_dict")
+    module.shuffle_sequence_dict = replacement
+    try:
+        yield
+    finally:
+        module.shuffle_sequence_dict = original
 
 
 def language_modeling_collator_class() -> type:

@@ -91,6 +91,18 @@ def _refuse_quantized(model: Any, cp_size: int) -> None:
         )
 
 
+def check_reference_attention(ref_model: Any, cp_size: int, how: str) -> None:
+    """Raise ValueError unless a TRL trainer's reference model (possibly wrapped) runs its
+    attention through the ring; ``how`` says how to load it so."""
+    inner = getattr(ref_model, "module", ref_model)
+    impl = transformers_patches.attn_implementation(getattr(inner, "config", None))
+    if impl != RING_ATTENTION:
+        raise ValueError(
+            f"cp_size={cp_size} but the reference model uses attn_implementation={impl!r}; {how} "
+            f"attn_implementation={RING_ATTENTION!r}"
+        )
+
+
 def check_trainer_supported(trainer: Any, subclass_loss: bool) -> None:
     """Raise ValueError / NotImplementedError for what ``trainer`` (a ``RingTrainer`` whose
     Accelerator and ring state exist) cannot run exactly under context parallelism;

@@ -1,7 +1,7 @@
-"""``hf_ring.training.trl`` (public as ``hf_ring.trl``): TRL's SFT and DPO trainers with context parallelism (``pip install hf_ring[trl]``).
+"""``hf_ring.training.trl`` (public as ``hf_ring.trl``): TRL's SFT, DPO, GRPO and RLOO trainers with context parallelism (``pip install hf_ring[trl]``).
 
-``RingSFTTrainer`` and ``RingDPOTrainer`` are drop-in for ``trl.SFTTrainer`` and
-``trl.DPOTrainer`` with one more argument, ``ring_plugin`` (a
+``RingSFTTrainer``, ``RingDPOTrainer``, ``RingGRPOTrainer`` and ``RingRLOOTrainer`` are drop-in for
+``trl.SFTTrainer``, ``trl.DPOTrainer``, ``trl.GRPOTrainer`` and ``trl.RLOOTrainer`` with one more argument, ``ring_plugin`` (a
 :class:`~hf_ring.RingAttentionPlugin`). Importing this package checks the installed TRL
 and transformers first: TRL's private internals are read through
 :mod:`hf_ring.patches.trl`, written for specific TRL releases, and the Trainer reads
@@ -28,7 +28,9 @@ if Version(transformers.__version__) < _OLDEST_TRANSFORMERS:
     )
 
 from hf_ring.training.trl.dpo import RingDPOTrainer  # noqa: E402
+from hf_ring.training.trl.grpo import RingGRPOTrainer  # noqa: E402
+from hf_ring.training.trl.rloo import RingRLOOTrainer  # noqa: E402
 from hf_ring.training.trl.sft import RingSFTTrainer  # noqa: E402
 from hf_ring.training.trl.sft_collator import RingSFTCollator  # noqa: E402
 
-__all__ = ["RingDPOTrainer", "RingSFTCollator", "RingSFTTrainer"]
+__all__ = ["RingDPOTrainer", "RingGRPOTrainer", "RingRLOOTrainer", "RingSFTCollator", "RingSFTTrainer"]

@@ -24,15 +24,9 @@ from trl import DPOTrainer
 
 from hf_ring.training.plugin import RingAttentionPlugin
 from hf_ring.training.trainer import RingTrainer
-from hf_ring.training.trainer_checks import RING_ATTENTION
-from hf_ring.patches import transformers as transformers_patches
+from hf_ring.training.trainer_checks import check_reference_attention
 from hf_ring.patches import trl as trl_patches
 from hf_ring.training.trl.fused_forward import RingFusedForward
-
-
-def _unwrapped_config(model: Any) -> Any:
-    inner = getattr(model, "module", model)
-    return getattr(inner, "config", None)
 
 
 class RingDPOTrainer(RingTrainer, DPOTrainer):
@@ -83,12 +77,7 @@ class RingDPOTrainer(RingTrainer, DPOTrainer):
                 "under context parallelism RingDPOTrainer needs a reference model (PEFT without one would run "
                 "the reference outside the ring); pass ref_model="
             )
-        impl = transformers_patches.attn_implementation(_unwrapped_config(self.ref_model))
-        if impl != RING_ATTENTION:
-            raise ValueError(
-                f"cp_size={self.ring_state.cp_size} but the reference model uses attn_implementation={impl!r}; "
-                f"load it with attn_implementation={RING_ATTENTION!r}"
-            )
+        check_reference_attention(self.ref_model, self.ring_state.cp_size, "load it with")
 
     def _pad_token_id(self) -> int:
         pad = getattr(self.data_collator, "pad_token_id", None)

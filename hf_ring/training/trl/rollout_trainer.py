@@ -1,0 +1,191 @@
+"""``RingRolloutTrainer``: what ``RingGRPOTrainer`` and ``RingRLOOTrainer`` share under CP.
+
+TRL's ``GRPOTrainer`` and ``RLOOTrainer`` run a step the same way: a generation batch of
+prompts, completions generated inside the trainer, rewards and advantages gathered over every
+process, then the per-token log-probabilities of the prompt + completion rows (old policy,
+reference, policy with its backward). Under context parallelism (``cp_size > 1``):
+
+- **data**: :class:`~hf_ring.RingAttentionPlugin` gives every rank of a CP group the same
+  prompts (the group's ``per_device_train_batch_size`` rollouts); each rank keeps its slice
+  (rank ``r`` the ``r``-th of ``cp_size`` contiguous parts). TRL's code runs unchanged on that
+  slice, and its gathers over every process (rewards and their group-wise advantages,
+  completion lengths, token counts, KL, entropy and clip-ratio metrics) see each rollout
+  once, in the order one process holds them; the group's batch is shuffled as one, and
+  TRL's ``generation_batch_size`` counts data-parallel ranks only (CP ranks share prompts).
+- **generation** (:mod:`hf_ring.training.trl.rollouts`): TRL's transformers ``generate``,
+  without CP, once per group, on its first rank, for the whole group's prompts in one call
+  (what one process would generate, sample for sample); the completions reach every rank
+  of the group by a broadcast.
+- **log-probabilities** (:mod:`hf_ring.training.trl.completion_rows`): every model runs the
+  group's rows through the ring with TRL's fused LM head (per-token log-probabilities by
+  chunks of positions, never full-vocabulary logits), gathered back into whole rows; each
+  rank reads its own rows, and TRL's loss, KL, clipping and metrics run on exactly the
+  tensors they see without CP.
+- **loss**: each rank returns TRL's loss of its slice; the wrapper's (DDP) average over the
+  dp x cp processes of what the gathered rows' backward gives each rank is the gradient of
+  the mean of the group's losses, as between TRL's own processes. Where that mean is not
+  the loss of the group's batch, the subclass rescales it (:meth:`_group_loss`).
+
+A CP group is therefore one of TRL's processes. At cp 1 every method is TRL's own.
+
+Must not import a TRL trainer class (the subclass names it as ``_trl_trainer``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import transformers
+
+from hf_ring.distributed.errors import raise_together
+from hf_ring.patches import trl as trl_patches
+from hf_ring.training.plugin import RingAttentionPlugin
+from hf_ring.training.trainer import RingTrainer
+from hf_ring.training.trainer_checks import check_reference_attention
+from hf_ring.training.trl.completion_rows import completion_log_probs
+from hf_ring.training.trl.fused_forward import RingFusedForward
+from hf_ring.training.trl.rollouts import generate_for_group, group_shuffle
+
+
+class RingRolloutTrainer(RingTrainer):
+    """The CP methods of the rollout trainers; a subclass also derives from TRL's trainer
+    (``_trl_trainer``) and names its config check (``_check_config(args, kwargs, cp_size)``)."""
+
+    _trl_trainer: type
+    _check_config: Callable[[Any, dict[str, Any], int], None]
+    # Whether TRL's _generate_single_turn returns (completion ids, sampling log-probs) or the ids alone.
+    _generation_returns_logprobs: bool
+
+    def __init__(self, model: Any, reward_funcs: Any = None, args: Any = None, *rest: Any,
+                 ring_plugin: Optional[RingAttentionPlugin] = None, **kwargs: Any):
+        trl_patches.check_version()
+        trl_patches.check_rollout_hooks(self._trl_trainer)
+        plugin = ring_plugin if ring_plugin is not None else RingAttentionPlugin(cp_size=1)
+        if plugin.cp_size > 1:
+            type(self)._check_config(args, kwargs, plugin.cp_size)  # the same config everywhere: raised on every rank
+        super().__init__(model, reward_funcs, args, *rest, ring_plugin=plugin, **kwargs)
+        if self.ring_state.cp_size > 1:
+            raise_together(self._check_cp_setup)
+            # The config counted every process as holding its own prompts; the data-parallel ranks do. TRL's
+            # sampler cuts the prompts into generation batches of this size (repeated num_iterations times).
+            self.args.generation_batch_size = (
+                self.args.per_device_train_batch_size * self.ring_state.dp_size * self.args.steps_per_generation)
+            if self.args.generation_batch_size % self.args.num_generations:
+                raise ValueError(
+                    f"the generation batch ({self.args.generation_batch_size} rollouts: per_device_train_batch_size x "
+                    f"{self.ring_state.dp_size} data-parallel ranks; CP ranks share theirs) must be a multiple of "
+                    f"num_generations={self.args.num_generations}")
+            # TRL seeded each process with seed + its index; every rank of a CP group takes the seed of
+            # one process per data-parallel rank, so the group's first rank samples what that process would.
+            transformers.set_seed(self.args.seed + self.ring_state.dp_rank)
+
+    def _check_cp_setup(self) -> None:
+        name = type(self).__name__
+        if self.aux_loss_enabled:
+            raise NotImplementedError(f"{name} under CP does not compute the MoE router auxiliary loss; set "
+                                      "router_aux_loss_coef=0.0 in the config")
+        if not isinstance(self.processing_class, transformers.PreTrainedTokenizerBase):
+            raise NotImplementedError(f"{name} under CP takes text rollouts only (a tokenizer as "
+                                      "processing_class); image-text rollouts are not supported yet")
+        if self.ref_model is not None:  # TRL builds it like the policy
+            check_reference_attention(self.ref_model, self.ring_state.cp_size, "load the policy with")
+
+    # ---- data and generation ----
+
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: torch.device) -> tuple[list, Any]:
+        """TRL's (the stock Trainer's): the rollout trainers count their tokens after generation."""
+        return self._trl_trainer.get_batch_samples(self, epoch_iterator, num_batches, device)
+
+    def _prepare_inputs(self, generation_batch: Any) -> dict[str, Any]:
+        """TRL's, on this rank's slice of the CP group's prompts, the group's batch shuffled as one."""
+        state = self.ring_state
+        if state.cp_size == 1:
+            return self._trl_trainer._prepare_inputs(self, generation_batch)
+        rows = len(generation_batch)
+        if rows % state.cp_size:
+            raise ValueError(f"the CP group's generation batch has {rows} rollouts, not a multiple of cp_size="
+                             f"{state.cp_size}; make per_device_train_batch_size a multiple of it")
+        share = rows // state.cp_size
+        mine = generation_batch[state.cp_rank * share : (state.cp_rank + 1) * share]
+        with trl_patches.shuffle_replaced(self._trl_trainer, group_shuffle(state)):
+            return self._trl_trainer._prepare_inputs(self, mine)
+
+    def _generate_single_turn(self, prompt_ids: list, images: Any, multimodal_fields: Any, *rest: Any) -> Any:
+        """TRL's generation (``rest``: GRPO's ``num_generations``, ...), returning what TRL's
+        does (GRPO: completion ids and sampling log-probs; RLOO: the ids); under CP once per CP
+        group, on its first rank, without CP."""
+        generate_one = self._trl_trainer._generate_single_turn
+        if self.ring_state.cp_size == 1:
+            return generate_one(self, prompt_ids, images, multimodal_fields, *rest)
+        if images is not None or multimodal_fields:
+            raise NotImplementedError("image-text rollouts are not supported under context parallelism")
+
+        def generate(group_prompt_ids: list) -> tuple[list, Optional[list]]:
+            out = generate_one(self, group_prompt_ids, None, {}, *rest)
+            return out if self._generation_returns_logprobs else (out, None)
+
+        completions, logprobs = generate_for_group(self.ring_state, prompt_ids, generate)
+        return (completions, logprobs) if self._generation_returns_logprobs else completions
+
+    # ---- log-probabilities and loss ----
+
+    def _get_per_token_logps_and_entropies(
+        self,
+        model: Any,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        logits_to_keep: int,
+        batch_size: Optional[int] = None,
+        compute_entropy: bool = False,
+        compute_aux_loss: bool = False,
+        **multimodal: Any,
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """TRL's per-completion-token log-probs ``(rows, C)`` and entropies; under CP computed
+        as a ring over the CP group's rows (:func:`completion_log_probs`), ``batch_size`` rows at a time."""
+        state = self.ring_state
+        if state.cp_size == 1:
+            return self._trl_trainer._get_per_token_logps_and_entropies(
+                self, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
+                compute_aux_loss, **multimodal)
+        given = sorted(k for k, v in multimodal.items() if v is not None)
+        if compute_aux_loss or given:
+            raise NotImplementedError(f"under context parallelism the rollouts are text only (got {given}, "
+                                      f"compute_aux_loss={compute_aux_loss})")
+        ring = RingFusedForward(model, state, self.processing_class.pad_token_id or 0)
+        batch_size = batch_size or input_ids.size(0)
+        log_probs, entropies = [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            with self.accelerator.autocast():
+                lp, ent = completion_log_probs(ring, input_ids[start : start + batch_size],
+                                               attention_mask[start : start + batch_size], logits_to_keep,
+                                               compute_entropy)
+            log_probs.append(lp)
+            entropies.append(ent)
+        return torch.cat(log_probs), (torch.cat(entropies) if compute_entropy else None), None
+
+    def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: Optional[torch.Tensor] = None) -> Any:
+        """TRL's loss of this rank's slice, as the group's loss share (:meth:`_group_loss`)."""
+        state = self.ring_state
+        compute = self._trl_trainer.compute_loss
+        if state.cp_size == 1:
+            return compute(self, model, inputs, return_outputs, num_items_in_batch)
+        if torch.is_grad_enabled():
+            multiplier = self._loss_multiplier(model)
+            if multiplier != state.world_size:
+                raise NotImplementedError(
+                    f"{type(self).__name__} needs gradients averaged over all {state.world_size} processes (DDP); "
+                    f"this model's wrapper averages over {multiplier}"
+                )
+        return self._group_loss(compute(self, model, inputs, return_outputs, num_items_in_batch), inputs)
+
+    def _group_loss(self, loss: torch.Tensor, inputs: dict[str, Any]) -> torch.Tensor:
+        """TRL's loss of this rank's slice turned into its share of the group's loss (here: as it
+        is; the mean over equal slices of their losses is the group's)."""
+        return loss
+
+    def prediction_step(self, model: torch.nn.Module, inputs: Any, prediction_loss_only: bool,
+                        ignore_keys: Optional[list[str]] = None) -> tuple[Optional[torch.Tensor], ...]:
+        """TRL's (evaluation is refused under CP)."""
+        return self._trl_trainer.prediction_step(self, model, inputs, prediction_loss_only, ignore_keys)
