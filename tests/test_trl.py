@@ -364,3 +364,23 @@ def test_trainers_refuse_what_they_cannot_do_exactly(tmp_path, fresh_process_sta
     with pytest.raises(ValueError, match="RingSFTTrainer takes no chunked_loss="):
         sft_trainer(RingSFTTrainer, "text", False, str(tmp_path / "sft"), chunked_loss=False,
                     ring_plugin=RingAttentionPlugin())
+
+
+def test_the_trainers_own_checks_run_at_construction(tmp_path, fresh_process_state):
+    """The TRL trainers add refusals by extending ``_check_supported``; RingTrainer calls it
+    once, on every rank together (it had stopped calling it, leaving DPO's and SFT's own
+    refusals unreached)."""
+    from hf_ring import RingAttentionPlugin
+    from hf_ring.trl import RingSFTTrainer
+
+    calls = []
+
+    class Checked(RingSFTTrainer):
+        def _check_supported(self) -> None:
+            super()._check_supported()
+            calls.append(type(self).__name__)
+            raise NotImplementedError("refused by the subclass's own check")
+
+    with pytest.raises(NotImplementedError, match="refused by the subclass's own check"):
+        sft_trainer(Checked, "text", False, str(tmp_path / "sft"), ring_plugin=RingAttentionPlugin())
+    assert calls == ["Checked"]

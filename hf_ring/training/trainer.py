@@ -135,17 +135,22 @@ class RingTrainer(Trainer):
         self._chunked_loss_notice_given = False
         super().__init__(*args, **kwargs)
         self.ring_state = self.ring_plugin.attach(self.accelerator)
-        subclass_loss = type(self).compute_loss is not RingTrainer.compute_loss
         # A set-up refused on some ranks only (a collator built for another CP rank) is raised on every
         # rank, instead of leaving the others to die in their next collective with nothing named.
-        raise_together(lambda: (check_trainer_supported(self, subclass_loss=subclass_loss),
-                                deepspeed_support.check_trainer(self, self.ring_state)))
+        raise_together(self._check_supported)
         # transformers 4.x decides from this whether compute_loss already normalised for
         # gradient accumulation (it does: num_items_in_batch covers the whole step).
         self.model_accepts_loss_kwargs = True
         self._eval_totals: Optional[LossTotals] = None
         # How the wrapped model reduces gradients; read from it at the first training step.
         self.gradient_reduction: Optional[weight_sharding.GradientReduction] = None
+
+    def _check_supported(self) -> None:
+        """Raise for what this trainer cannot run exactly; called once, at construction, on every
+        rank together. The TRL trainers extend it with their own refusals (``super()`` first)."""
+        subclass_loss = type(self).compute_loss is not RingTrainer.compute_loss
+        check_trainer_supported(self, subclass_loss=subclass_loss)
+        deepspeed_support.check_trainer(self, self.ring_state)
 
     # ---- training ----
 
