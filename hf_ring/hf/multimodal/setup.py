@@ -167,8 +167,9 @@ def family_window(base: nn.Module):
 def _spans(base: nn.Module, family, inputs: dict[str, Any], mask, where: str):
     """The full batch's bidirectional spans for a family whose model builds them into its
     mask (None: a family without, or no ``token_type_ids``: the model then builds a causal
-    mask), cut at a packed row's documents' boundaries. One host sync. A span over padding is refused: the model's mask hides padded
-    keys, the ring drops the right-padding mask (no real token sees a later one without spans)."""
+    mask), cut at a packed row's documents' boundaries. One host sync. A span over padding
+    is refused: the model's mask hides padded keys, the ring drops the right-padding mask (no
+    real token sees a later one without spans)."""
     types = inputs.get("token_type_ids")
     if family.spans is not None and types is None and family.causal_by_mask:
         raise NotImplementedError(
