@@ -194,6 +194,14 @@ class RingTrainer(Trainer):
         world size."""
         return self._gradient_multiplier(model) if torch.is_grad_enabled() else self.ring_state.world_size
 
+    def _check_gradients_averaged_over_world(self, model: torch.nn.Module) -> None:
+        """The TRL trainers' gathered rows give each rank ``cp_size`` times its share: exact
+        under a wrapper averaging over every process; checked (and recorded) with gradients."""
+        multiplier = self._loss_multiplier(model) if torch.is_grad_enabled() else self.ring_state.world_size
+        if multiplier != self.ring_state.world_size:
+            raise NotImplementedError(f"{type(self).__name__} needs gradients averaged over all "
+                                      f"{self.ring_state.world_size} processes; the wrapper averages over {multiplier}")
+
     def _gradient_multiplier(self, model: torch.nn.Module) -> int:
         """The loss multiplier for how ``model`` (wrapped) reduces gradients; checked once."""
         if self.gradient_reduction is None and getattr(self, "is_deepspeed_enabled", False):

@@ -102,11 +102,7 @@ class RingDPOTrainer(RingTrainer, DPOTrainer):
                 "RingDPOTrainer under context parallelism returns no model outputs (TRL would recompute full "
                 "logits outside the ring); use prediction_loss_only / no compute_metrics"
             )
-        if torch.is_grad_enabled():
-            # Checks and records how the wrapper reduces gradients (DDP, FSDP2 or ZeRO over every
-            # process); its multiplier is not applied: the gather's backward already gives each
-            # rank cp_size times its share, which that average over dp x cp makes exact.
-            self._loss_multiplier(model)
+        self._check_gradients_averaged_over_world(model)
         # TRL calls the reference model itself: it runs through the ring while the loss is computed.
         ring_reference = RingFusedForward(self.ref_model, self.ring_state, self._pad_token_id())
         with trl_patches.reference_model_replaced(self, ring_reference):

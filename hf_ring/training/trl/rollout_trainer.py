@@ -171,13 +171,7 @@ class RingRolloutTrainer(RingTrainer):
         compute = self._trl_trainer.compute_loss
         if state.cp_size == 1:
             return compute(self, model, inputs, return_outputs, num_items_in_batch)
-        if torch.is_grad_enabled():
-            multiplier = self._loss_multiplier(model)
-            if multiplier != state.world_size:
-                raise NotImplementedError(
-                    f"{type(self).__name__} needs gradients averaged over all {state.world_size} processes (DDP); "
-                    f"this model's wrapper averages over {multiplier}"
-                )
+        self._check_gradients_averaged_over_world(model)
         return self._group_loss(compute(self, model, inputs, return_outputs, num_items_in_batch), inputs)
 
     def _group_loss(self, loss: torch.Tensor, inputs: dict[str, Any]) -> torch.Tensor:
