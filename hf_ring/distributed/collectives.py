@@ -18,12 +18,13 @@ summaries with (its backward sums, on each rank, every rank's gradient of its te
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
 from hf_ring.distributed.comm import CommWaitStats, peer_failed
+from hf_ring.distributed.nccl_failures import is_nccl, watch_all
 
 # torch 2.13 renamed the tensor collectives; older releases (>= 2.5) have only the old names.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -56,11 +57,16 @@ class GroupCollectives:
     def __init__(self, group: Optional[dist.ProcessGroup], stats: Optional[CommWaitStats] = None) -> None:
         self.group, self.stats = group, stats
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self._nccl = is_nccl(group)
 
-    def _run(self, fn: Callable[[], None]) -> None:
+    def _run(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn`` (issues one collective with ``async_op=True``, returns its work) and wait."""
         start = time.perf_counter()
         try:
-            fn()
+            work = fn()
+            if self._nccl:  # a stalled collective is reported from NCCL's watchdog (nccl_failures.py)
+                watch_all(work, self.group, "a collective")
+            work.wait()
         except RuntimeError as e:
             if not peer_failed(e):
                 raise
@@ -76,19 +82,19 @@ class GroupCollectives:
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
         out = x.new_empty((self.world * x.shape[0], *x.shape[1:])) if x.dim() else x.new_empty(self.world)
-        self._run(lambda: _ALL_GATHER(out, x, group=self.group))
+        self._run(lambda: _ALL_GATHER(out, x, group=self.group, async_op=True))
         return out.view(self.world, *x.shape)
 
     def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
         out = x.new_empty(x.shape[1:])
         # The collective takes the ranks' pieces concatenated along the first dimension.
         flat = x.contiguous().view(x.shape[0] * x.shape[1], *x.shape[2:])
-        self._run(lambda: _REDUCE_SCATTER(out, flat, group=self.group))
+        self._run(lambda: _REDUCE_SCATTER(out, flat, group=self.group, async_op=True))
         return out
 
     def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
-        self._run(lambda: dist.all_to_all_single(out, x.contiguous(), group=self.group))
+        self._run(lambda: dist.all_to_all_single(out, x.contiguous(), group=self.group, async_op=True))
         return out
 
 

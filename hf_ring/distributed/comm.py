@@ -28,6 +28,8 @@ from typing import Callable, Optional, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
+from hf_ring.distributed.nccl_failures import is_nccl, watch_all
+
 KV_CHANNEL = "kv"
 DKV_CHANNEL = "dkv"
 
@@ -88,6 +90,9 @@ class RingExchange(_Timed):
         self.next_global = to_global((rank + 1) % size)
         self.prev_global = to_global((rank - 1) % size)
         self._reqs: list = []
+        # On NCCL a stalled transfer never fails in wait(): its failure is reported by name
+        # from the watchdog (nccl_failures.py).
+        self._nccl = is_nccl(group)
 
     def start(self, send: torch.Tensor, recv: torch.Tensor) -> None:
         if self._reqs:
@@ -97,6 +102,8 @@ class RingExchange(_Timed):
             dist.P2POp(dist.irecv, recv, self.prev_global, self.group),
         ]
         self._reqs = dist.batch_isend_irecv(ops)
+        if self._nccl:
+            watch_all(self._reqs, self.group, "a ring transfer")
 
     def wait(self) -> None:
         start = time.perf_counter()

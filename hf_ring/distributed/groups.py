@@ -19,6 +19,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from hf_ring.distributed.nccl_failures import check_error_handling
+
 # A forward that only some ranks of a CP group run (a main-process-only sanity check, say)
 # leaves the others waiting in a collective: fail in minutes, not after torch's 30.
 DEFAULT_CP_TIMEOUT = timedelta(minutes=10)
@@ -62,7 +64,9 @@ def build_dp_cp_groups(cp_size: int, dist_backend: Optional[str], timeout: timed
         cp_size: ranks per context-parallel group; must divide the world size.
         dist_backend: the process-group backend of the new groups (None: the default
             group's; e.g. ``"nccl"``, ``"gloo"``).
-        timeout: how long a collective of the new groups waits for a peer before it fails.
+        timeout: how long a collective of the new groups waits for a peer before it fails
+            (on NCCL: after which the watchdog stops the process, hf_ring's message naming
+            the cause; see ``nccl_failures.py``).
     """
     world = dist.get_world_size()
     rank = dist.get_rank()
@@ -72,6 +76,8 @@ def build_dp_cp_groups(cp_size: int, dist_backend: Optional[str], timeout: timed
             f"{cp_size} processes or pick a cp_size that divides {world}"
         )
     dp_size = world // cp_size
+    if "nccl" in str(dist_backend or dist.get_backend()).lower():
+        check_error_handling()
     cp_group = dp_group = None
     for k in range(dp_size):
         ranks = list(range(k * cp_size, (k + 1) * cp_size))

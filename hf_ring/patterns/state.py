@@ -139,8 +139,10 @@ def setup_context_parallel(
             group's, or the active groups' when they are reused).
         activate: make the returned state the one ``ring_flash`` uses.
         timeout: how long a collective of the new groups waits for a peer before it fails
-            (gloo raises; NCCL's watchdog aborts). A CP group's ranks must run every forward
-            together; one that does not is then an error within ``timeout``. None: the
+            (gloo raises an error naming the cause; on NCCL the watchdog stops the process
+            after hf_ring's message naming it, ``hf_ring.distributed.nccl_failures``). A CP
+            group's ranks must run every forward together; one that does not is then an
+            error within ``timeout``. None: the
             active groups' timeout when they are reused, else ``DEFAULT_CP_TIMEOUT`` (10
             minutes).
         pattern: how ``ring_flash`` splits attention across the CP group: ``"ring"``,

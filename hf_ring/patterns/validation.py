@@ -24,6 +24,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from hf_ring.distributed.nccl_failures import watch_all
 from hf_ring.sharding.layouts import LAYOUTS, check_layout
 
 _DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
@@ -145,7 +146,9 @@ def check_agreement(
     world = dist.get_world_size(group)
     mine = values if values is not None else torch.tensor([v for _, v in fields], dtype=torch.int64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(gathered, mine, group=group)
+    work = dist.all_gather(gathered, mine, group=group, async_op=True)
+    watch_all(work, group, "the check of a forward's inputs")  # NCCL: a stalled check is reported by name
+    work.wait()
     rows = torch.stack(gathered).tolist()
     diffs = []
     for i, (name, _) in enumerate(fields):
