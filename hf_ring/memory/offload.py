@@ -70,7 +70,7 @@ class OffloadPipeline:
         self.engines = DefaultEngines() if engines is None else engines
         self._in_flight: list[tuple[_Packed, torch.Tensor, int]] = []  # (packed, source, version at pack)
         self._order: list[weakref.ref] = []  # every packed tensor still alive, in pack order
-        self._prefetched: Optional[_Packed] = None
+        self._prefetched = _dead  # weak: a prefetch dies with the graph that saved its tensor
 
     def count(self, nbytes: int) -> None:
         if self.stats is not None:
@@ -112,14 +112,15 @@ class OffloadPipeline:
             return packed.host
         if any(p is packed for p, _, _ in self._in_flight):
             self._settle(wait_for=packed)
-        if self._prefetched is packed:
+        if self._prefetched() is packed and packed.prefetch is not None:
             back, ready = packed.prefetch
         else:
             back, ready = engine.to_device(packed.host, packed.device, packed.done)
         packed.prefetch, packed.restored = None, True
-        if self._prefetched is not None and self._prefetched is not packed:
-            self._prefetched.prefetch = None  # restored out of order: drop the guess, keep the bound
-        self._prefetched = None
+        guess = self._prefetched()
+        if guess is not None and guess is not packed:
+            guess.prefetch = None  # restored out of order: drop the guess, keep the bound
+        self._prefetched = _dead
         self._prefetch_before(packed)
         return engine.use(back, ready)
 
@@ -130,8 +131,12 @@ class OffloadPipeline:
             earlier = ref()
             if earlier is not None and not earlier.restored and earlier.engine.deferred:
                 earlier.prefetch = earlier.engine.to_device(earlier.host, earlier.device, earlier.done)
-                self._prefetched = earlier
+                self._prefetched = weakref.ref(earlier)
                 return
+
+
+def _dead() -> None:
+    return None
 
 
 def _check_unwritten(source: torch.Tensor, version: int) -> None:
