@@ -289,6 +289,13 @@ def test_weight_sharding_checks_in_a_real_world():
         # CP rank keeps the gradient of its own shard only (measured 0.64 and 0.76).
         assert seen["world_mesh_gradient_error"] <= GRAD_REL_TOL, seen["world_mesh_gradient_error"]
         assert seen["dp_only_mesh_gradient_error"] > 0.1, seen["dp_only_mesh_gradient_error"]
+        # The chunked loss under FSDP2, tied and untied, head in Accelerate's tail unit or in the
+        # root's: the gradient exact (float32 sums in another order), the logits never full.
+        chunked = seen["chunked"]
+        for key in ((False, "accelerate"), (False, "root"), (True, "accelerate"), (True, "root")):
+            error, width = chunked[key]
+            assert error <= GRAD_REL_TOL and width == 0, (key, error, width)
+        assert "reshards its weight after its forward" in chunked["resharding_error"], chunked["resharding_error"]
 
 
 # ---- in-process checks (no launch) ----
