@@ -13,8 +13,12 @@ contribute exactly 0 to the loss and to every gradient.
 
 The model is still called through its own forward (and so through DDP, Accelerate's
 autocast wrapper and hf_ring's ring guard): the head's ``forward`` is swapped for the
-duration of the call with one that records its input and returns an empty
-``(..., 0)`` tensor, so whatever the forward does after the head costs nothing. What a
+duration of the call with one that computes the chunked loss from its input and returns an
+empty ``(..., 0)`` tensor, so whatever the forward does after the head costs nothing.
+Computing it inside the head's call is what makes it work on sharded weights: there FSDP2
+holds the head's unsharded weight (kept until its post-backward reduce-scatter) and
+DeepSpeed ZeRO-3 the gathered one (released after the call, so the backward gathers it
+again); the gradient goes to that parameter and the wrapper reduces it once, as any other. What a
 model does to the head's output before returning it (Gemma's final softcapping, Cohere's
 ``logit_scale``, Granite's ``logits_scaling``) is read from its forward
 (``hf_ring.patches.transformers.logit_transform``) and recomputed exactly in every chunk;
