@@ -127,6 +127,17 @@ RESERVE_GB = 4.0  # CUDA context, NCCL buffers, allocator fragmentation (assumed
 HOST_GB_PER_GPU = 250.0  # 2 TB of host memory per 8-GPU node (DGX H100 / H200)
 
 
+def _root_unsharded_bytes(shape: Shape, options: str) -> float:
+    """What FSDP2's root unit holds whole from its forward to its post-backward reduce-scatter
+    (the decoder layers are their own units; the root is never resharded after forward): the
+    embeddings' and the head's bf16 weights and gradients (untied, as Llama-3-8B), plus with
+    the chunked loss its float32 accumulator of the head's gradient during the loss's backward
+    (hf_ring.memory.chunked_loss, which runs inside the head's call on that unsharded weight)."""
+    matrix = shape.vocab * shape.hidden
+    chunked_accumulator = 4 * matrix if OPTION_SETS[options]["chunked"] else 0
+    return 2 * (2 * matrix * 2) + chunked_accumulator
+
+
 def _device_bytes(model: dict[str, float], shape: Shape, options: str, tokens: int, tile: int, act_scale: float) -> float:
     """Bytes on one GPU holding ``tokens`` tokens, bf16 weights and activations (``act_scale``
     0.5 of the fitted float32 activation terms, or 1.0 for an upper bound), FSDP2 over GPUS."""
@@ -135,7 +146,7 @@ def _device_bytes(model: dict[str, float], shape: Shape, options: str, tokens: i
     logits = model["g"] * f["g"] + model["d"] * f["d"]  # the loss upcasts logits to float32
     layer_params = (shape.params - shape.vocab * shape.hidden * 2) / shape.layers
     sharded_states = 16 * shape.params / GPUS  # fp32 master weights, fp32 grads, AdamW m and v
-    unsharded = 2 * (2 * layer_params * 2) + 2 * shape.vocab * shape.hidden * 2  # 2 layers + head (weights, grads)
+    unsharded = 2 * (2 * layer_params * 2) + _root_unsharded_bytes(shape, options)
     # With offload the checkpointed inputs are in host memory; without, nothing is checkpointed.
     return activations + logits + sharded_states + unsharded + RESERVE_GB * 1e9
 

@@ -19,6 +19,11 @@
 - ``zero3_model_state`` / ``zero_reduction_group``: what a ZeRO engine holds and the group
   it reduces over (attributes of its ZeRO optimizer), for the memory benchmark and for the
   check that ZeRO reduces over every process.
+- ``gathered_when_partitioned``: a ZeRO-3 parameter's whole value outside its module's
+  forward (``deepspeed.zero.GatheredParameters``, public), when ZeRO holds only its
+  partition now (``param.ds_status``, the attribute ZeRO-3 adds to every parameter). The
+  chunked loss recomputes the LM head's logits in backward, after DeepSpeed's hooks have
+  released the head's weight.
 
 Written for DeepSpeed 0.19.8: ``DeepSpeedConfig.__init__``, ``_configure_train_batch_size``,
 ``_set_batch_related_parameters``, ``_batch_assertion``, ``comm.torch.TorchBackend``,
@@ -32,6 +37,7 @@ deepspeed is imported only when a function runs.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from typing import Any, Optional
@@ -194,3 +200,28 @@ def zero_reduction_group(engine: Any) -> Any:
             f"hf_ring's deepspeed patches were written for {', '.join(WRITTEN_FOR)} (`{_INSTALL_HINT}`)"
         )
     return engine.optimizer.dp_process_group
+
+
+def gathered_when_partitioned(*params: Any) -> Any:
+    """A context in which each of ``params`` (tensors or None) holds its whole value:
+    ``GatheredParameters`` (read-only: ``modifier_rank=None``, nothing is written back) over
+    the ZeRO-3 parameters that hold only their partition now (collective over ZeRO's group:
+    every rank must enter it together); the others are left alone (plain tensors, and ZeRO-3
+    parameters gathered already, e.g. by their module's hooks, which release them)."""
+    zero3 = [p for p in params if p is not None and hasattr(p, "ds_id")]
+    if not zero3:
+        return contextlib.nullcontext()
+    import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    for param in zero3:
+        if not isinstance(getattr(param, "ds_status", None), ZeroParamStatus):
+            raise UnsupportedDeepSpeedVersion(
+                f"a ZeRO-3 parameter's ds_status is {getattr(param, 'ds_status', None)!r}, not a ZeroParamStatus, "
+                f"in deepspeed {deepspeed.__version__}; hf_ring was written for {', '.join(WRITTEN_FOR)} "
+                f"(`{_INSTALL_HINT}`)"
+            )
+    partitioned = [p for p in zero3 if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+    if not partitioned:
+        return contextlib.nullcontext()
+    return deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None)

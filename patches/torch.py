@@ -4,7 +4,16 @@
   ``register_forward_hook`` on one module. The chunked loss never runs the LM head (it
   swaps the head's forward for one that records its input), so a hook there would see an
   empty output and its effect on the logits would be lost; torch has no public way to ask
-  whether a module has forward hooks.
+  whether a module has forward hooks. ``foreign_forward_hooks(module)`` is the same
+  question leaving out the hooks of the sharding wrappers (FSDP2's and DeepSpeed ZeRO-3's
+  gather / release hooks), which the chunked loss runs under: it computes the loss inside
+  the head's call, with the weight those hooks gathered.
+- ``fsdp2_reshards_after_forward(module)``: whether the FSDP2 unit ``module`` frees its
+  unsharded parameters after its forward (``FSDPModule._get_fsdp_state()._fsdp_param_group
+  .post_forward_mesh_info`` is not None; ``set_reshard_after_forward`` is public, its
+  getter is not). The chunked loss's backward reuses the LM head's unsharded weight: right
+  for Accelerate's tail unit ``[final norm, lm_head]`` (``reshard_after_forward=False``) and
+  for the root (never resharded after forward), not for a unit that reshards.
 
 Written for torch 2.13.0 (``Module.__init__`` and ``register_forward_hook`` were read
 there: ``_forward_hooks`` is an ``OrderedDict`` from handle id to hook). torch is not
@@ -18,6 +27,8 @@ the op's schema before its first call (``cuda_glue.check_op_schema``).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn as nn
@@ -44,3 +55,46 @@ def has_forward_hooks(module: nn.Module) -> bool:
             "report this with your torch version"
         )
     return bool(hooks)
+
+
+# The modules whose forward hooks gather and release parameters around a module's call.
+_WRAPPER_HOOK_MODULES = ("torch.distributed.fsdp.", "deepspeed.")
+
+
+def _defined_in(hook: object) -> str:
+    while isinstance(hook, functools.partial):
+        hook = hook.func
+    return getattr(hook, "__module__", None) or ""
+
+
+def foreign_forward_hooks(module: nn.Module) -> list[object]:
+    """``module``'s own forward hooks (``register_forward_hook``) other than those FSDP2 and
+    DeepSpeed register to gather and release its parameters.
+
+    Raises:
+        UnsupportedTorchVersion: as :func:`has_forward_hooks`.
+    """
+    if not has_forward_hooks(module):
+        return []
+    return [h for h in vars(module)["_forward_hooks"].values() if not _defined_in(h).startswith(_WRAPPER_HOOK_MODULES)]
+
+
+def fsdp2_reshards_after_forward(module: nn.Module) -> bool:
+    """Whether the FSDP2 unit ``module`` (an ``FSDPModule``) reshards its parameters after its
+    forward. Before the first forward the root's answer may still be True: FSDP2 clears it
+    for the root at its lazy initialisation (the first forward).
+
+    Raises:
+        UnsupportedTorchVersion: an FSDP2 state without the param group torch 2.13.0 has.
+    """
+    state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+    group = getattr(state, "_fsdp_param_group", "missing")
+    if group is None:  # a unit that manages no parameters of its own
+        return False
+    if not hasattr(group, "post_forward_mesh_info"):
+        raise UnsupportedTorchVersion(
+            f"{type(module).__name__}'s FSDP2 state has no param group with post_forward_mesh_info in torch "
+            f"{torch.__version__}; hf_ring's torch accessors were written for torch {', '.join(WRITTEN_FOR)}: "
+            "report this with your torch version"
+        )
+    return group.post_forward_mesh_info is not None

@@ -4,8 +4,9 @@ Launched by tests/test_trainer_fsdp.py (torchrun, accelerate launch, or plain py
 process) with the example's own arguments after ``--dump PATH``. Rank 0 writes to PATH
 (torch.save): the initial weights (full tensors, gathered from FSDP2 shards), the full
 gradient of the first optimizer step (after the wrapper's reduction, before the optimizer),
-the wrapped model's class, and for FSDP2 every parameter's mesh and placements: proof of
-which code path ran.
+the wrapped model's class, for FSDP2 every parameter's mesh and placements: proof of
+which code path ran, and ``logits_widths``: the last dimension of every forward's logits in
+training and evaluation (0 only: the chunked loss ran and the full logits never existed).
 
     python tests/fsdp_trainer_run.py --dump OUT.pt --cp_size 2 --fsdp full_shard ...
 """
@@ -39,6 +40,8 @@ class Recorder(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if "initial" not in self.record and state.global_step == 0:
             self.record["initial"] = {n: _full(p) for n, p in model.named_parameters()}
+        widths = self.record.setdefault("logits_widths", set())
+        model.register_forward_hook(lambda module, args, out: widths.add(out.logits.shape[-1]))
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
         if "first_grad" in self.record:

@@ -143,4 +143,9 @@ def world_checks(rank: int, world: int) -> dict:
     # 5. Why: the same cp-2 step, gradients reduced over the world's mesh or the dp-only one.
     seen["world_mesh_gradient_error"] = _fsdp2_gradient_error(DeviceMesh("cpu", list(range(world))))
     seen["dp_only_mesh_gradient_error"] = _fsdp2_gradient_error(dp_mesh)
+
+    # 6. The chunked LM-head loss under FSDP2 (tests/fsdp_chunked_checks.py).
+    from fsdp_chunked_checks import chunked_loss_checks
+
+    seen["chunked"] = chunked_loss_checks(DeviceMesh("cpu", list(range(world))))
     return seen

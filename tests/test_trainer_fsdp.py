@@ -15,7 +15,9 @@ CPU with gloo, and compares against one process without CP on the same global ba
                full_shard, dp 2 x cp 2, each CP group inside one node
     resumed    torchrun, cp 2, --fsdp full_shard, resumed from fsdp_cp2's step-4 checkpoint
 
-Compared at every step: training loss, gradient norm, eval loss (relative 1e-4, the
+Under CP the chunked LM-head loss is on (the default): the loss runs inside the head's
+call, with the weight FSDP2 unsharded for the root's forward; each run's logits are checked
+empty. Compared at every step: training loss, gradient norm, eval loss (relative 1e-4, the
 Trainer parity tolerance; measured ~1e-7, float32 sums in another order); the first
 optimizer step's full gradient (relative norm of the difference 1e-4; measured ~5e-7);
 the initial weights (bit-identical: every rank builds the model from the same seed and
@@ -179,6 +181,11 @@ def test_fsdp2_trains_what_one_process_trains(runs, name, mesh):
     assert record["is_fsdp2"] and record["model_class"].startswith("FSDP"), record["model_class"]
     assert sorted(record["meshes"]) == sorted(record["first_grad"])
     assert {(shape, tuple(pl)) for shape, pl in record["meshes"].values()} == {(mesh[0], tuple(mesh[1]))}
+    # The chunked loss ran under FSDP2 (on by default under CP): no forward returned full
+    # logits, while the one-process reference's did.
+    assert record["logits_widths"] == {0}, record["logits_widths"]
+    assert ref["record"]["logits_widths"] == {record["initial"]["lm_head.weight"].shape[0]}
+    assert all("[hf_ring] chunked loss on (weights sharded by: fsdp2)" in log for log in got["logs"])
     _assert_same_run(got, ref, name)
     _assert_same_initial_weights(got, ref, name)
     error = _grad_rel_error(record["first_grad"], ref["record"]["first_grad"])
@@ -282,6 +289,13 @@ def test_weight_sharding_checks_in_a_real_world():
         # CP rank keeps the gradient of its own shard only (measured 0.64 and 0.76).
         assert seen["world_mesh_gradient_error"] <= GRAD_REL_TOL, seen["world_mesh_gradient_error"]
         assert seen["dp_only_mesh_gradient_error"] > 0.1, seen["dp_only_mesh_gradient_error"]
+        # The chunked loss under FSDP2, tied and untied, head in Accelerate's tail unit or in the
+        # root's: the gradient exact (float32 sums in another order), the logits never full.
+        chunked = seen["chunked"]
+        for key in ((False, "accelerate"), (False, "root"), (True, "accelerate"), (True, "root")):
+            error, width = chunked[key]
+            assert error <= GRAD_REL_TOL and width == 0, (key, error, width)
+        assert "reshards its weight after its forward" in chunked["resharding_error"], chunked["resharding_error"]
 
 
 # ---- in-process checks (no launch) ----

@@ -10,7 +10,9 @@ same 4 examples per optimizer step everywhere (gradient accumulation 2):
     ZeRO-2, cp 2 (2 processes, accelerate launch)
     ZeRO-3, cp 2 resumed from the step-4 checkpoint
 
-and compares the loss, the gradient norm and the eval loss at every step, the initial
+with the chunked LM-head loss on under CP (the default; under ZeRO-3 it runs inside the
+head's call, where DeepSpeed's hooks have gathered the weight, and gathers it again for its
+backward), and compares the loss, the gradient norm and the eval loss at every step, the initial
 weights (the same --seed under DeepSpeed as without), and every parameter's gradient of the
 first step. Each run must also prove it really ran DeepSpeed at the stage asked for, with
 ZeRO-3's parameters partitioned over every process, and that DeepSpeed built no C++ op.
@@ -167,6 +169,11 @@ def runs(tmp_path_factory):
 def test_zero_same_as_one_process(runs, name, nproc, stage):
     ref, got = runs("reference"), runs(name)
     _assert_deepspeed(got, nproc, stage)
+    # The chunked loss ran (on by default under CP): no forward returned full logits; the
+    # one-process reference's did.
+    assert got["dump"]["logits_widths"] == [0], got["dump"]["logits_widths"]
+    assert ref["dump"]["logits_widths"] == [ref["dump"]["params"]["lm_head.weight"].shape[0]]
+    assert "[hf_ring] chunked loss on (weights sharded by: deepspeed)" in got["log"], got["log"][-3000:]
     _assert_same_run(got, ref, name)
     _assert_same_tensors(got["dump"]["params"], ref["dump"]["params"], name, "initial weights")
     _assert_same_tensors(got["dump"]["grads"], ref["dump"]["grads"], name, "gradient")

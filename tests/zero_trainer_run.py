@@ -6,7 +6,9 @@ for several processes). Rank 0 writes to DUMP_PATH, with ``torch.save``:
 - ``params``: every parameter's whole value before the first update (ZeRO-3 gathers its
   shards), by name: the same ``--seed`` must give the same initial weights;
 - ``grads``: every parameter's whole gradient of the first optimizer step, before clipping
-  and before the step (ZeRO gathers and all-reduces its partitions).
+  and before the step (ZeRO gathers and all-reduces its partitions);
+- ``logits_widths``: the last dimension of the logits of every forward up to then (0 only:
+  the chunked loss ran, the full logits never existed).
 
 Without DeepSpeed the gradient is read from ``param.grad`` after the last micro-batch of
 the step (the Trainer clips it afterwards); with DeepSpeed the engine's ``step`` (which
@@ -49,7 +51,9 @@ class FirstStepDump(hf_ring.RingTrainer):
 
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
         if not hasattr(self, "_first_step"):
-            self._first_step = {"params": _whole_params(self, model)}
+            self._first_step = {"params": _whole_params(self, model), "logits_widths": set()}
+            widths = self._first_step["logits_widths"]
+            model.register_forward_hook(lambda module, args, out: widths.add(out.logits.shape[-1]))
             self._micro_steps = 0
             if self.is_deepspeed_enabled:
                 self._wrap_engine_step(model)
@@ -75,6 +79,7 @@ class FirstStepDump(hf_ring.RingTrainer):
 
     def _save_first_step(self, grads: dict[str, torch.Tensor]) -> None:
         self._first_step["grads"] = grads
+        self._first_step["logits_widths"] = sorted(self._first_step["logits_widths"])  # weights_only loads lists
         if _rank() == 0:
             torch.save(self._first_step, self.dump_path)
 

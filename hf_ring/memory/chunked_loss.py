@@ -13,8 +13,12 @@ contribute exactly 0 to the loss and to every gradient.
 
 The model is still called through its own forward (and so through DDP, Accelerate's
 autocast wrapper and hf_ring's ring guard): the head's ``forward`` is swapped for the
-duration of the call with one that records its input and returns an empty
-``(..., 0)`` tensor, so whatever the forward does after the head costs nothing. What a
+duration of the call with one that computes the chunked loss from its input and returns an
+empty ``(..., 0)`` tensor, so whatever the forward does after the head costs nothing.
+Computing it inside the head's call is what makes it work on sharded weights: there FSDP2
+holds the head's unsharded weight (kept until its post-backward reduce-scatter) and
+DeepSpeed ZeRO-3 the gathered one (released after the call, so the backward gathers it
+again); the gradient goes to that parameter and the wrapper reduces it once, as any other. What a
 model does to the head's output before returning it (Gemma's final softcapping, Cohere's
 ``logit_scale``, Granite's ``logits_scaling``) is read from its forward
 (``hf_ring.patches.transformers.logit_transform``) and recomputed exactly in every chunk;
@@ -36,6 +40,7 @@ import torch.nn.functional as F
 
 from hf_ring.sharding.labels import IGNORE_INDEX
 from hf_ring.memory.lm_head import TURN_OFF, head_input_recorded, head_of
+from hf_ring.patches import deepspeed as deepspeed_patches
 from hf_ring.patches import peft as peft_patches
 from hf_ring.patches import transformers as transformers_patches
 
@@ -150,8 +155,16 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total):
         rows, valid_labels, valid, weight, bias = ctx.saved_tensors
-        hidden_shape, chunk_tokens, transform, autocast_state = ctx.setup
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        # ZeRO-3 released the head's weight after its forward: gathered again for the chunks.
+        with deepspeed_patches.gathered_when_partitioned(weight, bias):
+            return ChunkedLinearCrossEntropy._backward(ctx, grad_total, rows, valid_labels, valid, weight, bias,
+                                                       (need_h, need_w, need_b))
+
+    @staticmethod
+    def _backward(ctx, grad_total, rows, valid_labels, valid, weight, bias, needs):
+        hidden_shape, chunk_tokens, transform, autocast_state = ctx.setup
+        need_h, need_w, need_b = needs
         w = weight.detach().requires_grad_(need_w)
         b = bias.detach().requires_grad_(need_b) if bias is not None else None
         acc = torch.promote_types(weight.dtype, torch.float32)
@@ -218,7 +231,8 @@ def chunked_token_loss_sum(
     if weight.ndim != 2 or weight.shape[1] != hidden.shape[-1]:
         raise NotImplementedError(
             f"chunked loss: the LM head's weight is {tuple(weight.shape)}, not (vocab, {hidden.shape[-1]}) "
-            f"(a sharded weight, e.g. DeepSpeed ZeRO-3, is not supported); {TURN_OFF}"
+            f"(a sharded weight read outside its module's forward, e.g. a ZeRO-3 partition or an FSDP2 "
+            f"shard: call it inside the head's forward, as model_token_loss_sum does); {TURN_OFF}"
         )
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, not {chunk_tokens}")
@@ -255,17 +269,21 @@ def model_token_loss_sum(
     transform = LogitTransform.of_model(language_model, attr)
     if kwargs.get("logits_to_keep") not in (None, 0):
         raise ValueError(f"chunked loss: logits_to_keep={kwargs['logits_to_keep']!r}; the loss needs every token's logits")
-    with head_input_recorded(head, linear) as recorded:
+    chunk_tokens = config.rows_per_chunk(linear.out_features)  # the weight's shape: a partition under ZeRO-3
+
+    def loss(hidden: torch.Tensor, head_linear: nn.Linear) -> torch.Tensor:
+        # Inside the head's call: FSDP2 / ZeRO-3 hold its whole weight here.
+        return chunked_token_loss_sum(hidden, shift_labels, head_linear.weight, head_linear.bias,
+                                      chunk_tokens=chunk_tokens, transform=transform)
+
+    with head_input_recorded(head, linear, loss) as recorded:
         outputs = model(**kwargs)
     if len(recorded) != 1:
         raise NotImplementedError(
             f"chunked loss: {type(language_model).__name__}.{attr} ran {len(recorded)} times in one forward, "
             f"not once; {TURN_OFF}"
         )
-    token_sum = chunked_token_loss_sum(
-        recorded[0], shift_labels, linear.weight, linear.bias,
-        chunk_tokens=config.rows_per_chunk(linear.weight.shape[0]), transform=transform,
-    )
+    token_sum = recorded[0]
     # The loss also reaches the forward's outputs, through their empty logits (which add exactly
     # 0 and pass back nothing). Under DDP with find_unused_parameters=True the outputs go through
     # DDP's sink, whose backward hands every output the loss does not use an undefined gradient

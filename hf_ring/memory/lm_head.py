@@ -1,6 +1,7 @@
 """The LM head under the chunked loss: which module it is, and its forward replaced by a
 recorder while the model runs (``hf_ring.memory.chunked_loss`` computes the logits chunk by
-chunk from the recorded input and the head's weight, never running the head).
+chunk from the head's input and weight inside the head's call, never running the head: under
+FSDP2 and ZeRO-3 the weight is whole only there).
 
 Must not import the Trainer, TRL, or hf_ring's training layer.
 """
@@ -8,7 +9,7 @@ Must not import the Trainer, TRL, or hf_ring's training layer.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -39,19 +40,34 @@ def head_of(model: nn.Module) -> tuple[str, nn.Module, nn.Linear]:
             f"chunked loss: {where} is a {type(linear).__name__} with a forward of its own, not a plain nn.Linear "
             f"(a LoRA adapter on the LM head is one: leave lm_head out of target_modules); {TURN_OFF}"
         )
-    # Hooks would see the recorder's empty output, and their result would be dropped.
-    if torch_patches.has_forward_hooks(head) or torch_patches.has_forward_hooks(linear):
+    # Hooks would see the recorder's empty output, and their result would be dropped. FSDP2's and
+    # ZeRO-3's own hooks only gather and release the weight, which the loss uses inside the call.
+    if torch_patches.foreign_forward_hooks(head) or torch_patches.foreign_forward_hooks(linear):
         raise NotImplementedError(
             f"chunked loss: {where} has forward hooks, whose effect on the logits the "
             f"chunked loss cannot reproduce (it never runs the head); remove them, or {TURN_OFF}"
         )
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without DTensor
-        DTensor = ()
-    if isinstance(linear.weight, DTensor) or isinstance(linear.weight.data, DTensor):
-        raise NotImplementedError(f"chunked loss: the LM head's weight is a DTensor (FSDP2 / tensor parallel); {TURN_OFF}")
+    _check_fsdp2_unit(where, head, linear)
     return attr, head, linear
+
+
+def _check_fsdp2_unit(where: str, head: nn.Module, linear: nn.Module) -> None:
+    """Under FSDP2 the loss's backward reuses the unsharded weight it ran with: right when the
+    head's unit keeps it unsharded until its post-backward reduce-scatter (Accelerate's tail
+    unit ``[final norm, lm_head]``, ``reshard_after_forward=False``; or the head inside the
+    root's unit, never resharded after forward); refused for a unit that reshards after its
+    forward (the root is checked at its first forward, when FSDP2 has settled it)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return
+    unit = next((m for m in (linear, head) if isinstance(m, FSDPModule)), None)
+    if unit is not None and torch_patches.fsdp2_reshards_after_forward(unit):
+        raise NotImplementedError(
+            f"chunked loss: {where} is an FSDP2 unit that reshards its weight after its forward, while the "
+            f"chunked loss needs it whole in backward; wrap it with reshard_after_forward=False (as Accelerate's "
+            f"FSDP2 does), or {TURN_OFF}"
+        )
 
 
 class SkippedHead(torch.autograd.Function):
@@ -70,9 +86,14 @@ class SkippedHead(torch.autograd.Function):
 
 
 @contextlib.contextmanager
-def head_input_recorded(head: nn.Module, linear: nn.Linear) -> Iterator[list[torch.Tensor]]:
-    """While open, ``head(x)`` records ``x`` and returns an empty ``x.shape[:-1] + (0,)``
-    (:class:`SkippedHead`), through which the forward's outputs still reach the weight and
+def head_input_recorded(
+    head: nn.Module, linear: nn.Linear, loss: Callable[[torch.Tensor, nn.Linear], torch.Tensor]
+) -> Iterator[list[torch.Tensor]]:
+    """While open, ``head(x)`` records ``loss(x, linear)`` and returns an empty
+    ``x.shape[:-1] + (0,)`` (:class:`SkippedHead`). The loss is computed inside the head's
+    call, where the sharding wrappers have gathered its weight (FSDP2's unsharded parameter,
+    ZeRO-3's gathered one: ``linear.weight`` is whole there, a DTensor or an empty partition
+    outside). The output reaches the forward's outputs still reach the weight and
     bias of ``linear`` (the head, or the module a PEFT wrapper of it runs) in the autograd
     graph. DDP with ``find_unused_parameters=True`` (the Trainer's default without gradient
     checkpointing) would otherwise take the weight for unused, mark it ready after the
@@ -80,7 +101,7 @@ def head_input_recorded(head: nn.Module, linear: nn.Linear) -> Iterator[list[tor
     recorded: list[torch.Tensor] = []
 
     def record(x: torch.Tensor) -> torch.Tensor:
-        recorded.append(x)
+        recorded.append(loss(x, linear))
         return SkippedHead.apply(x, linear.weight, linear.bias)
 
     head.forward = record

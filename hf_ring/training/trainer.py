@@ -233,27 +233,17 @@ class RingTrainer(Trainer):
         return token_loss_sum(outputs.logits, shift_labels), outputs
 
     def _chunks_the_loss(self) -> bool:
-        """Whether the loss is computed by chunks: as configured, except that the automatic
-        choice leaves it off when the weights are sharded (FSDP2, DeepSpeed): the chunked
-        loss reads the LM head's weight outside the head's forward, where a sharding
-        wrapper may hold only its shard. Asked for explicitly there, it is refused."""
+        """Whether the loss is computed by chunks: as configured (None: under CP), with FSDP2
+        and ZeRO-3 too (the loss runs inside the LM head's call, where they hold its whole
+        weight). Says so once, naming the wrapper that gathers the weight."""
         if not self.chunked_loss.active(self.ring_state.cp_size):
             return False
-        sharded = getattr(self, "is_fsdp_enabled", False) or getattr(self, "is_deepspeed_enabled", False)
-        if not sharded:
-            return True
-        if self.chunked_loss.enabled:
-            raise NotImplementedError(
-                "the chunked loss is not supported with weights sharded by FSDP2 or DeepSpeed yet (the LM head's "
-                "weight is read outside its forward); pass chunked_loss=False (--chunked_loss off)"
-            )
         if not self._chunked_loss_notice_given:
             self._chunked_loss_notice_given = True
-            logger.warning(
-                "hf_ring: chunked loss off (the weights are sharded by FSDP2 or DeepSpeed, which it does not "
-                "support yet): the LM head's full logits are materialised per rank"
-            )
-        return False
+            wrapper = ("fsdp2" if getattr(self, "is_fsdp_enabled", False)
+                       else "deepspeed" if getattr(self, "is_deepspeed_enabled", False) else "none")
+            logger.info(f"[hf_ring] chunked loss on (weights sharded by: {wrapper}): no full logits")
+        return True
 
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
         """The stock ``save_model``, except that a PEFT adapter under FSDP2 with a sharded state
