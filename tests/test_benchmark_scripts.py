@@ -45,27 +45,27 @@ def test_training_speed_quick(tmp_path):
 
 
 def test_hybrid_step_quick(tmp_path):
-    """Both hybrids at cp 1 and 2: every figure present and consistent; the mixers' saved
-    bytes per rank about halve (tests/test_hybrid_activation_memory.py checks it closely)."""
+    """Qwen3.5 at cp 1 and 2: every figure present and consistent; the mixers' saved bytes
+    per rank about halve (tests/test_hybrid_activation_memory.py checks it closely, for
+    Qwen3.5 and LFM2). One family keeps this smoke test short: the script's code is
+    the same for each."""
     script = os.path.join(ROOT, "benchmarks", "hybrid_step.py")
-    subprocess.run([sys.executable, script, "--quick", "--out", str(tmp_path)], check=True, cwd=ROOT,
-                   timeout=HANG_GUARD_S)
+    subprocess.run([sys.executable, script, "--quick", "--families", "qwen3_5_text", "--out", str(tmp_path)],
+                   check=True, cwd=ROOT, timeout=HANG_GUARD_S)
     result = json.loads((tmp_path / "hybrid_step.json").read_text())
     assert (tmp_path / "hybrid_step.png").stat().st_size > 0
     rows = {(r["family"], r["cp"], r["mixer_impl"]): r for r in result["rows"]}
-    assert set(rows) == {(f, cp, impl) for f in ("qwen3_5_text", "lfm2")
-                         for cp, impl in ((1, "hf_ring"), (1, "transformers"), (2, "hf_ring"))}
+    assert set(rows) == {("qwen3_5_text", cp, impl) for cp, impl in ((1, "hf_ring"), (1, "transformers"), (2, "hf_ring"))}
     for (family, cp, impl), r in rows.items():
         assert r["efficiency"] == r["ideal_seconds"] / r["seconds"] > 0, r
         assert abs(sum(r["kind_share"].values()) - 1) < 1e-9, r["kind_share"]
         assert abs(sum(r["kind_seconds"].values()) - r["seconds"]) < 1e-9, r  # the split is of the timed step
         assert r["kind_seconds"]["mixers"] > 0 and r["kind_seconds"]["attention"] > 0, r["kind_seconds"]
         assert r["mixer_storages_top"] and r["saved_bytes"]["mixers"] > 0, r
-    for family in ("qwen3_5_text", "lfm2"):
-        one, two = rows[(family, 1, "hf_ring")], rows[(family, 2, "hf_ring")]
-        assert one["ideal_seconds"] == one["seconds"] and two["ideal_seconds"] == one["seconds"] / 2
-        assert one["comm_wait_seconds"] == 0.0 < two["comm_wait_seconds"]
-        assert 0.4 < two["saved_ratio_to_cp1"]["mixers"] < 0.6, two["saved_ratio_to_cp1"]
+    one, two = rows[("qwen3_5_text", 1, "hf_ring")], rows[("qwen3_5_text", 2, "hf_ring")]
+    assert one["ideal_seconds"] == one["seconds"] and two["ideal_seconds"] == one["seconds"] / 2
+    assert one["comm_wait_seconds"] == 0.0 < two["comm_wait_seconds"]
+    assert 0.4 < two["saved_ratio_to_cp1"]["mixers"] < 0.6, two["saved_ratio_to_cp1"]
     # cp=1 with hf_ring's ops really ran them: Qwen3.5's scan saves other tensors than transformers'
     qwen = {impl: rows[("qwen3_5_text", 1, impl)]["saved_bytes"]["mixers"] for impl in ("hf_ring", "transformers")}
     assert qwen["hf_ring"] != qwen["transformers"], qwen

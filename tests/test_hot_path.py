@@ -15,6 +15,7 @@ the bound allows 30 s of slack for a loaded machine), naming the likely cause.
 
 from __future__ import annotations
 
+import os
 import time
 from datetime import timedelta
 
@@ -111,23 +112,27 @@ def test_divergent_inputs_fail_on_every_rank():
         assert "LlamaForSequenceClassification puts a head" in r["pooling_head"], r
 
 
-def _subset_forward(rank: int, world: int) -> str:
+def _subset_forward(rank: int, world: int, done: str) -> str:
     hf_ring.setup_context_parallel(world, timeout=timedelta(seconds=TIMEOUT_S))
     model = tiny_model(tiny_config("llama"), "ring_flash")
     ids = torch.randint(3, VOCAB, (1, SEQ // world))
     positions = hf_ring.shard_sequence(torch.arange(SEQ)[None], world, rank)
     if rank != 0:
-        # As if only the main process ran a sanity forward: this rank is busy elsewhere
-        # (and keeps the group alive) past the timeout.
-        time.sleep(TIMEOUT_S + 10)
+        # As if only the main process ran a sanity forward: this rank is busy elsewhere and
+        # keeps the group alive until rank 0 is done (bounded, should rank 0 never be).
+        deadline = time.monotonic() + TIMEOUT_S + 120
+        while not os.path.exists(done) and time.monotonic() < deadline:
+            time.sleep(0.2)
         return "did not run"
     start = time.monotonic()
     message = _error_of(lambda: model(ids, position_ids=positions))
-    return f"{message} after {time.monotonic() - start:.1f}s"
+    elapsed = time.monotonic() - start
+    open(done, "w").close()
+    return f"{message} after {elapsed:.1f}s"
 
 
-def test_forward_on_some_ranks_only_fails_within_the_timeout():
-    r0, _ = run_world(2, _subset_forward)
+def test_forward_on_some_ranks_only_fails_within_the_timeout(tmp_path):
+    r0, _ = run_world(2, _subset_forward, str(tmp_path / "rank0_done"))
     assert "RuntimeError" in r0 and "every rank of a CP group must run every forward" in r0, r0
     seconds = float(r0.rsplit("after ", 1)[1].rstrip("s"))
     assert seconds < TIMEOUT_S + 30, r0
