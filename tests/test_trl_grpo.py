@@ -53,6 +53,8 @@ CASES = {
     "rloo": ["--algorithm", "rloo", "--beta", "0.05", "--num_iterations", "2"],
     "lora_bnpo": ["--loss_type", "bnpo", "--beta", "0.04", "--lora_r", "4"],
 }
+# Packed rollouts (padding_free=True) at cp 2 against the padded cp 1 run: GRPO with two loss types, and RLOO.
+PACKED = ("grpo", "dapo", "rloo")
 # At cp 1 every method is TRL's own; checked once per trainer and for the loss types with their own code paths.
 AGAINST_TRL = ("grpo", "rloo")
 WITH_KL = ("grpo", "rloo", "lora_bnpo")
@@ -97,9 +99,9 @@ def in_process_runs(tmp_path_factory):
     return get
 
 
-def _launch_cp2(case: str, out_dir: str) -> dict:
+def _launch_cp2(case: str, out_dir: str, extra: tuple[str, ...] = ()) -> dict:
     log = _run(2, [os.path.join(EXAMPLES, "grpo_long.py"), "--output_dir", out_dir, "--cp_size", "2",
-                   *COMMON, *CASES[case], *CP_ONLY.get(case, [])])
+                   *COMMON, *CASES[case], *CP_ONLY.get(case, []), *extra])
     assert "[hf_ring] rank 1/2 (dist_backend" in log, log[-3000:]
     with open(os.path.join(out_dir, "trainer_state.json")) as f:
         return _figures_only(json.load(f)["log_history"])
@@ -118,16 +120,23 @@ def test_ring_trainer_at_cp1_is_trl_trainer(in_process_runs, case):
     assert {"loss", "grad_norm"} | EXPECTED <= set(worst), sorted(({"loss", "grad_norm"} | EXPECTED) - set(worst))
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_cp2_logs_what_cp1_logs(in_process_runs, tmp_path, case):
+def _check_cp2_against_cp1(in_process_runs, tmp_path, case: str, extra: tuple[str, ...] = ()) -> dict:
+    """The cp 2 run of ``case`` (plus ``extra`` flags) logs what the padded cp 1 run logs;
+    returns the cp 1 log."""
     ref = in_process_runs(case, "ring")
-    got = _launch_cp2(case, str(tmp_path / case))
+    got = _launch_cp2(case, str(tmp_path / case), extra)
     assert _steps(got) == list(range(1, STEPS + 1))
     worst = compare(got, ref)
     expected = {"loss", "grad_norm"} | EXPECTED | ({"kl"} if case in WITH_KL else set())
     assert expected <= set(worst), sorted(expected - set(worst))
-    print(f"\n{case}: max |cp2 - cp1| per figure over {STEPS} steps: "
+    print(f"\n{case} {' '.join(extra)}: max |cp2 - cp1| per figure over {STEPS} steps: "
           + ", ".join(f"{k} {v:.2e}" for k, v in sorted(worst.items())))
+    return ref
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_cp2_logs_what_cp1_logs(in_process_runs, tmp_path, case):
+    ref = _check_cp2_against_cp1(in_process_runs, tmp_path, case)
     # The comparison is not one of zeros: the policy moves and is rewarded for it.
     assert any(e.get("grad_norm", 0.0) > 1e-3 for e in ref["log_history"])
     assert any(e.get("reward", 0.0) > 0.0 for e in ref["log_history"])
@@ -135,6 +144,16 @@ def test_cp2_logs_what_cp1_logs(in_process_runs, tmp_path, case):
         assert any(abs(e.get("kl", 0.0)) > 1e-6 for e in ref["log_history"])
     if case == "lora_bnpo":  # the adapter alone was trained and saved
         assert os.path.exists(os.path.join(str(tmp_path / case), "adapter_model.safetensors"))
+
+
+@pytest.mark.parametrize("case", PACKED)
+def test_cp2_packed_logs_what_cp1_padded_logs(in_process_runs, tmp_path, case):
+    """padding_free=True (--packing) at cp 2: the group's rows as one packed row of documents
+    against TRL's padded rows at cp 1 (the same computation: documents never attend to each
+    other, positions restart per document); the same tolerance."""
+    ref = _check_cp2_against_cp1(in_process_runs, tmp_path, case, ("--packing",))
+    # The packed documents are not all of one length (rollouts end early from step 3 on).
+    assert any(e["completions/min_length"] < e["completions/max_length"] for e in ref["log_history"] if "loss" in e)
 
 
 # ---- in one process: the pieces ----
@@ -162,12 +181,14 @@ def test_group_shuffle_is_one_permutation_of_the_group():
     assert kept[1] == [i for i in whole.tolist() if i >= rows]
 
 
-def test_completion_rows_give_trl_per_token_values(tmp_path):
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_completion_rows_give_trl_per_token_values(tmp_path, packed):
     """completion_log_probs on TRL's rows (prompts left-padded by different amounts, completions of
     different lengths) gives TRL's own fused forward's log-probs and entropies on every completion
-    token (one process, a CP group of 1: the compaction and the placement back). Tolerance 1e-5:
-    the two differ only in the positions (counted from the padding or from 0), which rotary
-    attention sees only as differences (measured 2.4e-7)."""
+    token (one process, a CP group of 1: the compaction and the placement back; packed: the rows
+    as one row of documents through ring_flash, which keeps them apart). Tolerance 1e-5: the two
+    differ only in the positions (counted from the padding or from 0), which rotary attention
+    sees only as differences (measured 2.4e-7), and the order of the sums."""
     import torch.distributed as dist
     from transformers import LlamaConfig, LlamaForCausalLM
     from trl.trainer.utils import add_fused_lm_head
@@ -196,7 +217,10 @@ def test_completion_rows_give_trl_per_token_values(tmp_path):
         labels = ids.masked_fill(mask == 0, -100)
         labels[:, :-completion] = -100
         ref = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
-        log_probs, entropy = completion_log_probs(RingFusedForward(model, state, 0), ids, mask, completion, True)
+        if packed:  # what padding_free requires (it reads the documents' boundaries)
+            model.set_attn_implementation("ring_flash")
+        ring = RingFusedForward(model, state, 0, packed=packed)
+        log_probs, entropy = completion_log_probs(ring, ids, mask, completion, True)
         scored = mask[:, -completion:].bool()
         assert (log_probs - ref.log_probs[:, -completion:])[scored].abs().max() < 1e-5
         assert (entropy - ref.entropy[:, -completion:])[scored].abs().max() < 1e-5
