@@ -11,6 +11,8 @@ float32, fixed seed) is run for 8 optimizer steps in these cases:
           own) with a LoRA adapter through TRL's peft_config, beta 0.04 (the reference is the
           policy with its adapter disabled, through the ring too)
 
+grpo, dapo and rloo also with packed rollouts (--packing: padding_free=True) at cp 2 against the
+same padded cp 1 run (the rows as one packed row of documents compute what the padded rows do),
 each at cp 2 on 2 processes (one CP group, `accelerate launch`; grpo with gradient
 checkpointing, TRL's default) against cp 1 in this process, and (grpo, rloo: one case per
 trainer, every method at cp 1 is TRL's own) cp 1 against TRL's own trainer in this process.
@@ -153,7 +155,9 @@ def test_cp2_packed_logs_what_cp1_padded_logs(in_process_runs, tmp_path, case):
     other, positions restart per document); the same tolerance."""
     ref = _check_cp2_against_cp1(in_process_runs, tmp_path, case, ("--packing",))
     # The packed documents are not all of one length (rollouts end early from step 3 on).
-    assert any(e["completions/min_length"] < e["completions/max_length"] for e in ref["log_history"] if "loss" in e)
+    lengths = [(e["completions/min_length"], e["completions/max_length"]) for e in ref["log_history"]
+               if "completions/min_length" in e]
+    assert any(low < high for low, high in lengths), lengths
 
 
 # ---- in one process: the pieces ----
@@ -255,3 +259,21 @@ def test_refuses_what_is_not_exact_under_cp(tmp_path, change, message):
         check_grpo_config(args, {}, cp_size=2)
     with pytest.raises(NotImplementedError, match="tools="):
         check_grpo_config(GRPOConfig(**settings), {"tools": [len]}, cp_size=2)
+
+
+def test_padding_free_refuses_attention_that_does_not_keep_documents_apart():
+    """padding_free at cp 1 with SDPA: refused (it does not read the documents' boundaries)."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig
+
+    from hf_ring.trl import RingGRPOTrainer
+
+    config = LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)
+    config._attn_implementation = "sdpa"
+    trainer = SimpleNamespace(model=SimpleNamespace(config=config), ref_model=None)
+    with pytest.raises(ValueError, match="padding_free=True .* the policy uses attn_implementation='sdpa'"):
+        RingGRPOTrainer._check_packing_attention(trainer)
+    config._attn_implementation = "ring_flash"
+    RingGRPOTrainer._check_packing_attention(trainer)
