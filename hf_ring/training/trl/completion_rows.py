@@ -16,7 +16,7 @@ entropy) of each completion token, ``(rows, C)``. Under context parallelism
    rank computes its shard of every row through the ring with TRL's fused LM head (by
    chunks of positions: never a ``(tokens, vocab)`` logits tensor), and the per-token
    fields come back as whole rows. With ``padding_free`` the forward packs the group's rows
-   into one row of documents (:mod:`~hf_ring.training.trl.packed_rows`): the model never sees
+   into one row of documents (:mod:`~hf_ring.sharding.row_packing`): the model never sees
    a row padded to the group's longest, and the fields come back in the same layout;
 4. keeps this rank's rows and puts each completion token's value where TRL's layout has it
    (0 where TRL's mask is 0).

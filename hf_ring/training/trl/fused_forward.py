@@ -16,7 +16,7 @@ metric code then runs, unchanged, on exactly the tensors it sees without CP, and
 rank of a CP group computes the same loss.
 
 ``packed=True`` (the rollout trainers' ``padding_free``) runs the rows as one packed row of
-documents instead (:mod:`hf_ring.training.trl.packed_rows`): each document is sharded on its
+documents instead (:mod:`hf_ring.sharding.row_packing`): each document is sharded on its
 own, ``ring_flash`` reads their boundaries, and the fields come back in the rows' layout.
 
 Gradients: the gathered ``log_probs`` is differentiable. Its backward sums each rank's
@@ -39,7 +39,7 @@ from hf_ring.patches import trl as trl_patches
 from hf_ring.patterns.state import ContextParallelState
 from hf_ring.sharding import required_multiple, shard_packed, shard_sequence
 from hf_ring.sharding.labels import IGNORE_INDEX
-from hf_ring.training.trl.packed_rows import pack_rows, unpack_field
+from hf_ring.sharding.row_packing import pack_rows, unpack_field
 
 # What TRL's preference trainers pass; anything else (pixel values, router logits) is refused under CP.
 _ACCEPTED = frozenset({"input_ids", "attention_mask", "labels", "fused_lm_head", "use_cache"})
@@ -102,7 +102,7 @@ class RingFusedForward:
             (``trl.trainer.utils.add_fused_lm_head``), loaded with ``attn_implementation="ring_flash"``.
         state: the context-parallel state (group, rank, size, layout).
         pad_token_id: id written into the padding this wrapper adds (never attended to, never learned).
-        packed: run the rows as one packed row of documents (:mod:`hf_ring.training.trl.packed_rows`),
+        packed: run the rows as one packed row of documents (:mod:`hf_ring.sharding.row_packing`),
             each padded to ``2 * cp_size`` only, instead of every row to the longest; the fields
             come back in the same ``(batch, seq - 1)`` layout.
     """

@@ -21,7 +21,7 @@ reference, policy with its backward). Under context parallelism (``cp_size > 1``
   chunks of positions, never full-vocabulary logits), gathered back into whole rows; each
   rank reads its own rows, and TRL's loss, KL, clipping and metrics run on exactly the
   tensors they see without CP. With ``padding_free=True`` the group's rows run as one
-  packed row of documents (:mod:`hf_ring.training.trl.packed_rows`), at cp 1 too.
+  packed row of documents (:mod:`hf_ring.sharding.row_packing`), at cp 1 too.
 - **loss**: each rank returns TRL's loss of its slice; the wrapper's (DDP) average over the
   dp x cp processes of what the gathered rows' backward gives each rank is the gradient of
   the mean of the group's losses, as between TRL's own processes. Where that mean is not

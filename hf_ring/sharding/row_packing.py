@@ -1,9 +1,11 @@
 """Right-padded rows packed into one row of documents, and per-token fields unpacked back.
 
-With ``padding_free=True`` the rollout trainers (``RingGRPOTrainer``, ``RingRLOOTrainer``)
-run a CP group's prompt + completion rows as **one** packed row: each row's real tokens are
-a document, padded only to the multiple the packed zigzag layout needs (``2 * cp_size``,
-:mod:`hf_ring.sharding.packed`), instead of every row to the group's longest. Position ids
+Used where whole right-padded rows are already built but should not be run padded: with
+``padding_free=True`` the rollout trainers (``RingGRPOTrainer``, ``RingRLOOTrainer``, through
+``hf_ring.training.trl.fused_forward``) run a CP group's prompt + completion rows as **one**
+packed row: each row's real tokens are a document, padded only to the multiple the packed
+zigzag layout needs (``2 * cp_size``, :mod:`hf_ring.sharding.packed`), instead of every row
+to the group's longest. Position ids
 restart at 0 in every document and the labels are shifted inside each document, so a
 document's last token never scores the next one's first; ``ring_flash`` reads the document
 boundaries (``cu_seq_lens_q`` / ``cu_seq_lens_k``) and never lets documents attend to each
@@ -13,7 +15,7 @@ other. What the model computes for a document is then what it computes for the r
 per-token field of the packed row back into the rows' layout ``(rows, seq - 1)``, as the
 padded forward returns it (zeros where a row has no next token), differentiably.
 
-Must not import torch.distributed, transformers or TRL (pure index math on whole rows).
+Must not import torch.distributed or hf_ring's other layers (pure index math on whole rows).
 """
 
 from __future__ import annotations
