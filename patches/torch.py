@@ -6,6 +6,16 @@
   empty output and its effect on the logits would be lost; torch has no public way to ask
   whether a module has forward hooks.
 
+- ``fsdp2_unsharded(model)``: FSDP2's ``FSDPParamGroup.post_forward_mesh_info`` (whether a
+  group reshards after its forward) and the root state's ``_lazy_init`` (run on every process
+  first: the root's first forward sets its own setting). The rollout
+  trainers generate on one rank of each CP group from whole weights that every process
+  unsharded together (``FSDPModule.unshard``, public); the forwards of that generation must
+  not reshard (the next one would all-gather with the other ranks absent), and afterwards
+  each group must reshard after forward as it did before. ``set_reshard_after_forward`` is
+  public but writes one value for every module (the root's is specially False), so the
+  previous settings are read and put back here.
+
 Written for torch 2.13.0 (``Module.__init__`` and ``register_forward_hook`` were read
 there: ``_forward_hooks`` is an ``OrderedDict`` from handle id to hook). torch is not
 refused by version here, since pyproject's range (``torch>=2.5``) is what hf_ring supports;
@@ -18,6 +28,9 @@ the op's schema before its first call (``cuda_glue.check_op_schema``).
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 import torch.nn as nn
@@ -44,3 +57,50 @@ def has_forward_hooks(module: nn.Module) -> bool:
             "report this with your torch version"
         )
     return bool(hooks)
+
+
+def _fsdp2_param_groups(state: object) -> list:
+    groups = vars(state).get("_fsdp_param_groups")
+    if not isinstance(groups, list) or not all(hasattr(g, "post_forward_mesh_info") for g in groups):
+        raise UnsupportedTorchVersion(
+            f"FSDP2's state has no _fsdp_param_groups with post_forward_mesh_info in torch {torch.__version__}; "
+            f"hf_ring's torch accessors were written for torch {', '.join(WRITTEN_FOR)}: report this with your "
+            "torch version")
+    return groups
+
+
+@contextmanager
+def fsdp2_unsharded(model: nn.Module) -> Iterator[None]:
+    """Every FSDP2 module of ``model`` unsharded (collective over each module's mesh: every
+    process must enter together), not resharded by the forwards run inside (which then
+    need no collective, so one rank may run them alone), resharded on exit (local), each
+    group's reshard-after-forward setting restored. Nothing happens for a model without FSDP2.
+
+    Raises:
+        UnsupportedTorchVersion: FSDP2's state not in the shape torch 2.13.0 has.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not modules:
+        yield
+        return
+    root = modules[0]._get_fsdp_state()
+    if not callable(getattr(root, "_lazy_init", None)):
+        raise UnsupportedTorchVersion(f"FSDP2's state has no _lazy_init in torch {torch.__version__}; hf_ring's "
+                                      f"torch accessors were written for torch {', '.join(WRITTEN_FOR)}")
+    # The root's first forward decides it keeps its weights after forward: on every process now, not
+    # inside a generation that one rank runs alone.
+    root._lazy_init()
+    saved = [(g, g.post_forward_mesh_info) for m in modules for g in _fsdp2_param_groups(m._get_fsdp_state())]
+    for module in modules:
+        module.unshard()
+    for group, _ in saved:
+        group.post_forward_mesh_info = None
+    try:
+        yield
+    finally:
+        for group, info in saved:
+            group.post_forward_mesh_info = info
+        for module in modules:
+            module.reshard()

@@ -13,6 +13,7 @@ float32, fixed seed) is run for 8 optimizer steps in these cases:
 
 grpo, dapo and rloo also with packed rollouts (--packing: padding_free=True) at cp 2 against the
 same padded cp 1 run (the rows as one packed row of documents compute what the padded rows do),
+rloo packed with FSDP2 (--fsdp full_shard: weights sharded over the 2 processes),
 each at cp 2 on 2 processes (one CP group, `accelerate launch`; grpo with gradient
 checkpointing, TRL's default) against cp 1 in this process, and (grpo, rloo: one case per
 trainer, every method at cp 1 is TRL's own) cp 1 against TRL's own trainer in this process.
@@ -56,7 +57,7 @@ CASES = {
     "lora_bnpo": ["--loss_type", "bnpo", "--beta", "0.04", "--lora_r", "4"],
 }
 # Packed rollouts (padding_free=True) at cp 2 against the padded cp 1 run: GRPO with two loss types, and RLOO.
-PACKED = ("grpo", "dapo", "rloo")
+PACKED = {"grpo": ("--packing",), "dapo": ("--packing",), "rloo": ("--packing", "--fsdp", "full_shard")}
 # At cp 1 every method is TRL's own; checked once per trainer and for the loss types with their own code paths.
 AGAINST_TRL = ("grpo", "rloo")
 WITH_KL = ("grpo", "rloo", "lora_bnpo")
@@ -105,6 +106,8 @@ def _launch_cp2(case: str, out_dir: str, extra: tuple[str, ...] = ()) -> dict:
     log = _run(2, [os.path.join(EXAMPLES, "grpo_long.py"), "--output_dir", out_dir, "--cp_size", "2",
                    *COMMON, *CASES[case], *CP_ONLY.get(case, []), *extra])
     assert "[hf_ring] rank 1/2 (dist_backend" in log, log[-3000:]
+    if "--fsdp" in extra:  # the weights really were sharded
+        assert "gradients: fsdp2 mesh (2,) over 2 processes" in log, log[-3000:]
     with open(os.path.join(out_dir, "trainer_state.json")) as f:
         return _figures_only(json.load(f)["log_history"])
 
@@ -148,12 +151,13 @@ def test_cp2_logs_what_cp1_logs(in_process_runs, tmp_path, case):
         assert os.path.exists(os.path.join(str(tmp_path / case), "adapter_model.safetensors"))
 
 
-@pytest.mark.parametrize("case", PACKED)
+@pytest.mark.parametrize("case", sorted(PACKED))
 def test_cp2_packed_logs_what_cp1_padded_logs(in_process_runs, tmp_path, case):
     """padding_free=True (--packing) at cp 2: the group's rows as one packed row of documents
     against TRL's padded rows at cp 1 (the same computation: documents never attend to each
-    other, positions restart per document); the same tolerance."""
-    ref = _check_cp2_against_cp1(in_process_runs, tmp_path, case, ("--packing",))
+    other, positions restart per document); the same tolerance. RLOO with FSDP2 too (the
+    weights sharded over both processes, unsharded together for the first rank's generation)."""
+    ref = _check_cp2_against_cp1(in_process_runs, tmp_path, case, PACKED[case])
     # The packed documents are not all of one length (rollouts end early from step 3 on).
     lengths = [(e["completions/min_length"], e["completions/max_length"]) for e in ref["log_history"]
                if "completions/min_length" in e]

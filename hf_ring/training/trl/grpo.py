@@ -42,7 +42,7 @@ class RingGRPOTrainer(RingRolloutTrainer, GRPOTrainer):
     and continuous-batching generation, tools / environments / ``rollout_func``, loss
     types other than ``grpo``, ``dapo``, ``dr_grpo``, ``bnpo``, ``steps_per_generation > 1``,
     the entropy bonus and entropy masks, the off-policy mask, sequence-level importance
-    sampling, evaluation, FSDP / DeepSpeed, image-text rollouts, an MoE auxiliary loss.
+    sampling, evaluation, DeepSpeed, image-text rollouts, an MoE auxiliary loss.
     """
 
     # TRL's GRPO loss is already normalised for gradient accumulation.

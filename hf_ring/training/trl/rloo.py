@@ -33,7 +33,7 @@ class RingRLOOTrainer(RingRolloutTrainer, RLOOTrainer):
 
     Refused under CP (:func:`~hf_ring.training.trl.rollout_checks.check_rloo_config`): vLLM
     and continuous-batching generation, tools / environments / ``rollout_func``,
-    ``steps_per_generation > 1``, evaluation, FSDP / DeepSpeed, image-text rollouts, an MoE
+    ``steps_per_generation > 1``, evaluation, DeepSpeed, image-text rollouts, an MoE
     auxiliary loss.
     """
 

@@ -15,7 +15,9 @@ reference, policy with its backward). Under context parallelism (``cp_size > 1``
 - **generation** (:mod:`hf_ring.training.trl.rollouts`): TRL's transformers ``generate``,
   without CP, once per group, on its first rank, for the whole group's prompts in one call
   (what one process would generate, sample for sample); the completions reach every rank
-  of the group by a broadcast.
+  of the group by a broadcast. Under FSDP2 every process unshards the policy first, together
+  (``hf_ring.patches.torch.fsdp2_unsharded``), so that the first rank generates from whole
+  weights without a collective per decoding step; all reshard afterwards.
 - **log-probabilities** (:mod:`hf_ring.training.trl.completion_rows`): every model runs the
   group's rows through the ring with TRL's fused LM head (per-token log-probabilities by
   chunks of positions, never full-vocabulary logits), gathered back into whole rows; each
@@ -34,12 +36,15 @@ Must not import a TRL trainer class (the subclass names it as ``_trl_trainer``).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+import functools
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import transformers
 
 from hf_ring.distributed.errors import raise_together
+from hf_ring.patches import torch as torch_patches
 from hf_ring.patches import transformers as transformers_patches
 from hf_ring.patches import trl as trl_patches
 from hf_ring.training.plugin import RingAttentionPlugin
@@ -48,6 +53,22 @@ from hf_ring.training.trainer_checks import RING_ATTENTION, check_reference_atte
 from hf_ring.training.trl.completion_rows import completion_log_probs
 from hf_ring.training.trl.fused_forward import RingFusedForward
 from hf_ring.training.trl.rollouts import generate_for_group, group_shuffle
+
+
+@contextmanager
+def _generating_alone(model: torch.nn.Module) -> Iterator[None]:
+    """``model.generate`` with ``synced_gpus=False``: transformers turns it on by itself for an
+    FSDP-managed model (every process then runs each decoding step together), but here one
+    rank generates alone, from weights every process unsharded beforehand."""
+    own = vars(model).get("generate")  # FSDP2 registers generate as an instance method of its own
+    model.generate = functools.partial(model.generate, synced_gpus=False)
+    try:
+        yield
+    finally:
+        if own is None:
+            del model.generate
+        else:
+            model.generate = own
 
 
 class RingRolloutTrainer(RingTrainer):
@@ -143,10 +164,13 @@ class RingRolloutTrainer(RingTrainer):
             raise NotImplementedError("image-text rollouts are not supported under context parallelism")
 
         def generate(group_prompt_ids: list) -> tuple[list, Optional[list]]:
-            out = generate_one(self, group_prompt_ids, None, {}, *rest)
+            with _generating_alone(self.model):
+                out = generate_one(self, group_prompt_ids, None, {}, *rest)
             return out if self._generation_returns_logprobs else (out, None)
 
-        completions, logprobs = generate_for_group(self.ring_state, prompt_ids, generate)
+        # FSDP2: every process gathers the whole weights together, the first ranks generate from them alone.
+        with torch_patches.fsdp2_unsharded(self.model):
+            completions, logprobs = generate_for_group(self.ring_state, prompt_ids, generate)
         return (completions, logprobs) if self._generation_returns_logprobs else completions
 
     # ---- log-probabilities and loss ----
