@@ -23,6 +23,8 @@ the same --seed sample the same completions, so their logs compare step by step.
 --lora_r trains a LoRA adapter through TRL's peft_config (its reference: the adapter disabled).
 --packing passes padding_free=True: each step's prompt + completion rows run as one packed row of
 documents (each padded to 2 x cp_size only, not to the longest rollout).
+--fsdp full_shard shards the weights with FSDP2 (at cp 2 too: every process unshards the policy
+for the group's first rank to generate, then reshards).
 The fine-tune example's flags apply (see finetune_llama_long.py), plus those below.
 """
 
