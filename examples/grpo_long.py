@@ -21,6 +21,10 @@ log-probabilities and the backward run through the ring. The reward is logged at
 step (``reward``, ``rewards/copy_reward/mean``). At the defaults, runs at cp 1 and cp 2 with
 the same --seed sample the same completions, so their logs compare step by step.
 --lora_r trains a LoRA adapter through TRL's peft_config (its reference: the adapter disabled).
+--packing passes padding_free=True: each step's prompt + completion rows run as one packed row of
+documents (each padded to 2 x cp_size only, not to the longest rollout).
+--fsdp full_shard shards the weights with FSDP2 (at cp 2 too: every process unshards the policy
+for the group's first rank to generate, then reshards).
 The fine-tune example's flags apply (see finetune_llama_long.py), plus those below.
 """
 
@@ -66,8 +70,6 @@ def parse_args(argv: Optional[Sequence[str]] = None):
                                    "offloaded checkpoints and the tiled MLP are not wired into this example")
     if args.algorithm == "rloo" and args.loss_type is not None:
         p.error("--loss_type is GRPO's; RLOO has one loss")
-    if args.packing:
-        p.error("--packing: packed rollouts are not implemented for GRPO yet (rows are padded); drop --packing")
     if args.stock_trainer and args.cp_size != 1:
         p.error("--stock_trainer is TRL's own GRPOTrainer: --cp_size 1")
     if args.num_eval_examples:
@@ -132,7 +134,8 @@ def build_trainer(args, config: GRPOConfig | RLOOConfig, plugin=None):
     """``RingGRPOTrainer`` / ``RingRLOOTrainer`` (TRL's ``GRPOTrainer`` / ``RLOOTrainer`` with
     --stock_trainer) on the copy task."""
     tokenizer = load_chat_tokenizer(args.model_name_or_path, args.tokenizer_name)
-    attn = args.attn_implementation or ("ring_flash" if args.cp_size > 1 else "sdpa")
+    # --packing: ring_flash keeps the packed documents apart, at cp 1 too.
+    attn = args.attn_implementation or ("ring_flash" if args.cp_size > 1 or args.packing else "sdpa")
     model = initial_policy(args, tokenizer, attn, config)
     # --lora_r: TRL wraps the policy with the adapter; its reference (beta > 0) is the policy with the adapter off.
     common = dict(model=model, reward_funcs=copy_reward, args=config,
@@ -140,7 +143,8 @@ def build_trainer(args, config: GRPOConfig | RLOOConfig, plugin=None):
                   peft_config=lora_config(args) if args.lora_r else None)
     if args.stock_trainer:
         return (GRPOTrainer if args.algorithm == "grpo" else RLOOTrainer)(**common)
-    return (RingGRPOTrainer if args.algorithm == "grpo" else RingRLOOTrainer)(**common, ring_plugin=plugin)
+    return (RingGRPOTrainer if args.algorithm == "grpo" else RingRLOOTrainer)(**common, ring_plugin=plugin,
+                                                                           padding_free=args.packing)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:

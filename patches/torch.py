@@ -15,6 +15,16 @@
   for Accelerate's tail unit ``[final norm, lm_head]`` (``reshard_after_forward=False``) and
   for the root (never resharded after forward), not for a unit that reshards.
 
+- ``fsdp2_unsharded(model)``: FSDP2's ``FSDPParamGroup.post_forward_mesh_info`` (whether a
+  group reshards after its forward) and the root state's ``_lazy_init`` (run on every process
+  first: the root's first forward sets its own setting). The rollout
+  trainers generate on one rank of each CP group from whole weights that every process
+  unsharded together (``FSDPModule.unshard``, public); the forwards of that generation must
+  not reshard (the next one would all-gather with the other ranks absent), and afterwards
+  each group must reshard after forward as it did before. ``set_reshard_after_forward`` is
+  public but writes one value for every module (the root's is specially False), so the
+  previous settings are read and put back here.
+
 Written for torch 2.13.0 (``Module.__init__`` and ``register_forward_hook`` were read
 there: ``_forward_hooks`` is an ``OrderedDict`` from handle id to hook). torch is not
 refused by version here, since pyproject's range (``torch>=2.5``) is what hf_ring supports;
@@ -29,6 +39,8 @@ the op's schema before its first call (``cuda_glue.check_op_schema``).
 from __future__ import annotations
 
 import functools
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 import torch.nn as nn
@@ -57,6 +69,53 @@ def has_forward_hooks(module: nn.Module) -> bool:
     return bool(hooks)
 
 
+def _fsdp2_param_groups(state: object) -> list:
+    groups = vars(state).get("_fsdp_param_groups")
+    if not isinstance(groups, list) or not all(hasattr(g, "post_forward_mesh_info") for g in groups):
+        raise UnsupportedTorchVersion(
+            f"FSDP2's state has no _fsdp_param_groups with post_forward_mesh_info in torch {torch.__version__}; "
+            f"hf_ring's torch accessors were written for torch {', '.join(WRITTEN_FOR)}: report this with your "
+            "torch version")
+    return groups
+
+
+@contextmanager
+def fsdp2_unsharded(model: nn.Module) -> Iterator[None]:
+    """Every FSDP2 module of ``model`` unsharded (collective over each module's mesh: every
+    process must enter together), not resharded by the forwards run inside (which then
+    need no collective, so one rank may run them alone), resharded on exit (local), each
+    group's reshard-after-forward setting restored. Nothing happens for a model without FSDP2.
+
+    Raises:
+        UnsupportedTorchVersion: FSDP2's state not in the shape torch 2.13.0 has.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not modules:
+        yield
+        return
+    root = modules[0]._get_fsdp_state()
+    if not callable(getattr(root, "_lazy_init", None)):
+        raise UnsupportedTorchVersion(f"FSDP2's state has no _lazy_init in torch {torch.__version__}; hf_ring's "
+                                      f"torch accessors were written for torch {', '.join(WRITTEN_FOR)}")
+    # The root's first forward decides it keeps its weights after forward: on every process now, not
+    # inside a generation that one rank runs alone.
+    root._lazy_init()
+    saved = [(g, g.post_forward_mesh_info) for m in modules for g in _fsdp2_param_groups(m._get_fsdp_state())]
+    for module in modules:
+        module.unshard()
+    for group, _ in saved:
+        group.post_forward_mesh_info = None
+    try:
+        yield
+    finally:
+        for group, info in saved:
+            group.post_forward_mesh_info = info
+        for module in modules:
+            module.reshard()
+
+
 # The modules whose forward hooks gather and release parameters around a module's call.
 _WRAPPER_HOOK_MODULES = ("torch.distributed.fsdp.", "deepspeed.")
 
@@ -81,20 +140,10 @@ def foreign_forward_hooks(module: nn.Module) -> list[object]:
 
 def fsdp2_reshards_after_forward(module: nn.Module) -> bool:
     """Whether the FSDP2 unit ``module`` (an ``FSDPModule``) reshards its parameters after its
-    forward. Before the first forward the root's answer may still be True: FSDP2 clears it
-    for the root at its lazy initialisation (the first forward).
+    forward (any of its param groups does). Before the first forward the root's answer may
+    still be True: FSDP2 clears it for the root at its lazy initialisation (the first forward).
 
     Raises:
-        UnsupportedTorchVersion: an FSDP2 state without the param group torch 2.13.0 has.
+        UnsupportedTorchVersion: an FSDP2 state without the param groups torch 2.13.0 has.
     """
-    state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
-    group = getattr(state, "_fsdp_param_group", "missing")
-    if group is None:  # a unit that manages no parameters of its own
-        return False
-    if not hasattr(group, "post_forward_mesh_info"):
-        raise UnsupportedTorchVersion(
-            f"{type(module).__name__}'s FSDP2 state has no param group with post_forward_mesh_info in torch "
-            f"{torch.__version__}; hf_ring's torch accessors were written for torch {', '.join(WRITTEN_FOR)}: "
-            "report this with your torch version"
-        )
-    return group.post_forward_mesh_info is not None
+    return any(g.post_forward_mesh_info is not None for g in _fsdp2_param_groups(module._get_fsdp_state()))

@@ -284,3 +284,39 @@ def test_forward_hooks_of_another_shape_are_refused():
     object.__setattr__(linear, "_forward_hooks", [])
     with pytest.raises(torch_patches.UnsupportedTorchVersion, match="list, not a dict"):
         torch_patches.has_forward_hooks(linear)
+
+
+def test_fsdp2_unsharded_keeps_whole_weights_through_forwards_and_restores_resharding(tmp_path):
+    """Inside, the FSDP2 modules hold whole (plain) weights and a forward does not reshard them
+    (one rank may run forwards alone); on exit they are sharded again (DTensors) and each
+    group's reshard-after-forward setting is what it was (one process, a mesh of 1)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+
+        def settings():
+            return [g.post_forward_mesh_info is not None
+                    for m in (model[0], model) for g in m._get_fsdp_state()._fsdp_param_groups]
+
+        model(torch.ones(1, 4))  # the root's lazy init: it keeps its weights after forward, the layer does not
+        before = settings()
+        assert before == [True, False]
+        with torch_patches.fsdp2_unsharded(model):
+            for _ in range(2):
+                model(torch.ones(1, 4))
+                assert not any(isinstance(p, DTensor) for p in model.parameters())
+        assert settings() == before
+        assert all(isinstance(p, DTensor) for p in model.parameters())
+    finally:
+        if started:
+            dist.destroy_process_group()

@@ -11,6 +11,9 @@ float32, fixed seed) is run for 8 optimizer steps in these cases:
           own) with a LoRA adapter through TRL's peft_config, beta 0.04 (the reference is the
           policy with its adapter disabled, through the ring too)
 
+grpo, dapo and rloo also with packed rollouts (--packing: padding_free=True) at cp 2 against the
+same padded cp 1 run (the rows as one packed row of documents compute what the padded rows do),
+rloo packed with FSDP2 (--fsdp full_shard: weights sharded over the 2 processes),
 each at cp 2 on 2 processes (one CP group, `accelerate launch`; grpo with gradient
 checkpointing, TRL's default) against cp 1 in this process, and (grpo, rloo: one case per
 trainer, every method at cp 1 is TRL's own) cp 1 against TRL's own trainer in this process.
@@ -53,6 +56,8 @@ CASES = {
     "rloo": ["--algorithm", "rloo", "--beta", "0.05", "--num_iterations", "2"],
     "lora_bnpo": ["--loss_type", "bnpo", "--beta", "0.04", "--lora_r", "4"],
 }
+# Packed rollouts (padding_free=True) at cp 2 against the padded cp 1 run: GRPO with two loss types, and RLOO.
+PACKED = {"grpo": ("--packing",), "dapo": ("--packing",), "rloo": ("--packing", "--fsdp", "full_shard")}
 # At cp 1 every method is TRL's own; checked once per trainer and for the loss types with their own code paths.
 AGAINST_TRL = ("grpo", "rloo")
 WITH_KL = ("grpo", "rloo", "lora_bnpo")
@@ -97,10 +102,12 @@ def in_process_runs(tmp_path_factory):
     return get
 
 
-def _launch_cp2(case: str, out_dir: str) -> dict:
+def _launch_cp2(case: str, out_dir: str, extra: tuple[str, ...] = ()) -> dict:
     log = _run(2, [os.path.join(EXAMPLES, "grpo_long.py"), "--output_dir", out_dir, "--cp_size", "2",
-                   *COMMON, *CASES[case], *CP_ONLY.get(case, [])])
+                   *COMMON, *CASES[case], *CP_ONLY.get(case, []), *extra])
     assert "[hf_ring] rank 1/2 (dist_backend" in log, log[-3000:]
+    if "--fsdp" in extra:  # the weights really were sharded
+        assert "gradients: fsdp2 mesh (2,) over 2 processes" in log, log[-3000:]
     with open(os.path.join(out_dir, "trainer_state.json")) as f:
         return _figures_only(json.load(f)["log_history"])
 
@@ -118,16 +125,23 @@ def test_ring_trainer_at_cp1_is_trl_trainer(in_process_runs, case):
     assert {"loss", "grad_norm"} | EXPECTED <= set(worst), sorted(({"loss", "grad_norm"} | EXPECTED) - set(worst))
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_cp2_logs_what_cp1_logs(in_process_runs, tmp_path, case):
+def _check_cp2_against_cp1(in_process_runs, tmp_path, case: str, extra: tuple[str, ...] = ()) -> dict:
+    """The cp 2 run of ``case`` (plus ``extra`` flags) logs what the padded cp 1 run logs;
+    returns the cp 1 log."""
     ref = in_process_runs(case, "ring")
-    got = _launch_cp2(case, str(tmp_path / case))
+    got = _launch_cp2(case, str(tmp_path / case), extra)
     assert _steps(got) == list(range(1, STEPS + 1))
     worst = compare(got, ref)
     expected = {"loss", "grad_norm"} | EXPECTED | ({"kl"} if case in WITH_KL else set())
     assert expected <= set(worst), sorted(expected - set(worst))
-    print(f"\n{case}: max |cp2 - cp1| per figure over {STEPS} steps: "
+    print(f"\n{case} {' '.join(extra)}: max |cp2 - cp1| per figure over {STEPS} steps: "
           + ", ".join(f"{k} {v:.2e}" for k, v in sorted(worst.items())))
+    return ref
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_cp2_logs_what_cp1_logs(in_process_runs, tmp_path, case):
+    ref = _check_cp2_against_cp1(in_process_runs, tmp_path, case)
     # The comparison is not one of zeros: the policy moves and is rewarded for it.
     assert any(e.get("grad_norm", 0.0) > 1e-3 for e in ref["log_history"])
     assert any(e.get("reward", 0.0) > 0.0 for e in ref["log_history"])
@@ -135,6 +149,19 @@ def test_cp2_logs_what_cp1_logs(in_process_runs, tmp_path, case):
         assert any(abs(e.get("kl", 0.0)) > 1e-6 for e in ref["log_history"])
     if case == "lora_bnpo":  # the adapter alone was trained and saved
         assert os.path.exists(os.path.join(str(tmp_path / case), "adapter_model.safetensors"))
+
+
+@pytest.mark.parametrize("case", sorted(PACKED))
+def test_cp2_packed_logs_what_cp1_padded_logs(in_process_runs, tmp_path, case):
+    """padding_free=True (--packing) at cp 2: the group's rows as one packed row of documents
+    against TRL's padded rows at cp 1 (the same computation: documents never attend to each
+    other, positions restart per document); the same tolerance. RLOO with FSDP2 too (the
+    weights sharded over both processes, unsharded together for the first rank's generation)."""
+    ref = _check_cp2_against_cp1(in_process_runs, tmp_path, case, PACKED[case])
+    # The packed documents are not all of one length (rollouts end early from step 3 on).
+    lengths = [(e["completions/min_length"], e["completions/max_length"]) for e in ref["log_history"]
+               if "completions/min_length" in e]
+    assert any(low < high for low, high in lengths), lengths
 
 
 # ---- in one process: the pieces ----
@@ -162,12 +189,14 @@ def test_group_shuffle_is_one_permutation_of_the_group():
     assert kept[1] == [i for i in whole.tolist() if i >= rows]
 
 
-def test_completion_rows_give_trl_per_token_values(tmp_path):
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_completion_rows_give_trl_per_token_values(tmp_path, packed):
     """completion_log_probs on TRL's rows (prompts left-padded by different amounts, completions of
     different lengths) gives TRL's own fused forward's log-probs and entropies on every completion
-    token (one process, a CP group of 1: the compaction and the placement back). Tolerance 1e-5:
-    the two differ only in the positions (counted from the padding or from 0), which rotary
-    attention sees only as differences (measured 2.4e-7)."""
+    token (one process, a CP group of 1: the compaction and the placement back; packed: the rows
+    as one row of documents through ring_flash, which keeps them apart). Tolerance 1e-5: the two
+    differ only in the positions (counted from the padding or from 0), which rotary attention
+    sees only as differences (measured 2.4e-7), and the order of the sums."""
     import torch.distributed as dist
     from transformers import LlamaConfig, LlamaForCausalLM
     from trl.trainer.utils import add_fused_lm_head
@@ -196,7 +225,10 @@ def test_completion_rows_give_trl_per_token_values(tmp_path):
         labels = ids.masked_fill(mask == 0, -100)
         labels[:, :-completion] = -100
         ref = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
-        log_probs, entropy = completion_log_probs(RingFusedForward(model, state, 0), ids, mask, completion, True)
+        if packed:  # what padding_free requires (it reads the documents' boundaries)
+            model.set_attn_implementation("ring_flash")
+        ring = RingFusedForward(model, state, 0, packed=packed)
+        log_probs, entropy = completion_log_probs(ring, ids, mask, completion, True)
         scored = mask[:, -completion:].bool()
         assert (log_probs - ref.log_probs[:, -completion:])[scored].abs().max() < 1e-5
         assert (entropy - ref.entropy[:, -completion:])[scored].abs().max() < 1e-5
@@ -231,3 +263,21 @@ def test_refuses_what_is_not_exact_under_cp(tmp_path, change, message):
         check_grpo_config(args, {}, cp_size=2)
     with pytest.raises(NotImplementedError, match="tools="):
         check_grpo_config(GRPOConfig(**settings), {"tools": [len]}, cp_size=2)
+
+
+def test_padding_free_refuses_attention_that_does_not_keep_documents_apart():
+    """padding_free at cp 1 with SDPA: refused (it does not read the documents' boundaries)."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig
+
+    from hf_ring.trl import RingGRPOTrainer
+
+    config = LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)
+    config._attn_implementation = "sdpa"
+    trainer = SimpleNamespace(model=SimpleNamespace(config=config), ref_model=None)
+    with pytest.raises(ValueError, match="padding_free=True .* the policy uses attn_implementation='sdpa'"):
+        RingGRPOTrainer._check_packing_attention(trainer)
+    config._attn_implementation = "ring_flash"
+    RingGRPOTrainer._check_packing_attention(trainer)

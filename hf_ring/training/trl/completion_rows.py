@@ -15,7 +15,9 @@ entropy) of each completion token, ``(rows, C)``. Under context parallelism
 3. runs them through :class:`~hf_ring.training.trl.fused_forward.RingFusedForward`: each
    rank computes its shard of every row through the ring with TRL's fused LM head (by
    chunks of positions: never a ``(tokens, vocab)`` logits tensor), and the per-token
-   fields come back as whole rows;
+   fields come back as whole rows. With ``padding_free`` the forward packs the group's rows
+   into one row of documents (:mod:`~hf_ring.sharding.row_packing`): the model never sees
+   a row padded to the group's longest, and the fields come back in the same layout;
 4. keeps this rank's rows and puts each completion token's value where TRL's layout has it
    (0 where TRL's mask is 0).
 
@@ -63,6 +65,8 @@ def _windows(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _gather_group(t: torch.Tensor, state: ContextParallelState) -> torch.Tensor:
     """Every CP rank's ``(rows, width)`` tensor, concatenated in rank order (no gradient)."""
+    if state.cp_size == 1:
+        return t
     pieces = [torch.empty_like(t) for _ in range(state.cp_size)]
     dist.all_gather(pieces, t.contiguous(), group=state.cp_group)
     return torch.cat(pieces, dim=0)
@@ -96,7 +100,8 @@ def completion_log_probs(
     device = input_ids.device
     starts, lengths = _windows(attention_mask)
     group_width = torch.tensor([int(lengths.max()) if rows else 1], device=device)
-    dist.all_reduce(group_width, op=dist.ReduceOp.MAX, group=state.cp_group)
+    if state.cp_size > 1:
+        dist.all_reduce(group_width, op=dist.ReduceOp.MAX, group=state.cp_group)
     compact_width = max(int(group_width), 2)
 
     cols = torch.arange(compact_width, device=device)

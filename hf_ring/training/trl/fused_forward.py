@@ -15,6 +15,10 @@ group), then all-gathers every per-token field back into whole rows. TRL's own l
 metric code then runs, unchanged, on exactly the tensors it sees without CP, and every
 rank of a CP group computes the same loss.
 
+``packed=True`` (the rollout trainers' ``padding_free``) runs the rows as one packed row of
+documents instead (:mod:`hf_ring.sharding.row_packing`): each document is sharded on its
+own, ``ring_flash`` reads their boundaries, and the fields come back in the rows' layout.
+
 Gradients: the gathered ``log_probs`` is differentiable. Its backward sums each rank's
 gradient of the full row over the CP group and keeps this rank's shard: every rank's
 parameters then receive ``cp_size`` times their share, which DDP's average over all
@@ -24,7 +28,7 @@ the loss each rank returns (and the Trainer logs) is the true per-batch loss.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -33,8 +37,9 @@ from hf_ring.distributed.rows import gather_rows as gather_rows_whole
 from hf_ring.hf.guard import per_token_labels
 from hf_ring.patches import trl as trl_patches
 from hf_ring.patterns.state import ContextParallelState
-from hf_ring.sharding import required_multiple, shard_sequence
+from hf_ring.sharding import required_multiple, shard_packed, shard_sequence
 from hf_ring.sharding.labels import IGNORE_INDEX
+from hf_ring.sharding.row_packing import pack_rows, unpack_field
 
 # What TRL's preference trainers pass; anything else (pixel values, router logits) is refused under CP.
 _ACCEPTED = frozenset({"input_ids", "attention_mask", "labels", "fused_lm_head", "use_cache"})
@@ -45,24 +50,38 @@ class _GatherRows(torch.autograd.Function):
     """All-gather of sequence shards; backward: the CP group's summed gradient, this rank's shard."""
 
     @staticmethod
-    def forward(ctx: Any, local: torch.Tensor, state: ContextParallelState) -> torch.Tensor:
-        ctx.state = state
-        return gather_rows_whole(local, state.cp_group, state.cp_size, state.layout)
+    def forward(ctx: Any, local: torch.Tensor, state: ContextParallelState,
+                cu_seqlens: Optional[torch.Tensor]) -> torch.Tensor:
+        ctx.state, ctx.cu_seqlens = state, cu_seqlens
+        return gather_rows_whole(local, state.cp_group, state.cp_size, state.layout, cu_seqlens)
 
     @staticmethod
-    def backward(ctx: Any, grad_rows: torch.Tensor) -> tuple[torch.Tensor, None]:
-        state = ctx.state
+    def backward(ctx: Any, grad_rows: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        state, cu_seqlens = ctx.state, ctx.cu_seqlens
         total = grad_rows.contiguous().clone()
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=state.cp_group)
-        return shard_sequence(total, state.cp_size, state.cp_rank, dim=1, layout=state.layout), None
+        if cu_seqlens is not None:
+            return shard_packed(total, cu_seqlens, state.cp_size, state.cp_rank, dim=1), None, None
+        return shard_sequence(total, state.cp_size, state.cp_rank, dim=1, layout=state.layout), None, None
 
 
-def gather_rows(local: torch.Tensor, state: ContextParallelState) -> torch.Tensor:
+def gather_rows(local: torch.Tensor, state: ContextParallelState, cu_seqlens: Optional[torch.Tensor] = None
+                ) -> torch.Tensor:
     """Whole rows from this rank's shard ``(batch, local_seq)`` (any dtype); differentiable in
-    ``local`` when it requires grad (see the module docstring for the backward)."""
+    ``local`` when it requires grad (see the module docstring for the backward).
+    ``cu_seqlens``: int32 ``(n_docs + 1,)`` for a packed row (batch 1)."""
+    if state.cp_size == 1:
+        return local
     if local.requires_grad:
-        return _GatherRows.apply(local, state)
-    return gather_rows_whole(local, state.cp_group, state.cp_size, state.layout)
+        return _GatherRows.apply(local, state, cu_seqlens)
+    return gather_rows_whole(local, state.cp_group, state.cp_size, state.layout, cu_seqlens)
+
+
+def _whole_rows(out: Any, to_rows: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """TRL's output of whole rows from the model's output on this rank's shard: ``to_rows``
+    applied to each per-token field that is there, ``loss`` None."""
+    fields = {name: to_rows(getattr(out, name)) for name in _PER_TOKEN_FIELDS if getattr(out, name, None) is not None}
+    return trl_patches.fused_output_class()(loss=None, **fields)
 
 
 def _check_right_padded(attention_mask: torch.Tensor) -> None:
@@ -83,12 +102,16 @@ class RingFusedForward:
             (``trl.trainer.utils.add_fused_lm_head``), loaded with ``attn_implementation="ring_flash"``.
         state: the context-parallel state (group, rank, size, layout).
         pad_token_id: id written into the padding this wrapper adds (never attended to, never learned).
+        packed: run the rows as one packed row of documents (:mod:`hf_ring.sharding.row_packing`),
+            each padded to ``2 * cp_size`` only, instead of every row to the longest; the fields
+            come back in the same ``(batch, seq - 1)`` layout.
     """
 
-    def __init__(self, model: Any, state: ContextParallelState, pad_token_id: int = 0):
+    def __init__(self, model: Any, state: ContextParallelState, pad_token_id: int = 0, packed: bool = False):
         self.model = model
         self.state = state
         self.pad_token_id = pad_token_id
+        self.packed = packed
 
     def __call__(
         self,
@@ -112,6 +135,8 @@ class RingFusedForward:
             )
         if attention_mask is not None:
             _check_right_padded(attention_mask)
+        if self.packed:
+            return self._packed_forward(input_ids, labels, attention_mask)
         state = self.state
         batch, seq = input_ids.shape
         multiple = required_multiple(state.cp_size, state.layout)
@@ -134,9 +159,32 @@ class RingFusedForward:
                 fused_lm_head=True,
                 use_cache=False,
             )
-        fields = {}
-        for name in _PER_TOKEN_FIELDS:
-            local = getattr(out, name, None)
-            if local is not None:
-                fields[name] = gather_rows(local, state)[:, : seq - 1]
-        return trl_patches.fused_output_class()(loss=None, **fields)
+        return _whole_rows(out, lambda local: gather_rows(local, state)[:, : seq - 1])
+
+    def _packed_forward(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                        attention_mask: Optional[torch.Tensor]) -> Any:
+        """The rows (right-padded ``(batch, seq)``) as one packed row: its shard through the
+        model with the document boundaries, its per-token fields gathered and unpacked."""
+        state = self.state
+        batch, seq = input_ids.shape
+        lengths = (attention_mask.long().sum(dim=1) if attention_mask is not None
+                   else torch.full((batch,), seq, dtype=torch.long, device=input_ids.device))
+        packed = pack_rows(input_ids, labels, lengths, 2 * state.cp_size, self.pad_token_id)
+        cu = packed.cu_seqlens
+
+        def shard(t: torch.Tensor) -> torch.Tensor:
+            return shard_packed(t, cu, state.cp_size, state.cp_rank, dim=1)
+
+        with per_token_labels():
+            out = self.model(
+                input_ids=shard(packed.input_ids),
+                position_ids=shard(packed.position_ids),
+                shift_labels=shard(packed.shift_labels),
+                cu_seq_lens_q=cu,
+                cu_seq_lens_k=cu.clone(),
+                max_length_q=packed.max_length,
+                max_length_k=packed.max_length,
+                fused_lm_head=True,
+                use_cache=False,
+            )
+        return _whole_rows(out, lambda local: unpack_field(gather_rows(local, state, cu), packed))

@@ -27,10 +27,13 @@ class RingRLOOTrainer(RingRolloutTrainer, RLOOTrainer):
             must use ``attn_implementation="ring_flash"``; ``per_device_train_batch_size``
             counts the rollouts of one CP group per step and must be a multiple of ``cp_size``.
         ring_plugin: the :class:`~hf_ring.RingAttentionPlugin`; default ``cp_size=1``.
+        padding_free: hf_ring's option (TRL's config has none): run each forward's prompt +
+            completion rows as one packed row of documents, each padded to ``2 * cp_size``
+            only, instead of every row to the longest; needs ``ring_flash`` (at cp 1 too).
 
     Refused under CP (:func:`~hf_ring.training.trl.rollout_checks.check_rloo_config`): vLLM
     and continuous-batching generation, tools / environments / ``rollout_func``,
-    ``steps_per_generation > 1``, evaluation, FSDP / DeepSpeed, image-text rollouts, an MoE
+    ``steps_per_generation > 1``, evaluation, DeepSpeed, image-text rollouts, an MoE
     auxiliary loss.
     """
 

@@ -48,8 +48,9 @@ def check_rollout_config(args: Any, constructor_kwargs: dict[str, Any], cp_size:
     if args.eval_strategy != "no" or constructor_kwargs.get("eval_dataset") is not None:
         refuse("evaluation (its rollouts are not sliced over the CP group yet)",
                "drop eval_dataset and set eval_strategy='no', or evaluate at cp_size=1")
-    if args.fsdp or args.deepspeed:
-        refuse("FSDP or DeepSpeed (not checked against one process)", "train with DDP (the default)")
+    if args.deepspeed:
+        refuse("DeepSpeed (the CP group's first rank generates alone, and ZeRO-3 gathers the weights layer by "
+               "layer with every process taking part, in each decoding step)", "train with DDP or FSDP2")
     if args.per_device_train_batch_size % cp_size:
         raise ValueError(
             f"per_device_train_batch_size={args.per_device_train_batch_size} (the CP group's rollouts per step) "

@@ -15,12 +15,15 @@ reference, policy with its backward). Under context parallelism (``cp_size > 1``
 - **generation** (:mod:`hf_ring.training.trl.rollouts`): TRL's transformers ``generate``,
   without CP, once per group, on its first rank, for the whole group's prompts in one call
   (what one process would generate, sample for sample); the completions reach every rank
-  of the group by a broadcast.
+  of the group by a broadcast. Under FSDP2 every process unshards the policy first, together
+  (``hf_ring.patches.torch.fsdp2_unsharded``), so that the first rank generates from whole
+  weights without a collective per decoding step; all reshard afterwards.
 - **log-probabilities** (:mod:`hf_ring.training.trl.completion_rows`): every model runs the
   group's rows through the ring with TRL's fused LM head (per-token log-probabilities by
   chunks of positions, never full-vocabulary logits), gathered back into whole rows; each
   rank reads its own rows, and TRL's loss, KL, clipping and metrics run on exactly the
-  tensors they see without CP.
+  tensors they see without CP. With ``padding_free=True`` the group's rows run as one
+  packed row of documents (:mod:`hf_ring.sharding.row_packing`), at cp 1 too.
 - **loss**: each rank returns TRL's loss of its slice; the wrapper's (DDP) average over the
   dp x cp processes of what the gathered rows' backward gives each rank is the gradient of
   the mean of the group's losses, as between TRL's own processes. Where that mean is not
@@ -33,19 +36,39 @@ Must not import a TRL trainer class (the subclass names it as ``_trl_trainer``).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+import functools
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import transformers
 
 from hf_ring.distributed.errors import raise_together
+from hf_ring.patches import torch as torch_patches
+from hf_ring.patches import transformers as transformers_patches
 from hf_ring.patches import trl as trl_patches
 from hf_ring.training.plugin import RingAttentionPlugin
 from hf_ring.training.trainer import RingTrainer
-from hf_ring.training.trainer_checks import check_reference_attention
+from hf_ring.training.trainer_checks import RING_ATTENTION, check_reference_attention
 from hf_ring.training.trl.completion_rows import completion_log_probs
 from hf_ring.training.trl.fused_forward import RingFusedForward
 from hf_ring.training.trl.rollouts import generate_for_group, group_shuffle
+
+
+@contextmanager
+def _generating_alone(model: torch.nn.Module) -> Iterator[None]:
+    """``model.generate`` with ``synced_gpus=False``: transformers turns it on by itself for an
+    FSDP-managed model (every process then runs each decoding step together), but here one
+    rank generates alone, from weights every process unsharded beforehand."""
+    own = vars(model).get("generate")  # FSDP2 registers generate as an instance method of its own
+    model.generate = functools.partial(model.generate, synced_gpus=False)
+    try:
+        yield
+    finally:
+        if own is None:
+            del model.generate
+        else:
+            model.generate = own
 
 
 class RingRolloutTrainer(RingTrainer):
@@ -58,13 +81,18 @@ class RingRolloutTrainer(RingTrainer):
     _generation_returns_logprobs: bool
 
     def __init__(self, model: Any, reward_funcs: Any = None, args: Any = None, *rest: Any,
-                 ring_plugin: Optional[RingAttentionPlugin] = None, **kwargs: Any):
+                 ring_plugin: Optional[RingAttentionPlugin] = None, padding_free: bool = False, **kwargs: Any):
         trl_patches.check_version()
+        # TRL's GRPOConfig / RLOOConfig have no padding_free: hf_ring's option, named as SFTConfig's.
+        self.padding_free = bool(padding_free)
         trl_patches.check_rollout_hooks(self._trl_trainer)
         plugin = ring_plugin if ring_plugin is not None else RingAttentionPlugin(cp_size=1)
         if plugin.cp_size > 1:
             type(self)._check_config(args, kwargs, plugin.cp_size)  # the same config everywhere: raised on every rank
         super().__init__(model, reward_funcs, args, *rest, ring_plugin=plugin, **kwargs)
+        if self.padding_free and self.ring_state.layout != "zigzag":
+            raise ValueError(f"padding_free=True shards each packed document in zigzag order; the plugin's layout "
+                             f"is {self.ring_state.layout!r}: use layout='zigzag' or set padding_free=False")
         if self.ring_state.cp_size > 1:
             raise_together(self._check_cp_setup)
             # The config counted every process as holding its own prompts; the data-parallel ranks do. TRL's
@@ -79,6 +107,8 @@ class RingRolloutTrainer(RingTrainer):
             # TRL seeded each process with seed + its index; every rank of a CP group takes the seed of
             # one process per data-parallel rank, so the group's first rank samples what that process would.
             transformers.set_seed(self.args.seed + self.ring_state.dp_rank)
+        elif self.padding_free:
+            raise_together(self._check_packing_attention)
 
     def _check_cp_setup(self) -> None:
         name = type(self).__name__
@@ -90,6 +120,18 @@ class RingRolloutTrainer(RingTrainer):
                                       "processing_class); image-text rollouts are not supported yet")
         if self.ref_model is not None:  # TRL builds it like the policy
             check_reference_attention(self.ref_model, self.ring_state.cp_size, "load the policy with")
+
+    def _check_packing_attention(self) -> None:
+        """padding_free at cp 1: the documents of the packed row are kept apart by ring_flash
+        (it reads their boundaries); SDPA or eager attention would let them attend to each other."""
+        for what, model in (("policy", self.model), ("reference model", self.ref_model)):
+            if model is None:
+                continue
+            impl = transformers_patches.attn_implementation(getattr(getattr(model, "module", model), "config", None))
+            if impl != RING_ATTENTION:
+                raise ValueError(f"padding_free=True packs the rollouts into one row of documents, which only "
+                                 f"{RING_ATTENTION!r} keeps apart; the {what} uses attn_implementation={impl!r}: "
+                                 f"load it with attn_implementation={RING_ATTENTION!r} or set padding_free=False")
 
     # ---- data and generation ----
 
@@ -122,10 +164,13 @@ class RingRolloutTrainer(RingTrainer):
             raise NotImplementedError("image-text rollouts are not supported under context parallelism")
 
         def generate(group_prompt_ids: list) -> tuple[list, Optional[list]]:
-            out = generate_one(self, group_prompt_ids, None, {}, *rest)
+            with _generating_alone(self.model):
+                out = generate_one(self, group_prompt_ids, None, {}, *rest)
             return out if self._generation_returns_logprobs else (out, None)
 
-        completions, logprobs = generate_for_group(self.ring_state, prompt_ids, generate)
+        # FSDP2: every process gathers the whole weights together, the first ranks generate from them alone.
+        with torch_patches.fsdp2_unsharded(self.model):
+            completions, logprobs = generate_for_group(self.ring_state, prompt_ids, generate)
         return (completions, logprobs) if self._generation_returns_logprobs else completions
 
     # ---- log-probabilities and loss ----
@@ -144,15 +189,15 @@ class RingRolloutTrainer(RingTrainer):
         """TRL's per-completion-token log-probs ``(rows, C)`` and entropies; under CP computed
         as a ring over the CP group's rows (:func:`completion_log_probs`), ``batch_size`` rows at a time."""
         state = self.ring_state
-        if state.cp_size == 1:
+        if state.cp_size == 1 and not self.padding_free:
             return self._trl_trainer._get_per_token_logps_and_entropies(
                 self, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
                 compute_aux_loss, **multimodal)
         given = sorted(k for k, v in multimodal.items() if v is not None)
         if compute_aux_loss or given:
-            raise NotImplementedError(f"under context parallelism the rollouts are text only (got {given}, "
-                                      f"compute_aux_loss={compute_aux_loss})")
-        ring = RingFusedForward(model, state, self.processing_class.pad_token_id or 0)
+            raise NotImplementedError(f"under context parallelism or padding_free the rollouts are text only "
+                                      f"(got {given}, compute_aux_loss={compute_aux_loss})")
+        ring = RingFusedForward(model, state, self.processing_class.pad_token_id or 0, packed=self.padding_free)
         batch_size = batch_size or input_ids.size(0)
         log_probs, entropies = [], []
         for start in range(0, input_ids.size(0), batch_size):
