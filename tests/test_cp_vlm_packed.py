@@ -247,7 +247,8 @@ def test_stock_sdpa_reads_the_same_packed_batch(name):
 def test_stock_gemma3_packs_wrong_so_its_stock_collator_refuses():
     """transformers 5.24's own Gemma 3 mask on a packed row is not each sample alone (its
     sliding layers): the collator for the stock model's loss refuses to pack it. If a
-    release fixes the mask, the first assertion fails: lift ``Family.stock_packing``."""
+    release fixes the mask, the first assertion fails: lift ``Family.stock_packing`` and
+    ``patches/transformers/defects.py``'s ``GEMMA3_PACKED_MASK``."""
     cases, _ = _run()
     model = _SDPA["gemma3"]
     model.config.get_text_config().use_cache = False
