@@ -227,6 +227,25 @@ def test_packed_row_without_cp_is_each_sample_alone(name):
     assert max(errors.values()) <= TOL, sorted(errors.items(), key=lambda e: -e[1])[:4]
 
 
+def test_packed_gemma3_without_cp_builds_no_sdpa_mask(monkeypatch):
+    """The varlen ring reads no mask: on a packed Gemma 3 row ring_flash's mask builder must
+    not build SDPA's (batch, 1, seq, seq) one (still each sample alone: the test above). The
+    control, one sample unpacked, builds it: the counter sees the builder."""
+    import hf_ring.hf.mask as ring_mask
+
+    built = []
+    sdpa = ring_mask.ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
+    monkeypatch.setattr(ring_mask, "ALL_MASK_ATTENTION_FUNCTIONS",
+                        {"sdpa": lambda *a, **k: built.append(sdpa(*a, **k)) or built[-1]})
+    case = _run()[0]["gemma3"]
+    model = build(case["config"], "ring_flash", case["state_dict"])
+    with torch.no_grad():
+        model(**_without(pack_image_text(case["samples"], model, _config(1)), "shift_labels"), use_cache=False)
+        assert built == []
+        model(**case["samples"][0], use_cache=False)
+    assert any(m is not None and m.shape[-1] == case["samples"][0]["input_ids"].shape[-1] for m in built), built
+
+
 def _without(batch: dict, *names: str) -> dict:
     return {k: v for k, v in batch.items() if k not in names}
 
