@@ -56,7 +56,7 @@ from hf_ring.training.collator import RingCollatorConfig
 from hf_ring.training.loss import all_reduce_sum, count_valid_tokens, token_loss_sum
 from hf_ring.training.vision_packing import pack_image_text
 from reference_attention import rel_err
-from vlm_checks import assert_tower_exercised
+from vlm_checks import TOL, WORLD, ZERO, assert_tower_exercised, grads
 from vlm_cases import (
     FAMILIES, IMAGE, PACKED_CONFIGS, PACKED_SAMPLES, VIDEO, VOCAB, assert_refused_on_every_rank,
     assert_tower_gradient_split, build, tiny_gemma,
@@ -67,9 +67,6 @@ pytestmark = pytest.mark.skipif(
     reason="the multimodal families were read and tested on transformers 5.x",
 )
 
-TOL = 1e-4
-ZERO = 1e-5  # the norm below which a gradient is zero in exact arithmetic
-WORLD = 2
 # What each refusal under CP must say, on every rank.
 REFUSALS = {
     "stripe": "packed rows are zigzag-sharded document by document",
@@ -81,10 +78,6 @@ REFUSALS = {
 
 def _config(cp_size: int, cp_rank: int = 0) -> RingCollatorConfig:
     return RingCollatorConfig(pad_token_id=0, cp_size=cp_size, cp_rank=cp_rank, packing=True)
-
-
-def _grads(model) -> dict[str, torch.Tensor]:
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def _packed_weights(case: dict, cu: torch.Tensor) -> torch.Tensor:
@@ -121,7 +114,7 @@ def _packed_run(model, case: dict, cp_size: int, rank: int) -> dict:
     if cp_size > 1:
         count = all_reduce_sum(count)
     loss = token_loss_sum(logits.detach(), shift_labels) / count
-    return {"logits": logits.detach(), "grads": _grads(model), "loss": loss, "cu": cu}
+    return {"logits": logits.detach(), "grads": grads(model), "loss": loss, "cu": cu}
 
 
 def _refusals(model, case: dict, rank: int) -> dict[str, str]:
@@ -182,7 +175,7 @@ def _reference(name: str) -> dict:
         labels = ids.masked_fill(torch.isin(ids, torch.tensor([IMAGE, VIDEO])), -100)[1:]  # shifted
         losses += F.cross_entropy(x[:-1].detach(), labels, ignore_index=-100, reduction="sum")
         count += int((labels != -100).sum())
-    return {"logits": [x.detach() for x in logits], "grads": _grads(model), "loss": losses / count}
+    return {"logits": [x.detach() for x in logits], "grads": grads(model), "loss": losses / count}
 
 
 def _errors(name: str, logits: torch.Tensor, cu: torch.Tensor, grads: dict, loss: torch.Tensor) -> dict[str, float]:
