@@ -25,7 +25,9 @@ import transformers
 from trl import DPOConfig
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from finetune_llama_long import build_model, build_parser, parse_args as parse_shared_args, share_cores, start_plugin, train_and_report  # noqa: E402
+from finetune_llama_long import (  # noqa: E402
+    build_model, build_parser, parse_args as parse_shared_args, share_cores, start_plugin, train_and_report,
+)
 from finetune_llama_long import refuse_memory_options, training_arguments  # noqa: E402
 from trl_data import load_chat_tokenizer, preference_dataset  # noqa: E402
 
@@ -42,7 +44,8 @@ def parse_args(argv: Optional[Sequence[str]] = None):
     p.add_argument("--loss_type", nargs="+", default=["sigmoid"], help="TRL's DPO loss type(s)")
     p.add_argument("--gradient_checkpointing", action="store_true")
     args = parse_shared_args(argv, p)
-    refuse_memory_options(p, args, "RingDPOTrainer computes its loss with TRL's fused LM head; offloaded checkpoints and the tiled MLP are not wired into this example")
+    refuse_memory_options(p, args, "RingDPOTrainer computes its loss with TRL's fused LM head; offloaded checkpoints "
+                          "and the tiled MLP are not wired into this example")
     if args.lora_r or args.stock_trainer:
         p.error("--lora_r and --stock_trainer are not wired into the DPO example (examples/sft_long.py has both)")
     return args

@@ -117,7 +117,9 @@ def build_parser(description: Optional[str] = __doc__) -> argparse.ArgumentParse
     return p
 
 
-def parse_args(argv: Optional[Sequence[str]] = None, parser: Optional[argparse.ArgumentParser] = None) -> argparse.Namespace:
+def parse_args(
+    argv: Optional[Sequence[str]] = None, parser: Optional[argparse.ArgumentParser] = None
+) -> argparse.Namespace:
     """The flags of ``parser`` (default: :func:`build_parser`), checked together."""
     parser = parser if parser is not None else build_parser()
     args = parser.parse_args(argv)

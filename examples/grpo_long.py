@@ -42,7 +42,9 @@ from transformers import AutoModelForCausalLM
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from finetune_llama_long import build_model, build_parser, parse_args as parse_shared_args, share_cores, start_plugin, train_and_report  # noqa: E402
+from finetune_llama_long import (  # noqa: E402
+    build_model, build_parser, parse_args as parse_shared_args, share_cores, start_plugin, train_and_report,
+)
 from finetune_llama_long import lora_config, refuse_memory_options, training_arguments  # noqa: E402
 from trl_data import load_chat_tokenizer  # noqa: E402
 
@@ -63,7 +65,8 @@ def parse_args(argv: Optional[Sequence[str]] = None):
     p.add_argument("--num_generations", type=int, default=4, help="completions per prompt")
     p.add_argument("--max_completion_length", type=int, default=8)
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--num_iterations", type=int, default=1, help="updates per generation (> 1: old-policy log-probs, clipping)")
+    p.add_argument("--num_iterations", type=int, default=1,
+                   help="updates per generation (> 1: old-policy log-probs, clipping)")
     p.add_argument("--gradient_checkpointing", action="store_true")
     args = parse_shared_args(argv, p)
     refuse_memory_options(p, args, "TRL's fused LM head computes the per-token log-probabilities by chunks; "
@@ -127,7 +130,8 @@ def initial_policy(args, tokenizer, attn: str, config: GRPOConfig | RLOOConfig) 
         build_model(args, tokenizer, "sdpa", config).save_pretrained(path)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
-    return AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn, dtype=torch.bfloat16 if args.bf16 else torch.float32)
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    return AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn, dtype=dtype)
 
 
 def build_trainer(args, config: GRPOConfig | RLOOConfig, plugin=None):

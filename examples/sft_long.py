@@ -27,7 +27,9 @@ import transformers
 from trl import SFTConfig, SFTTrainer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from finetune_llama_long import build_model, build_parser, parse_args as parse_shared_args, share_cores, start_plugin, train_and_report  # noqa: E402
+from finetune_llama_long import (  # noqa: E402
+    build_model, build_parser, parse_args as parse_shared_args, share_cores, start_plugin, train_and_report,
+)
 from finetune_llama_long import lora_config, refuse_memory_options, training_arguments  # noqa: E402
 from trl_data import FORMATS, load_chat_tokenizer, sft_dataset  # noqa: E402
 
@@ -49,7 +51,8 @@ def parse_args(argv: Optional[Sequence[str]] = None):
                    help="with --packing: tokens per packed row (default: room for two examples)")
     p.add_argument("--gradient_checkpointing", action="store_true")
     args = parse_shared_args(argv, p)
-    refuse_memory_options(p, args, "RingSFTTrainer computes its loss with TRL's fused LM head; offloaded checkpoints and the tiled MLP are not wired into this example")
+    refuse_memory_options(p, args, "RingSFTTrainer computes its loss with TRL's fused LM head; offloaded checkpoints "
+                          "and the tiled MLP are not wired into this example")
     return args
 
 

@@ -38,8 +38,8 @@ from vlm_sft_data import FORMATS, sft_vlm_dataset, shapes_processor, token_ids  
 import hf_ring  # noqa: E402,F401  registers attn_implementation="ring_flash"
 from hf_ring.trl import RingSFTTrainer  # noqa: E402
 
-NOT_APPLIED = ("model_name_or_path", "tokenizer_name", "config_name", "vocab_size", "packing", "offload_checkpoints", "tiled_mlp",
-               "lora_r", "deepspeed", "stock_trainer", "loss_chunk_tokens")
+NOT_APPLIED = ("model_name_or_path", "tokenizer_name", "config_name", "vocab_size", "packing", "offload_checkpoints",
+               "tiled_mlp", "lora_r", "deepspeed", "stock_trainer", "loss_chunk_tokens")
 
 
 def parse_args(argv: Optional[Sequence[str]] = None):

@@ -45,7 +45,8 @@ def qwen2_5_vl(tok: WordTokenizer, hidden: int, layers: int, seq_len: int) -> tu
     text = dict(_text(tok, hidden, layers, seq_len), **_rope([2, 3, 3]))
     # Window attention over 2 x 2 merged patches in block 0, full attention in block 1.
     vision = dict(_QWEN_VISION, out_hidden_size=hidden, window_size=16, fullatt_block_indexes=[1], tokens_per_second=2)
-    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **_qwen_tokens(tok)), Layout("qwen", IMAGE, video=True)
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, **_qwen_tokens(tok))
+    return config, Layout("qwen", IMAGE, video=True)
 
 
 def qwen3_vl(tok: WordTokenizer, hidden: int, layers: int, seq_len: int) -> tuple[Any, Layout]:

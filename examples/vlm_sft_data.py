@@ -41,7 +41,8 @@ CHAT_TEMPLATE = (
     " <|end|>{% endgeneration %}"
     "{% else %}<|{{ message['role'] }}|>"
     "{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% else %} {{ part['text'] }}{% endif %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% else %} {{ part['text'] }}{% endif %}"
     "{% endfor %} <|end|>{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
@@ -107,6 +108,7 @@ def sft_vlm_dataset(fmt: str, num_examples: int, seed: int) -> datasets.Dataset:
         answer = " ".join(f"a {color} {shape} on the {place} ." for shape, color, place in drawn)
         user, assistant = {"role": "user", "content": QUESTION}, {"role": "assistant", "content": answer}
         row = {"images": [_image(*d) for d in drawn]}
-        row.update({"messages": [user, assistant]} if fmt == "messages" else {"prompt": [user], "completion": [assistant]})
+        turns = {"messages": [user, assistant]} if fmt == "messages" else {"prompt": [user], "completion": [assistant]}
+        row.update(turns)
         rows.append(row)
     return datasets.Dataset.from_list(rows)

@@ -40,9 +40,9 @@ from packaging.version import Version
 
 from . import versions
 
-# The releases whose source was read; the accepted range is the table's (``versions``).
-WRITTEN_FOR = ("1.10.0", "1.10.1", "1.11.0", "1.12.0", "1.13.0", "1.14.0", "1.15.0")
-_INSTALL_HINT = versions.TESTED["accelerate"].install_hint()
+# The tested and accepted ranges are the table's (``versions``), the one source of truth.
+_TESTED = versions.TESTED["accelerate"]
+_INSTALL_HINT = _TESTED.install_hint()
 
 # Accelerator.prepare calls self.prepare_data_loader with these; a replacement must take them.
 _PREPARE_PARAMETERS = ["self", "data_loader", "device_placement", "slice_fn_for_dispatch"]
@@ -71,10 +71,6 @@ class UnsupportedAccelerateVersion(RuntimeError):
     """The installed accelerate is one this module does not know the internals of."""
 
 
-def _written_for() -> str:
-    return ", ".join(WRITTEN_FOR)
-
-
 def check_version(version: Optional[str] = None) -> str:
     """``version`` (default: the installed accelerate's) when this module was written for it.
 
@@ -91,7 +87,7 @@ def check_version(version: Optional[str] = None) -> str:
 def _fail(what: str, version: str) -> UnsupportedAccelerateVersion:
     return UnsupportedAccelerateVersion(
         f"cannot use accelerate {version}: {what}. hf_ring's accelerate patches were written for "
-        f"accelerate {_written_for()}; install one of those releases (`{_INSTALL_HINT}`) or report "
+        f"accelerate {_TESTED.tested_text()}; install one of those releases (`{_INSTALL_HINT}`) or report "
         "this with your accelerate version"
     )
 

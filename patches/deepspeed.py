@@ -44,8 +44,9 @@ from typing import Any, Optional
 
 from . import versions
 
-WRITTEN_FOR = ("0.19.8",)
-_INSTALL_HINT = versions.TESTED["deepspeed"].install_hint()
+# The tested and accepted ranges are the table's (``versions``), the one source of truth.
+_TESTED = versions.TESTED["deepspeed"]
+_INSTALL_HINT = _TESTED.install_hint()
 # Marks the wrapper installed here, so a second install is a no-op.
 _MARK = "_hf_ring_counts_data_parallel_ranks"
 
@@ -91,7 +92,7 @@ def count_data_parallel_ranks(cp_size: int, world_size: int) -> None:
         raise UnsupportedDeepSpeedVersion(
             f"deepspeed {version}: DeepSpeedConfig._configure_train_batch_size is "
             f"{'missing' if params is None else f'taking {params}'}; hf_ring's deepspeed patches were "
-            f"written for {', '.join(WRITTEN_FOR)} (`{_INSTALL_HINT}`)"
+            f"written for {_TESTED.tested_text()} (`{_INSTALL_HINT}`)"
         )
     installed = getattr(current, _MARK, None)
     if installed is not None:
@@ -148,7 +149,7 @@ def skip_cpu_shm_comm_build() -> bool:
     if not isinstance(compatible, dict) or _SHM_OP not in compatible:
         raise UnsupportedDeepSpeedVersion(
             f"deepspeed {version}: deepspeed.ops.__compatible_ops__ has no {_SHM_OP!r}; hf_ring's deepspeed "
-            f"patches were written for {', '.join(WRITTEN_FOR)} (`{_INSTALL_HINT}`)"
+            f"patches were written for {_TESTED.tested_text()} (`{_INSTALL_HINT}`)"
         )
     compatible[_SHM_OP] = False
     return True
@@ -174,7 +175,7 @@ def zero3_model_state(engine: Any) -> dict[str, list]:
     if missing:
         raise UnsupportedDeepSpeedVersion(
             f"deepspeed {version}: the ZeRO-3 optimizer has no {missing}; hf_ring's deepspeed patches were "
-            f"written for {', '.join(WRITTEN_FOR)} (`{_INSTALL_HINT}`)"
+            f"written for {_TESTED.tested_text()} (`{_INSTALL_HINT}`)"
         )
     params = list(engine.module.parameters())
     inner_state = [v for s in zero.optimizer.state.values() for v in s.values() if hasattr(v, "untyped_storage")]
@@ -197,7 +198,7 @@ def zero_reduction_group(engine: Any) -> Any:
     if not hasattr(engine.optimizer, "dp_process_group"):
         raise UnsupportedDeepSpeedVersion(
             f"deepspeed {version}: the ZeRO optimizer {type(engine.optimizer).__name__} has no dp_process_group; "
-            f"hf_ring's deepspeed patches were written for {', '.join(WRITTEN_FOR)} (`{_INSTALL_HINT}`)"
+            f"hf_ring's deepspeed patches were written for {_TESTED.tested_text()} (`{_INSTALL_HINT}`)"
         )
     return engine.optimizer.dp_process_group
 
@@ -218,7 +219,7 @@ def gathered_when_partitioned(*params: Any) -> Any:
         if not isinstance(getattr(param, "ds_status", None), ZeroParamStatus):
             raise UnsupportedDeepSpeedVersion(
                 f"a ZeRO-3 parameter's ds_status is {getattr(param, 'ds_status', None)!r}, not a ZeroParamStatus, "
-                f"in deepspeed {deepspeed.__version__}; hf_ring was written for {', '.join(WRITTEN_FOR)} "
+                f"in deepspeed {deepspeed.__version__}; hf_ring was written for {_TESTED.tested_text()} "
                 f"(`{_INSTALL_HINT}`)"
             )
     partitioned = [p for p in zero3 if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]

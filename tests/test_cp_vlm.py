@@ -42,15 +42,13 @@ from reference_attention import rel_err
 from vlm_cases import (
     FAMILIES, ROWS, SEQ, VOCAB, assert_refused_on_every_rank, assert_tower_gradient_split, build,
 )
-from vlm_checks import errors, run_full, run_shard, tower_names
+from vlm_checks import TOL, WORLD, errors, run_full, run_shard, tower_names
 
 pytestmark = pytest.mark.skipif(
     release_line(__import__("transformers").__version__) != "5",
     reason="the multimodal families were read and tested on transformers 5.x",
 )
 
-TOL = 1e-4
-WORLD = 2
 PADDED = "qwen2_5_vl_padded"
 REFUSALS = ("labels", "cache", "logits_to_keep", "length", "ranks_differ", "left_padding", "unchecked")
 

@@ -39,7 +39,7 @@ import hf_ring
 from distributed import run_world
 from hf_ring.patches.transformers import release_line
 from reference_attention import rel_err
-from vlm_checks import assert_tower_exercised
+from vlm_checks import TOL, WORLD, ZERO, assert_tower_exercised, grads
 from vlm_cases import (
     ROWS, SEQ, VOCAB, assert_refused_on_every_rank, build, gemma3, gemma3_batch,
     paligemma, paligemma_batch,
@@ -50,9 +50,6 @@ pytestmark = pytest.mark.skipif(
     reason="Gemma 3's mask was read and tested on transformers 5.x",
 )
 
-TOL = 1e-4
-ZERO = 1e-5  # the norm below which a gradient is zero in exact arithmetic
-WORLD = 2
 PATTERNS = ("ring", "allgather", "ulysses")
 
 
@@ -81,10 +78,6 @@ def _setup(model: str) -> tuple:
         weights = torch.randn(ROWS, SEQ, VOCAB, generator=torch.Generator().manual_seed(7))
         _SETUP[model] = (config, build(config, "sdpa"), _batches(batch_of), weights)
     return _SETUP[model]
-
-
-def _grads(model) -> dict[str, torch.Tensor]:
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def _weights(weights: torch.Tensor, batch: dict) -> torch.Tensor:
@@ -125,7 +118,7 @@ def _rank_main(rank: int, world: int, setups: dict) -> dict:
             models[m].zero_grad(set_to_none=True)
             logits = models[m](**batch).logits  # (rows, SEQ / WORLD, vocab): this rank's shard
             (logits * hf_ring.shard_sequence(_weights(weights, batch), world, rank)).sum().backward()
-            result[pattern, m, name] = {"logits": logits.detach(), "grads": _grads(models[m])}
+            result[pattern, m, name] = {"logits": logits.detach(), "grads": grads(models[m])}
     result["refusals"] = _refusals(models, setups)
     return result
 
@@ -151,7 +144,7 @@ def _reference(m: str, name: str) -> dict:
         model.zero_grad(set_to_none=True)
         logits = model(**batches[name]).logits
         (logits * _weights(weights, batches[name])).sum().backward()
-        _REFERENCES[m, name] = {"logits": logits.detach(), "grads": _grads(model)}
+        _REFERENCES[m, name] = {"logits": logits.detach(), "grads": grads(model)}
     return _REFERENCES[m, name]
 
 

@@ -52,7 +52,7 @@ from hf_ring.training.collator import RingCollatorConfig
 from hf_ring.training.vision_packing import pack_image_text
 from reference_attention import rel_err
 from vlm_cases import ROWS, SEQ, VOCAB, _qwen_batch, _qwen_samples, build
-from vlm_checks import errors, grads, run_full, run_shard
+from vlm_checks import TOL, WORLD, errors, grads, run_full, run_shard
 from vlm_sweep_cases import qwen3_5
 
 pytestmark = pytest.mark.skipif(
@@ -60,9 +60,7 @@ pytestmark = pytest.mark.skipif(
     reason="the multimodal families were read and tested on transformers 5.x",
 )
 
-TOL = 1e-4
 TOL64 = 1e-6
-WORLD = 2
 F64 = torch.float64
 DECAY = ("A_log", "dt_bias")
 # (case, dtype) run on every rank: the padded rows in both dtypes for the dense model.

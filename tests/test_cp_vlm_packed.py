@@ -56,7 +56,7 @@ from hf_ring.training.collator import RingCollatorConfig
 from hf_ring.training.loss import all_reduce_sum, count_valid_tokens, token_loss_sum
 from hf_ring.training.vision_packing import pack_image_text
 from reference_attention import rel_err
-from vlm_checks import assert_tower_exercised
+from vlm_checks import TOL, WORLD, ZERO, assert_tower_exercised, grads
 from vlm_cases import (
     FAMILIES, IMAGE, PACKED_CONFIGS, PACKED_SAMPLES, VIDEO, VOCAB, assert_refused_on_every_rank,
     assert_tower_gradient_split, build, tiny_gemma,
@@ -67,9 +67,6 @@ pytestmark = pytest.mark.skipif(
     reason="the multimodal families were read and tested on transformers 5.x",
 )
 
-TOL = 1e-4
-ZERO = 1e-5  # the norm below which a gradient is zero in exact arithmetic
-WORLD = 2
 # What each refusal under CP must say, on every rank.
 REFUSALS = {
     "stripe": "packed rows are zigzag-sharded document by document",
@@ -81,10 +78,6 @@ REFUSALS = {
 
 def _config(cp_size: int, cp_rank: int = 0) -> RingCollatorConfig:
     return RingCollatorConfig(pad_token_id=0, cp_size=cp_size, cp_rank=cp_rank, packing=True)
-
-
-def _grads(model) -> dict[str, torch.Tensor]:
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def _packed_weights(case: dict, cu: torch.Tensor) -> torch.Tensor:
@@ -121,7 +114,7 @@ def _packed_run(model, case: dict, cp_size: int, rank: int) -> dict:
     if cp_size > 1:
         count = all_reduce_sum(count)
     loss = token_loss_sum(logits.detach(), shift_labels) / count
-    return {"logits": logits.detach(), "grads": _grads(model), "loss": loss, "cu": cu}
+    return {"logits": logits.detach(), "grads": grads(model), "loss": loss, "cu": cu}
 
 
 def _refusals(model, case: dict, rank: int) -> dict[str, str]:
@@ -182,7 +175,7 @@ def _reference(name: str) -> dict:
         labels = ids.masked_fill(torch.isin(ids, torch.tensor([IMAGE, VIDEO])), -100)[1:]  # shifted
         losses += F.cross_entropy(x[:-1].detach(), labels, ignore_index=-100, reduction="sum")
         count += int((labels != -100).sum())
-    return {"logits": [x.detach() for x in logits], "grads": _grads(model), "loss": losses / count}
+    return {"logits": [x.detach() for x in logits], "grads": grads(model), "loss": losses / count}
 
 
 def _errors(name: str, logits: torch.Tensor, cu: torch.Tensor, grads: dict, loss: torch.Tensor) -> dict[str, float]:
@@ -227,6 +220,25 @@ def test_packed_row_without_cp_is_each_sample_alone(name):
     assert max(errors.values()) <= TOL, sorted(errors.items(), key=lambda e: -e[1])[:4]
 
 
+def test_packed_gemma3_without_cp_builds_no_sdpa_mask(monkeypatch):
+    """The varlen ring reads no mask: on a packed Gemma 3 row ring_flash's mask builder must
+    not build SDPA's (batch, 1, seq, seq) one (still each sample alone: the test above). The
+    control, one sample unpacked, builds it: the counter sees the builder."""
+    import hf_ring.hf.mask as ring_mask
+
+    built = []
+    sdpa = ring_mask.ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
+    monkeypatch.setattr(ring_mask, "ALL_MASK_ATTENTION_FUNCTIONS",
+                        {"sdpa": lambda *a, **k: built.append(sdpa(*a, **k)) or built[-1]})
+    case = _run()[0]["gemma3"]
+    model = build(case["config"], "ring_flash", case["state_dict"])
+    with torch.no_grad():
+        model(**_without(pack_image_text(case["samples"], model, _config(1)), "shift_labels"), use_cache=False)
+        assert built == []
+        model(**case["samples"][0], use_cache=False)
+    assert any(m is not None and m.shape[-1] == case["samples"][0]["input_ids"].shape[-1] for m in built), built
+
+
 def _without(batch: dict, *names: str) -> dict:
     return {k: v for k, v in batch.items() if k not in names}
 
@@ -247,7 +259,8 @@ def test_stock_sdpa_reads_the_same_packed_batch(name):
 def test_stock_gemma3_packs_wrong_so_its_stock_collator_refuses():
     """transformers 5.24's own Gemma 3 mask on a packed row is not each sample alone (its
     sliding layers): the collator for the stock model's loss refuses to pack it. If a
-    release fixes the mask, the first assertion fails: lift ``Family.stock_packing``."""
+    release fixes the mask, the first assertion fails: lift ``Family.stock_packing`` and
+    ``patches/transformers/defects.py``'s ``GEMMA3_PACKED_MASK``."""
     cases, _ = _run()
     model = _SDPA["gemma3"]
     model.config.get_text_config().use_cache = False

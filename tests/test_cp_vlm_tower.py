@@ -23,8 +23,7 @@ from hf_ring.hf.multimodal.tower import plan_split
 from hf_ring.patches.transformers import release_line
 from reference_attention import rel_err
 from vlm_cases import FAMILIES, build
-
-WORLD = 2
+from vlm_checks import WORLD
 
 
 def test_plan_balances_patches_and_gives_every_rank_an_entry():

@@ -62,6 +62,9 @@ in 4.57.6 and 5.24.0):
   (``compute_3d_position_ids``, called per packed document by ``own_position_ids``, leaving
   the model's ``rope_deltas`` as it found them).
 
+Defects of transformers' own code that model support refuses around are recorded, with the
+release they were read on, in ``defects`` (Gemma 3's mask on packed rows).
+
 transformers is imported only when a function runs: ``import hf_ring`` needs only torch.
 """
 

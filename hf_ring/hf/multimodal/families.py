@@ -79,6 +79,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
+from hf_ring.patches.transformers import defects
 from hf_ring.patterns.ring.spans import BidirectionalSpans
 
 # The language model's inputs that run along the sequence in every family, with the
@@ -109,7 +110,9 @@ class Family:
             run of image tokens, cut at the documents' boundaries); False (PaliGemma: one
             prefix a row) refuses packed rows.
         stock_packing: why transformers' own (SDPA / eager) mask does not keep a packed
-            row's documents apart for this family, or None where it does.
+            row's documents apart for this family (the defect's text from
+            ``hf_ring.patches.transformers.defects``, naming the release it was read on), or
+            None where it does.
         causal_by_mask: its language model's layers are flagged non-causal and its own mask
             makes them causal plus the spans (PaliGemma sets ``use_bidirectional_attention``):
             under CP it needs ``token_type_ids`` (without, that mask may be skipped and SDPA
@@ -175,10 +178,7 @@ FAMILIES: dict[str, Family] = {
     "DeepseekVLModel": Family("DeepSeek-VL"),
     "Glm4vModel": Family("GLM-4.1V"),
     "Glm4vMoeModel": Family("GLM-4.5V (MoE)"),
-    "Gemma3Model": Family("Gemma 3", spans=image_runs, packs_spans=True, stock_packing=(
-        "transformers' own Gemma 3 mask on a packed row is not each document alone in its sliding layers (their "
-        "window and image blocks are read at per-document positions as if they were row indices: logits off by "
-        "~0.8 from the second document on, transformers 5.24)")),
+    "Gemma3Model": Family("Gemma 3", spans=image_runs, packs_spans=True, stock_packing=defects.GEMMA3_PACKED_MASK.text()),
     "PaliGemmaModel": Family("PaliGemma", spans=prefix_block, window_cuts_spans=False, causal_by_mask=True),
 }
 

@@ -64,6 +64,15 @@ class FullBatch:
 CURRENT: ContextVar[Optional[FullBatch]] = ContextVar("hf_ring_multimodal_forward", default=None)
 
 
+def packed_without_cp() -> bool:
+    """Inside a multimodal forward whose packed row runs without CP and carries spans (Gemma
+    3's): its language model's attention takes the varlen ring (``cu_seq_lens_q`` is handed
+    down), which computes the documents and the spans itself and reads no mask; the other
+    modules of the base model run SDPA (``setup._run_outside_the_ring``)."""
+    full = CURRENT.get()
+    return full is not None and full.state is None
+
+
 def _tokens(inputs: dict[str, Any]) -> torch.Tensor:
     """What the language model takes per token, ``(batch, seq[, hidden])``."""
     for name in ("inputs_embeds", "input_ids"):
