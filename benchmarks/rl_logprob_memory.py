@@ -44,7 +44,7 @@ measurements) exceeds ``--cap-gib`` per process (default 8), or whose processes 
 exceed the memory the machine has available, is not run: its line says so, with the analytic
 figures. Each process also runs under an address-space limit of its start-up size plus the cap.
 
-    python benchmarks/rl_logprob_memory.py                 # 8k and 32k tokens, cp 1 and 2: ~30 min on 2 busy cores
+    python benchmarks/rl_logprob_memory.py                 # 8k and 32k tokens, cp 1 and 2: ~45 min on 2 busy cores
     python benchmarks/rl_logprob_memory.py --quick         # 2k and 8k tokens
     python benchmarks/rl_logprob_memory.py --tiny          # smoke test: 256 tokens, a 1-layer model
     python benchmarks/rl_logprob_memory.py --tokens 1024 4096 --cp 2 --json
