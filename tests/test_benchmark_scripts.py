@@ -91,3 +91,27 @@ def test_step_world_family_config_scales_the_sweep_config():
                 dict(family="lfm2", mixer_impl="torch")):
         with pytest.raises(ValueError):
             StepConfig(**{"cp_size": 1, "seq_lens": (8,), **bad})
+
+
+def test_rl_logprob_memory_tiny():
+    """A GRPO step's peak per process at a 128,256 vocabulary, chunked head against full logits,
+    cp 1 and 2: the four configurations compute one loss and gradient (float32, 1e-5 relative:
+    the chunked head's online logsumexp sums in another order than the full logits'), and
+    resident-set peaks (deterministic, not timings) order as the tensors they hold do."""
+    script = os.path.join(ROOT, "benchmarks", "rl_logprob_memory.py")
+    out = subprocess.run([sys.executable, script, "--tiny", "--json"], check=True, cwd=ROOT, timeout=HANG_GUARD_S,
+                         capture_output=True, text=True).stdout
+    rows = {(r["cp"], r["head"]): r for r in map(json.loads, out.splitlines())}
+    assert set(rows) == {(cp, head) for cp in (1, 2) for head in ("chunked", "full")}
+    assert not [r for r in rows.values() if "skipped" in r]
+    first = rows[(1, "full")]
+    for r in rows.values():
+        assert abs(r["loss"] - first["loss"]) <= 1e-5 * abs(first["loss"]), (r, first)
+        assert abs(r["grad_norm"] - first["grad_norm"]) <= 1e-5 * first["grad_norm"], (r, first)
+        assert 0 < r["reference_peak_mb"] <= r["peak_mb"] <= r["estimate_mb"], r
+    for cp in (1, 2):
+        # 512 (256) tokens x 128,256 float32 logits: 250 (125) MB each, resident while the full head runs
+        assert rows[(cp, "full")]["peak_mb"] > rows[(cp, "full")]["analytic_mb"] / 2
+        assert rows[(cp, "chunked")]["peak_mb"] < rows[(cp, "full")]["peak_mb"], rows
+    for head in ("chunked", "full"):
+        assert rows[(2, head)]["peak_mb"] < rows[(1, head)]["peak_mb"], rows  # half the tokens per process
