@@ -66,6 +66,7 @@ class BenchConfig:
     repeats: int = 3
     warmup: int = 1
     clock: str = "wall"  # or "process": CPU seconds of this process, for one thread on a shared machine
+    docs: int = 0  # packed rows: 0 for the mixed documents of DOC_FRACTIONS, else that many of one length
 
     def __post_init__(self) -> None:
         if self.clock not in CLOCKS:
@@ -78,6 +79,8 @@ class BenchConfig:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.repeats < 1 or self.warmup < 0:
             raise ValueError("repeats must be >= 1 and warmup >= 0")
+        if self.docs < 0:
+            raise ValueError(f"docs must be 0 (mixed lengths) or a number of equal documents, got {self.docs}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -87,9 +90,14 @@ class BenchConfig:
         return get_backend(self.backend, torch.device(self.device), self.torch_dtype)
 
 
-def packed_doc_lens(total: int, cp: int) -> list[int]:
-    """Document lengths of a packed row of ``total`` tokens, each a multiple of 2 * cp."""
+def packed_doc_lens(total: int, cp: int, docs: int = 0) -> list[int]:
+    """Document lengths of a packed row of ``total`` tokens, each a multiple of 2 * cp: the
+    mixed lengths of :data:`DOC_FRACTIONS`, or ``docs`` documents of one length."""
     mult = 2 * cp
+    if docs:
+        if total % (docs * mult):
+            raise ValueError(f"{total} tokens do not split into {docs} documents of a multiple of {mult} tokens")
+        return [total // docs] * docs
     lens = [max(mult, round(f * total / mult) * mult) for f in DOC_FRACTIONS[:-1]]
     lens.append(total - sum(lens))
     if lens[-1] < mult:
@@ -143,7 +151,7 @@ def make_problem(layout: str, cp: int, seq_per_rank: int, cfg: BenchConfig, seed
         return torch.randn(1, total, heads, cfg.head_dim, generator=g, device=cfg.device).to(cfg.torch_dtype)
 
     q, k, v, dout = rand(cfg.heads), rand(cfg.kv_heads), rand(cfg.kv_heads), rand(cfg.heads)
-    doc_lens = packed_doc_lens(total, cp) if layout == "packed" else None
+    doc_lens = packed_doc_lens(total, cp, cfg.docs) if layout == "packed" else None
     if doc_lens:
         shard = lambda t, r: shard_packed(t, cu_seqlens(doc_lens), cp, r)  # noqa: E731
     else:
@@ -253,16 +261,34 @@ class Unit:
     kernel_s: list[dict] = field(default_factory=list)  # per repeat: Clock.seconds
 
 
+def document_runs(pb: Problem) -> list[tuple[slice, int]]:
+    """:func:`full_calls` with each run of consecutive documents of one length joined:
+    ``(slice over the run, its documents)``."""
+    runs: list[tuple[slice, int]] = []
+    for c in full_calls(pb):
+        last = runs[-1] if runs else None
+        if last and last[0].stop == c.start and (last[0].stop - last[0].start) // last[1] == c.stop - c.start:
+            runs[-1] = (slice(last[0].start, c.stop), last[1] + 1)
+        else:
+            runs.append((c, 1))
+    return runs
+
+
 def _kernel_unit(pb: Problem, kernel: AttentionBackend, scale: float) -> Unit:
-    """One kernel call per document (one for a dense row)."""
-    calls = full_calls(pb)
+    """One kernel call per document (one for a dense row); a run of documents of one length
+    as one batched call, as the ring batches their blocks."""
+    runs = document_runs(pb)
+
+    def rows(t: torch.Tensor, run: slice, n: int) -> torch.Tensor:
+        return t[:, run].reshape(n, -1, *t.shape[2:])  # (n documents, length, heads, head_dim)
 
     def fwd():
-        return [kernel.forward(pb.q[:, c], pb.k[:, c], pb.v[:, c], True, scale) for c in calls]
+        return [kernel.forward(rows(pb.q, c, n), rows(pb.k, c, n), rows(pb.v, c, n), True, scale) for c, n in runs]
 
     def bwd(results):
-        for c, (o, l) in zip(calls, results):
-            kernel.backward(pb.dout[:, c], pb.q[:, c], pb.k[:, c], pb.v[:, c], o, l, True, scale)
+        for (c, n), (o, l) in zip(runs, results):
+            kernel.backward(rows(pb.dout, c, n), rows(pb.q, c, n), rows(pb.k, c, n), rows(pb.v, c, n), o, l, True,
+                            scale)
 
     return Unit("per-document calls" if pb.doc_lens else "one causal call", fwd, bwd)
 
@@ -456,7 +482,7 @@ def measure_spawn(layout: str, cp: int, seq_per_rank: int, cfg: BenchConfig, thr
         results = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(cp)]
     ranks = [Unit(f"rank {r}", fwd_s=res[0], fb_s=res[1]) for r, res in enumerate(results)]
     refs = [Unit(name, fwd_s=fwd_s, fb_s=fb_s) for name, fwd_s, fb_s in results[0][2]]
-    doc_lens = packed_doc_lens(cp * seq_per_rank, cp) if layout == "packed" else None
+    doc_lens = packed_doc_lens(cp * seq_per_rank, cp, cfg.docs) if layout == "packed" else None
     rows = efficiency_rows(layout, cp, seq_per_rank, refs, ranks, cfg, cfg.kernel().name, doc_lens, mode="spawn")
     return [r | {"threads": threads} for r in rows]
 
@@ -495,6 +521,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--tiny", action="store_true", help="smoke test: cp 2, 64 tokens per rank, small heads")
     p.add_argument("--spawn", action="store_true", help="real ring over gloo, cp=2 (override with --cp)")
     p.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
+    p.add_argument("--docs", type=int, default=0,
+                   help="packed rows: this many documents of one length instead of the mixed lengths "
+                        f"{'/'.join(f'{round(f * 100)}' for f in DOC_FRACTIONS)} %%")
     a = p.parse_args(argv)
     if a.quick:
         a.cp, a.seq_per_rank, a.repeats = [2, 4], [1024], 2
@@ -506,7 +535,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if a.clock == "process" and set(per_process) != {1}:
         p.error("--clock process measures one thread per process: pass --threads 1 (--spawn: --threads <= cp)")
     torch.set_num_threads(a.threads)
-    cfg = BenchConfig(a.heads, a.kv_heads, a.head_dim, a.dtype, a.device, a.backend, a.repeats, a.warmup, a.clock)
+    cfg = BenchConfig(a.heads, a.kv_heads, a.head_dim, a.dtype, a.device, a.backend, a.repeats, a.warmup, a.clock,
+                      a.docs)
     if not a.json:
         threads = f"{max(1, a.threads // max(a.cp))} per process" if a.spawn else str(a.threads)
         print(f"# {cfg.kernel().name} backend, {a.dtype}, heads {a.heads}/{a.kv_heads}, head_dim {a.head_dim}, "

@@ -5,7 +5,12 @@ Each document is padded at its end to a multiple of 2 * cp_size (as the collator
 Padding sits after the document's real tokens, so under the causal mask no real query
 sees it, and the padding rows get a zero output gradient (their labels are ignored), so
 real tokens' out, lse and gradients must match the reference on the unpadded documents.
-Tolerance 1e-5 relative for float32 inputs, as for dense rows.
+Tolerance 1e-5 relative for float32 inputs, as for dense rows; 1e-12 for the float64
+plain-math kernel (the same sums as the reference, in another order).
+
+The second set of documents has runs of one length (four of 8 tokens, two of 24 at
+cp_size 4), which the ring batches into one kernel call per run (ring/block_runs.py); a
+run's end next to a document of another length is covered too.
 """
 
 from __future__ import annotations
@@ -19,20 +24,21 @@ from hf_ring.sharding import shard_packed, unshard_packed
 from reference_attention import full_attention, rel_err
 
 REAL_LENS = (13, 3, 22, 7)  # includes one document shorter than 2 * cp_size
+RUN_LENS = (13, 8, 8, 8, 3, 22, 22, 7)  # padded at cp 4: 16, 8, 8, 8, 8, 24, 24, 8
 HQ, HK, D = 8, 2, 64
 
 
-def _layout(world: int):
+def _layout(world: int, lens=REAL_LENS):
     """Padded global boundaries, and the positions of real tokens in the padded row."""
     multiple = 2 * world
-    padded = [-(-n // multiple) * multiple for n in REAL_LENS]
+    padded = [-(-n // multiple) * multiple for n in lens]
     cu = torch.tensor([0, *torch.tensor(padded).cumsum(0).tolist()], dtype=torch.int32)
-    real = torch.cat([torch.arange(n) + int(cu[i]) for i, n in enumerate(REAL_LENS)])
+    real = torch.cat([torch.arange(n) + int(cu[i]) for i, n in enumerate(lens)])
     return cu, real
 
 
-def _inputs(world: int):
-    cu, real = _layout(world)
+def _inputs(world: int, lens=REAL_LENS):
+    cu, real = _layout(world, lens)
     total = int(cu[-1])
     g = torch.Generator().manual_seed(7)
     q = torch.randn(total, HQ, D, generator=g, dtype=torch.float64)
@@ -43,21 +49,22 @@ def _inputs(world: int):
     return cu, real, q, k, v, dout
 
 
-def _rank_results(rank: int, world: int) -> dict:
-    cu, _, q, k, v, dout = _inputs(world)
+def _rank_results(rank: int, world: int, lens=REAL_LENS, backend: str = "auto") -> dict:
+    cu, _, q, k, v, dout = _inputs(world, lens)
     shard = lambda t: shard_packed(t, cu, world, rank, dim=0)
-    ql, kl, vl = (shard(t).float().requires_grad_() for t in (q, k, v))
-    out, lse = hf_ring.ring_flash_attn_varlen_func(ql, kl, vl, cu, return_lse=True)
-    out.backward(shard(dout).float())
+    dtype = torch.float64 if backend == "reference" else torch.float32
+    ql, kl, vl = (shard(t).to(dtype).requires_grad_() for t in (q, k, v))
+    out, lse = hf_ring.ring_flash_attn_varlen_func(ql, kl, vl, cu, return_lse=True, backend=backend)
+    out.backward(shard(dout).to(dtype))
     return {"out": out, "lse": lse, "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}
 
 
-def _per_document_reference(q, k, v, dout, cu, real):
+def _per_document_reference(q, k, v, dout, cu, lens):
     """Float64 attention on each unpadded document separately, scattered back."""
     out = torch.zeros_like(q)
     lse = torch.zeros(q.shape[1], q.shape[0], dtype=torch.float64)
     grads = [torch.zeros_like(t) for t in (q, k, v)]
-    for i, n in enumerate(REAL_LENS):
+    for i, n in enumerate(lens):
         idx = torch.arange(n) + int(cu[i])
         qd, kd, vd = (t[idx].unsqueeze(0).clone().requires_grad_() for t in (q, k, v))
         o, l = full_attention(qd, kd, vd, causal=True)
@@ -68,19 +75,41 @@ def _per_document_reference(q, k, v, dout, cu, real):
     return {"out": out, "lse": lse, "dq": grads[0], "dk": grads[1], "dv": grads[2]}
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
-def test_packed_ring_matches_per_document_attention(world):
-    cu, real, q, k, v, dout = _inputs(world)
-    ref = _per_document_reference(q, k, v, dout, cu, real)
+@pytest.mark.parametrize("world, lens, backend", [
+    # RUN_LENS has documents of uneven lengths too: cp 4 runs on it alone.
+    (1, REAL_LENS, "auto"), (2, REAL_LENS, "auto"),
+    (1, RUN_LENS, "auto"), (4, RUN_LENS, "auto"), (1, RUN_LENS, "reference"),
+])
+def test_packed_ring_matches_per_document_attention(world, lens, backend):
+    cu, real, q, k, v, dout = _inputs(world, lens)
+    ref = _per_document_reference(q, k, v, dout, cu, lens)
     if world == 1:
-        per_rank = [_rank_results(0, 1)]
+        per_rank = [_rank_results(0, 1, lens, backend)]
     else:
-        per_rank = run_world(world, _rank_results)
+        per_rank = run_world(world, _rank_results, lens, backend)
+    tol = 1e-12 if backend == "reference" else 1e-5
     for name in ref:
         dim = 1 if name == "lse" else 0
         full = unshard_packed([r[name] for r in per_rank], cu, dim=dim)
         got, want = full.index_select(dim, real), ref[name].index_select(dim, real)
-        assert rel_err(got, want) <= 1e-5, (name, rel_err(got, want))
+        assert rel_err(got, want) <= tol, (name, rel_err(got, want))
+
+
+def test_equal_documents_run_as_one_call_per_step():
+    """At cp 4 the run of four 8-token documents (2 local tokens each) is one call per step,
+    and so are the two 24-token ones: 8 documents, 5 calls per step."""
+    from hf_ring.kernels import get_backend
+    from hf_ring.patterns.plan import AttentionPlan
+    from hf_ring.patterns.ring.block_runs import BlockRun
+
+    cu, _ = _layout(4, RUN_LENS)
+    local = tuple(int(n) // 4 for n in (cu[1:] - cu[:-1]))
+    kernel = get_backend("torch_cpu_flash", torch.device("cpu"), torch.float32)
+    plan = AttentionPlan(None, 1, 4, "zigzag", True, 0.1, kernel, local_doc_lens=local)
+    for step in range(4):
+        calls = plan.kernel_calls(plan.blocks(step, sum(local)))
+        assert [c.count if isinstance(c, BlockRun) else 1 for c in calls] == [1, 4, 2, 1]
+        assert [b for c in calls for b in (c.members if isinstance(c, BlockRun) else [c])] == plan.blocks(step, sum(local))
 
 
 def test_varlen_input_errors():

@@ -95,6 +95,9 @@ class AttentionBackend:
         softcap: whether its kernels take the ``softcap=`` keyword (see the module docstring).
         slow_on: device types on which it is a slow fallback (it materialises the score
             matrix there); ``backend="auto"`` logs once when it has to take it on one.
+        batched_views: whether its forward and backward take q, k, v, dout, out and lse
+            as strided views whose batch entries lie anywhere in one row's storage (any
+            batch stride); packed rows then run equal documents' blocks as one call.
     """
 
     name: str
@@ -114,6 +117,7 @@ class AttentionBackend:
     masked_backward: Optional[MaskedBackwardFn] = None
     softcap: bool = False
     slow_on: tuple[str, ...] = ()
+    batched_views: bool = False
 
     def __post_init__(self) -> None:
         if (self.varlen_forward is None) != (self.varlen_backward is None):

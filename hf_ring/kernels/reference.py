@@ -139,4 +139,5 @@ REFERENCE = AttentionBackend(
     masked_backward=reference_masked_backward,
     softcap=True,
     slow_on=("cuda",),
+    batched_views=True,
 )

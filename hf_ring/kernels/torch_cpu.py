@@ -109,4 +109,5 @@ TORCH_CPU_FLASH = AttentionBackend(
     description="PyTorch's tiled CPU flash-attention op",
     masked_forward=cpu_flash_masked_forward,
     masked_backward=cpu_flash_masked_backward,
+    batched_views=True,
 )

@@ -11,7 +11,8 @@ sequence, or the ring across the Ulysses groups.
 It also caches what is the same in the forward and the backward and across the layers of
 one model forward: each ring step's block schedule (cut to the window and chunks, see
 ring/window.py), the window masks on the device and, for packed rows on a varlen kernel,
-each step's index tensors on the device. Building a plan does no communication and no
+each step's index tensors on the device, and on other kernels each step's runs of equal
+blocks (ring/block_runs.py). Building a plan does no communication and no
 host sync (the hybrid pattern's subgroups are built by build.py before the plan).
 Plans are built by :mod:`hf_ring.patterns.build` and run by :mod:`hf_ring.patterns.run`.
 """
@@ -29,6 +30,7 @@ from hf_ring.distributed.comm import CommWaitStats, Transport, process_group_tra
 from hf_ring.kernels import AttentionBackend
 from hf_ring.kernels.cuda.window_bands import bands
 from hf_ring.kernels.registry import backends_that
+from hf_ring.patterns.ring.block_runs import Call, group_runs
 from hf_ring.patterns.ring.packed_step import StepBatch, step_batch
 from hf_ring.patterns.ring.schedule import Block, step_blocks
 from hf_ring.patterns.ring.spans import BidirectionalSpans, SpanBlock, span_blocks
@@ -113,6 +115,7 @@ class AttentionPlan:
     _masks: dict = field(default_factory=dict, repr=False)
     _varlen_batches: dict = field(default_factory=dict, repr=False)
     _span_blocks: dict = field(default_factory=dict, repr=False)
+    _kernel_calls: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         check_layout(self.layout)
@@ -280,6 +283,17 @@ class AttentionPlan:
             if device.type != "cpu":  # kernels that run windows as bands find them cut, without a host sync
                 bands(self._masks[key], host_mask=block.mask)
         return self._masks[key]
+
+    def kernel_calls(self, blocks: list[Block]) -> list[Call]:
+        """A step's blocks as kernel calls, built once per plan: on a packed row, runs of
+        equal blocks (consecutive documents of one length) batched into one call each
+        where the backend takes such views (``ring/block_runs.py``); else the blocks."""
+        if self.local_doc_lens is None or not self.backend.batched_views:
+            return blocks
+        key = tuple(blocks)
+        if key not in self._kernel_calls:
+            self._kernel_calls[key] = group_runs(blocks)
+        return self._kernel_calls[key]
 
     def varlen_batch(self, blocks: list[Block], device: torch.device) -> Optional[StepBatch]:
         """``packed_step.step_batch`` for a step's blocks, built once per plan."""

@@ -20,6 +20,7 @@ import torch
 
 from hf_ring.distributed.comm import DKV_CHANNEL, KV_CHANNEL, BlockStream, DoubleBuffer
 from hf_ring.patterns.merge import apply_sinks, merge_block_, sinks_grad
+from hf_ring.patterns.ring.block_runs import BlockRun, key_ranges, key_rows, query_rows
 from hf_ring.patterns.ring.packed_step import backward_varlen, forward_varlen, varlen_groups
 from hf_ring.patterns.plan import AttentionPlan
 from hf_ring.patterns.ring.spans import SpanBlock
@@ -120,19 +121,33 @@ def _causal_forward(plan: AttentionPlan, blocks, q, cur_k, cur_v, acc) -> tuple[
             acc[0].zero_()
             acc[1].fill_(float("-inf"))
     out, lse = acc
-    if plan.varlen:
-        batched, blocks = varlen_groups(blocks)
-        for group in batched:
-            forward_varlen(plan, group, q, cur_k, cur_v, out, lse, first)
-    for blk in blocks:
-        qs, ks = slice(blk.q_start, blk.q_end), slice(blk.k_start, blk.k_end)
-        block_out, block_lse = _block_forward(plan, blk, q[:, qs], cur_k[:, ks], cur_v[:, ks])
+    for call in _kernel_calls(plan, blocks, q, cur_k, cur_v, out, lse, first):
+        block_out, block_lse = _block_forward(plan, call, query_rows(call, q), key_rows(call, cur_k),
+                                              key_rows(call, cur_v))
+        out_rows, lse_rows = query_rows(call, out), query_rows(call, lse, seq_dim=2)
         if first:
-            out[:, qs] = block_out
-            lse[:, :, qs] = block_lse
+            out_rows.copy_(block_out)
+            lse_rows.copy_(block_lse)
         else:
-            merge_block_(out[:, qs], lse[:, :, qs], block_out, block_lse)
+            merge_block_(out_rows, lse_rows, block_out, block_lse)
     return out, lse
+
+
+def _kernel_calls(plan: AttentionPlan, blocks, q, cur_k, cur_v, out, lse, first: bool, dout=None, dq=None,
+                  block_dkv=None) -> list:
+    """The step's blocks as the kernel calls that are left for the caller's loop: on a
+    varlen kernel its batched calls run here first (the forward's when ``dout`` is None,
+    else the backward's, whose dK/dV go to ``block_dkv``) and only the masked blocks are
+    left; else runs of equal blocks become one call each (block_runs.py)."""
+    if not plan.varlen:
+        return plan.kernel_calls(blocks)
+    batched, rest = varlen_groups(blocks)
+    for group in batched:
+        if dout is None:
+            forward_varlen(plan, group, q, cur_k, cur_v, out, lse, first)
+        else:
+            block_dkv += backward_varlen(plan, group, dout, q, cur_k, cur_v, out, lse, dq, first)
+    return rest
 
 
 def backward_blocks(
@@ -142,8 +157,8 @@ def backward_blocks(
     """One ring step of the backward: every block's gradients given the final ``out`` and
     ``lse``. dq is accumulated into ``dq`` (float32; None on the first step, when a block
     covering every row becomes it) and returned, with the blocks' dK/dV as
-    ``[(k_index, dk, dv)]`` for :func:`add_block_dkv` (a key slice, or for the ``extra``
-    span blocks a ``(row slice, key slice)`` pair), so they can be computed while the
+    ``[(k_index, dk, dv)]`` for :func:`add_block_dkv` (a key slice, a run of blocks, or for
+    the ``extra`` span blocks a ``(row slice, key slice)`` pair), so they can be computed while the
     accumulator they belong to is still in flight."""
     dq, block_dkv = _causal_backward(plan, blocks, dout, q, cur_k, cur_v, out, lse, dq)
     for sb in extra:
@@ -170,21 +185,17 @@ def _causal_backward(plan: AttentionPlan, blocks, dout, q, cur_k, cur_v, out, ls
         dq = torch.empty(q.shape, dtype=dtype, device=q.device)
         if not first:
             dq.zero_()
-    block_dkv = []
-    if plan.varlen:
-        batched, blocks = varlen_groups(blocks)
-        for group in batched:
-            block_dkv += backward_varlen(plan, group, dout, q, cur_k, cur_v, out, lse, dq, first)
-    for blk in blocks:
-        qs, ks = slice(blk.q_start, blk.q_end), slice(blk.k_start, blk.k_end)
-        bdq, bdk, bdv = _block_backward(
-            plan, blk, dout[:, qs], q[:, qs], cur_k[:, ks], cur_v[:, ks], out[:, qs], lse[:, :, qs]
-        )
+    block_dkv: list = []
+    for call in _kernel_calls(plan, blocks, q, cur_k, cur_v, out, lse, first, dout, dq, block_dkv):
+        rows = functools.partial(query_rows, call)
+        bdq, bdk, bdv = _block_backward(plan, call, rows(dout), rows(q), key_rows(call, cur_k),
+                                        key_rows(call, cur_v), rows(out), rows(lse, seq_dim=2))
+        dq_rows = rows(dq)
         if first:
-            dq[:, qs] = bdq
+            dq_rows.copy_(bdq)
         else:
-            dq[:, qs] += bdq
-        block_dkv.append((ks, bdk, bdv))
+            dq_rows += bdq
+        block_dkv.append((call if isinstance(call, BlockRun) else slice(call.k_start, call.k_end), bdk, bdv))
     return dq, block_dkv
 
 
@@ -192,20 +203,25 @@ def add_block_dkv(dkv: torch.Tensor, block_dkv: list, length: int, first_step: b
     """Add a step's dK/dV blocks into the accumulator ``dkv`` (shaped like the step's
     :func:`pack_kv` buffer, K heads of ``k_dim``); on the first step, when the blocks cover
     every key of every row once, they initialise it instead. A block's index is a key slice
-    (every row) or a ``(row slice, key slice)`` pair (a span's block)."""
-    whole_rows = all(isinstance(ks, slice) for ks, _, _ in block_dkv)
-    first = first_step and whole_rows and _covers([(ks.start, ks.stop) for ks, _, _ in block_dkv], length)
+    (every row), a :class:`BlockRun` (its blocks' gradients batched, ``(count, len, hk, d)``)
+    or a ``(row slice, key slice)`` pair (a span's block)."""
+    whole_rows = not any(isinstance(ks, tuple) for ks, _, _ in block_dkv)
+    first = first_step and whole_rows and _covers([r for ks, _, _ in block_dkv for r in key_ranges(ks)], length)
     if first_step and not first:
         dkv.zero_()
     dk, dv = unpack_kv(dkv, k_dim)
     for ks, bdk, bdv in block_dkv:
-        ks = ks if isinstance(ks, tuple) else (slice(None), ks)
-        if first:
-            dk[ks] = bdk
-            dv[ks] = bdv
+        if isinstance(ks, BlockRun):
+            dk_rows, dv_rows = key_rows(ks, dk), key_rows(ks, dv)
         else:
-            dk[ks] += bdk
-            dv[ks] += bdv
+            ks = ks if isinstance(ks, tuple) else (slice(None), ks)
+            dk_rows, dv_rows = dk[ks], dv[ks]
+        if first:
+            dk_rows.copy_(bdk)
+            dv_rows.copy_(bdv)
+        else:
+            dk_rows += bdk
+            dv_rows += bdv
 
 
 def ring_forward(
