@@ -47,7 +47,9 @@ from hf_ring.distributed.groups import group_coords
 from hf_ring.sharding.pieces import Piece
 
 
-def _check_inputs(q, k, v, g, beta, initial_state, local_doc_lens, chunk_size) -> None:
+def check_gated_delta_inputs(q, k, v, g, beta, initial_state, local_doc_lens, chunk_size) -> None:
+    """The gated delta rule's input checks (shapes, dtypes, one device, the chunk size, the
+    initial state), raising ValueError saying what is wrong; KDA's checks end with them."""
     tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
     if not all(isinstance(t, torch.Tensor) and t.dtype.is_floating_point for t in tensors.values()):
         raise ValueError("q, k, v, g and beta must be floating-point tensors")
@@ -124,7 +126,7 @@ def gated_delta_rule_op(
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """:func:`context_parallel_gated_delta_rule` over given collectives (None: one
     process); the benchmark passes virtual ones. No check across ranks."""
-    _check_inputs(q, k, v, g, beta, initial_state, local_doc_lens, chunk_size)
+    check_gated_delta_inputs(q, k, v, g, beta, initial_state, local_doc_lens, chunk_size)
     rank, world = (coll.rank, coll.world) if coll is not None else (0, 1)
     mine, order = rank_pieces(layout, rank, world, q.shape[1], local_doc_lens)
     xs = heads_first(q, k, v, g, beta, use_qk_l2norm_in_kernel)  # (b, hv, s, d) in float32 / float64
@@ -217,4 +219,4 @@ def context_parallel_gated_delta_rule(
                                use_qk_l2norm_in_kernel, output_final_state)
 
 
-__all__ = ["context_parallel_gated_delta_rule", "gated_delta_rule_op"]
+__all__ = ["check_gated_delta_inputs", "context_parallel_gated_delta_rule", "gated_delta_rule_op"]

@@ -22,7 +22,7 @@ gradient:
 Plain autograd gives the exact gradients: the all-gather's backward reduce-scatters each
 summary's gradient back to the rank that computed it. A rank whose outputs read no
 gathered summary (contiguous rank 0 without a final state) still joins that backward
-(``_Join``). Each rank's gradient of ``initial_state`` is its own part (through its own
+(``state_exchange.join_exchange``). Each rank's gradient of ``initial_state`` is its own part (through its own
 outputs and final state); the ranks' parts sum to the full gradient, as their losses sum.
 
 At one process (no collectives) each document runs the plain scan from its entering state
@@ -42,10 +42,10 @@ import torch.distributed as dist
 from hf_ring.distributed.collectives import Collectives, GroupCollectives, all_gather
 from hf_ring.distributed.groups import group_coords
 # The gated delta rule's pieces (one per document at one process) and its input checks.
-from hf_ring.mixers.delta_rule import _check_inputs as check_gated_delta_inputs
+from hf_ring.mixers.delta_rule import check_gated_delta_inputs
 from hf_ring.mixers.delta_rule_chunk import heads_first, scan
 from hf_ring.mixers.kimi_delta_chunk import chunk_terms, widened_scan
-from hf_ring.mixers.state_exchange import compose_in_order, rank_pieces
+from hf_ring.mixers.state_exchange import compose_in_order, join_exchange, rank_pieces
 from hf_ring.sharding.pieces import Piece
 
 
@@ -61,22 +61,6 @@ def _check_inputs(q, k, v, g, beta, initial_state, local_doc_lens, chunk_size) -
                          f"v {tuple(v.shape)} and q {tuple(q.shape)}")
     gate = g[..., 0] if isinstance(g, torch.Tensor) and g.dim() == 4 else g
     check_gated_delta_inputs(q, k, v, gate, beta, initial_state, local_doc_lens, chunk_size)
-
-
-class _Join(torch.autograd.Function):
-    """Forward: ``out`` as it is. Backward: ``out``'s gradient, and zeros for the gathered
-    summaries: the all-gather's backward is a collective, so it must run on every rank,
-    also on one whose outputs read none of them."""
-
-    @staticmethod
-    def forward(ctx, out: torch.Tensor, gathered: torch.Tensor) -> torch.Tensor:
-        ctx.spec = gathered.shape, gathered.dtype, gathered.device
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        shape, dtype, device = ctx.spec
-        return grad, torch.zeros(shape, dtype=dtype, device=device)
 
 
 def _compose(mine: list[Piece], order: list[Piece], runs: dict, init: Optional[torch.Tensor],
@@ -101,7 +85,7 @@ def _compose(mine: list[Piece], order: list[Piece], runs: dict, init: Optional[t
         o0, qhat, _ = runs[p.slot]
         s_in = init if p.first else entering[(p.doc, p.chunk)]
         outs.append(o0 if s_in is None else o0 + qhat @ s_in)
-    out = _Join.apply(torch.cat(outs, 2), every)
+    out = join_exchange(torch.cat(outs, 2), every)
     return out, (torch.stack([leaving[(p.doc, p.chunk)] for p in last]) if with_final else None)
 
 

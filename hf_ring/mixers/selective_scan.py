@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from hf_ring.distributed.collectives import Collectives, GroupCollectives, all_gather
 from hf_ring.distributed.groups import group_coords
-from hf_ring.mixers.state_exchange import compose_in_order, rank_pieces
+from hf_ring.mixers.state_exchange import compose_in_order, join_exchange, rank_pieces
 from hf_ring.sharding.pieces import Piece
 
 
@@ -165,21 +165,6 @@ def _outputs(t: _Pieces, s_in: list[Optional[torch.Tensor]], pieces: list[Piece]
     return torch.cat([y[..., k * L:k * L + p.length] for (k, _), p in zip(t.spans, pieces)], -1)
 
 
-class _JoinExchange(torch.autograd.Function):
-    """``y`` as it is, tied to the gathered summaries: every rank then runs the
-    all-gather's backward (a collective), even one whose outputs need no other piece
-    (contiguous rank 0 without the last state)."""
-
-    @staticmethod
-    def forward(ctx, y: torch.Tensor, every: torch.Tensor) -> torch.Tensor:
-        ctx.shape = every.shape
-        return y.view_as(y)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, grad.new_zeros(ctx.shape)
-
-
 def selective_scan_op(
     u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
     coll: Optional[Collectives], layout: str = "zigzag", local_doc_lens: Optional[Sequence[int]] = None,
@@ -208,7 +193,7 @@ def selective_scan_op(
         entering, leaving = compose_in_order(
             order, lambda p: (every[p.owner, p.slot, ..., n:], every[p.owner, p.slot, ..., :n]), torch.mul, needed)
         y = _outputs(terms, [None if p.first else entering[(p.doc, p.chunk)] for p in mine], mine, L)
-        y = _JoinExchange.apply(y, every)
+        y = join_exchange(y, every)
         final = [leaving[(p.doc, p.chunk)] for p in last] if return_last_state else None
     # D and the gate after the correction; y's dtype is transformers' (u's, promoted with D's and z's).
     out_dtype = u.dtype

@@ -22,7 +22,8 @@ hand-written backward:
 
 Every rank must run every forward and backward together (the backward's reduce-scatter is
 collective): a rank whose outputs need no entering state (contiguous rank 0) still ties them
-to the gathered summaries with an exact zero, so that it joins the backward's exchange.
+to the gathered summaries (``state_exchange.join_exchange``), so that it joins the
+backward's exchange.
 
 The final state (``return_final_states``) is returned on every rank, composed from the
 gathered summaries; its gradient on each rank is that rank's part (the ranks' parts are
@@ -46,7 +47,7 @@ from hf_ring.distributed.collectives import Collectives, GroupCollectives, all_g
 from hf_ring.distributed.groups import group_coords
 from hf_ring.mixers.delta_rule_chunk import accum_dtype
 from hf_ring.mixers.ssd_chunk import SSDTerms, chunk_outputs, chunk_terms, discretize_dt
-from hf_ring.mixers.state_exchange import compose_in_order, rank_pieces
+from hf_ring.mixers.state_exchange import compose_in_order, join_exchange, rank_pieces
 
 NO_LIMIT = (0.0, float("inf"))
 
@@ -151,7 +152,7 @@ def ssd_op(
         ys.update(zip((q.slot for q in group), chunk_outputs(terms[length], batched).split(b)))
     out = torch.cat([ys[q.slot] for q in mine], 1)  # (b, s, h, p)
     if world > 1 and all(q.first for q in mine):  # join the backward's exchange (module docstring)
-        out = out + every.reshape(-1)[:0].sum()
+        out = join_exchange(out, every)
     if D is not None:
         out = out + D.to(cd)[:, None] * xs[0]
     if not return_final_states:

@@ -24,7 +24,9 @@ with ``G(j)`` piece ``j``'s own share (the gradient its outputs give its enterin
 linear in them; all-gathered once, like the summaries).
 
 :func:`rank_pieces` gives every recurrence op its rank's pieces and the row's sequence
-order (one place for the layout checks, the stripe refusal included).
+order (one place for the layout checks, the stripe refusal included); :func:`join_exchange`
+ties an op's outputs to the gathered summaries, so that the all-gather's backward (a
+collective) runs on every rank.
 
 Must not import transformers or hf_ring's integration or training layers.
 """
@@ -122,4 +124,29 @@ def rank_pieces(layout: str, rank: int, world: int, local_len: int,
     return every[rank], in_sequence_order(every)
 
 
-__all__ = ["compose_in_order", "compose_in_reverse", "rank_pieces"]
+
+
+class _JoinExchange(torch.autograd.Function):
+    """Forward: ``out`` as it is. Backward: ``out``'s gradient, and zeros for the gathered
+    summaries."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, gathered: torch.Tensor) -> torch.Tensor:
+        ctx.spec = gathered.shape, gathered.dtype, gathered.device
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        shape, dtype, device = ctx.spec
+        return grad, torch.zeros(shape, dtype=dtype, device=device)
+
+
+def join_exchange(out: torch.Tensor, gathered: torch.Tensor) -> torch.Tensor:
+    """``out`` (any shape), tied to ``gathered`` (the all-gathered summaries) in autograd:
+    the all-gather's backward is a collective, so every rank must run it, also one whose
+    outputs read none of the summaries (contiguous rank 0 without the last state, say);
+    the summaries get a zero gradient through this edge, their real one through the reads."""
+    return _JoinExchange.apply(out, gathered)
+
+
+__all__ = ["compose_in_order", "compose_in_reverse", "join_exchange", "rank_pieces"]
