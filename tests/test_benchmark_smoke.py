@@ -145,3 +145,21 @@ def test_gpu_check_verdicts(monkeypatch):
     assert cut["torch_efficient"] == "PASS torch_efficient: 1/1 checks passed (3 not run: time budget)"
     assert lines["torch_cudnn"] == "FAIL torch_cudnn: no check ran within the time budget"
     assert lines["flash_attn_3"] == "SKIP flash_attn_3: runs on sm90 GPUs only"
+
+
+def test_packed_runs_tiny_agrees_with_one_call_per_document():
+    """benchmarks/packed_runs.py: both ways give the same attention (it raises otherwise),
+    and the row holds the documents asked for, all of one length."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import packed_runs
+        import ring_efficiency
+    finally:
+        sys.path.remove(os.path.join(ROOT, "benchmarks"))
+    cfg = ring_efficiency.BenchConfig(heads=2, kv_heads=1, head_dim=16, repeats=1, clock="process")
+    row = packed_runs.measure(8, 2, 64, cfg)
+    assert (row["docs"], row["doc_len"]) == (8, 16)
+    assert row["max_rel_diff"] <= 1e-5 and row["t_batched_s"] > 0 and row["t_per_document_s"] > 0
+    assert ring_efficiency.packed_doc_lens(256, 4, 8) == [32] * 8
+    with pytest.raises(ValueError, match="do not split into 3 documents"):
+        ring_efficiency.packed_doc_lens(256, 4, 3)
