@@ -22,8 +22,9 @@ gradient:
 Plain autograd gives the exact gradients: the all-gather's backward reduce-scatters each
 summary's gradient back to the rank that computed it. A rank whose outputs read no
 gathered summary (contiguous rank 0 without a final state) still joins that backward
-(``state_exchange.join_exchange``). Each rank's gradient of ``initial_state`` is its own part (through its own
-outputs and final state); the ranks' parts sum to the full gradient, as their losses sum.
+(``state_exchange.join_exchange``). Each rank's gradient of ``initial_state`` is its own
+part (through its own outputs and final state); the ranks' parts sum to the full
+gradient, as their losses sum.
 
 At one process (no collectives) each document runs the plain scan from its entering state
 (no widening).
