@@ -66,7 +66,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                             repeats=a.repeats, clock=a.clock)
     if not a.json:
         print(f"# {cfg.kernel().name}, float32, heads {cfg.heads}/{cfg.kv_heads}, head_dim {cfg.head_dim}, "
-              f"cp {a.cp}, {a.seq_per_rank} tokens per rank, median of {a.repeats}, {a.threads} threads, {a.clock} clock")
+              f"cp {a.cp}, {a.seq_per_rank} tokens per rank, median of {a.repeats}, {a.threads} threads, "
+              f"{a.clock} clock")
         print(f"{'docs':>5} {'tokens':>7} {'batched s':>10} {'per-doc s':>10} {'ratio':>6}")
     for docs in a.docs:
         row = measure(docs, a.cp, a.seq_per_rank, cfg)
