@@ -76,6 +76,8 @@ def build_parser(description: Optional[str] = __doc__) -> argparse.ArgumentParse
                    help="default: ring_flash when cp_size > 1, else sdpa")
     p.add_argument("--hidden_size", type=int, default=128, help="default model only")
     p.add_argument("--num_layers", type=int, default=2, help="default model only")
+    p.add_argument("--tie_word_embeddings", action="store_true",
+                   help="default model only: the LM head shares the input embeddings' weight")
     p.add_argument("--vocab_size", type=int, default=None,
                    help="default model only: its vocabulary size (default: the byte tokenizer's 259; "
                         "the tokenizer's ids stay below it), e.g. 128256 to measure a Llama-3 vocabulary")
@@ -211,6 +213,7 @@ def _default_config(args: argparse.Namespace, tokenizer) -> LlamaConfig:
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         use_cache=False,
+        tie_word_embeddings=args.tie_word_embeddings,
     )
 
 

@@ -9,6 +9,7 @@ same 4 examples per optimizer step everywhere (gradient accumulation 2):
     ZeRO-3, dp 2 x cp 2 (4 processes, accelerate launch): batch 1 x accumulation 2
     ZeRO-2, cp 2 (2 processes, accelerate launch)
     ZeRO-3, cp 2 resumed from the step-4 checkpoint
+    ZeRO-3, cp 2, and 1 process, with the LM head tied to the input embeddings
 
 with the chunked LM-head loss on under CP (the default; under ZeRO-3 it runs inside the
 head's call, where DeepSpeed's hooks have gathered the weight, and gathers it again for its
@@ -150,6 +151,9 @@ def runs(tmp_path_factory):
         "zero3_dp2_cp2": (4, "accelerate", ["--deepspeed", ZERO3, "--cp_size", "2",
                                             "--per_device_train_batch_size", "1"]),
         "zero2_cp2": (2, "accelerate", ["--deepspeed", ZERO2, "--cp_size", "2", "--per_device_train_batch_size", "2"]),
+        "reference_tied": (1, "python", ["--per_device_train_batch_size", "2", "--tie_word_embeddings"]),
+        "zero3_cp2_tied": (2, "torchrun", ["--deepspeed", ZERO3, "--cp_size", "2", "--per_device_train_batch_size",
+                                           "2", "--tie_word_embeddings"]),
     }
 
     def get(name: str) -> dict:
@@ -180,6 +184,20 @@ def test_zero_same_as_one_process(runs, name, nproc, stage):
     # The Trainer's epoch bookkeeping counts data-parallel ranks only.
     assert [e["epoch"] for e in got["state"]["log_history"] if "loss" in e] == pytest.approx(
         [e["epoch"] for e in ref["state"]["log_history"] if "loss" in e])
+
+
+def test_zero3_tied_embeddings_same_as_one_process(runs):
+    """The chunked loss under ZeRO-3 on a head that is the input embeddings' weight: its
+    gradient from the loss (computed inside the head's call, the weight gathered again for
+    the backward) and from the embedding lookup must add up as in one process."""
+    ref, got = runs("reference_tied"), runs("zero3_cp2_tied")
+    _assert_deepspeed(got, 2, 3)
+    assert "lm_head.weight" not in ref["dump"]["params"]  # one parameter, named once: the embeddings'
+    assert got["dump"]["logits_widths"] == [0], got["dump"]["logits_widths"]
+    assert "[hf_ring] chunked loss on (weights sharded by: deepspeed)" in got["log"], got["log"][-3000:]
+    _assert_same_run(got, ref, "zero3_cp2_tied")
+    _assert_same_tensors(got["dump"]["params"], ref["dump"]["params"], "zero3_cp2_tied", "initial weights")
+    _assert_same_tensors(got["dump"]["grads"], ref["dump"]["grads"], "zero3_cp2_tied", "gradient")
 
 
 def test_zero3_resume_from_checkpoint(runs, tmp_path):
