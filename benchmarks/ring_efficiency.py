@@ -43,6 +43,8 @@ import torch.nn.functional as F
 import hf_ring
 from hf_ring.kernels import AttentionBackend, get_backend
 from hf_ring.patterns import AttentionPlan, VirtualRing, run_plan
+from hf_ring.patterns.ring.block_runs import group_runs, key_rows, query_rows
+from hf_ring.patterns.ring.schedule import Block
 from hf_ring.sharding import shard_packed, unshard_packed
 
 LAYOUTS = ("zigzag", "stripe", "contiguous", "packed")
@@ -261,34 +263,18 @@ class Unit:
     kernel_s: list[dict] = field(default_factory=list)  # per repeat: Clock.seconds
 
 
-def document_runs(pb: Problem) -> list[tuple[slice, int]]:
-    """:func:`full_calls` with each run of consecutive documents of one length joined:
-    ``(slice over the run, its documents)``."""
-    runs: list[tuple[slice, int]] = []
-    for c in full_calls(pb):
-        last = runs[-1] if runs else None
-        if last and last[0].stop == c.start and (last[0].stop - last[0].start) // last[1] == c.stop - c.start:
-            runs[-1] = (slice(last[0].start, c.stop), last[1] + 1)
-        else:
-            runs.append((c, 1))
-    return runs
-
-
 def _kernel_unit(pb: Problem, kernel: AttentionBackend, scale: float) -> Unit:
     """One kernel call per document (one for a dense row); a run of documents of one length
-    as one batched call, as the ring batches their blocks."""
-    runs = document_runs(pb)
-
-    def rows(t: torch.Tensor, run: slice, n: int) -> torch.Tensor:
-        return t[:, run].reshape(n, -1, *t.shape[2:])  # (n documents, length, heads, head_dim)
+    as one batched call, grouped and viewed as the ring groups its blocks (block_runs.py)."""
+    calls = group_runs([Block(c.start, c.stop, c.start, c.stop, True) for c in full_calls(pb)])
 
     def fwd():
-        return [kernel.forward(rows(pb.q, c, n), rows(pb.k, c, n), rows(pb.v, c, n), True, scale) for c, n in runs]
+        return [kernel.forward(query_rows(c, pb.q), key_rows(c, pb.k), key_rows(c, pb.v), True, scale) for c in calls]
 
     def bwd(results):
-        for (c, n), (o, l) in zip(runs, results):
-            kernel.backward(rows(pb.dout, c, n), rows(pb.q, c, n), rows(pb.k, c, n), rows(pb.v, c, n), o, l, True,
-                            scale)
+        for c, (o, l) in zip(calls, results):
+            kernel.backward(query_rows(c, pb.dout), query_rows(c, pb.q), key_rows(c, pb.k), key_rows(c, pb.v), o, l,
+                            True, scale)
 
     return Unit("per-document calls" if pb.doc_lens else "one causal call", fwd, bwd)
 
