@@ -130,6 +130,7 @@ class ForwardContext:
                 need_lse=False,
                 local_world_size=s.local_world_size if s is not None else 1,
                 first_rank=s.first_rank if s is not None else 0,
+                rank_stride=s.cp_rank_stride if s is not None else 1,
                 spans=self.spans,
             )
             self._plans[key] = plan

@@ -45,13 +45,17 @@ Output = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 SpansArg = Union[None, BidirectionalSpans, Sequence[Sequence[tuple[int, int]]]]
 
 
-def _placement(group: Optional[dist.ProcessGroup], world: int) -> tuple[int, int]:
-    """``(local_world_size, first_rank)`` of ``group`` for ``pattern="auto"``: processes per
-    node as the launcher says, and the group's first global rank."""
+def _placement(group: Optional[dist.ProcessGroup], world: int) -> tuple[int, int, int]:
+    """``(local_world_size, first_rank, rank_stride)`` of ``group`` for ``pattern="auto"``:
+    processes per node as the launcher says, the group's first global rank, and how far
+    apart its ranks are (1 where they are not evenly spaced: auto then reads them as
+    consecutive)."""
     if world == 1:
-        return 1, 0
-    first = dist.get_global_rank(group, 0) if group is not None else 0
-    return local_world_size(dist.get_world_size()), first
+        return 1, 0, 1
+    ranks = [dist.get_global_rank(group, r) for r in range(world)] if group is not None else list(range(world))
+    stride = ranks[1] - ranks[0]
+    even = stride > 0 and all(b - a == stride for a, b in zip(ranks, ranks[1:]))
+    return local_world_size(dist.get_world_size()), ranks[0], stride if even else 1
 
 
 def _check_sinks(sinks: Optional[torch.Tensor], n_heads: int) -> None:
@@ -165,12 +169,13 @@ def context_parallel_attn_func(
     check_local(q, k, v, layout, causal)
     _check_sinks(sinks, q.shape[2])
     spans = as_spans(spans, q.shape[1] * world)
-    lws, first = _placement(group, world)
+    lws, first, stride = _placement(group, world)
     plan = build_plan(pattern=pattern, group=group, rank=rank, world=world, layout=layout, causal=causal,
                       scale=scale, backend=backend, device=q.device, dtype=q.dtype, n_heads=q.shape[2],
                       n_kv_heads=k.shape[2], head_dim=q.shape[3], value_head_dim=v.shape[3],
                       seq=q.shape[1] * world, window=window, softcap=softcap, ulysses_size=ulysses_size,
-                      comm_stats=comm_stats, need_lse=return_lse, local_world_size=lws, first_rank=first, spans=spans)
+                      comm_stats=comm_stats, need_lse=return_lse, local_world_size=lws, first_rank=first,
+                      rank_stride=stride, spans=spans)
     out, lse = run_plan(q, k, v, plan, sinks)
     return (out, lse) if return_lse else out
 

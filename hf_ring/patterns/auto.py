@@ -59,10 +59,10 @@ class PatternChoice:
         return f"pattern 'auto' picked {self.pattern!r}{size}: {self.reason}"
 
 
-def _nodes(first_rank: int, cp_size: int, local_world_size: int) -> int:
-    """Nodes spanned by the CP group of global ranks ``[first_rank, first_rank + cp_size)``,
-    ranks placed node by node (as torchrun and accelerate launch place them)."""
-    return (first_rank + cp_size - 1) // local_world_size - first_rank // local_world_size + 1
+def _nodes(ranks: range, local_world_size: int) -> int:
+    """Nodes spanned by the global ``ranks``, placed node by node (as torchrun and
+    accelerate launch place them)."""
+    return len({r // local_world_size for r in ranks})
 
 
 def pattern_candidates(
@@ -72,6 +72,7 @@ def pattern_candidates(
     cp_size: int,
     local_world_size: int,
     first_rank: int = 0,
+    rank_stride: int = 1,
 ) -> list[PatternChoice]:
     """The patterns ``auto`` tries for one attention call, best first.
 
@@ -80,10 +81,13 @@ def pattern_candidates(
         seq_len: the full sequence's length in tokens.
         cp_size: the context-parallel group's size.
         local_world_size: processes per node (``LOCAL_WORLD_SIZE``), ranks placed node by node.
-        first_rank: the global rank of the CP group's first rank (its ranks are consecutive).
+        first_rank: the global rank of the CP group's first rank.
+        rank_stride: how far apart the group's global ranks are (the TP size: TP is the
+            innermost mesh axis, ``hf_ring.distributed.mesh``).
     """
     heads = f"{n_heads} query / {n_kv_heads} K/V heads"
-    nodes = _nodes(first_rank, cp_size, local_world_size)
+    ranks = range(first_rank, first_rank + cp_size * rank_stride, rank_stride)
+    nodes = _nodes(ranks, local_world_size)
     where = "one node" if nodes == 1 else f"{nodes} nodes"
     candidates: list[PatternChoice] = []
     if cp_size == 1:
@@ -92,10 +96,10 @@ def pattern_candidates(
         candidates.append(PatternChoice("ulysses", None, f"cp={cp_size} inside {where} and {heads} divide over "
                                                          "it: two all-to-alls on intra-node links, one full-sequence kernel"))
     if nodes > 1:
-        # Ulysses groups are consecutive ranks from first_rank: inside a node when u divides
-        # both the node size and the group's first rank.
+        # Ulysses groups are u consecutive ranks of the CP group: each must lie inside a node.
         sizes = [u for u in range(min(local_world_size, cp_size), 1, -1)
-                 if local_world_size % u == 0 and cp_size % u == 0 and first_rank % u == 0 and n_heads % u == 0]
+                 if cp_size % u == 0 and n_heads % u == 0
+                 and all(_nodes(ranks[g:g + u], local_world_size) == 1 for g in range(0, cp_size, u))]
         if sizes:
             candidates.append(PatternChoice("hybrid", sizes[0], f"cp={cp_size} spans {where}: Ulysses over {sizes[0]} "
                                                                 f"ranks inside a node ({heads}), the ring across nodes"))

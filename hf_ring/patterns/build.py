@@ -88,6 +88,7 @@ def build_plan(
     need_lse: bool = True,
     local_world_size: Optional[int] = None,
     first_rank: int = 0,
+    rank_stride: int = 1,
     transport: Optional[Transport] = None,
     collectives: Optional[Collectives] = None,
     spans: Optional[BidirectionalSpans] = None,
@@ -111,8 +112,9 @@ def build_plan(
             every kernel then runs on zero-padded heads (``kernels.value_heads``), exactly.
         seq: the full sequence's length in tokens (packed: the row's).
         local_doc_lens: packed rows, each document's local length; ring only.
-        local_world_size, first_rank: ``auto`` only, processes per node (default: the
-            group is inside one node) and the CP group's first global rank.
+        local_world_size, first_rank, rank_stride: ``auto`` only, processes per node
+            (default: the group is inside one node), the CP group's first global rank and
+            how far apart its global ranks are (the TP size).
         transport, collectives: how the ring's blocks, or the other patterns' collectives,
             travel (default: over ``group``; benchmarks pass virtual ones).
         spans: bidirectional spans on top of causal (``AttentionPlan.spans``), validated for
@@ -139,7 +141,8 @@ def build_plan(
         return _build("ring", None, **common)
     if pattern != "auto":
         return _build(pattern, ulysses_size, **common)
-    candidates = pattern_candidates(n_heads, n_kv_heads, seq, world, local_world_size or world, first_rank)
+    candidates = pattern_candidates(n_heads, n_kv_heads, seq, world, local_world_size or world, first_rank,
+                                    rank_stride)
     plan, choice = first_that_runs(candidates, lambda c: _build(c.pattern, c.ulysses_size, **common))
     features = [f for f, on in (("window", common["window"]), ("chunk", common["chunk"]), ("softcap", softcap),
                                 ("spans", spans)) if on is not None]

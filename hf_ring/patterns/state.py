@@ -1,5 +1,6 @@
-"""The active context-parallel state: this process's dp x cp groups and what runs over
-them (layout, pattern, kernel), held in one explicit object.
+"""The active context-parallel state: this process's groups on the N-D mesh (dp x cp x tp,
+``hf_ring.distributed.mesh``) and what runs over them (layout, pattern, kernel), held in
+one explicit object.
 
 ``setup_context_parallel`` builds the groups (``hf_ring.distributed.groups``) and makes
 the state the *active* one; the ``ring_flash`` attention and the Accelerate plugin read
@@ -19,7 +20,8 @@ from typing import Iterator, Optional
 import torch.distributed as dist
 
 from hf_ring.kernels.registry import registered_backends
-from hf_ring.distributed.groups import DEFAULT_CP_TIMEOUT, build_dp_cp_groups, local_world_size
+from hf_ring.distributed.groups import DEFAULT_CP_TIMEOUT, build_mesh_groups, local_world_size
+from hf_ring.distributed.mesh import ParallelDims
 from hf_ring.patterns.plan import PATTERNS
 from hf_ring.sharding.layouts import check_layout
 
@@ -30,7 +32,11 @@ _DIST_BACKENDS = ("nccl", "gloo", "mpi", "ucc", "xccl", "hccl", "cpu:gloo,cuda:n
 
 @dataclass(frozen=True)
 class ContextParallelState:
-    """Process groups and coordinates of this process in the dp x cp grid."""
+    """Process groups and coordinates of this process on the dp x cp (x tp) mesh.
+
+    ``dp_*`` is the data axis (``batch``: ranks fed different batches); a CP group's ranks
+    share one TP coordinate (``cp_ranks``, ``tp`` apart); ``loss_group`` holds the dp x cp
+    ranks whose token counts add up (None: the whole world, which it is without TP)."""
 
     cp_group: Optional[dist.ProcessGroup]
     cp_rank: int
@@ -57,6 +63,13 @@ class ContextParallelState:
     # The attention kernel: "auto" (per layer, the first that computes its features here)
     # or a name from hf_ring.kernels.available_backends.
     backend: str = "auto"
+    # Tensor parallelism beside CP: this process's TP group and place in it (one TP
+    # coordinate's heads), the CP group's global ranks in CP order, the loss group.
+    tp_group: Optional[dist.ProcessGroup] = field(default=None, compare=False, repr=False)
+    tp_rank: int = 0
+    tp_size: int = 1
+    cp_ranks: tuple[int, ...] = ()
+    loss_group: Optional[dist.ProcessGroup] = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         check_layout(self.layout)
@@ -70,15 +83,31 @@ class ContextParallelState:
             raise ValueError(f"cp_rank {self.cp_rank} out of range for cp_size {self.cp_size}")
         if not 0 <= self.dp_rank < self.dp_size:
             raise ValueError(f"dp_rank {self.dp_rank} out of range for dp_size {self.dp_size}")
+        if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank {self.tp_rank} out of range for tp_size {self.tp_size}")
+        if self.cp_ranks and len(self.cp_ranks) != self.cp_size:
+            raise ValueError(f"cp_ranks {self.cp_ranks} do not hold cp_size={self.cp_size} ranks")
 
     @property
     def world_size(self) -> int:
+        """Every process of the mesh, ``dp_size * cp_size * tp_size``."""
+        return self.cp_size * self.dp_size * self.tp_size
+
+    @property
+    def loss_size(self) -> int:
+        """The ranks whose token-loss shares add up to the step's: ``dp_size * cp_size``
+        (TP ranks hold the same tokens)."""
         return self.cp_size * self.dp_size
 
     @property
     def first_rank(self) -> int:
-        """The global rank of this CP group's first rank (CP groups are consecutive ranks)."""
-        return self.dp_rank * self.cp_size
+        """The global rank of this CP group's first rank."""
+        return self.cp_ranks[0] if self.cp_ranks else self.dp_rank * self.cp_size
+
+    @property
+    def cp_rank_stride(self) -> int:
+        """How far apart the CP group's global ranks are (``tp_size``: TP is innermost)."""
+        return self.tp_size
 
 
 def check_pattern(pattern: str, ulysses_size: Optional[int], cp_size: int) -> None:
@@ -123,11 +152,13 @@ def setup_context_parallel(
     timeout: Optional[timedelta] = None,
     pattern: str = "ring",
     ulysses_size: Optional[int] = None,
+    tp_size: int = 1,
 ) -> ContextParallelState:
-    """Build (or reuse) the dp x cp groups over the initialised default process group.
+    """Build (or reuse) the dp x cp (x tp) groups over the initialised default process group.
 
     Args:
-        cp_size: ranks per context-parallel group; must divide the world size.
+        cp_size: ranks per context-parallel group; ``cp_size * tp_size`` must divide the
+            world size.
         layout: how sequences are split over the CP ranks (``"zigzag"``, ``"stripe"`` or
             ``"contiguous"``); ``ring_flash`` and the collator both follow it.
         backend: the attention kernel every ``ring_flash`` layer runs: ``"auto"`` (per
@@ -150,6 +181,10 @@ def setup_context_parallel(
             ``hf_ring.context_parallel_attn_func``) or ``"auto"`` (picked per model from
             head counts, sequence length, group size and placement, and features; logged).
         ulysses_size: ``pattern="hybrid"`` only: ranks per Ulysses group.
+        tp_size: tensor-parallel ranks beside CP (a model loaded with transformers'
+            ``DistributedConfig(tp_size=...)``): the mesh is ``dp, cp, tp`` with TP
+            innermost, so every CP group holds ranks of one TP coordinate (the same heads);
+            the data axis is what remains (``world / (cp_size * tp_size)``).
 
     Every process of the world must call this with the same arguments (group creation is
     collective). Calling it again with the same ``cp_size`` over the same default group
@@ -161,20 +196,22 @@ def setup_context_parallel(
     global _ACTIVE
     if not isinstance(cp_size, int) or cp_size < 1:
         raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tp_size must be a positive int, got {tp_size!r}")
     if timeout is not None and (not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0):
         raise ValueError(f"timeout must be a positive datetime.timedelta (or None), got {timeout!r}")
     check_layout(layout)
     check_pattern(pattern, ulysses_size, cp_size)
     check_kernel_name(backend)
     if not dist.is_available() or not dist.is_initialized():
-        if cp_size == 1:
+        if cp_size == 1 and tp_size == 1:
             state = ContextParallelState(None, 0, 1, None, 0, 1, layout, pattern=pattern, ulysses_size=ulysses_size,
                                          backend=backend)
             if activate:
                 _ACTIVE = state
             return state
         raise RuntimeError(
-            f"setup_context_parallel(cp_size={cp_size}) needs an initialised default process "
+            f"setup_context_parallel(cp_size={cp_size}, tp_size={tp_size}) needs an initialised default process "
             "group: launch with `accelerate launch` or `torchrun` and call "
             "torch.distributed.init_process_group() (Accelerator() does it) first"
         )
@@ -182,6 +219,7 @@ def setup_context_parallel(
     if (
         active is not None
         and active.cp_size == cp_size
+        and active.tp_size == tp_size
         and active.world_group is dist.group.WORLD
         and active.world_size == dist.get_world_size()
         and timeout in (None, active.timeout)
@@ -196,14 +234,14 @@ def setup_context_parallel(
         return active
     world = dist.get_world_size()
     timeout = DEFAULT_CP_TIMEOUT if timeout is None else timeout
-    groups = build_dp_cp_groups(cp_size, dist_backend, timeout)
+    groups = build_mesh_groups(ParallelDims(world, cp=cp_size, tp=tp_size), dist_backend, timeout)
     state = ContextParallelState(
-        cp_group=groups.cp_group,
-        cp_rank=groups.cp_rank,
+        cp_group=groups.cp.group,
+        cp_rank=groups.cp.rank,
         cp_size=cp_size,
-        dp_group=groups.dp_group,
-        dp_rank=groups.dp_rank,
-        dp_size=groups.dp_size,
+        dp_group=groups.dp.group,
+        dp_rank=groups.dp.rank,
+        dp_size=groups.dp.size,
         layout=layout,
         world_group=dist.group.WORLD,
         timeout=timeout,
@@ -212,6 +250,11 @@ def setup_context_parallel(
         ulysses_size=ulysses_size,
         local_world_size=local_world_size(world),
         backend=backend,
+        tp_group=groups.tp.group,
+        tp_rank=groups.tp.rank,
+        tp_size=tp_size,
+        cp_ranks=groups.cp.ranks,
+        loss_group=groups.loss.group,
     )
     if activate:
         _ACTIVE = state
