@@ -185,6 +185,8 @@ def setup_context_parallel(
             ``DistributedConfig(tp_size=...)``): the mesh is ``dp, cp, tp`` with TP
             innermost, so every CP group holds ranks of one TP coordinate (the same heads);
             the data axis is what remains (``world / (cp_size * tp_size)``).
+            The groups are tested (tests/test_mesh.py); a whole TP model under CP is not
+            yet (docs/limits.md), and ``RingAttentionPlugin`` builds ``tp_size=1`` only.
 
     Every process of the world must call this with the same arguments (group creation is
     collective). Calling it again with the same ``cp_size`` over the same default group
