@@ -9,6 +9,7 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
+from closeness import max_rel
 from hf_ring.sharding import shard_packed, shard_sequence, unshard_packed, unshard_sequence
 
 
@@ -22,20 +23,16 @@ def case_lengths(layout: str, piece, world: int) -> tuple[Optional[list[int]], i
     return None, piece * (1 if layout == "contiguous" else 2) * world
 
 
-def sharders(layout: str, world: int, doc_lens: Optional[Sequence[int]] = None
+def sharders(layout: str, world: int, doc_lens: Optional[Sequence[int]] = None, dim: int = 1
              ) -> tuple[Callable[[torch.Tensor, int], torch.Tensor], Callable[[list], torch.Tensor]]:
-    """``(shard(t, rank), join(shards))`` for tensors whose dimension 1 is the sequence: a
-    dense row in ``layout``, or (``doc_lens``: the documents' global lengths) a packed row,
+    """``(shard(t, rank), join(shards))`` for tensors whose dimension ``dim`` is the sequence:
+    a dense row in ``layout``, or (``doc_lens``: the documents' global lengths) a packed row,
     every document zigzag-sharded on its own."""
     if doc_lens:
         cu = torch.tensor([0, *torch.tensor(doc_lens).cumsum(0).tolist()])
-        return (lambda t, r: shard_packed(t, cu, world, r)), (lambda ts: unshard_packed(ts, cu))
-    return (lambda t, r: shard_sequence(t, world, r, layout=layout)), (lambda ts: unshard_sequence(ts, layout=layout))
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """``max |a - b| / max |b|``, in float64."""
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+        return (lambda t, r: shard_packed(t, cu, world, r, dim=dim)), (lambda ts: unshard_packed(ts, cu, dim=dim))
+    return ((lambda t, r: shard_sequence(t, world, r, dim=dim, layout=layout)),
+            (lambda ts: unshard_sequence(ts, dim=dim, layout=layout)))
 
 
 def backward_result(out: torch.Tensor, final: Optional[torch.Tensor], leaves: dict,
@@ -55,11 +52,11 @@ def errors(got: dict, ref: dict, names: Iterable[str]) -> dict[str, float]:
     """Relative errors of a result ``{"out", "final", "grads": {name: grad}, "init_grad"}``
     against the reference's: the output, the gradients of ``names``, the final state (when
     returned) and the initial state's gradient (when there is one)."""
-    errs = {"out": rel(got["out"], ref["out"])} | {f"d{n}": rel(got["grads"][n], ref["grads"][n]) for n in names}
+    errs = {"out": max_rel(got["out"], ref["out"])} | {f"d{n}": max_rel(got["grads"][n], ref["grads"][n]) for n in names}
     if got["final"] is not None:
-        errs["final"] = rel(got["final"], ref["final"])
+        errs["final"] = max_rel(got["final"], ref["final"])
     if ref["init_grad"] is not None:
-        errs["dinit"] = rel(got["init_grad"], ref["init_grad"])
+        errs["dinit"] = max_rel(got["init_grad"], ref["init_grad"])
     return errs
 
 

@@ -58,6 +58,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import sweep_ratchet  # noqa: E402
+from closeness import rel_err  # noqa: E402
 from model_sweep_configs import NOT_SWEPT, SEQ, WRITTEN_FOR, build_config, family_names, model_type_of  # noqa: E402
 
 CP = 2
@@ -216,18 +217,13 @@ def _forward_backward(model, ids, positions, weights) -> tuple[torch.Tensor, tor
     return logits.detach(), loss.detach(), torch.cat(grads)
 
 
-def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
-    denominator = ref.double().norm().item()
-    return (x.double() - ref.double()).norm().item() / max(denominator, 1e-30)
-
-
 def compare(ref: dict, logits, loss, flat_grads, names_and_sizes) -> dict[str, Any]:
     """Errors of one run against the reference (see TOL and GRAD_FLOOR)."""
     # The loss against the sum of its terms' magnitudes: a weighted sum with random signs
     # can nearly cancel (|loss| 1e-2 of that scale happens), and relative to itself its
     # rounding would then look 100 times larger than the logits' own error.
     scale = (ref["logits"].double() * ref["weights"].double()).abs().sum().item()
-    out = {"logits": _rel(logits, ref["logits"]), "loss": abs(loss.item() - ref["loss"].item()) / max(scale, 1e-30)}
+    out = {"logits": rel_err(logits, ref["logits"]), "loss": abs(loss.item() - ref["loss"].item()) / max(scale, 1e-30)}
     worst, worst_name = 0.0, None
     pieces_ref = torch.split(ref["grads"], [n for _, n in names_and_sizes])
     pieces = torch.split(flat_grads, [n for _, n in names_and_sizes])

@@ -98,10 +98,6 @@ def segment_attention(
     return res
 
 
-def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """norm(x - ref) / norm(ref), in float64."""
-    return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
-
 
 def feature_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *, causal: bool = True,

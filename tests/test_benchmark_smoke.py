@@ -23,7 +23,8 @@ import sys
 import pytest
 import torch
 
-from reference_attention import full_attention, rel_err
+from closeness import rel_err
+from reference_attention import full_attention
 from subprocess_limits import HANG_GUARD_S
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

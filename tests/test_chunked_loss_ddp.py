@@ -32,7 +32,7 @@ import torch
 
 import eval_loss_run
 from distributed import run_world
-from reference_attention import rel_err
+from closeness import rel_err
 
 
 def _llama(rank: int, world: int) -> tuple:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 import hf_ring
 from distributed import run_world
-from reference_attention import rel_err
+from closeness import rel_err
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from context_parallel_wrap import GQAttention  # noqa: E402

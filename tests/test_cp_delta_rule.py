@@ -16,11 +16,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from closeness import max_rel
+from mixer_checks import backward_result, case_lengths, errors, out_of_bounds, sharders
 from distributed import run_world
 from hf_ring.distributed.collectives import VirtualCollectives
 from hf_ring.mixers.delta_rule import context_parallel_gated_delta_rule, gated_delta_rule_op
 from hf_ring.mixers.delta_rule_chunk import chunk_terms, heads_first, local_gated_delta_rule, scan, summary_scan
-from hf_ring.sharding import shard_packed, shard_sequence, unshard_packed, unshard_sequence
 
 NAMES = ("q", "k", "v", "g", "beta")
 
@@ -58,10 +59,6 @@ def make_inputs(seed, b, s, hk, hv, dk, dv, dtype=torch.float64, l2=False):
     return {n: t.to(dtype) for n, t in x.items()}, r(b, hv, dk, dv).to(dtype)
 
 
-def rel(a, b):
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
-
-
 # ------------------------------------------------------------------ one process (a)
 
 
@@ -78,14 +75,14 @@ def test_local_op_matches_step_recurrence_and_transformers(l2, with_init):
     ref_leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
     ref_init = init.clone().requires_grad_() if with_init else None
     ref_out, ref_final = step_reference(*ref_leaves.values(), ref_init, l2)
-    assert rel(out, ref_out) < 1e-9 and rel(final, ref_final) < 1e-9
+    assert max_rel(out, ref_out) < 1e-9 and max_rel(final, ref_final) < 1e-9
     go, gf = torch.randn_like(ref_out), torch.randn_like(ref_final)
     ((out * go).sum() + (final * gf).sum()).backward()
     ((ref_out * go).sum() + (ref_final * gf).sum()).backward()
     for n in NAMES:
-        assert rel(leaves[n].grad, ref_leaves[n].grad) < 1e-9, n
+        assert max_rel(leaves[n].grad, ref_leaves[n].grad) < 1e-9, n
     if with_init:
-        assert rel(init_leaf.grad, ref_init.grad) < 1e-9
+        assert max_rel(init_leaf.grad, ref_init.grad) < 1e-9
     # transformers' own function, float32, on the same full sequence.
     x32 = {n: t.float() for n, t in x.items()}
     i32 = None if init is None else init.float()
@@ -93,8 +90,8 @@ def test_local_op_matches_step_recurrence_and_transformers(l2, with_init):
                                                     output_final_state=True, use_qk_l2norm_in_kernel=l2)
     out32, final32 = local_gated_delta_rule(*x32.values(), 32, i32, l2)
     assert out32.dtype == torch.float32 and final32.dtype == torch.float32
-    assert rel(out32, hf_out) < 1e-5 and rel(final32, hf_final) < 1e-5
-    assert rel(hf_out, ref_out) < 1e-4  # transformers agrees with the step recurrence too
+    assert max_rel(out32, hf_out) < 1e-5 and max_rel(final32, hf_final) < 1e-5
+    assert max_rel(hf_out, ref_out) < 1e-4  # transformers agrees with the step recurrence too
 
 
 def test_world_one_packed_rows_reset_the_state_per_document():
@@ -106,13 +103,13 @@ def test_world_one_packed_rows_reset_the_state_per_document():
     start = 0
     for d, n in enumerate(lens):
         ref_out, ref_final = step_reference(*(t[:, start:start + n] for t in x.values()))
-        assert rel(out[:, start:start + n], ref_out) < 1e-9 and rel(final[:, d], ref_final) < 1e-9
+        assert max_rel(out[:, start:start + n], ref_out) < 1e-9 and max_rel(final[:, d], ref_final) < 1e-9
         start += n
     # bfloat16 inputs: outputs in bfloat16, states accumulated and returned in float32.
     out16, final16 = context_parallel_gated_delta_rule(*(t.bfloat16() for t in x.values()), local_doc_lens=lens,
                                                        chunk_size=8, output_final_state=True)
     assert out16.dtype == torch.bfloat16 and final16.dtype == torch.float32
-    assert rel(out16, out) < 3e-2 and rel(final16, final) < 3e-2  # bfloat16 inputs' own rounding
+    assert max_rel(out16, out) < 3e-2 and max_rel(final16, final) < 3e-2  # bfloat16 inputs' own rounding
 
 
 def test_summary_of_a_fast_decaying_run_keeps_its_precision_without_subnormals():
@@ -128,8 +125,8 @@ def test_summary_of_a_fast_decaying_run_keeps_its_precision_without_subnormals()
     (qhat32, summ32), (qhat64, summ64) = (summary_scan(terms[dt]) for dt in (torch.float32, torch.float64))
     s_in = torch.randn(1, 2, 16, 16, dtype=torch.float64)
     (out1, end1), (out0, end0) = scan(terms[torch.float64], s_in), scan(terms[torch.float64])
-    assert rel(out0 + qhat64 @ s_in, out1) < 1e-12 and rel(end0 + summ64[..., 16:] @ s_in, end1) < 1e-12
-    assert rel(summ64[..., :16], end0) < 1e-12
+    assert max_rel(out0 + qhat64 @ s_in, out1) < 1e-12 and max_rel(end0 + summ64[..., 16:] @ s_in, end1) < 1e-12
+    assert max_rel(summ64[..., :16], end0) < 1e-12
     tiny = torch.finfo(torch.float32).tiny
     for got in (qhat32, summ32):
         assert not ((got != 0) & (got.abs() < tiny)).any()
@@ -182,22 +179,14 @@ def case_problem(i: int, world: int):
     """Full-sequence float64 inputs, initial state, output cotangent, the per-rank
     final-state cotangents, the documents' global lengths (packed) and the sharders."""
     case = CASES[i]
-    per_rank = 2 if case["layout"] != "contiguous" else 1
-    doc_lens = [2 * world * n for n in case["piece"]] if case["layout"] == "packed" else None
-    seq = sum(doc_lens) if doc_lens else case["piece"] * per_rank * world
+    doc_lens, seq = case_lengths(case["layout"], case["piece"], world)
     x, init = make_inputs(100 + i, SHAPE["b"], seq, SHAPE["hk"], SHAPE["hv"], SHAPE["dk"], SHAPE["dv"], l2=case["l2"])
     gen = torch.Generator().manual_seed(200 + i)
     go = torch.randn(SHAPE["b"], seq, SHAPE["hv"], SHAPE["dv"], generator=gen, dtype=torch.float64)
     n_docs = len(doc_lens) if doc_lens else 1
     gfs = torch.randn(world, SHAPE["b"], n_docs, SHAPE["hv"], SHAPE["dk"], SHAPE["dv"], generator=gen,
                       dtype=torch.float64)
-    if doc_lens:
-        cu = torch.tensor([0, *torch.tensor(doc_lens).cumsum(0).tolist()])
-        shard = lambda t, r: shard_packed(t, cu, world, r)  # noqa: E731
-        join = lambda ts: unshard_packed(ts, cu)  # noqa: E731
-    else:
-        shard = lambda t, r: shard_sequence(t, world, r, layout=case["layout"])  # noqa: E731
-        join = lambda ts: unshard_sequence(ts, layout=case["layout"])  # noqa: E731
+    shard, join = sharders(case["layout"], world, doc_lens)
     return case, x, (init if case["init"] else None), go, gfs, doc_lens, shard, join
 
 
@@ -213,13 +202,8 @@ def _world_cases(rank: int, world: int) -> list[dict]:
             *leaves.values(), layout="zigzag" if doc_lens else case["layout"],
             local_doc_lens=[n // world for n in doc_lens] if doc_lens else None, chunk_size=case["chunk"],
             initial_state=init_leaf, use_qk_l2norm_in_kernel=case["l2"], output_final_state=case["final"])
-        loss = (out * shard(go, rank).to(dt)).sum()
-        if case["final"]:
-            loss = loss + (final * (gfs[rank] if doc_lens else gfs[rank][:, 0]).to(dt)).sum()
-        loss.backward()
-        results.append({"out": out.detach(), "final": None if final is None else final.detach(),
-                        "grads": {n: t.grad for n, t in leaves.items()},
-                        "init_grad": None if init_leaf is None else init_leaf.grad})
+        d_final = (gfs[rank] if doc_lens else gfs[rank][:, 0]) if case["final"] else None
+        results.append(backward_result(out, final, leaves, init_leaf, shard(go, rank), d_final))
     return results
 
 
@@ -236,21 +220,10 @@ def full_reference(case, x, init, go, gfs, doc_lens, dtype=torch.float64, op=Non
         outs.append(o)
         finals.append(f)
     out, final = torch.cat(outs, 1), torch.stack(finals, 1)  # final: (b, n_docs, hv, dk, dv)
-    loss = (out * go.to(dtype)).sum() + (case["final"] * (final * gfs.sum(0).to(dtype)).sum())
-    loss.backward()
-    return {"out": out.detach(), "final": final.detach() if doc_lens else final[:, 0].detach(),
-            "grads": {n: t.grad for n, t in leaves.items()},
-            "init_grad": None if init_leaf is None else init_leaf.grad}
-
-
-def _errors(got: dict, ref: dict) -> dict:
-    errs = {"out": rel(got["out"], ref["out"])}
-    errs |= {f"d{n}": rel(got["grads"][n], ref["grads"][n]) for n in NAMES}
-    if got["final"] is not None:
-        errs["final"] = rel(got["final"], ref["final"])
-    if ref["init_grad"] is not None:
-        errs["dinit"] = rel(got["init_grad"], ref["init_grad"])
-    return errs
+    d_final = gfs.sum(0)  # every rank's final-state loss
+    if not doc_lens:
+        final, d_final = final[:, 0], d_final[:, 0]
+    return backward_result(out, final, leaves, init_leaf, go, d_final if case["final"] else None)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
@@ -266,12 +239,10 @@ def test_cp_matches_the_full_sequence(world):
         if case["final"]:  # the same final state on every rank
             assert all(torch.equal(r["final"], ranks[0]["final"]) for r in ranks)
         ref = full_reference(case, x, init, go, gfs, doc_lens)
-        errs = _errors(got, ref)
-        if case["dtype"] == torch.float64:
-            bound = {k: 1e-9 for k in errs}
-        else:  # no further from the float64 truth than one process in float32 over the full sequence
-            one = full_reference(case, x, init, go, gfs, doc_lens, torch.float32,
-                                 lambda *a: local_gated_delta_rule(*a[:5], case["chunk"], a[5], a[6]))
-            bound = {k: 4 * e + 1e-6 for k, e in _errors(one, ref).items()}
-        bad = {k: (e, bound[k]) for k, e in errs.items() if not e <= bound[k]}
+        one = None  # float64: within 1e-9 of the step recurrence; float32: no further from it
+        if case["dtype"] != torch.float64:  # than one process in float32 over the full sequence
+            one = errors(full_reference(case, x, init, go, gfs, doc_lens, torch.float32,
+                                        lambda *a: local_gated_delta_rule(*a[:5], case["chunk"], a[5], a[6])),
+                         ref, NAMES)
+        bad = out_of_bounds(errors(got, ref, NAMES), one)
         assert not bad, f"case {i} {case}: {bad}"

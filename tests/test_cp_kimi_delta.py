@@ -22,10 +22,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from closeness import max_rel
+from mixer_checks import backward_result, case_lengths, errors, out_of_bounds, sharders
 from distributed import run_world
 from hf_ring.distributed.collectives import VirtualCollectives
 from hf_ring.mixers.kimi_delta import context_parallel_kimi_delta_attention, kimi_delta_op
-from hf_ring.sharding import shard_packed, shard_sequence, unshard_packed, unshard_sequence
 
 NAMES = ("q", "k", "v", "g", "beta")
 SHAPE = dict(b=2, h=2, dk=8, dv=6)
@@ -65,10 +66,6 @@ def make_inputs(seed, s, dtype=torch.float64, l2=False):
     return {n: t.to(dtype) for n, t in x.items()}, r(b, h, dk, dv).to(dtype)
 
 
-def rel(a, b):
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
-
-
 def run_full(x, init, go, gf, l2, op, dtype, doc_lens=None):
     """``op`` over the full sequence (per document), float64 leaves cast to ``dtype``:
     output, final state(s) and the gradients of sum(out * go) + sum(final * gf)."""
@@ -77,26 +74,13 @@ def run_full(x, init, go, gf, l2, op, dtype, doc_lens=None):
     bounds = [0, *torch.tensor(doc_lens).cumsum(0).tolist()] if doc_lens else [0, go.shape[1]]
     runs = [op(*(t[:, a:e] for t in leaves.values()), init_leaf, l2) for a, e in zip(bounds[:-1], bounds[1:])]
     out, final = torch.cat([o for o, _ in runs], 1), torch.stack([f for _, f in runs], 1)  # (b, docs, h, dk, dv)
-    final = final if doc_lens else final[:, 0]
-    loss = (out * go.to(dtype)).sum() + (0 if gf is None else (final * gf.to(dtype)).sum())
-    loss.backward()
-    return {"out": out.detach(), "final": final.detach(), "grads": {n: t.grad for n, t in leaves.items()},
-            "init_grad": None if init_leaf is None else init_leaf.grad}
+    return backward_result(out, final if doc_lens else final[:, 0], leaves, init_leaf, go, gf)
 
 
 def local_op(chunk):
     """The one-process op (no collectives) in run_full's form."""
     return lambda q, k, v, g, beta, init, l2: kimi_delta_op(q, k, v, g, beta, None, chunk_size=chunk, initial_state=init,
                                                             output_final_state=True, use_qk_l2norm_in_kernel=l2)
-
-
-def errors(got: dict, ref: dict) -> dict:
-    errs = {"out": rel(got["out"], ref["out"]), **{f"d{n}": rel(got["grads"][n], ref["grads"][n]) for n in NAMES}}
-    if got["final"] is not None:
-        errs["final"] = rel(got["final"], ref["final"])
-    if ref["init_grad"] is not None:
-        errs["dinit"] = rel(got["init_grad"], ref["init_grad"])
-    return errs
 
 
 # ------------------------------------------------------------------ one process
@@ -112,15 +96,15 @@ def test_local_op_matches_step_recurrence_and_transformers(l2):
     gf = torch.randn(2, 2, 8, 6, generator=gen, dtype=torch.float64)
     ref = run_full(x, init, go, gf, l2, step_reference, torch.float64)
     got = run_full(x, init, go, gf, l2, local_op(32), torch.float64)
-    assert max(errors(got, ref).values()) < 1e-9, errors(got, ref)
+    assert max(errors(got, ref, NAMES).values()) < 1e-9, errors(got, ref, NAMES)
     # transformers' own function, float32, on the same full sequence: outputs and gradients.
     hf = run_full(x, init, go, gf, l2, lambda *a: chunk_kimi_delta_attention(
         *a[:5], chunk_size=16, initial_state=a[5], output_final_state=True, use_qk_l2norm_in_kernel=a[6]),
         torch.float32)
     ours = run_full(x, init, go, gf, l2, local_op(32), torch.float32)
     assert ours["out"].dtype == ours["final"].dtype == torch.float32
-    assert max(errors(ours, hf).values()) < 1e-5, errors(ours, hf)
-    assert rel(hf["out"], ref["out"]) < 1e-5  # transformers agrees with the step recurrence too
+    assert max(errors(ours, hf, NAMES).values()) < 1e-5, errors(ours, hf, NAMES)
+    assert max_rel(hf["out"], ref["out"]) < 1e-5  # transformers agrees with the step recurrence too
 
 
 def test_low_precision_inputs():
@@ -131,7 +115,7 @@ def test_low_precision_inputs():
                                    chunk_size=8, output_final_state=True)
     assert final16.shape == (2, 3, 2, 8, 6)
     assert out16.dtype == torch.bfloat16 and final16.dtype == torch.float32
-    assert rel(out16, out) < 3e-2 and rel(final16, final) < 3e-2  # bfloat16 inputs' own rounding
+    assert max_rel(out16, out) < 3e-2 and max_rel(final16, final) < 3e-2  # bfloat16 inputs' own rounding
 
 
 def test_widened_scan_of_a_fast_decaying_run_stays_exact_without_near_subnormals():
@@ -150,7 +134,7 @@ def test_widened_scan_of_a_fast_decaying_run_stays_exact_without_near_subnormals
         assert not ((got != 0) & (got.abs() < floor)).any()
     assert qhat.abs().amax((0, 1, 3))[-1] == 0 < qhat.abs().amax((0, 1, 3))[0]  # late rows flushed, early ones kept
     s32 = s_in.float()
-    assert rel(o0 + qhat @ s32, out) < 1e-5 and rel(summary[..., 6:] @ s32 + summary[..., :6], end) < 1e-5
+    assert max_rel(o0 + qhat @ s32, out) < 1e-5 and max_rel(summary[..., 6:] @ s32 + summary[..., :6], end) < 1e-5
 
 
 def test_refusals():
@@ -203,21 +187,13 @@ def case_problem(i: int, world: int):
     """Full-sequence float64 inputs, initial state, output cotangent, the per-rank
     final-state cotangents (world, ...), the documents' global lengths (packed), sharders."""
     case = CASES[i]
-    per_rank = 2 if case["layout"] != "contiguous" else 1
-    doc_lens = [2 * world * n for n in case["piece"]] if case["layout"] == "packed" else None
-    seq = sum(doc_lens) if doc_lens else case["piece"] * per_rank * world
+    doc_lens, seq = case_lengths(case["layout"], case["piece"], world)
     x, init = make_inputs(100 + i, seq, l2=case["l2"])
     gen = torch.Generator().manual_seed(200 + i)
     b, h, dk, dv = SHAPE.values()
     go = torch.randn(b, seq, h, dv, generator=gen, dtype=torch.float64)
     gfs = torch.randn(world, b, *([len(doc_lens)] if doc_lens else []), h, dk, dv, generator=gen, dtype=torch.float64)
-    if doc_lens:
-        cu = torch.tensor([0, *torch.tensor(doc_lens).cumsum(0).tolist()])
-        shard, join = (lambda t, r: shard_packed(t, cu, world, r)), (lambda ts: unshard_packed(ts, cu))
-    else:
-        lay = case["layout"]
-        shard = lambda t, r: shard_sequence(t, world, r, layout=lay)  # noqa: E731
-        join = lambda ts: unshard_sequence(ts, layout=lay)  # noqa: E731
+    shard, join = sharders(case["layout"], world, doc_lens)
     return case, x, (init if case["init"] else None), go, gfs, doc_lens, shard, join
 
 
@@ -234,11 +210,8 @@ def cases_on_rank(rank: int, world: int, group) -> list[dict]:
             *leaves.values(), chunk_size=case["chunk"], initial_state=init_leaf, output_final_state=case["final"],
             use_qk_l2norm_in_kernel=case["l2"], group=group, layout="zigzag" if doc_lens else case["layout"],
             local_doc_lens=[n // world for n in doc_lens] if doc_lens else None)
-        loss = (out * shard(go, rank).to(dt)).sum() + (0 if final is None else (final * gfs[rank].to(dt)).sum())
-        loss.backward()
-        results.append({"out": out.detach(), "final": None if final is None else final.detach(),
-                        "grads": {n: t.grad for n, t in leaves.items()},
-                        "init_grad": None if init_leaf is None else init_leaf.grad})
+        results.append(backward_result(out, final, leaves, init_leaf, shard(go, rank),
+                                       None if final is None else gfs[rank]))
     return results
 
 
@@ -270,11 +243,9 @@ def test_cp_matches_the_full_sequence(per_world, world):
             assert all(r["final"] is None for r in ranks)
         gf = gfs.sum(0) if case["final"] else None  # every rank's final-state loss
         ref = run_full(x, init, go, gf, case["l2"], step_reference, torch.float64, doc_lens)
-        errs = errors(got, ref)
-        if case["dtype"] == torch.float64:
-            bound = {k: 1e-9 for k in errs}
-        else:  # no further from the float64 truth than one process in float32 over the full sequence
-            one = run_full(x, init, go, gf, case["l2"], local_op(case["chunk"]), torch.float32, doc_lens)
-            bound = {k: 4 * e + 1e-6 for k, e in errors(one, ref).items()}
-        bad = {k: (e, bound[k]) for k, e in errs.items() if not e <= bound[k]}
+        one = None  # float64: within 1e-9 of the step recurrence; float32: no further from it
+        if case["dtype"] != torch.float64:  # than one process in float32 over the full sequence
+            one = errors(run_full(x, init, go, gf, case["l2"], local_op(case["chunk"]), torch.float32, doc_lens),
+                         ref, NAMES)
+        bad = out_of_bounds(errors(got, ref, NAMES), one)
         assert not bad, f"world {world} case {i} {case}: {bad}"

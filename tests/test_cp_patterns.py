@@ -17,7 +17,8 @@ import torch
 import hf_ring
 from hf_ring.patterns import PATTERNS
 from distributed import run_world
-from reference_attention import feature_attention, rel_err
+from closeness import rel_err
+from reference_attention import feature_attention
 
 B, S, HQ, HK, D = 2, 16, 4, 2, 8
 TOL = 1e-5

@@ -22,10 +22,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from closeness import max_rel
+from mixer_checks import backward_result, case_lengths, errors, out_of_bounds, sharders
 from distributed import run_world
 from hf_ring.distributed.collectives import VirtualCollectives
 from hf_ring.mixers.selective_scan import context_parallel_selective_scan, selective_scan_op
-from hf_ring.sharding import shard_packed, shard_sequence, unshard_packed, unshard_sequence
 
 SHARDED = ("u", "delta", "B", "C", "z")  # along the sequence; A, D, delta_bias are replicated
 OPTIONS = ("D", "z", "delta_bias")
@@ -57,10 +58,6 @@ def make_inputs(seed, b, d, n, s, softplus=True, dtype=torch.float64):
     return {k: t.to(dtype) for k, t in x.items()}
 
 
-def rel(a, b):
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
-
-
 def _split(x, options):
     """(positional u, delta, A, B, C; keyword D, z, delta_bias as the case uses them)."""
     return [x[k] for k in ("u", "delta", "A", "B", "C")], {k: x[k] for k in OPTIONS if k in options}
@@ -81,12 +78,12 @@ def test_local_op_matches_step_recurrence_and_transformers(options, softplus, ch
     pos_r, kw_r = _split(ref_leaves, options)
     ref_y, ref_last = step_reference(*pos_r, **kw_r, delta_softplus=softplus)
     assert y.dtype == last.dtype == torch.float64
-    assert rel(y, ref_y) < 1e-9 and rel(last, ref_last) < 1e-9
+    assert max_rel(y, ref_y) < 1e-9 and max_rel(last, ref_last) < 1e-9
     go, gl = torch.randn_like(ref_y), torch.randn_like(ref_last)
     ((y * go).sum() + (last * gl).sum()).backward()
     ((ref_y * go).sum() + (ref_last * gl).sum()).backward()
     for k in names:
-        assert rel(got_leaves[k].grad, ref_leaves[k].grad) < 1e-9, k
+        assert max_rel(got_leaves[k].grad, ref_leaves[k].grad) < 1e-9, k
     # transformers' own function, float32, outputs and gradients.
     mine, theirs = ({k: x[k].float().requires_grad_() for k in names} for _ in range(2))
     pos, kw = _split(mine, options)
@@ -95,11 +92,11 @@ def test_local_op_matches_step_recurrence_and_transformers(options, softplus, ch
     pos_t, kw_t = _split(theirs, options)
     hf_y, hf_last = mamba_selective_scan(*pos_t, **kw_t, delta_softplus=softplus, return_last_state=True)
     assert y32.dtype == last32.dtype == torch.float32
-    assert rel(y32, hf_y) < 1e-5 and rel(last32, hf_last) < 1e-5 and rel(hf_y, ref_y) < 1e-5
+    assert max_rel(y32, hf_y) < 1e-5 and max_rel(last32, hf_last) < 1e-5 and max_rel(hf_y, ref_y) < 1e-5
     ((y32 * go.float()).sum() + (last32 * gl.float()).sum()).backward()
     ((hf_y * go.float()).sum() + (hf_last * gl.float()).sum()).backward()
     for k in names:
-        assert rel(mine[k].grad, theirs[k].grad) < 1e-4, k
+        assert max_rel(mine[k].grad, theirs[k].grad) < 1e-4, k
 
 
 def test_world_one_packed_rows_reset_the_state_per_document_and_dtypes():
@@ -113,14 +110,14 @@ def test_world_one_packed_rows_reset_the_state_per_document_and_dtypes():
     for doc, n in enumerate(lens):
         part = {k: (t[..., start:start + n] if k in SHARDED else t) for k, t in x.items()}
         ref_y, ref_last = step_reference(*_split(part, OPTIONS)[0], **_split(part, OPTIONS)[1], delta_softplus=True)
-        assert rel(y[..., start:start + n], ref_y) < 1e-9 and rel(last[:, doc], ref_last) < 1e-9
+        assert max_rel(y[..., start:start + n], ref_y) < 1e-9 and max_rel(last[:, doc], ref_last) < 1e-9
         start += n
     # bfloat16 inputs: y in bfloat16, the state accumulated and returned in float32 ...
     x16 = {k: t.bfloat16() for k, t in x.items()}
     y16, last16 = context_parallel_selective_scan(*_split(x16, OPTIONS)[0], **_split(x16, OPTIONS)[1],
                                                   delta_softplus=True, return_last_state=True, local_doc_lens=lens)
     assert y16.dtype == torch.bfloat16 and last16.dtype == torch.float32
-    assert rel(y16, y) < 3e-2 and rel(last16, last) < 3e-2  # bfloat16 inputs' own rounding
+    assert max_rel(y16, y) < 3e-2 and max_rel(last16, last) < 3e-2  # bfloat16 inputs' own rounding
     # ... and D in float32, as transformers' Mamba layers pass it: y promoted to float32, like theirs.
     y_d, _ = context_parallel_selective_scan(*_split(x16, ())[0], D=x["D"].float(), local_doc_lens=lens)
     assert y_d.dtype == torch.float32
@@ -136,7 +133,7 @@ def test_fast_decays_stay_finite_and_precise():
     got = selective_scan_op(*_split(x32, OPTIONS)[0], None, **_split(x32, OPTIONS)[1], delta_softplus=True,
                             return_last_state=True, chunk_size=32)
     assert all(torch.isfinite(t).all() for t in got)
-    assert rel(got[0], ref[0]) < 1e-5 and rel(got[1], ref[1]) < 1e-5
+    assert max_rel(got[0], ref[0]) < 1e-5 and max_rel(got[1], ref[1]) < 1e-5
 
 
 def test_refusals():
@@ -189,22 +186,14 @@ def case_problem(i: int, world: int):
     """Full-sequence float64 inputs, output cotangent, per-rank last-state cotangents,
     the documents' global lengths (packed) and the sharders."""
     case = CASES[i]
-    per_rank = 2 if case["layout"] != "contiguous" else 1
-    doc_lens = [2 * world * n for n in case["piece"]] if case["layout"] == "packed" else None
-    seq = sum(doc_lens) if doc_lens else case["piece"] * per_rank * world
+    doc_lens, seq = case_lengths(case["layout"], case["piece"], world)
     x = make_inputs(100 + i, SHAPE["b"], SHAPE["d"], SHAPE["n"], seq, case["softplus"])
     x = {k: t for k, t in x.items() if k not in OPTIONS or k in case["options"]}
     gen = torch.Generator().manual_seed(200 + i)
     go = torch.randn(SHAPE["b"], SHAPE["d"], seq, generator=gen, dtype=torch.float64)
     gls = torch.randn(world, SHAPE["b"], len(doc_lens or [0]), SHAPE["d"], SHAPE["n"], generator=gen,
                       dtype=torch.float64)
-    if doc_lens:
-        cu = torch.tensor([0, *torch.tensor(doc_lens).cumsum(0).tolist()])
-        shard = lambda t, r: shard_packed(t, cu, world, r, dim=2)  # noqa: E731
-        join = lambda ts: unshard_packed(ts, cu, dim=2)  # noqa: E731
-    else:
-        shard = lambda t, r: shard_sequence(t, world, r, dim=2, layout=case["layout"])  # noqa: E731
-        join = lambda ts: unshard_sequence(ts, dim=2, layout=case["layout"])  # noqa: E731
+    shard, join = sharders(case["layout"], world, doc_lens, dim=2)
     return case, x, go, gls, doc_lens, shard, join
 
 
@@ -219,12 +208,8 @@ def _world_cases(rank: int, world: int, group) -> list[dict]:
             *pos, **kw, delta_softplus=case["softplus"], return_last_state=case["last"], group=group,
             layout="zigzag" if doc_lens else case["layout"],
             local_doc_lens=[n // world for n in doc_lens] if doc_lens else None, chunk_size=case["chunk"])
-        loss = (y * shard(go, rank).to(y.dtype)).sum()
-        if case["last"]:
-            loss = loss + (last * (gls[rank] if doc_lens else gls[rank][:, 0]).to(last.dtype)).sum()
-        loss.backward()
-        results.append({"y": y.detach(), "last": None if last is None else last.detach(),
-                        "grads": {k: t.grad for k, t in leaves.items()}})
+        d_last = (gls[rank] if doc_lens else gls[rank][:, 0]) if case["last"] else None
+        results.append(backward_result(y, last, leaves, None, shard(go, rank), d_last))
     return results
 
 
@@ -241,19 +226,14 @@ def full_reference(case, x, go, gls, doc_lens, op=None):
         ys.append(y)
         lasts.append(last)
     y, last = torch.cat(ys, -1), torch.stack(lasts, 1)  # last: (b, n_docs, d, n)
-    loss = (y * go.to(dtype)).sum() + case["last"] * (last * gls.sum(0).to(dtype)).sum()
-    loss.backward()
-    return {"y": y.detach(), "last": last.detach() if doc_lens else last[:, 0].detach(),
-            "grads": {k: t.grad for k, t in leaves.items()}}
+    d_last = gls.sum(0)  # every rank's last-state loss
+    if not doc_lens:
+        last, d_last = last[:, 0], d_last[:, 0]
+    return backward_result(y, last, leaves, None, go, d_last if case["last"] else None)
 
 
 def _one_process(chunk):
     return lambda *a, **kw: context_parallel_selective_scan(*a, **kw, return_last_state=True, chunk_size=chunk)
-
-
-def _errors(got: dict, ref: dict) -> dict:
-    errs = {"y": rel(got["y"], ref["y"])} | {f"d{k}": rel(got["grads"][k], ref["grads"][k]) for k in ref["grads"]}
-    return errs | ({"last": rel(got["last"], ref["last"])} if got["last"] is not None else {})
 
 
 # Each CP world size's group within one spawned world of 4 (one spawn: every world, every
@@ -282,17 +262,14 @@ def test_cp_matches_the_full_sequence(world, per_world):
     for i in range(len(CASES)):
         case, x, go, gls, doc_lens, _, join = case_problem(i, world)
         ranks = [r[i] for r in per_world[world]]
-        got = {"y": join([r["y"] for r in ranks]), "last": ranks[0]["last"],
+        got = {"out": join([r["out"] for r in ranks]), "final": ranks[0]["final"], "init_grad": None,
                "grads": {k: join([r["grads"][k] for r in ranks]) if k in SHARDED else sum(r["grads"][k] for r in ranks)
                          for k in x}}
         if case["last"]:  # the same last state on every rank
-            assert all(torch.equal(r["last"], ranks[0]["last"]) for r in ranks)
+            assert all(torch.equal(r["final"], ranks[0]["final"]) for r in ranks)
         ref = full_reference(case, x, go, gls, doc_lens)
-        errs = _errors(got, ref)
-        if case["dtype"] == torch.float64:
-            bound = {k: 1e-9 for k in errs}
-        else:  # no further from the float64 truth than one process in float32 over the full sequence
-            one = full_reference(case, x, go, gls, doc_lens, _one_process(case["chunk"]))
-            bound = {k: 4 * e + 1e-6 for k, e in _errors(one, ref).items()}
-        bad = {k: (e, bound[k]) for k, e in errs.items() if not e <= bound[k]}
+        one = None  # float64: within 1e-9 of the step recurrence; float32: no further from it
+        if case["dtype"] != torch.float64:  # than one process in float32 over the full sequence
+            one = errors(full_reference(case, x, go, gls, doc_lens, _one_process(case["chunk"])), ref, x)
+        bad = out_of_bounds(errors(got, ref, x), one)
         assert not bad, f"case {i} {case}: {bad}"

@@ -24,7 +24,8 @@ import torch
 import hf_ring
 from distributed import run_world
 from hf_ring.patterns.ring.spans import BidirectionalSpans
-from reference_attention import feature_attention, rel_err
+from closeness import rel_err
+from reference_attention import feature_attention
 
 B, S, HQ, HK, D = 2, 32, 4, 2, 8
 # Row 0: a span across the chunk boundary at 8, one adjacent to it, one across 24;

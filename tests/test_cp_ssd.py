@@ -17,8 +17,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from closeness import max_rel
 from distributed import run_world
-from mixer_checks import backward_result, case_lengths, errors, out_of_bounds, rel, sharders
+from mixer_checks import backward_result, case_lengths, errors, out_of_bounds, sharders
 from hf_ring.distributed.collectives import VirtualCollectives
 from hf_ring.mixers.ssd import context_parallel_ssd, ssd_op
 
@@ -92,15 +93,15 @@ def test_local_op_matches_step_recurrence_and_transformers(with_init):
     y_ref, f_ref, g_ref = run(ref, torch.float64)
     y, f, g = run(context_parallel_ssd, torch.float64, chunk_size=16)
     assert y.dtype == f.dtype == torch.float64 and f.shape == (2, 4, 3, 5)
-    assert rel(y, y_ref) < 1e-9 and rel(f, f_ref) < 1e-9
-    assert all(rel(g[k], g_ref[k]) < 1e-9 for k in g_ref), {k: rel(g[k], g_ref[k]) for k in g_ref}
+    assert max_rel(y, y_ref) < 1e-9 and max_rel(f, f_ref) < 1e-9
+    assert all(max_rel(g[k], g_ref[k]) < 1e-9 for k in g_ref), {k: max_rel(g[k], g_ref[k]) for k in g_ref}
     # transformers' own function, float32 (it computes in float32 whatever the inputs).
     y_hf, f_hf, g_hf = run(mamba2_chunk_scan, torch.float32, chunk_size=16)
     y32, f32, g32 = run(context_parallel_ssd, torch.float32, chunk_size=16)
     assert y32.dtype == f32.dtype == torch.float32
-    assert rel(y32, y_hf) < 1e-5 and rel(f32, f_hf) < 1e-5
-    assert all(rel(g32[k], g_hf[k]) < 1e-4 for k in g_hf), {k: rel(g32[k], g_hf[k]) for k in g_hf}
-    assert rel(y_hf, y_ref) < 1e-4  # transformers agrees with the step recurrence too
+    assert max_rel(y32, y_hf) < 1e-5 and max_rel(f32, f_hf) < 1e-5
+    assert all(max_rel(g32[k], g_hf[k]) < 1e-4 for k in g_hf), {k: max_rel(g32[k], g_hf[k]) for k in g_hf}
+    assert max_rel(y_hf, y_ref) < 1e-4  # transformers agrees with the step recurrence too
 
 
 def test_world_one_packed_rows_reset_the_state_per_document_and_any_chunk_size_agrees():
@@ -112,15 +113,15 @@ def test_world_one_packed_rows_reset_the_state_per_document_and_any_chunk_size_a
     start = 0
     for d, n in enumerate(lens):
         y_ref, f_ref = step_reference(*(t if t.dim() == 1 else t[:, start:start + n] for t in args), x["D"])
-        assert rel(y[:, start:start + n], y_ref) < 1e-9 and rel(final[:, d], f_ref) < 1e-9
+        assert max_rel(y[:, start:start + n], y_ref) < 1e-9 and max_rel(final[:, d], f_ref) < 1e-9
         start += n
     for chunk in (1, 5, 256):
-        assert rel(context_parallel_ssd(*args, D=x["D"], local_doc_lens=lens, chunk_size=chunk)[0], y) < 1e-12
+        assert max_rel(context_parallel_ssd(*args, D=x["D"], local_doc_lens=lens, chunk_size=chunk)[0], y) < 1e-12
     # bfloat16 inputs: outputs and states accumulated and returned in float32.
     y16, f16 = context_parallel_ssd(*(t.bfloat16() for t in args), D=x["D"], local_doc_lens=lens, chunk_size=8,
                                     return_final_states=True)
     assert y16.dtype == f16.dtype == torch.float32
-    assert rel(y16, y) < 3e-2 and rel(f16, final) < 3e-2  # bfloat16 inputs' own rounding
+    assert max_rel(y16, y) < 3e-2 and max_rel(f16, final) < 3e-2  # bfloat16 inputs' own rounding
 
 
 def test_refusals_and_bad_shapes():

@@ -38,7 +38,7 @@ import torch
 import hf_ring
 from distributed import run_world
 from hf_ring.patches.transformers import release_line
-from reference_attention import rel_err
+from closeness import rel_err
 from vlm_cases import (
     FAMILIES, ROWS, SEQ, VOCAB, assert_refused_on_every_rank, assert_tower_gradient_split, build,
 )

@@ -38,8 +38,8 @@ import torch
 import hf_ring
 from distributed import run_world
 from hf_ring.patches.transformers import release_line
-from reference_attention import rel_err
-from vlm_checks import TOL, WORLD, ZERO, assert_tower_exercised, grads
+from closeness import grads, rel_err
+from vlm_checks import TOL, WORLD, ZERO, assert_tower_exercised
 from vlm_cases import (
     ROWS, SEQ, VOCAB, assert_refused_on_every_rank, build, gemma3, gemma3_batch,
     paligemma, paligemma_batch,

@@ -50,9 +50,9 @@ from hf_ring.patches.transformers import release_line
 from hf_ring.sharding import shard_packed, unshard_packed
 from hf_ring.training.collator import RingCollatorConfig
 from hf_ring.training.vision_packing import pack_image_text
-from reference_attention import rel_err
+from closeness import grads, rel_err
 from vlm_cases import ROWS, SEQ, VOCAB, _qwen_batch, _qwen_samples, build
-from vlm_checks import TOL, WORLD, errors, grads, run_full, run_shard
+from vlm_checks import TOL, WORLD, errors, run_full, run_shard
 from vlm_sweep_cases import qwen3_5
 
 pytestmark = pytest.mark.skipif(

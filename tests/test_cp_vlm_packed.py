@@ -55,8 +55,8 @@ from hf_ring.sharding import shard_packed, unshard_packed
 from hf_ring.training.collator import RingCollatorConfig
 from hf_ring.training.loss import all_reduce_sum, count_valid_tokens, token_loss_sum
 from hf_ring.training.vision_packing import pack_image_text
-from reference_attention import rel_err
-from vlm_checks import TOL, WORLD, ZERO, assert_tower_exercised, grads
+from closeness import grads, rel_err
+from vlm_checks import TOL, WORLD, ZERO, assert_tower_exercised
 from vlm_cases import (
     FAMILIES, IMAGE, PACKED_CONFIGS, PACKED_SAMPLES, VIDEO, VOCAB, assert_refused_on_every_rank,
     assert_tower_gradient_split, build, tiny_gemma,

@@ -21,7 +21,7 @@ import hf_ring
 from distributed import run_world
 from hf_ring.hf.multimodal.tower import plan_split
 from hf_ring.patches.transformers import release_line
-from reference_attention import rel_err
+from closeness import rel_err
 from vlm_cases import FAMILIES, build
 from vlm_checks import WORLD
 

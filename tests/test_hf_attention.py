@@ -31,7 +31,7 @@ from transformers import (
 import hf_ring
 import hf_ring.hf.attention
 from hf_ring.patches import transformers as tf_patches
-from reference_attention import rel_err
+from closeness import rel_err
 from subprocess_limits import HANG_GUARD_S
 
 TRANSFORMERS_5 = Version(transformers.__version__) >= Version("5.0.0.dev0")

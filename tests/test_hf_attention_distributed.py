@@ -26,7 +26,7 @@ import torch
 import hf_ring
 from distributed import run_world
 from hf_ring.sharding import shard_packed
-from reference_attention import rel_err
+from closeness import grads, rel_err
 from test_hf_attention import FAMILIES, VOCAB, tiny_config, tiny_model
 
 TOL = 1e-4
@@ -75,10 +75,6 @@ def _packed_case(world: int, family: str) -> dict:
     return case
 
 
-def _grads(model) -> dict[str, torch.Tensor]:
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-
-
 def _dense_on_rank(case: dict, rank: int, world: int, checkpointing: bool = False) -> dict:
     model = tiny_model(case["config"], "ring_flash", case["state_dict"]).train()
     if checkpointing:
@@ -90,7 +86,7 @@ def _dense_on_rank(case: dict, rank: int, world: int, checkpointing: bool = Fals
     positions = shard(torch.arange(case["ids"].shape[1]).expand(BATCH, -1))
     logits = model(ids, position_ids=positions).logits
     (logits * shard(case["weights"])).sum().backward()
-    result = {"logits": logits.detach(), "grads": _grads(model)}
+    result = {"logits": logits.detach(), "grads": grads(model)}
     if not checkpointing:
         mask = torch.ones_like(case["ids"])
         mask[0, -PAD:] = 0
@@ -107,7 +103,7 @@ def _packed_on_rank(case: dict, rank: int, world: int) -> dict:
     packed = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
     logits = model(shard(case["ids"]), position_ids=shard(case["positions"]), **packed).logits
     (logits * shard(case["weights"])).sum().backward()
-    return {"logits": logits.detach(), "grads": _grads(model)}
+    return {"logits": logits.detach(), "grads": grads(model)}
 
 
 def _error_of(fn) -> str:
@@ -177,7 +173,7 @@ def _reference(case: dict) -> dict:
     mask[0, -PAD:] = 0
     with torch.no_grad():
         padded = model(case["ids"], attention_mask=mask).logits
-    return {"logits": logits.detach(), "grads": _grads(model), "padded": padded}
+    return {"logits": logits.detach(), "grads": grads(model), "padded": padded}
 
 
 def _packed_reference(case: dict) -> dict:
@@ -185,7 +181,7 @@ def _packed_reference(case: dict) -> dict:
     cu = case["cu"].tolist()
     logits = torch.cat([model(case["ids"][:, a:b]).logits for a, b in zip(cu[:-1], cu[1:])], dim=1)
     (logits * case["weights"]).sum().backward()
-    return {"logits": logits.detach(), "grads": _grads(model)}
+    return {"logits": logits.detach(), "grads": grads(model)}
 
 
 _RUNS: dict[int, tuple] = {}

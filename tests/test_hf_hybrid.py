@@ -38,7 +38,7 @@ from hf_ring.mixers import (
 from hf_ring.patches.transformers import release_line
 from hf_ring.sharding import shard_packed
 from model_sweep_configs import build_config
-from reference_attention import rel_err
+from closeness import grads, rel_err
 from test_hf_attention import tiny_model
 
 pytestmark = pytest.mark.skipif(
@@ -81,10 +81,6 @@ def _case(family: str, world: int, seed: int, doc_lens=None) -> dict:
     }
 
 
-def _grads(model) -> dict[str, torch.Tensor]:
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
 def _on_rank(case: dict, rank: int, world: int) -> dict:
     model = tiny_model(case["config"], "ring_flash", case["state_dict"])
     dtype = case.get("dtype", torch.float32)
@@ -103,7 +99,7 @@ def _on_rank(case: dict, rank: int, world: int) -> dict:
         extra = {}
     logits = model(shard(case["ids"]), position_ids=shard(positions), **extra).logits
     (logits * shard(case["weights"]).to(dtype)).sum().backward()
-    return {"logits": logits.detach(), "grads": _grads(model)}
+    return {"logits": logits.detach(), "grads": grads(model)}
 
 
 def _bypass(case: dict, rank: int, world: int) -> str:
@@ -168,7 +164,7 @@ def _reference_logits(model, case: dict, dtype: torch.dtype) -> dict:
     else:
         logits = model(case["ids"]).logits
     (logits * case["weights"].to(dtype)).sum().backward()
-    return {"logits": logits.detach(), "grads": _grads(model)}
+    return {"logits": logits.detach(), "grads": grads(model)}
 
 
 _RUNS: dict[int, tuple] = {}

@@ -25,7 +25,7 @@ import torch
 import hf_ring
 from distributed import run_world
 from model_sweep_configs import build_config
-from reference_attention import rel_err
+from closeness import rel_err
 from test_hf_attention import sharpen_attention, tiny_model
 
 TOL = 1e-4

@@ -30,7 +30,7 @@ from transformers import AutoConfig
 import hf_ring
 from distributed import run_world
 from hf_ring.sharding import shard_packed, unshard_packed
-from reference_attention import rel_err
+from closeness import grads, rel_err
 from test_hf_attention import _COMMON, VOCAB, tiny_model
 
 TRANSFORMERS_5 = Version(transformers.__version__) >= Version("5.0.0.dev0")
@@ -117,11 +117,6 @@ def _case(name: str, world: int, seed: int, packed: bool) -> dict:
     return case
 
 
-def _grads(model) -> dict[str, torch.Tensor]:
-    return {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
-            for n, p in model.named_parameters()}
-
-
 def _on_rank(case: dict, rank: int, world: int) -> dict:
     model = tiny_model(case["config"], "ring_flash", case["state_dict"]).train()
     extra = {}
@@ -135,7 +130,7 @@ def _on_rank(case: dict, rank: int, world: int) -> dict:
     logits = model(shard(case["ids"]), position_ids=shard(case["positions"]), **extra).logits
     loss = (logits.double() * shard(case["weights"]).double()).sum()
     loss.backward()
-    return {"logits": logits.detach(), "loss": loss.detach(), "grads": _grads(model)}
+    return {"logits": logits.detach(), "loss": loss.detach(), "grads": grads(model, zeros_for_missing=True)}
 
 
 def _rank_main(rank: int, world: int, cases: dict) -> dict:
@@ -150,7 +145,7 @@ def _reference(case: dict) -> dict:
     loss = (logits.double() * case["weights"].double()).sum()
     loss.backward()
     scale = (logits.double() * case["weights"].double()).abs().sum()
-    return {"logits": logits.detach(), "loss": loss.detach(), "scale": scale.detach(), "grads": _grads(model)}
+    return {"logits": logits.detach(), "loss": loss.detach(), "scale": scale.detach(), "grads": grads(model, zeros_for_missing=True)}
 
 
 _RUNS: dict[int, tuple] = {}
@@ -190,8 +185,8 @@ def errors(world: int, name: str, packed: bool) -> dict[str, float]:
     mine = [r[(name, packed)] for r in ranks]
     shards = [m["logits"] for m in mine]
     logits = unshard_packed(shards, case["cu"]) if packed else hf_ring.unshard_sequence(shards)
-    grads = {n: sum(m["grads"][n] for m in mine) for n in mine[0]["grads"]}
-    return compare(case, logits, sum(m["loss"] for m in mine), grads)
+    summed = {n: sum(m["grads"][n] for m in mine) for n in mine[0]["grads"]}
+    return compare(case, logits, sum(m["loss"] for m in mine), summed)
 
 
 @pytest.mark.parametrize("world", [2, 4], ids=lambda w: f"world{w}")

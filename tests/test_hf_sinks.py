@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, GptOssConfig
 
 import hf_ring
 from distributed import run_world
-from reference_attention import rel_err
+from closeness import rel_err
 
 VOCAB, SEQ, BATCH = 128, 16, 2
 

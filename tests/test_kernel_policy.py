@@ -18,6 +18,7 @@ from hf_ring.kernels import AttentionBackend, get_backend, register_backend
 from hf_ring.kernels.base import KernelNeeds
 from hf_ring.kernels.reference import reference_backward, reference_forward
 from hf_ring.patterns.build import build_plan
+from closeness import fake_cp_state
 
 CPU = torch.device("cpu")
 
@@ -96,12 +97,12 @@ def test_the_state_names_a_kernel_and_points_a_process_group_backend_to_dist_bac
 
 
 def test_ring_flash_plans_use_the_states_kernel_choice():
-    state = hf_ring.ContextParallelState(None, 0, 2, None, 0, 1, backend="reference")
+    state = fake_cp_state(0, 2, backend="reference")
     q = torch.zeros(1, 8, 4, 16)
     assert ForwardContext(state).plan(q, 2, 0.25).backend.name == "reference"
-    auto = hf_ring.ContextParallelState(None, 0, 2, None, 0, 1)
+    auto = fake_cp_state(0, 2)
     assert ForwardContext(auto).plan(q, 2, 0.25).backend.name == "torch_cpu_flash"
     assert ForwardContext(auto).plan(q, 2, 0.25, softcap=50.0).backend.name == "reference"
-    named = hf_ring.ContextParallelState(None, 0, 2, None, 0, 1, backend="torch_cpu_flash")
+    named = fake_cp_state(0, 2, backend="torch_cpu_flash")
     with pytest.raises(NotImplementedError, match="cannot compute logit softcapping"):
         ForwardContext(named).plan(q, 2, 0.25, softcap=50.0)

@@ -38,7 +38,8 @@ from hf_ring.kernels.reference import reference_backward, reference_forward
 import cuda_standins as cs
 import fa3_standin
 import fa4_standin
-from reference_attention import block_attention, block_attention_grads, rel_err, segment_attention
+from closeness import rel_err
+from reference_attention import block_attention, block_attention_grads, segment_attention
 from varlen_standin import looped_varlen_backward, looped_varlen_forward
 
 CUDA_NAMES = cs.CUDA_NAMES

@@ -29,7 +29,8 @@ import fa4_standin
 from hf_ring.kernels import available_backends, base, get_backend, registry
 from hf_ring.kernels.cuda import flash_attn2, flash_attn3, flash_attn4, torch_cudnn, torch_flash
 from hf_ring.kernels.cuda import glue as cuda_glue
-from reference_attention import block_attention, block_attention_grads, rel_err, segment_attention
+from closeness import rel_err
+from reference_attention import block_attention, block_attention_grads, segment_attention
 from test_kernels_cuda import _check_against_reference, _inputs
 
 

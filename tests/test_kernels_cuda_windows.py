@@ -25,7 +25,7 @@ from hf_ring.patterns.plan import AttentionPlan
 from hf_ring.patterns.ring.schedule import step_blocks
 from hf_ring.patterns.ring.window import window_blocks
 from hf_ring.sharding.layouts import shard_indices
-from reference_attention import rel_err
+from closeness import rel_err
 
 
 def _window_edge_masks() -> list[torch.Tensor]:

@@ -25,7 +25,8 @@ import pytest
 import torch
 
 from hf_ring.kernels import get_backend
-from reference_attention import block_attention, block_attention_grads, rel_err
+from closeness import rel_err
+from reference_attention import block_attention, block_attention_grads
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 CPU = torch.device("cpu")

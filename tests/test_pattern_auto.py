@@ -8,6 +8,7 @@ import pytest
 
 import hf_ring
 from hf_ring.patterns.auto import ALLGATHER_BELOW, PatternChoice, first_that_runs, pattern_candidates
+from closeness import fake_cp_state
 
 
 def _order(*args, **kwargs) -> list[str]:
@@ -60,7 +61,7 @@ def test_bad_pattern_settings_are_refused(kwargs, words):
     with pytest.raises(ValueError, match=words):
         hf_ring.RingAttentionPlugin(cp_size=2, **kwargs)
     with pytest.raises(ValueError, match=words):
-        hf_ring.ContextParallelState(None, 0, 2, None, 0, 1, **kwargs)
+        fake_cp_state(0, 2, **kwargs)
 
 
 def test_one_process_state_keeps_the_pattern():

@@ -21,7 +21,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from hf_ring.memory.chunked_loss import ChunkedLossConfig, model_token_loss_sum  # noqa: E402
 from hf_ring.training.loss import token_loss_sum  # noqa: E402
-from reference_attention import rel_err  # noqa: E402
+from closeness import grads, rel_err  # noqa: E402
 
 CHUNKS = ChunkedLossConfig(enabled=True, chunk_tokens=5)
 
@@ -43,20 +43,16 @@ def _batch():
     return {"input_ids": ids}, labels
 
 
-def _grads(model):
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
-
-
 def _compare(model):
     kwargs, labels = _batch()
     model.zero_grad(set_to_none=True)
     plain = token_loss_sum(model(**kwargs).logits, labels)
     plain.backward()
-    want = _grads(model)
+    want = grads(model)
     model.zero_grad(set_to_none=True)
     chunked, _ = model_token_loss_sum(model, model, kwargs, labels, CHUNKS)
     chunked.backward()
-    got = _grads(model)
+    got = grads(model)
     assert rel_err(chunked.detach(), plain.detach()) <= 1e-6
     assert set(got) == set(want) and want
     for name in want:
@@ -70,9 +66,9 @@ def test_lora_on_attention():
 
 def test_head_in_modules_to_save_uses_the_trained_copy():
     model = _model(modules_to_save=["lm_head"])
-    grads = _compare(model)
-    copies = [n for n in grads if "lm_head.modules_to_save" in n]
-    assert copies, sorted(grads)  # the copy is trained, through the chunked loss
+    trained = _compare(model)
+    copies = [n for n in trained if "lm_head.modules_to_save" in n]
+    assert copies, sorted(trained)  # the copy is trained, through the chunked loss
     with model.disable_adapter():  # the original head, with the adapters off
         kwargs, labels = _batch()
         plain = token_loss_sum(model(**kwargs).logits, labels)

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 import hf_ring
 from distributed import run_world
-from reference_attention import full_attention, rel_err
+from closeness import rel_err
+from reference_attention import full_attention
 
 LAYOUTS = ("zigzag", "stripe", "contiguous")
 HEADS = ((8, 8), (8, 2))  # MHA, GQA

@@ -21,7 +21,8 @@ import torch
 import hf_ring
 from distributed import run_world
 from hf_ring.sharding import shard_packed, unshard_packed
-from reference_attention import full_attention, rel_err
+from closeness import rel_err
+from reference_attention import full_attention
 
 REAL_LENS = (13, 3, 22, 7)  # includes one document shorter than 2 * cp_size
 RUN_LENS = (13, 8, 8, 8, 3, 22, 22, 7)  # padded at cp 4: 16, 8, 8, 8, 8, 24, 24, 8

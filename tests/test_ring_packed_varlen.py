@@ -22,7 +22,8 @@ from distributed import run_world
 from hf_ring.kernels import AttentionBackend, register_backend, registry
 from hf_ring.kernels.reference import reference_backward, reference_forward
 from hf_ring.sharding import shard_packed
-from reference_attention import rel_err, segment_attention
+from closeness import rel_err
+from reference_attention import segment_attention
 from varlen_standin import looped_varlen_backward, looped_varlen_forward
 
 DOC_LENS = (8, 4, 12, 4)  # multiples of 2 * cp_size for cp_size 1 and 2

@@ -30,7 +30,8 @@ from hf_ring.kernels.reference import (
     reference_backward, reference_forward, reference_masked_backward, reference_masked_forward,
 )
 from hf_ring.sharding import shard_packed, unshard_packed
-from reference_attention import feature_attention, rel_err
+from closeness import rel_err
+from reference_attention import feature_attention
 from varlen_standin import looped_varlen_backward, looped_varlen_forward
 
 DOC_LENS = (24, 8, 16, 40)  # multiples of 2 * cp_size for cp 1, 2 and 4

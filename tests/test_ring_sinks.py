@@ -15,7 +15,7 @@ import torch
 
 import hf_ring
 from distributed import run_world
-from reference_attention import rel_err
+from closeness import rel_err
 
 B, S, HQ, HK, D = 2, 16, 4, 2, 16
 TOL = 1e-5

@@ -37,6 +37,7 @@ import transformers
 from packaging.version import Version
 from test_trainer_cp import COMMON, EXAMPLE, ROOT, STEPS, _assert_same, _eval_losses, _free_port, _grad_norms, _losses
 
+from closeness import grads_rel_err
 from distributed import run_world
 from subprocess_limits import HANG_GUARD_S
 
@@ -148,12 +149,6 @@ def runs(tmp_path_factory):
     return get
 
 
-def _grad_rel_error(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
-    assert sorted(got) == sorted(ref)
-    diff = torch.cat([(got[n] - ref[n]).flatten() for n in ref])
-    return float(diff.norm() / torch.cat([ref[n].flatten() for n in ref]).norm())
-
-
 def _assert_same_run(got: dict, ref: dict, name: str) -> None:
     _assert_same(_losses(got["state"]), _losses(ref["state"]), f"{name} training loss")
     _assert_same(_grad_norms(got["state"]), _grad_norms(ref["state"]), f"{name} gradient norm")
@@ -188,7 +183,7 @@ def test_fsdp2_trains_what_one_process_trains(runs, name, mesh):
     assert all("[hf_ring] chunked loss on (weights sharded by: fsdp2)" in log for log in got["logs"])
     _assert_same_run(got, ref, name)
     _assert_same_initial_weights(got, ref, name)
-    error = _grad_rel_error(record["first_grad"], ref["record"]["first_grad"])
+    error = grads_rel_err(record["first_grad"], ref["record"]["first_grad"])
     assert error <= GRAD_REL_TOL, f"{name}: first gradient off by {error:.2e} (relative norm)"
     assert got["state"]["global_step"] == STEPS
 

@@ -64,7 +64,7 @@ import transformers
 
 from hf_ring.patches.transformers import release_line
 from model_sweep_configs import build_config
-from reference_attention import rel_err
+from closeness import rel_err
 from test_trainer_cp import (  # noqa: F401  (fresh_process_state: a fixture)
     COMMON, EXAMPLE, REL_TOL, STEPS, _assert_same, _eval_losses, _grad_norms, _launch, _losses, fresh_process_state,
 )

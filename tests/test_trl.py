@@ -34,6 +34,7 @@ import torch
 
 from sft_cases import sft_trainer
 from test_trainer_cp import ROOT, _run
+from closeness import fake_cp_state
 
 EXAMPLES = os.path.join(ROOT, "examples")
 STEPS = 8
@@ -197,12 +198,6 @@ def test_ring_sft_at_cp1_is_trl_sft(tmp_path, fresh_process_state, fmt, packing)
     assert {"loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens", "eval_loss"} <= set(worst)
 
 
-def _state(cp_size: int, cp_rank: int):
-    from hf_ring import ContextParallelState
-
-    return ContextParallelState(cp_group=None, cp_rank=cp_rank, cp_size=cp_size, dp_group=None, dp_rank=0, dp_size=1)
-
-
 def _learned(batch: dict) -> list[tuple[int, int, int]]:
     """(position in its document, token, the token it learns to predict) for every learned pair."""
     ids, pos, target = batch["input_ids"][0], batch["position_ids"][0], batch["shift_labels"][0]
@@ -229,7 +224,7 @@ def test_packed_batches_keep_trl_documents_apart():
         for p, i, t in zip(trl_batch["position_ids"][0][:-1], trl_batch["input_ids"][0][:-1], trl_batch["labels"][0][1:])
         if t != -100
     ]
-    one = RingSFTCollator.for_trl(_state(1, 0), pad_token_id=0, padding_free=True)(rows)
+    one = RingSFTCollator.for_trl(fake_cp_state(0, 1), pad_token_id=0, padding_free=True)(rows)
     assert _learned(one) == trl_pairs
     assert one["cu_seq_lens_q"].tolist() == [0, 4, 8, 14]  # three documents, each padded to a multiple of 2
     assert one["hf_ring_num_tokens"] == 12
@@ -238,7 +233,7 @@ def test_packed_batches_keep_trl_documents_apart():
     for row in rows:
         ends = list(itertools.accumulate(row["seq_lengths"]))
         docs += [{"input_ids": row["input_ids"][a:b], "labels": row["labels"][a:b]} for a, b in zip([0, *ends], ends)]
-    shards = [RingSFTCollator.for_trl(_state(2, r), pad_token_id=0, padding_free=True)(rows) for r in range(2)]
+    shards = [RingSFTCollator.for_trl(fake_cp_state(r, 2), pad_token_id=0, padding_free=True)(rows) for r in range(2)]
     for r, shard in enumerate(shards):
         direct = RingDataCollator(0, cp_size=2, cp_rank=r, packing=True)(docs)
         for key, value in direct.items():
@@ -338,7 +333,7 @@ def test_trl_accessors_check_that_trl_still_reads_what_they_write(monkeypatch):
 def test_ring_forward_refuses_what_it_cannot_shard():
     from hf_ring.training.trl.fused_forward import RingFusedForward
 
-    forward = RingFusedForward(lambda **kw: None, _state(2, 0))
+    forward = RingFusedForward(lambda **kw: None, fake_cp_state(0, 2))
     ids = torch.ones(2, 6, dtype=torch.long)
     with pytest.raises(NotImplementedError, match="multimodal"):
         forward(input_ids=ids, labels=ids, fused_lm_head=True, pixel_values=torch.zeros(1))

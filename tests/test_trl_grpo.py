@@ -38,6 +38,7 @@ import torch
 
 from test_trl import compare
 from test_trainer_cp import ROOT, _run
+from closeness import fake_cp_state
 
 EXAMPLES = os.path.join(ROOT, "examples")
 if EXAMPLES not in sys.path:
@@ -170,7 +171,6 @@ def test_cp2_packed_logs_what_cp1_padded_logs(in_process_runs, tmp_path, case):
 def test_group_shuffle_is_one_permutation_of_the_group():
     """The CP ranks' shuffled slices, put side by side in the group's permutation, are the
     permutation one process draws for the whole batch (from the same RNG state)."""
-    from hf_ring.patterns.state import ContextParallelState
     from hf_ring.training.trl.rollouts import group_shuffle
 
     rows = 6
@@ -178,7 +178,7 @@ def test_group_shuffle_is_one_permutation_of_the_group():
     whole = torch.randperm(2 * rows)
     kept = []
     for rank in range(2):
-        state = ContextParallelState(cp_group=None, cp_rank=rank, cp_size=2, dp_group=None, dp_rank=0, dp_size=1)
+        state = fake_cp_state(rank, 2)
         torch.manual_seed(11)
         batch = {"x": torch.arange(rank * rows, (rank + 1) * rows), "names": [f"r{i}" for i in range(rows)],
                  "count": torch.tensor(3)}

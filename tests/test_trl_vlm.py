@@ -30,6 +30,7 @@ import transformers
 
 from hf_ring.patches.transformers import release_line
 from test_trl import COMMON, EXAMPLES, _launch, compare, fresh_process_state  # noqa: F401  (a fixture)
+from closeness import fake_cp_state
 
 pytestmark = pytest.mark.skipif(
     release_line(transformers.__version__) != "5",
@@ -75,12 +76,6 @@ def test_cp2_logs_what_trl_logs_at_cp1(tmp_path, fresh_process_state, fmt):
 # ---- in one process: the collator against TRL's, the refusals ----
 
 
-def _state(cp_size: int, cp_rank: int):
-    from hf_ring import ContextParallelState
-
-    return ContextParallelState(cp_group=None, cp_rank=cp_rank, cp_size=cp_size, dp_group=None, dp_rank=0, dp_size=1)
-
-
 def _trl_collator(processor, **kwargs):
     from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
 
@@ -110,7 +105,7 @@ def test_collator_hands_every_rank_trls_batch(fmt, masks):
     rows = [dict(r) for r in sft_vlm_dataset(fmt, 3, seed=1)]
     trl = _trl_collator(processor, **masks)
     expected = trl([dict(r) for r in rows])
-    batches = [RingSFTVisionCollator.for_trl(_state(2, r), trl, _model_config(processor))([dict(x) for x in rows])
+    batches = [RingSFTVisionCollator.for_trl(fake_cp_state(r, 2), trl, _model_config(processor))([dict(x) for x in rows])
                for r in range(2)]
     length = expected["input_ids"].shape[1]
     for batch in batches:
@@ -140,7 +135,7 @@ def test_collator_refusals():
     with pytest.raises(ValueError, match="mask_placeholders=False"):
         RingSFTVisionCollator(_trl_collator(processor), RingVisionDataCollator(0, processor.image_token_id))
     # TRL cuts prompt-completion rows itself, after the processor (which checks its own truncation).
-    cut = RingSFTVisionCollator.for_trl(_state(2, 0), _trl_collator(processor, max_length=12, completion_only_loss=True),
+    cut = RingSFTVisionCollator.for_trl(fake_cp_state(0, 2), _trl_collator(processor, max_length=12, completion_only_loss=True),
                                         _model_config(processor))
     with pytest.raises(ValueError, match="max_length=12 cut an example's image placeholder tokens"):
         cut([dict(r) for r in sft_vlm_dataset("prompt_completion", 2, seed=1)])

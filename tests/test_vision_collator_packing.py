@@ -27,7 +27,7 @@ from hf_ring.patches.transformers import release_line
 from hf_ring.sharding import unshard_packed
 from hf_ring.training.collator import RingCollatorConfig, _shift
 from hf_ring.training.vision_packing import pack_image_text
-from reference_attention import rel_err
+from closeness import rel_err
 from vlm_cases import FAMILIES, IMAGE, PACKED_SAMPLES, VIDEO, build, tiny_gemma
 
 pytestmark = pytest.mark.skipif(release_line(transformers.__version__) != "5",

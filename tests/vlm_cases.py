@@ -23,7 +23,7 @@ from transformers import (
     Qwen3VLMoeConfig, SiglipVisionConfig,
 )
 
-from reference_attention import rel_err
+from closeness import rel_err
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 from vlm_models import init_untrained  # noqa: E402

@@ -17,18 +17,13 @@ from typing import Optional
 import torch
 
 import hf_ring
-from reference_attention import rel_err
+from closeness import grads, rel_err
 
 ZERO = 1e-5  # the norm below which a gradient is zero in exact arithmetic (others are >= 1e-1 here)
 # The relative error every float32 image-text check allows: both sides differ only in the
 # order of their sums (measured errors are <= 1e-6, each file's docstring gives its own).
 TOL = 1e-4
 WORLD = 2  # the gloo world of the image-text CP tests: one CP group of 2
-
-
-def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter's gradient, by name (those that got one)."""
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def run_shard(model: torch.nn.Module, batch: dict, weights: torch.Tensor, world: int, rank: int) -> dict:
