@@ -10,6 +10,8 @@ import torch
 from hf_ring import RingCollatorConfig, RingDataCollator
 from hf_ring.sharding import shard_indices, unshard_packed, unshard_sequence
 
+pytestmark = pytest.mark.quick  # in the 5-minute check (docs/testing.md)
+
 PAD = 99
 IGN = -100
 

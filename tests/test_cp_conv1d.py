@@ -33,6 +33,8 @@ from distributed import run_world
 from hf_ring.mixers.conv import context_parallel_causal_conv1d as cp_conv
 from hf_ring.sharding import shard_packed
 
+pytestmark = pytest.mark.quick  # in the 5-minute check (docs/testing.md)
+
 B, C = 2, 5
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}
 MAX_ERR: dict = {}  # largest error seen per dtype and quantity (printed with -s)

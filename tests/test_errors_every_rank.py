@@ -18,6 +18,9 @@ import os
 import torch
 
 from distributed import run_world
+import pytest
+
+pytestmark = pytest.mark.quick  # in the 5-minute check (docs/testing.md)
 
 
 def _check_on_rank_one(rank: int) -> None:

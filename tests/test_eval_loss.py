@@ -35,6 +35,8 @@ from test_trainer_cp import ROOT, _run, fresh_process_state  # noqa: F401  (a fi
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 import eval_loss_run  # noqa: E402
 
+pytestmark = pytest.mark.quick  # in the 5-minute check (docs/testing.md)
+
 TOL = 1e-6
 SCRIPT = os.path.join(ROOT, "tests", "eval_loss_run.py")
 

@@ -20,6 +20,8 @@ import torch.distributed as dist
 import hf_ring
 from distributed import run_world
 
+pytestmark = pytest.mark.quick  # in the 5-minute check (docs/testing.md)
+
 
 def _reinit(rank: int, world: int, init_file: str) -> dict:
     first = hf_ring.setup_context_parallel(world)

@@ -34,6 +34,8 @@ from hf_ring.patches import transformers as tf_patches
 from closeness import rel_err
 from subprocess_limits import HANG_GUARD_S
 
+pytestmark = pytest.mark.quick  # in the 5-minute check (docs/testing.md)
+
 TRANSFORMERS_5 = Version(transformers.__version__) >= Version("5.0.0.dev0")
 VOCAB = 128
 TOL = 1e-5

@@ -29,6 +29,8 @@ from hf_ring.sharding import shard_packed
 from closeness import grads, rel_err
 from test_hf_attention import FAMILIES, VOCAB, tiny_config, tiny_model
 
+pytestmark = pytest.mark.quick  # in the 5-minute check (docs/testing.md)
+
 TOL = 1e-4
 BATCH = 2
 PAD = 5  # right padding of row 0 in the padded run

@@ -28,6 +28,8 @@ from model_sweep_configs import build_config
 from closeness import rel_err
 from test_hf_attention import sharpen_attention, tiny_model
 
+pytestmark = pytest.mark.quick  # in the 5-minute check (docs/testing.md)
+
 TOL = 1e-4
 SEQ, BATCH = 32, 2
 MODELS = ("gemma2", "gemma3_text", "mistral", "gpt_oss")

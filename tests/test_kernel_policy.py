@@ -20,6 +20,8 @@ from hf_ring.kernels.reference import reference_backward, reference_forward
 from hf_ring.patterns.build import build_plan
 from closeness import fake_cp_state
 
+pytestmark = pytest.mark.quick  # in the 5-minute check (docs/testing.md)
+
 CPU = torch.device("cpu")
 
 

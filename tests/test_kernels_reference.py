@@ -28,6 +28,8 @@ from hf_ring.kernels import get_backend
 from closeness import rel_err
 from reference_attention import block_attention, block_attention_grads
 
+pytestmark = pytest.mark.quick  # in the 5-minute check (docs/testing.md)
+
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 CPU = torch.device("cpu")
 BACKENDS = ("reference", "torch_cpu_flash")

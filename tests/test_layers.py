@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.quick  # in the 5-minute check (docs/testing.md)
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "hf_ring"
 

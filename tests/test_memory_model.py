@@ -14,6 +14,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 from memory_model import FITTED, LLAMA3_8B, OPTION_SETS, Shape, fit, longest_tokens, predict, project  # noqa: E402
 
+pytestmark = pytest.mark.quick  # in the 5-minute check (docs/testing.md)
+
 TRUE = {"a_H": 40.0, "a_I": 12.0, "t_I": 20.0, "r_H": 24.0, "b_H": 30.0, "g": 12.0, "d": 8.0, "e": 4.0, "f0": 3e7}
 SHAPES = [Shape(128, 256, 2, 8, 4, 259), Shape(128, 256, 2, 8, 4, 128_256), Shape(128, 768, 4, 8, 4, 259)]
 

@@ -9,6 +9,8 @@ import pytest
 from hf_ring.distributed.mesh import MESH_AXES, ParallelDims, check_cp_within_tp_coordinate
 from hf_ring.patterns.auto import pattern_candidates
 
+pytestmark = pytest.mark.quick  # in the 5-minute check (docs/testing.md)
+
 
 def test_axes_in_torchtitan_order_tp_innermost():
     assert MESH_AXES == ("pp", "dp_replicate", "dp_shard", "cp", "tp")

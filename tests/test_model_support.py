@@ -28,6 +28,8 @@ from hf_ring.hf.support import check_model_supported, check_model_under_cp
 from hf_ring.patches.transformers import reads_max_position
 from test_hf_attention import _COMMON
 
+pytestmark = pytest.mark.quick  # in the 5-minute check (docs/testing.md)
+
 TRANSFORMERS_5 = Version(transformers.__version__) >= Version("5.0.0.dev0")
 CP = 2
 SEQ = 64  # a forward's full row length, far below every default window and RoPE threshold

@@ -27,6 +27,8 @@ from torch.utils.checkpoint import checkpoint
 import hf_ring.memory.offload as offload
 from hf_ring.memory.offload import OffloadPipeline, enable_offloaded_checkpointing, offloaded_checkpoint
 
+pytestmark = pytest.mark.quick  # in the 5-minute check (docs/testing.md)
+
 
 class DeferredCopies:
     """A copy engine whose copies run late, as queued GPU work does; ``log`` records calls."""

@@ -15,6 +15,8 @@ from hf_ring.patches import accelerate as acc_patches
 from hf_ring.patches import torch as torch_patches
 from hf_ring.patches import transformers as tf_patches
 
+pytestmark = pytest.mark.quick  # in the 5-minute check (docs/testing.md)
+
 
 @pytest.fixture
 def fresh_process_state():

@@ -19,6 +19,8 @@ from transformers.models.llama4.modeling_llama4 import Llama4TextAttention
 
 from hf_ring.patches import transformers as tf_patches
 
+pytestmark = pytest.mark.quick  # in the 5-minute check (docs/testing.md)
+
 TRANSFORMERS_5 = Version(transformers.__version__) >= Version("5.0.0.dev0")
 
 

@@ -10,6 +10,8 @@ import hf_ring
 from hf_ring.patterns.auto import ALLGATHER_BELOW, PatternChoice, first_that_runs, pattern_candidates
 from closeness import fake_cp_state
 
+pytestmark = pytest.mark.quick  # in the 5-minute check (docs/testing.md)
+
 
 def _order(*args, **kwargs) -> list[str]:
     return [c.pattern + (f"/{c.ulysses_size}" if c.ulysses_size else "") for c in pattern_candidates(*args, **kwargs)]

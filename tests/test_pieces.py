@@ -10,6 +10,8 @@ import torch
 from hf_ring.sharding import packed_shard_indices, shard_indices
 from hf_ring.sharding.pieces import in_sequence_order, row_pieces
 
+pytestmark = pytest.mark.quick  # in the 5-minute check (docs/testing.md)
+
 
 def _positions(piece, doc_starts, doc_lens):
     chunk = doc_lens[piece.doc] // piece.chunks

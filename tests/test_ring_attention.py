@@ -20,6 +20,8 @@ from distributed import run_world
 from closeness import rel_err
 from reference_attention import full_attention
 
+pytestmark = pytest.mark.quick  # in the 5-minute check (docs/testing.md)
+
 LAYOUTS = ("zigzag", "stripe", "contiguous")
 HEADS = ((8, 8), (8, 2))  # MHA, GQA
 HEAD_DIMS = (64, 128)

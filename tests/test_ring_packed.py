@@ -24,6 +24,8 @@ from hf_ring.sharding import shard_packed, unshard_packed
 from closeness import rel_err
 from reference_attention import full_attention
 
+pytestmark = pytest.mark.quick  # in the 5-minute check (docs/testing.md)
+
 REAL_LENS = (13, 3, 22, 7)  # includes one document shorter than 2 * cp_size
 RUN_LENS = (13, 8, 8, 8, 3, 22, 22, 7)  # padded at cp 4: 16, 8, 8, 8, 8, 24, 24, 8
 HQ, HK, D = 8, 2, 64

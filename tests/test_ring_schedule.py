@@ -10,6 +10,8 @@ import torch
 from hf_ring.patterns.ring.schedule import rank_work, step_blocks
 from hf_ring.sharding import local_cu_seqlens, packed_shard_indices, shard_indices
 
+pytestmark = pytest.mark.quick  # in the 5-minute check (docs/testing.md)
+
 
 def _covered_pairs(layout, causal, global_idx, world, rank, local_doc_lens=None):
     """Global (query, key) pairs the blocks of ``rank`` visit, with their multiplicity."""

@@ -8,6 +8,8 @@ import torch
 import hf_ring
 from hf_ring.sharding import packed_shard_indices, shard_indices, shard_packed, unshard_packed
 
+pytestmark = pytest.mark.quick  # in the 5-minute check (docs/testing.md)
+
 
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])
 @pytest.mark.parametrize("layout", ["zigzag", "stripe", "contiguous"])

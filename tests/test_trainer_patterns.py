@@ -23,6 +23,8 @@ import pytest
 from model_sweep_configs import build_config
 from test_trainer_cp import COMMON, EXAMPLE, _assert_same, _eval_losses, _grad_norms, _losses, _run
 
+pytestmark = pytest.mark.quick  # in the 5-minute check (docs/testing.md)
+
 MODEL = "gemma2"
 
 

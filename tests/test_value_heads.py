@@ -17,6 +17,8 @@ import hf_ring
 from hf_ring.kernels import get_backend
 from hf_ring.kernels.value_heads import with_value_head_dim
 
+pytestmark = pytest.mark.quick  # in the 5-minute check (docs/testing.md)
+
 CPU = torch.device("cpu")
 TOL = 1e-12
 

@@ -15,6 +15,8 @@ from packaging.version import Version
 
 from hf_ring.patches import versions
 
+pytestmark = pytest.mark.quick  # in the 5-minute check (docs/testing.md)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -19,6 +19,8 @@ import torch
 import hf_ring
 from hf_ring.sharding.labels import IGNORE_INDEX
 
+pytestmark = pytest.mark.quick  # in the 5-minute check (docs/testing.md)
+
 PAD, IMAGE, VIDEO = 0, 9, 10
 
 

@@ -10,8 +10,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distributed import run_world
-from worlds import World, WorldCaseError
+from worlds import World, WorldCaseError, world_of
+
+pytestmark = pytest.mark.quick  # in the 5-minute check (docs/testing.md)
+
+
+def run_world(size: int, fn) -> list:
+    """The live world's run (what ``HF_RING_LIVE_WORLDS=1`` gives tests/distributed.py)."""
+    return world_of(size).run(fn, ())
 
 
 def _pid_and_sum(rank: int, world: int) -> tuple:

@@ -1,8 +1,9 @@
 """Gloo worlds that live across test cases: a world's ranks are spawned once and run many
 cases, instead of paying 3-5 s per process to import torch and transformers for every call.
 
-``tests/distributed.py``'s :func:`run_world` hands each case to a live world of its size
-(:func:`world_of`). Isolation is kept where it matters:
+With ``HF_RING_LIVE_WORLDS=1``, ``tests/distributed.py``'s :func:`run_world` hands each case
+to a live world of its size (:func:`world_of`); tests/test_worlds.py checks this module
+itself. Isolation is kept where it matters:
 
 - every case starts from the state a fresh process has: the random generators (torch,
   Python, NumPy) as they were when the rank started, no context-parallel state active, one
@@ -14,6 +15,11 @@ cases, instead of paying 3-5 s per process to import torch and transformers for 
   with the ranks that did not answer, and the world is killed;
 - ``HF_RING_FRESH_WORLDS=1`` gives every case a world of its own (closed after it), to
   rule reuse out while chasing a failure.
+
+Not yet the suite's default: over the whole suite a world of 4 hung in two cases
+(test_cp_patterns, test_cp_spans) and a kernel backend registered by one case
+(test_ring_packed_varlen's stand-in) was still registered in the next. Both are to be fixed
+before reuse is switched on (docs/testing.md).
 
 Results and tasks travel as ``torch.save`` bytes, so a case's function must be a
 module-level function and its arguments and result picklable, as with ``mp.spawn``.
@@ -42,9 +48,9 @@ import torch.multiprocessing as mp
 
 CASE_TIMEOUT_S = float(os.environ.get("HF_RING_CASE_TIMEOUT", "900"))
 FRESH_WORLDS = os.environ.get("HF_RING_FRESH_WORLDS", "0") == "1"
-# Worlds of every size the suite uses stay up at once (1, 2, 3, 4 and 8 ranks: 18
-# processes of a few hundred MB each); the least recently used goes first beyond this.
-MAX_LIVE_WORLDS = int(os.environ.get("HF_RING_MAX_LIVE_WORLDS", "5"))
+# Live worlds per pytest process, the least recently used closed first: each rank holds a
+# few hundred MB once transformers is in.
+MAX_LIVE_WORLDS = int(os.environ.get("HF_RING_MAX_LIVE_WORLDS", "2"))
 # After one rank fails, how long its peers get to report their own failure (they are often
 # stuck in the collective the failed rank never joined).
 PEER_GRACE_S = 3.0
