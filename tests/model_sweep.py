@@ -223,7 +223,7 @@ def compare(ref: dict, logits, loss, flat_grads, names_and_sizes) -> dict[str, A
     # can nearly cancel (|loss| 1e-2 of that scale happens), and relative to itself its
     # rounding would then look 100 times larger than the logits' own error.
     scale = (ref["logits"].double() * ref["weights"].double()).abs().sum().item()
-    out = {"logits": rel_err(logits, ref["logits"]), "loss": abs(loss.item() - ref["loss"].item()) / max(scale, 1e-30)}
+    out = {"logits": rel_err(logits, ref["logits"], floor=1e-30), "loss": abs(loss.item() - ref["loss"].item()) / max(scale, 1e-30)}
     worst, worst_name = 0.0, None
     pieces_ref = torch.split(ref["grads"], [n for _, n in names_and_sizes])
     pieces = torch.split(flat_grads, [n for _, n in names_and_sizes])
