@@ -1,46 +1,33 @@
 """Run a function on every rank of a real gloo world, in spawned processes, from pytest.
 
-By default every call spawns a fresh world (``mp.spawn``; the rendezvous is a file in a
-temporary folder, no ports to collide). With ``HF_RING_LIVE_WORLDS=1`` the call goes to a
-world that lives across cases instead (tests/worlds.py), which saves the 3-5 s per process
-of importing torch and transformers again; it is not the default yet: over the whole suite
-a world of 4 hung in two cases and a kernel registered by one case leaked into the next
-(docs/testing.md). An exception on any rank fails the test with that rank's traceback.
+A call goes to a world of its size that lives across cases (tests/worlds.py): its ranks
+were spawned once, so a case does not pay 3-5 s per process to import torch and
+transformers again. Every case starts from the state a fresh rank has; a case that breaks
+its world gets a new one; ``HF_RING_FRESH_WORLDS=1`` gives every call a world of its own,
+to rule reuse out while chasing a failure. An exception on any rank fails the test with
+that rank's traceback; a rank that hangs is named after ``HF_RING_CASE_TIMEOUT`` seconds.
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
+import socket
 from typing import Any, Callable
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-
-LIVE_WORLDS = os.environ.get("HF_RING_LIVE_WORLDS", "0") == "1"
+from worlds import run_in_world
 
 
-def _entry(rank: int, world: int, init_file: str, fn: Callable, args: tuple, result_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        result = fn(rank, world, *args)
-        torch.save(result, os.path.join(result_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def free_port() -> int:
+    """A TCP port free on this machine now, for a launcher's or Accelerate's rendezvous
+    (a fixed port collides with another run on the same machine)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run_world(world: int, fn: Callable, *args: Any) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return each rank's result.
 
-    ``fn`` must be a module-level function (it is pickled into the spawned processes).
+    ``fn`` must be a module-level function and ``args`` picklable (they travel to the
+    spawned ranks).
     """
-    if LIVE_WORLDS:
-        from worlds import run_in_world
-
-        return run_in_world(world, fn, args)
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "rendezvous")
-        mp.spawn(_entry, args=(world, init_file, fn, args, tmp), nprocs=world, join=True)
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+    return run_in_world(world, fn, args)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import hf_ring
 from hf_ring.patterns import PATTERNS
@@ -146,14 +147,34 @@ WORLD4_CASES = _cases("hybrid", ulysses_size=2, seq=32) + _mla("hybrid", ulysses
      "refused": "cannot split 3 K/V heads over 2 ranks"},
     # dp 2 x cp 2: each pattern on the CP subgroups (ranks 0-1 and 2-3), global ranks mapped.
     *({"pattern": p, "layout": "zigzag", "cp": 2, "window": 5, "sinks": True} for p in PATTERNS[:3]),
+    # Hybrid on each CP subgroup: every rank builds both subgroups' Ulysses groups and rings.
+    {"pattern": "hybrid", "layout": "zigzag", "cp": 2, "ulysses_size": 2, "window": 5, "sinks": True},
+    {"pattern": "hybrid", "layout": "stripe", "cp": 2, "ulysses_size": 1, "softcap": 2.0},
 ]
 
 
-def test_hybrid_world_4():
-    results = run_world(4, _run_cases, WORLD4_CASES)
-    for i, case in enumerate(WORLD4_CASES):
+def _check_world_4(cases: list, results: list) -> None:
+    for i, case in enumerate(cases):
         for ranks in ([0, 1], [2, 3]) if "cp" in case else ([0, 1, 2, 3],):
             _check(case, [results[r][i] for r in ranks])
+
+
+def test_hybrid_world_4():
+    _check_world_4(WORLD4_CASES, run_world(4, _run_cases, WORLD4_CASES))
+
+
+UNEVEN_CASES = [WORLD4_CASES[0], WORLD4_CASES[-2]]
+
+
+def _after_a_group_rank_3_is_not_in(rank: int, world: int, cases: list) -> list:
+    # Ranks 0-2 have now joined one process group more than rank 3 has (as after any
+    # new_group some ranks are not in): the hybrid subgroups must still be found by all.
+    dist.new_group([0, 1, 2])
+    return _run_cases(rank, world, cases)
+
+
+def test_hybrid_after_a_group_some_ranks_are_not_in():
+    _check_world_4(UNEVEN_CASES, run_world(4, _after_a_group_rank_3_is_not_in, UNEVEN_CASES))
 
 
 def test_one_process_is_exact_for_every_implemented_pattern():

@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from distributed import run_world
+from distributed import free_port, run_world
 import pytest
 
 pytestmark = pytest.mark.quick  # in the 5-minute check (docs/testing.md)
@@ -75,7 +75,7 @@ def _quantised_lora_on_rank_one(rank: int, tmp: str) -> None:
     _trainer(tmp, model, hf_ring.RingDataCollator(0, cp_size=2, cp_rank=rank))
 
 
-def _rank_main(rank: int, world: int, tmp: str) -> dict:
+def _rank_main(rank: int, world: int, tmp: str, port: int) -> dict:
     from hf_ring.distributed.errors import raise_together
 
     out = {}
@@ -84,7 +84,7 @@ def _rank_main(rank: int, world: int, tmp: str) -> dict:
     except ValueError as e:
         out["generic"] = str(e)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29555")
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import hf_ring
 
     try:
@@ -101,7 +101,7 @@ def _rank_main(rank: int, world: int, tmp: str) -> dict:
 
 
 def test_one_ranks_refusal_is_raised_on_every_rank(tmp_path):
-    ranks = run_world(2, _rank_main, str(tmp_path))
+    ranks = run_world(2, _rank_main, str(tmp_path), free_port())
     assert ranks[1]["generic"] == "rank one's inputs are wrong"
     assert "rank(s) [1]" in ranks[0]["generic"] and "rank one's inputs are wrong" in ranks[0]["generic"]
     assert "the data collator shards for cp_size=2, cp_rank=0" in ranks[1]["trainer"], ranks[1]["trainer"]

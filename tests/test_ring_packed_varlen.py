@@ -19,11 +19,12 @@ import torch
 
 import hf_ring
 from distributed import run_world
-from hf_ring.kernels import AttentionBackend, register_backend, registry
+from hf_ring.kernels import AttentionBackend
 from hf_ring.kernels.reference import reference_backward, reference_forward
 from hf_ring.sharding import shard_packed
 from closeness import rel_err
 from reference_attention import segment_attention
+from backend_registry import registered
 from varlen_standin import looped_varlen_backward, looped_varlen_forward
 
 DOC_LENS = (8, 4, 12, 4)  # multiples of 2 * cp_size for cp_size 1 and 2
@@ -69,10 +70,12 @@ def _inputs():
     return cu, q, k, v, dout
 
 
-def _rank(rank: int, world: int, causal: bool, register: bool) -> dict:
-    if register:  # a spawned process: its own registry, nothing leaks into other tests
-        for backend in STANDINS:
-            register_backend(backend)
+def _rank(rank: int, world: int, causal: bool) -> dict:
+    with registered(*STANDINS):
+        return _both_paths(rank, world, causal)
+
+
+def _both_paths(rank: int, world: int, causal: bool) -> dict:
     assert all(n % (2 * world) == 0 for n in DOC_LENS)
     cu, q, k, v, dout = _inputs()
     shard = lambda t: shard_packed(t, cu, world, rank, dim=0)
@@ -109,13 +112,10 @@ def _check(per_rank: list, world: int, causal: bool) -> None:
 
 
 @pytest.mark.parametrize("causal", [True, False])
-def test_varlen_step_single_process(monkeypatch, causal):
-    monkeypatch.setattr(registry, "_REGISTERED", dict(registry._REGISTERED))
-    for backend in STANDINS:
-        register_backend(backend)
-    _check([_rank(0, 1, causal, False)], 1, causal)
+def test_varlen_step_single_process(causal):
+    _check([_rank(0, 1, causal)], 1, causal)
 
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_varlen_step_world_2(causal):
-    _check(run_world(2, _rank, causal, True), 2, causal)
+    _check(run_world(2, _rank, causal), 2, causal)

@@ -25,13 +25,14 @@ import torch
 
 import hf_ring
 from distributed import run_world
-from hf_ring.kernels import AttentionBackend, register_backend, registry
+from hf_ring.kernels import AttentionBackend
 from hf_ring.kernels.reference import (
     reference_backward, reference_forward, reference_masked_backward, reference_masked_forward,
 )
 from hf_ring.sharding import shard_packed, unshard_packed
 from closeness import rel_err
 from reference_attention import feature_attention
+from backend_registry import registered
 from varlen_standin import looped_varlen_backward, looped_varlen_forward
 
 DOC_LENS = (24, 8, 16, 40)  # multiples of 2 * cp_size for cp 1, 2 and 4
@@ -79,10 +80,9 @@ def _attend(rank: int, world: int, case: dict) -> dict:
     return {"out": out.detach(), "lse": lse, "dq": ql.grad, "dk": kl.grad, "dv": vl.grad, "calls": dict(CALLS)}
 
 
-def _run_cases(rank: int, world: int, cases: list, register: bool = True) -> list:
-    if register:  # a spawned process: its own registry
-        register_backend(VARLEN)
-    return [_attend(rank, world, c) for c in cases]
+def _run_cases(rank: int, world: int, cases: list) -> list:
+    with registered(VARLEN):
+        return [_attend(rank, world, c) for c in cases]
 
 
 def _block_ids(spans, length: int) -> torch.Tensor:
@@ -149,11 +149,9 @@ WORLD4 = _cases(torch.float32, backends=(VARLEN.name,)) + [
 ]
 
 
-def test_packed_window_single_process(monkeypatch):
-    monkeypatch.setattr(registry, "_REGISTERED", dict(registry._REGISTERED))
-    register_backend(VARLEN)
+def test_packed_window_single_process():
     cases = _cases(torch.float64, backends=("reference",)) + _cases(torch.float32, backends=(VARLEN.name,))
-    _check(cases, [_run_cases(0, 1, cases, register=False)], 1)
+    _check(cases, [_run_cases(0, 1, cases)], 1)
 
 
 @pytest.mark.parametrize("world, cases", [(2, WORLD2), (4, WORLD4)], ids=["world2", "world4"])

@@ -16,12 +16,13 @@ import torch
 
 import hf_ring
 from distributed import run_world
-from hf_ring.kernels import AttentionBackend, get_backend, register_backend, registry
+from hf_ring.kernels import AttentionBackend, get_backend
 from hf_ring.kernels.reference import (
     reference_backward, reference_forward, reference_masked_backward, reference_masked_forward,
 )
 from hf_ring.patterns.plan import AttentionPlan
 from hf_ring.sharding import shard_indices, shard_sequence
+from backend_registry import registered
 
 SEQ, HQ, HK, D = 16, 4, 2, 8
 LAYOUTS = ("zigzag", "stripe", "contiguous")
@@ -81,9 +82,12 @@ def _expected_calls(layout: str, world: int, rank: int, window: int) -> int:
     return steps
 
 
-def _rank(rank: int, world: int, register: bool) -> dict:
-    if register:  # a spawned process: its own registry, nothing leaks into other tests
-        register_backend(COUNTING)
+def _rank(rank: int, world: int) -> dict:
+    with registered(COUNTING):
+        return _windows(rank, world)
+
+
+def _windows(rank: int, world: int) -> dict:
     q, k, v, dout = _inputs()
     res = {}
     for layout in LAYOUTS:
@@ -137,15 +141,13 @@ def _check(per_rank: list, world: int) -> None:
             assert "window" in res["disagree"] and "rank 0 3, rank 1 4" in res["disagree"], res["disagree"]
 
 
-def test_window_single_process(monkeypatch):
-    monkeypatch.setattr(registry, "_REGISTERED", dict(registry._REGISTERED))
-    register_backend(COUNTING)
-    _check([_rank(0, 1, False)], 1)
+def test_window_single_process():
+    _check([_rank(0, 1)], 1)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_window_ring(world):
-    _check(run_world(world, _rank, True), world)
+    _check(run_world(world, _rank), world)
 
 
 def test_window_skips_most_of_a_long_ring():

@@ -22,7 +22,6 @@ import json
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 
@@ -30,6 +29,8 @@ import pytest
 import torch
 import transformers
 from packaging.version import Version
+
+from distributed import free_port
 from subprocess_limits import HANG_GUARD_S
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,12 +44,6 @@ COMMON = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(nproc: int, script: list[str]) -> str:
     """Run ``script`` (a path and its arguments) on ``nproc`` processes; return its output."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false")
@@ -58,7 +53,7 @@ def _run(nproc: int, script: list[str]) -> str:
         # --multi_gpu: on a machine without GPUs accelerate otherwise starts ONE process.
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(nproc),
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               "--main_process_port", str(_free_port()), *script]
+               "--main_process_port", str(free_port()), *script]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=HANG_GUARD_S)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{log[-6000:]}"

@@ -35,10 +35,10 @@ import pytest
 import torch
 import transformers
 from packaging.version import Version
-from test_trainer_cp import COMMON, EXAMPLE, ROOT, STEPS, _assert_same, _eval_losses, _free_port, _grad_norms, _losses
+from test_trainer_cp import COMMON, EXAMPLE, ROOT, STEPS, _assert_same, _eval_losses, _grad_norms, _losses
 
 from closeness import grads_rel_err
-from distributed import run_world
+from distributed import free_port, run_world
 from subprocess_limits import HANG_GUARD_S
 
 TRANSFORMERS_5 = Version(transformers.__version__) >= Version("5")
@@ -68,7 +68,7 @@ def _torchrun(nproc: int, port: int, *extra: str) -> list[str]:
 
 def _accelerate_fsdp(nproc: int) -> list[str]:
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", FSDP_CPU_CONFIG,
-            "--num_processes", str(nproc), "--main_process_port", str(_free_port())]
+            "--num_processes", str(nproc), "--main_process_port", str(free_port())]
 
 
 def _run(cmd: list[str]) -> str:
@@ -80,7 +80,7 @@ def _run(cmd: list[str]) -> str:
 
 def _run_two_nodes(script: list[str]) -> list[str]:
     """Both node commands of a 2 x 2 torchrun world on the loopback interface, at once."""
-    port = _free_port()
+    port = free_port()
     cmds = [[sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
              "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(port), *script]
             for node in (0, 1)]
@@ -124,7 +124,7 @@ def runs(tmp_path_factory):
         elif name == "ddp_cp2":
             script, out, dump = driver(name, "--cp_size", "2", "--per_device_train_batch_size", "2", "--max_steps", "1",
                                        "--eval_steps", "0", "--num_eval_examples", "0")
-            logs = [_run(_torchrun(2, _free_port(), *script))]
+            logs = [_run(_torchrun(2, free_port(), *script))]
         elif name == "fsdp_cp2":
             script, out, dump = driver(name, "--cp_size", "2", "--per_device_train_batch_size", "2",
                                        "--save_steps", "4")
@@ -215,7 +215,7 @@ def test_resume_from_sharded_checkpoint(runs, tmp_path):
     checkpoint = os.path.join(full["out"], "checkpoint-4")
     assert os.path.isdir(os.path.join(checkpoint, "pytorch_model_fsdp_0")), os.listdir(checkpoint)
     out = str(tmp_path / "resumed")
-    log = _run(_torchrun(2, _free_port(), EXAMPLE, "--output_dir", out, *COMMON, "--cp_size", "2",
+    log = _run(_torchrun(2, free_port(), EXAMPLE, "--output_dir", out, *COMMON, "--cp_size", "2",
                          "--per_device_train_batch_size", "2", "--fsdp", "full_shard",
                          "--resume_from_checkpoint", checkpoint))
     assert "[hf_ring] gradients: fsdp2 mesh (2,) over 2 processes" in log, log[-3000:]

@@ -37,7 +37,8 @@ import sys
 
 import pytest
 import torch
-from test_trainer_cp import COMMON, REL_TOL, STEPS, _free_port  # the same runs as the DDP parity tests
+from distributed import free_port
+from test_trainer_cp import COMMON, REL_TOL, STEPS  # the same runs as the DDP parity tests
 from subprocess_limits import HANG_GUARD_S
 
 pytest.importorskip("deepspeed")
@@ -55,14 +56,14 @@ def _command(nproc: int, launcher: str, script: list[str]) -> list[str]:
         return [sys.executable, *script]
     if launcher == "accelerate_deepspeed":  # the DeepSpeed settings from accelerate's config file
         return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", ACCELERATE_DEEPSPEED,
-                "--num_processes", str(nproc), "--main_process_port", str(_free_port()), *script]
+                "--num_processes", str(nproc), "--main_process_port", str(free_port()), *script]
     if launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                "--master_port", str(_free_port()), *script]
+                "--master_port", str(free_port()), *script]
     # --multi_gpu: on a machine without GPUs accelerate otherwise starts ONE process.
     return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(nproc),
             "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-            "--main_process_port", str(_free_port()), *script]
+            "--main_process_port", str(free_port()), *script]
 
 
 def _launch(nproc: int, out_dir: str, args: list[str], launcher: str = "accelerate") -> dict:

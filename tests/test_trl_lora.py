@@ -33,7 +33,7 @@ import torch
 peft = pytest.importorskip("peft")
 pytest.importorskip("trl")
 
-from distributed import run_world  # noqa: E402
+from distributed import free_port, run_world  # noqa: E402
 from sft_cases import sft_trainer, tiny_llama  # noqa: E402
 from test_trl import _figures, compare  # noqa: E402
 
@@ -77,10 +77,10 @@ def _reset(partial: bool) -> None:
     AcceleratorState._reset_state(reset_partial_state=partial)
 
 
-def _rank_main(rank: int, world: int, tmp: str) -> dict[str, list[dict]]:
+def _rank_main(rank: int, world: int, tmp: str, port: int) -> dict[str, list[dict]]:
     """Both cases at cp 2 in one world; each rank's log history."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29557")
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import hf_ring
     from hf_ring.trl import RingSFTTrainer
 
@@ -101,7 +101,7 @@ def runs(tmp_path_factory):
     from hf_ring.trl import RingSFTTrainer
 
     tmp = str(tmp_path_factory.mktemp("trl_lora"))
-    world = run_world(2, _rank_main, tmp)
+    world = run_world(2, _rank_main, tmp, free_port())
     for name in CASES:  # every rank logs the same figures
         assert _figures({"log_history": world[0][name]}) == _figures({"log_history": world[1][name]}), name
     out = {("cp2", name): (world[0][name], os.path.join(tmp, f"cp2_{name}")) for name in CASES}

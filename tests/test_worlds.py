@@ -16,7 +16,7 @@ pytestmark = pytest.mark.quick  # in the 5-minute check (docs/testing.md)
 
 
 def run_world(size: int, fn) -> list:
-    """The live world's run (what ``HF_RING_LIVE_WORLDS=1`` gives tests/distributed.py)."""
+    """The live world's run, as tests/distributed.py's (which also honours HF_RING_FRESH_WORLDS)."""
     return world_of(size).run(fn, ())
 
 

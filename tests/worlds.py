@@ -1,9 +1,9 @@
 """Gloo worlds that live across test cases: a world's ranks are spawned once and run many
 cases, instead of paying 3-5 s per process to import torch and transformers for every call.
 
-With ``HF_RING_LIVE_WORLDS=1``, ``tests/distributed.py``'s :func:`run_world` hands each case
-to a live world of its size (:func:`world_of`); tests/test_worlds.py checks this module
-itself. Isolation is kept where it matters:
+``tests/distributed.py``'s :func:`run_world` hands each case to the live world of its size
+(:func:`world_of`); tests/test_worlds.py checks this module itself. Isolation is kept
+where it matters:
 
 - every case starts from the state a fresh process has: the random generators (torch,
   Python, NumPy) as they were when the rank started, no context-parallel state active, one
@@ -16,10 +16,7 @@ itself. Isolation is kept where it matters:
 - ``HF_RING_FRESH_WORLDS=1`` gives every case a world of its own (closed after it), to
   rule reuse out while chasing a failure.
 
-Not yet the suite's default: over the whole suite a world of 4 hung in two cases
-(test_cp_patterns, test_cp_spans) and a kernel backend registered by one case
-(test_ring_packed_varlen's stand-in) was still registered in the next. Both are to be fixed
-before reuse is switched on (docs/testing.md).
+A case that leaves attention backends registered fails (the next case would find them).
 
 Results and tasks travel as ``torch.save`` bytes, so a case's function must be a
 module-level function and its arguments and result picklable, as with ``mp.spawn``.
@@ -99,6 +96,11 @@ class _FreshState:
         if state_module is not None:
             state_module.set_context_parallel_state(None)
 
+    @staticmethod
+    def registered_backends() -> Optional[tuple[str, ...]]:
+        registry = sys.modules.get("hf_ring.kernels.registry")
+        return None if registry is None else tuple(registry.registered_backends())
+
     def broken(self) -> Optional[str]:
         """Why this process must not run another case, or None."""
         if not dist.is_initialized():
@@ -119,9 +121,13 @@ def _serve(rank: int, size: int, init_file: str, tasks: "mp.Queue", results: "mp
             break
         case, payload = task
         fresh.restore()
+        backends = fresh.registered_backends()
         try:
             fn, args = _loads(payload)
             status, body = "ok", _dumps(fn(rank, size, *args))
+            if backends is not None and fresh.registered_backends() != backends:
+                raise RuntimeError(f"the case left the attention backends {fresh.registered_backends()} "
+                                   f"registered (were {backends}); the next case would find them")
         except BaseException:  # a case's failure is reported, whatever it is
             status, body = "error", traceback.format_exc().encode()
         broken = "the case raised" if status == "error" else fresh.broken()

@@ -11,7 +11,8 @@ on every rank, which is what lets ``auto`` skip a pattern safely.
 Callers: the public ops (api.py) once per call, after their checks across ranks; the
 Hugging Face integration once per forward and kind of attention layer. Both then run the
 plan with :func:`hf_ring.patterns.run.run_plan`. Nothing here communicates except
-``hybrid_groups`` the first time a CP group uses the hybrid pattern (collective over it).
+``hybrid_groups`` the first time a CP group uses the hybrid pattern (collective over the
+default group).
 
 Must not import transformers, accelerate, or hf_ring's integration or training layers.
 """

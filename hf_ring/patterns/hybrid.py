@@ -16,9 +16,13 @@ whose position mod N falls in the group's ranks) are no layout's shard of ``R`` 
 the ring then runs on their explicit positions (``AttentionPlan.positions``), each step one
 block masked by position, which needs a backend with a masked kernel.
 
-The subgroups are built once per (group, ``ulysses_size``) by the ranks that belong to
-them (``use_local_synchronization``), and reused while the default group they were built
-over is the current one.
+The subgroups are built once per (group, ``ulysses_size``), and reused while the default
+group they were built over is the current one. Every rank of the default group builds every
+subgroup of every context-parallel group, in one order (``new_group``'s own contract), not
+only the ranks that belong to them: a group built by its members alone
+(``use_local_synchronization``) is named from how many groups each member has seen, so a
+rank that had joined one more group before (any ``new_group`` it was not a member of
+counts on some ranks only) waits forever under another name than its peers'.
 """
 
 from __future__ import annotations
@@ -96,21 +100,45 @@ class _BuiltGroups:
 _BUILT = _BuiltGroups()
 
 
+def _split(members: tuple[int, ...], u: int) -> tuple[list[list[int]], list[list[int]]]:
+    """The Ulysses groups (``u`` consecutive members) and rings (members of one index) of the
+    CP group of global ranks ``members``."""
+    ulysses = [list(members[g * u:(g + 1) * u]) for g in range(len(members) // u)]
+    rings = [list(members[m::u]) for m in range(u)]
+    return ulysses, rings
+
+
 def hybrid_groups(group: Optional[dist.ProcessGroup], ulysses_size: int) -> HybridGroups:
     """The subgroups of ``group`` (None: the default group) for Ulysses groups of
-    ``ulysses_size`` consecutive ranks. Collective over the ranks of ``group`` the first
-    time (each builds the two subgroups it belongs to), cached afterwards."""
+    ``ulysses_size`` consecutive ranks, cached afterwards.
+
+    The first time, collective over the whole default group: every rank must be here at
+    once, with its own CP group (under dp x cp, every CP group's ranks are). For a CP group
+    smaller than the world, the ranks first gather each other's CP group and U, so that all
+    build every subgroup in the same order.
+    """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     to_global = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
     members = tuple(to_global(r) for r in range(world))
     built = _BUILT.over_current_world()
     key = (members, ulysses_size)
     if key not in built:
-        u = ulysses_size
-        g, member = divmod(rank, u)
-        ulysses = dist.new_group([members[g * u + i] for i in range(u)], use_local_synchronization=True)
-        ring = dist.new_group([members[j * u + member] for j in range(world // u)], use_local_synchronization=True)
-        built[key] = HybridGroups(ulysses, ring, u, world // u, g, member)
+        if world == dist.get_world_size():
+            every = [key]
+        else:
+            gathered: list = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, key)
+            every = sorted(set(gathered))
+        mine: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        for other_members, u in every:
+            for ranks in (sub for subs in _split(other_members, u) for sub in subs):
+                made = dist.new_group(ranks)
+                if (other_members, u) == key:
+                    mine[tuple(ranks)] = made
+        g, member = divmod(rank, ulysses_size)
+        ulysses, rings = _split(members, ulysses_size)
+        built[key] = HybridGroups(mine[tuple(ulysses[g])], mine[tuple(rings[member])], ulysses_size,
+                                  world // ulysses_size, g, member)
     return built[key]
 
 
