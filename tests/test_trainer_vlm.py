@@ -15,10 +15,13 @@ online softmax, a gradient summed from two shards, the loss by chunks); measured
 8.1e-7 (Qwen3-VL's gradient norm), 2.4e-7 for Qwen2.5-VL.
 
 Cases (CASES: a family and its flags, one line each):
-Qwen2.5-VL, whose every other sample opens with a 4-frame video of a moving shape;
-Qwen3-VL (deepstack features); Qwen2.5-VL with the weights sharded by FSDP2 over both
+Qwen2.5-VL, whose every other sample opens with a 4-frame video of a moving shape, alone and
+with two micro-batches a step; Qwen3-VL (deepstack features), with two micro-batches a step
+(both families set ``accepts_loss_kwargs=False``, so the stock Trainer trains on the mean of
+the micro-batches' own means, which ``RingTrainer``'s ``loss_mean="auto"`` follows: before
+it did, cp 2 trained on the step's token mean: training losses 3.6e-4 apart); Qwen2.5-VL with the weights sharded by FSDP2 over both
 processes in the cp 2 run (the chunked loss is off there by default); Qwen2.5-VL (videos
-included) and Qwen3-VL with ``--packing`` (each batch's 2 samples in one row, each a document
+included) and Qwen3-VL (two micro-batches a step) with ``--packing`` (each batch's 2 samples in one row, each a document
 with its own images and M-RoPE positions; the zigzag cut per document puts images across the
 shards). A packed case is compared with its family's **padded** stock run, shared with the
 padded case: exactness for packed rows means each sample computes as alone, so the same
@@ -68,6 +71,9 @@ VLM = ["--seq_len", "96", "--max_steps", str(STEPS), "--seed", "3", "--num_train
        "--num_eval_examples", "3", "--eval_steps", "4", "--per_device_train_batch_size", "2",
        "--per_device_eval_batch_size", "2", "--learning_rate", "1e-3", "--disable_tqdm"]
 QWEN2_5_VL, QWEN3_VL, PACKED = ("--model_type", "qwen2_5_vl"), ("--model_type", "qwen3_vl"), ("--packing",)
+# Two micro-batches a step: Qwen2.5-VL and Qwen3-VL set accepts_loss_kwargs=False, so the stock
+# Trainer trains on the mean of the micro-batches' own means (not the step's token mean).
+ACCUMULATED = ("--gradient_accumulation_steps", "2")
 # Gemma 3 at a tenth of the learning rate: its tiny model amplifies rounding step by step (stock
 # eager against stock sdpa, both one process: gradient norms 7.7e-5 apart by step 6 at 1e-3,
 # 6.0e-6 at 1e-4), which would leave the 1e-4 check no margin at 1e-3.
@@ -78,10 +84,11 @@ GEMMA3 = ("--model_type", "gemma3", "--learning_rate", "1e-4")
 # packed exactly, each sample computes as alone, so the same batches padded give the same figures.
 CASES = {
     "qwen2_5_vl": (QWEN2_5_VL, False, QWEN2_5_VL),
-    "qwen3_vl": (QWEN3_VL, False, QWEN3_VL),
+    "qwen2_5_vl_accumulated": (QWEN2_5_VL + ACCUMULATED, False, QWEN2_5_VL + ACCUMULATED),
+    "qwen3_vl_accumulated": (QWEN3_VL + ACCUMULATED, False, QWEN3_VL + ACCUMULATED),
     "qwen2_5_vl_fsdp2": (QWEN2_5_VL, True, QWEN2_5_VL),
     "qwen2_5_vl_packed": (QWEN2_5_VL + PACKED, False, QWEN2_5_VL),
-    "qwen3_vl_packed": (QWEN3_VL + PACKED, False, QWEN3_VL),
+    "qwen3_vl_packed_accumulated": (QWEN3_VL + ACCUMULATED + PACKED, False, QWEN3_VL + ACCUMULATED),
     "gemma3": (GEMMA3, False, GEMMA3),
     "gemma3_packed": (GEMMA3 + PACKED, False, GEMMA3),
 }

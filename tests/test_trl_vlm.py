@@ -38,12 +38,12 @@ pytestmark = pytest.mark.skipif(
 )
 
 STEPS = 6
-# Gradient accumulation 1 (after test_trl's COMMON, which _launch puts first): Qwen2.5-VL sets
-# accepts_loss_kwargs=False, so over several micro-batches TRL averages their means, where
-# hf_ring takes the token mean of the step (RingSFTTrainer warns; docs/trl.md).
+# Two micro-batches a step (after test_trl's COMMON, which _launch puts first): Qwen2.5-VL sets
+# accepts_loss_kwargs=False, so TRL averages the micro-batches' own means, which RingSFTTrainer's
+# loss_mean="auto" follows (docs/trl.md).
 ARGS = ["--max_steps", str(STEPS), "--eval_steps", "3", "--num_train_examples", "12", "--num_eval_examples", "3",
         "--per_device_train_batch_size", "2", "--per_device_eval_batch_size", "2", "--gradient_accumulation_steps",
-        "1", "--seed", "3"]
+        "2", "--seed", "3"]
 sys.path.insert(0, EXAMPLES)
 
 
@@ -167,9 +167,11 @@ def test_what_trl_refuses_with_images_ring_refuses_too(tmp_path, fresh_process_s
                        processing_class=processor, ring_plugin=RingAttentionPlugin())
 
 
-def test_warns_where_trl_averages_micro_batch_means(tmp_path, fresh_process_state, caplog):
+@pytest.mark.parametrize("loss_mean, warns", [("auto", False), ("micro_batches", False), ("tokens", True)])
+def test_warns_where_the_mean_departs_from_trl(tmp_path, fresh_process_state, caplog, loss_mean, warns):
     """Qwen2.5-VL sets accepts_loss_kwargs=False: with accumulation TRL's loss is a mean of the
-    micro-batches' means, RingSFTTrainer's the token mean of the step; it says so."""
+    micro-batches' means, which "auto" follows; the token mean of the step, asked for by name,
+    departs from it, and RingSFTTrainer says so."""
     from transformers import AutoModelForImageTextToText
     from trl import SFTConfig
     from vlm_sft_data import sft_vlm_dataset, shapes_processor
@@ -181,7 +183,24 @@ def test_warns_where_trl_averages_micro_batch_means(tmp_path, fresh_process_stat
     model = AutoModelForImageTextToText.from_config(_model_config(processor))
     assert model.accepts_loss_kwargs is False
     config = SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", gradient_accumulation_steps=2)
-    with caplog.at_level("WARNING", logger="hf_ring.training.trl.sft"):
-        RingSFTTrainer(model=model, args=config, train_dataset=sft_vlm_dataset("messages", 2, seed=1),
-                       processing_class=processor, ring_plugin=RingAttentionPlugin())
-    assert "agree at gradient_accumulation_steps=1 with one data-parallel rank" in caplog.text
+    with caplog.at_level("WARNING", logger="hf_ring.training.trainer"):
+        trainer = RingSFTTrainer(model=model, args=config, train_dataset=sft_vlm_dataset("messages", 2, seed=1),
+                                 processing_class=processor, ring_plugin=RingAttentionPlugin(), loss_mean=loss_mean)
+    assert trainer.loss_mean == ("tokens" if loss_mean == "tokens" else "micro_batches")
+    said = "loss_mean='tokens' trains on the token mean of the whole step instead" in caplog.text
+    assert said == warns, caplog.text
+
+
+def test_an_unknown_loss_mean_is_refused(tmp_path, fresh_process_state):
+    from transformers import AutoModelForImageTextToText
+    from trl import SFTConfig
+    from vlm_sft_data import shapes_processor
+
+    from hf_ring import RingAttentionPlugin
+    from hf_ring.trl import RingSFTTrainer
+
+    processor = shapes_processor()
+    model = AutoModelForImageTextToText.from_config(_model_config(processor))
+    with pytest.raises(ValueError, match=r"loss_mean='sample' is not one of \('auto', 'tokens', 'micro_batches'\)"):
+        RingSFTTrainer(model=model, args=SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none"),
+                       processing_class=processor, ring_plugin=RingAttentionPlugin(), loss_mean="sample")

@@ -16,6 +16,21 @@ then receive exactly the gradient a run without context parallelism computes. FS
 HSDP average over their whole mesh, which must be the world too:
 :func:`hf_ring.training.weight_sharding.gradient_reduction` reads the group from the wrapped model
 and gives the multiplier (refusing a group that misses a rank).
+
+Which mean: the stock ``transformers.Trainer`` trains on one of two, by what the model
+declares (:func:`resolve_loss_mean`):
+
+- ``"tokens"``: a model whose forward takes the loss kwargs (``accepts_loss_kwargs = True``,
+  or a ``**kwargs`` forward): the token mean over the whole optimizer step and every
+  process, every token weighing the same (``num_items_in_batch``); the shares above;
+- ``"micro_batches"``: a model that sets ``accepts_loss_kwargs = False`` (Qwen2.5-VL,
+  Qwen3-VL and other image-text models): each micro-batch's own mean over its tokens, then
+  the average over the step's micro-batches and the data-parallel processes. Under context
+  parallelism a micro-batch's own mean is over its tokens on every rank of its CP group
+  (the batch one process of a cp=1 run holds), so a share is ``local_sum / the
+  micro-batch's count over the CP group``, divided by the number of means averaged.
+
+The two agree when one micro-batch on one data-parallel rank makes the step.
 """
 
 from __future__ import annotations
@@ -105,3 +120,39 @@ class LossTotals:
         both = torch.tensor([self.token_sum, float(self.count)], dtype=torch.float64, device=device)
         total_sum, total_count = all_reduce_sum(both, group).tolist()
         return total_sum / total_count if total_count > 0 else float("nan")
+
+
+LOSS_MEANS = ("auto", "tokens", "micro_batches")
+
+
+def resolve_loss_mean(requested: str, stock_accepts_loss_kwargs: bool) -> str:
+    """The mean to train on: ``requested``, or for ``"auto"`` the stock Trainer's for a model
+    with ``stock_accepts_loss_kwargs`` (what the stock Trainer read from it).
+
+    Raises:
+        ValueError: ``requested`` is not one of :data:`LOSS_MEANS`.
+    """
+    if requested not in LOSS_MEANS:
+        raise ValueError(f"loss_mean={requested!r} is not one of {LOSS_MEANS}: 'auto' follows the stock "
+                         "Trainer's rule for the model, 'tokens' is the token mean of the optimizer step, "
+                         "'micro_batches' the mean of each micro-batch's own mean")
+    if requested != "auto":
+        return requested
+    return "tokens" if stock_accepts_loss_kwargs else "micro_batches"
+
+
+_MEANS_SAID = {"tokens": "the token mean of the whole step", "micro_batches": "the mean of the micro-batches' own means"}
+
+
+def departure_from_stock(mean: str, stock_accepts_loss_kwargs: bool, model_name: str,
+                         accumulation_steps: int, dp_size: int) -> Optional[str]:
+    """A warning when training on ``mean`` gives other gradients than the stock Trainer's
+    rule would (several micro-batches or data-parallel ranks per step), else None."""
+    stock = resolve_loss_mean("auto", stock_accepts_loss_kwargs)
+    if mean == stock or (accumulation_steps == 1 and dp_size == 1):
+        return None
+    declared = "takes" if stock_accepts_loss_kwargs else "does not take (accepts_loss_kwargs=False)"
+    return (f"hf_ring: {model_name} {declared} the loss kwargs, so the stock Trainer trains it on "
+            f"{_MEANS_SAID[stock]}; loss_mean={mean!r} trains on {_MEANS_SAID[mean]} instead, which differs with "
+            f"gradient_accumulation_steps={accumulation_steps} over {dp_size} data-parallel rank(s): the losses and "
+            "gradients will not match a stock run. Pass loss_mean='auto' to follow the stock rule")

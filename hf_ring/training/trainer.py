@@ -7,13 +7,16 @@ What changes against the stock Trainer, and why:
   :class:`RingDataCollator` keeps its shard of the sequence;
 - training loss: the stock per-rank loss is a mean over the rank's tokens, which under CP is
   the mean of a shard (NaN for a shard without an answer token). Here each rank computes its
-  share ``sum of its token losses / valid tokens of the whole optimizer step over the whole
-  dp x cp world`` (``num_items_in_batch``, counted from ``shift_labels`` across gradient
-  accumulation), times the number of processes the wrapper (DDP, FSDP2, HSDP) averages
-  gradients over, read from the wrapped model (:mod:`hf_ring.training.weight_sharding`, which
-  refuses a reduction that misses some dp x cp rank).
-  The gradients then equal those of a run without CP, and the Trainer's logged loss (the
-  mean over processes of what each returns) is the true token mean;
+  share of the mean the stock Trainer trains the model on (:mod:`hf_ring.training.loss`):
+  for the token mean, ``sum of its token losses / valid tokens of the whole optimizer step
+  over the whole dp x cp world`` (``num_items_in_batch``, counted from ``shift_labels``
+  across gradient accumulation); for a model with ``accepts_loss_kwargs = False``, ``sum of
+  its token losses / valid tokens of the micro-batch over its CP group``, divided by the
+  step's micro-batches and the data-parallel ranks. The share is multiplied by the number of
+  processes the wrapper (DDP, FSDP2, HSDP) averages gradients over, read from the wrapped
+  model (:mod:`hf_ring.training.weight_sharding`, which refuses a reduction that misses some
+  dp x cp rank). The gradients then equal those of a run without CP, and the Trainer's
+  logged loss (the mean over processes of what each returns) is the stock run's;
 - eval loss: what the stock Trainer reports, the mean over eval samples of their batch's
   token-mean loss, each batch's mean taken over the CP group's tokens and the losses
   gathered over data-parallel ranks only (:mod:`hf_ring.training.eval_loss`); the token
@@ -46,8 +49,11 @@ from hf_ring.training.eval_loss import batch_token_mean, data_parallel_gather
 from hf_ring.memory.chunked_loss import ChunkedLossConfig, model_token_loss_sum
 from hf_ring.training.loss import (
     LossTotals,
+    all_reduce_sum,
     count_valid_tokens,
+    departure_from_stock,
     loss_share,
+    resolve_loss_mean,
     scale_for_ddp,
     token_loss_sum,
 )
@@ -91,6 +97,12 @@ class RingTrainer(Trainer):
             :class:`ChunkedLossConfig`, True / False, or None (default: on under context
             parallelism). The training and eval losses are the same; ``outputs.logits`` of a
             chunked forward are empty.
+        loss_mean: which mean of the token losses an optimizer step trains on
+            (:mod:`hf_ring.training.loss`): ``"auto"`` (default) the stock Trainer's rule
+            for the model (the token mean of the step; for a model that sets
+            ``accepts_loss_kwargs = False``, such as Qwen2.5-VL, the mean of the micro-batches'
+            own means), ``"tokens"`` or ``"micro_batches"`` by name (a warning where it departs
+            from the stock rule).
         *args, **kwargs: as for ``transformers.Trainer``. ``data_collator`` must produce
             ``shift_labels`` (use :class:`RingDataCollator`, e.g. ``ring_plugin.make_collator``,
             or for an image-text model :class:`RingVisionDataCollator`,
@@ -116,8 +128,10 @@ class RingTrainer(Trainer):
         *args: Any,
         ring_plugin: Optional[RingAttentionPlugin] = None,
         chunked_loss: ChunkedLossConfig | bool | None = None,
+        loss_mean: str = "auto",
         **kwargs: Any,
     ):
+        resolve_loss_mean(loss_mean, True)  # a bad value is refused before any model is prepared
         self.ring_plugin = ring_plugin if ring_plugin is not None else RingAttentionPlugin(cp_size=1)
         # Before the Trainer builds its Accelerator: on CPU accelerate would drop FSDP silently.
         # Trainer takes (model, args, ...); TRL's DPOTrainer (model, ref_model, args, ...).
@@ -138,8 +152,15 @@ class RingTrainer(Trainer):
         # A set-up refused on some ranks only (a collator built for another CP rank) is raised on every
         # rank, instead of leaving the others to die in their next collective with nothing named.
         raise_together(self._check_supported)
-        # transformers 4.x decides from this whether compute_loss already normalised for
-        # gradient accumulation (it does: num_items_in_batch covers the whole step).
+        # What the stock Trainer read from the model decides the stock mean; then the flag is
+        # set because transformers 4.x decides from it whether compute_loss already normalised
+        # for gradient accumulation (it does, under either mean).
+        stock_accepts = bool(getattr(self, "model_accepts_loss_kwargs", True))
+        self.loss_mean = resolve_loss_mean(loss_mean, stock_accepts)
+        departure = departure_from_stock(self.loss_mean, stock_accepts, type(self.model).__name__,
+                                         self.args.gradient_accumulation_steps, self.ring_state.dp_size)
+        if departure is not None:
+            logger.warning(departure)
         self.model_accepts_loss_kwargs = True
         self._eval_totals: Optional[LossTotals] = None
         # How the wrapped model reduces gradients; read from it at the first training step.
@@ -215,10 +236,20 @@ class RingTrainer(Trainer):
     def _loss_for_backward(
         self, token_sum: torch.Tensor, count: torch.Tensor, num_items_in_batch: Optional[torch.Tensor], multiplier: int
     ) -> torch.Tensor:
-        """This rank's share ``token_sum / valid tokens of the world`` (scalars), times
-        ``multiplier`` (:meth:`_loss_multiplier`). ``num_items_in_batch``: that count for the
-        whole optimizer step; None: this micro-batch's (``count``, this rank's valid tokens,
-        summed over the world: collective)."""
+        """This rank's share of the step's loss (scalars), times ``multiplier``
+        (:meth:`_loss_multiplier`).
+
+        ``num_items_in_batch``: the valid tokens of the whole optimizer step over the world
+        (a training step); None: outside one (the share of this micro-batch's token mean over
+        the world). In a training step under ``loss_mean="micro_batches"`` the share is
+        ``token_sum / the micro-batch's valid tokens over the CP group`` (``count`` summed
+        there: collective), divided by the step's micro-batches and the data-parallel ranks,
+        as the stock Trainer averages their means (a micro-batch without a valid token adds
+        0, where the stock model's mean is NaN)."""
+        if num_items_in_batch is not None and self.loss_mean == "micro_batches":
+            micro_batch_count = all_reduce_sum(count, self.ring_state.cp_group)
+            means = self.current_gradient_accumulation_steps * self.ring_state.dp_size
+            return scale_for_ddp(loss_share(token_sum, micro_batch_count) / means, multiplier)
         if num_items_in_batch is None:
             num_items_in_batch = self.ring_plugin.global_token_count(count)
         return scale_for_ddp(loss_share(token_sum, num_items_in_batch), multiplier)

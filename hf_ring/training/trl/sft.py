@@ -18,7 +18,6 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-from transformers.utils import logging as hf_logging
 from trl import SFTTrainer
 
 from hf_ring.distributed.errors import raise_together
@@ -31,8 +30,6 @@ from hf_ring.patches import transformers as transformers_patches
 from hf_ring.patches import trl as trl_patches
 from hf_ring.training.trl.sft_collator import NUM_TOKENS_KEY, RingSFTCollator
 from hf_ring.training.trl.sft_vision_collator import RingSFTVisionCollator
-
-logger = hf_logging.get_logger(__name__)
 
 
 class RingSFTTrainer(RingTrainer, SFTTrainer):
@@ -67,23 +64,6 @@ class RingSFTTrainer(RingTrainer, SFTTrainer):
         super().__init__(*args, ring_plugin=ring_plugin, **kwargs)
         # A collator refused on one rank only (built for another CP rank) is refused on every rank.
         raise_together(self._install_ring_collator)
-        self._note_trl_batch_means()
-
-    def _note_trl_batch_means(self) -> None:
-        """Say so where TRL's own loss is not a token mean: for a model that declares
-        ``accepts_loss_kwargs = False`` (Qwen2.5-VL and other image-text models) the Trainer
-        counts no tokens over the step, so TRL averages each micro-batch's (and each process's)
-        own mean. hf_ring's loss is the token mean over the step and the dp x cp world, which
-        is TRL's when one micro-batch on one data-parallel rank makes the step."""
-        if getattr(self.model, "accepts_loss_kwargs", True) is not False:
-            return
-        if self.args.gradient_accumulation_steps > 1 or self.ring_state.dp_size > 1:
-            logger.warning(
-                f"hf_ring: {type(self.model).__name__} sets accepts_loss_kwargs=False, so TRL's SFTTrainer would "
-                "average per-micro-batch means over gradient accumulation and data-parallel ranks; RingSFTTrainer "
-                "trains on the token mean of the whole step (every token weighs the same): the two agree at "
-                "gradient_accumulation_steps=1 with one data-parallel rank"
-            )
 
     def _install_ring_collator(self) -> None:
         self.data_collator = self._ring_collator(self.data_collator)
