@@ -113,7 +113,9 @@ def test_divergent_inputs_fail_on_every_rank():
 
 
 def _subset_forward(rank: int, world: int, done: str) -> str:
-    hf_ring.setup_context_parallel(world, timeout=timedelta(seconds=TIMEOUT_S))
+    # Through the plugin, as a Trainer user sets it: its timeout is the CP group's.
+    state = hf_ring.RingAttentionPlugin(cp_size=world, timeout=TIMEOUT_S).setup()
+    assert state.timeout == timedelta(seconds=TIMEOUT_S), state.timeout
     model = tiny_model(tiny_config("llama"), "ring_flash")
     ids = torch.randint(3, VOCAB, (1, SEQ // world))
     positions = hf_ring.shard_sequence(torch.arange(SEQ)[None], world, rank)
@@ -134,6 +136,7 @@ def _subset_forward(rank: int, world: int, done: str) -> str:
 def test_forward_on_some_ranks_only_fails_within_the_timeout(tmp_path):
     r0, _ = run_world(2, _subset_forward, str(tmp_path / "rank0_done"))
     assert "RuntimeError" in r0 and "every rank of a CP group must run every forward" in r0, r0
+    assert "The timeout is RingAttentionPlugin(timeout=...)" in r0, r0
     seconds = float(r0.rsplit("after ", 1)[1].rstrip("s"))
     assert seconds < TIMEOUT_S + 30, r0
 

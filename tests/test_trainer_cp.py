@@ -228,6 +228,9 @@ def test_plugin_refuses_a_world_that_cp_size_does_not_divide(fresh_process_state
         RingAttentionPlugin(cp_size=0)
     with pytest.raises(ValueError, match="layout"):
         RingAttentionPlugin(cp_size=2, layout="diagonal")
+    for bad in (0, -1.0, "600", True):
+        with pytest.raises(ValueError, match="timeout must be"):
+            RingAttentionPlugin(cp_size=2, timeout=bad)
     # pytest is one process: cp_size 2 cannot be served, and the error says how to launch.
     with pytest.raises(ValueError, match="--multi_gpu"):
         RingAttentionPlugin(cp_size=2).setup()

@@ -67,7 +67,7 @@ def failure_message(result: Any, what: str, rank: int, ranks: list[int]) -> str:
         "and backward. NCCL's watchdog stops this process next: the transfer's buffers are undefined, so it "
         "cannot go on. Look for the first rank that stopped in its own log; every rank of a CP group must run "
         "every forward and backward together. The wait is the group's timeout: "
-        "hf_ring.setup_context_parallel(timeout=...), 10 minutes by default."
+        "RingAttentionPlugin(timeout=...) (seconds) or hf_ring.setup_context_parallel(timeout=...), 10 minutes by default."
     )
 
 

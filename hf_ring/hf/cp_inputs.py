@@ -322,7 +322,7 @@ def validate_cp_inputs(
             "context-parallel group to run this forward, and they did not: every rank of a CP group must "
             "run every forward of a ring_flash model together (a forward on the main process only, "
             "a sanity check or generate() on one rank, or ranks that took different branches hang "
-            "or fail like this). The timeout is setup_context_parallel(timeout=...)"
+            "or fail like this). The timeout is RingAttentionPlugin(timeout=...) (seconds), or setup_context_parallel(timeout=...)"
         ) from e
     refused = [r for r, row in enumerate(rows) if row[0]]
     if problem is not None:

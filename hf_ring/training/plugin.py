@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Optional
 
 import torch
@@ -66,6 +67,11 @@ class RingAttentionPlugin:
             and computes its sliding window and softcap) or a name from
             ``hf_ring.kernels.available_backends(device, dtype)``, which a layer whose
             features it lacks refuses, naming the kernels that have them.
+        timeout: how long a collective of the CP group waits for a peer before it fails
+            with hf_ring's message (a rank that stopped, or ranks that did not run the same
+            forward): seconds or a ``datetime.timedelta``; None: 10 minutes
+            (``setup_context_parallel``'s ``timeout``). Raise it where a rank may be slow
+            for long, e.g. the main process saving a large checkpoint while the others wait.
     """
 
     cp_size: int = 1
@@ -73,6 +79,7 @@ class RingAttentionPlugin:
     pattern: str = "ring"
     ulysses_size: Optional[int] = None
     backend: str = "auto"
+    timeout: Optional[float | timedelta] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.cp_size, int) or isinstance(self.cp_size, bool) or self.cp_size < 1:
@@ -80,6 +87,12 @@ class RingAttentionPlugin:
         check_layout(self.layout)
         check_pattern(self.pattern, self.ulysses_size, self.cp_size)
         check_kernel_name(self.backend)
+        if self.timeout is not None and not isinstance(self.timeout, timedelta):
+            if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)):
+                raise ValueError(f"timeout must be seconds (a number) or a datetime.timedelta, got {self.timeout!r}")
+            self.timeout = timedelta(seconds=self.timeout)
+        if self.timeout is not None and not self.timeout.total_seconds() > 0:
+            raise ValueError(f"timeout must be positive, got {self.timeout!r}")
         self._state: Optional[ContextParallelState] = None
 
     # ---- groups ----
@@ -109,7 +122,8 @@ class RingAttentionPlugin:
             )
         # ring_flash shards in the state's layout; make_collator cuts sequences the same way.
         self._state = setup_context_parallel(self.cp_size, layout=self.layout, pattern=self.pattern,
-                                             ulysses_size=self.ulysses_size, backend=self.backend)
+                                             ulysses_size=self.ulysses_size, backend=self.backend,
+                                             timeout=self.timeout)
         if importlib.util.find_spec("transformers") is not None:
             # DeepSpeed configs reach hf_ring through transformers. Before the model exists:
             # ZeRO-3 partitions it as it is created, over DeepSpeed's world.
