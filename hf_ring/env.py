@@ -2,7 +2,8 @@
 
 Prints each upstream package's installed version against its tested range (the table in
 ``hf_ring.patches.versions``), the torch build and its devices, whether
-``attn_implementation="ring_flash"`` registered, the attention kernels that run here per
+``attn_implementation="ring_flash"`` registered, where hf_ring was imported from (and its
+git commit, for a checkout), the attention kernels that run here per
 device and dtype (``hf_ring.kernels`` registry), and what hf_ring refuses with this set of
 packages (each with the error it raises).
 
@@ -14,7 +15,9 @@ deepspeed or peft (their metadata is enough); imports TRL to ask ``hf_ring.trl``
 from __future__ import annotations
 
 import platform
+import subprocess
 import sys
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -64,9 +67,9 @@ def kernel_lines() -> list[str]:
 
 
 def _trl_trainers() -> str:
-    import hf_ring.trl  # noqa: F401 - its import runs the checks of TRL and transformers
+    import hf_ring.trl  # its import runs the checks of TRL and transformers
 
-    return "available"
+    return "available: " + ", ".join(name for name in hf_ring.trl.__all__ if name.endswith("Trainer"))
 
 
 def _deepspeed() -> str:
@@ -80,7 +83,25 @@ def _deepspeed() -> str:
 def _peft() -> str:
     if versions.installed("peft") is None:
         raise RuntimeError("peft is not installed")
-    return "installed (no hf_ring accessor reads its internals yet)"
+    # patches/peft.py reads ModulesToSaveWrapper's attributes, refusing a release without them.
+    return (f"installed, status {versions.status('peft')}; hf_ring.patches.peft reads its ModulesToSaveWrapper "
+            "internals (the chunked loss under modules_to_save=['lm_head'])")
+
+
+def source_line() -> str:
+    """Where this hf_ring was imported from, and its git commit when that is a checkout (an
+    editable install; ``+changes`` when the working tree differs from the commit)."""
+    folder = Path(hf_ring.__file__).resolve().parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=folder, capture_output=True,
+                                text=True, timeout=10)
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=folder,
+                                 capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"  {folder} (git not run: {type(error).__name__})"
+    if commit.returncode != 0:
+        return f"  {folder} (not a git checkout)"
+    return f"  {folder}, commit {commit.stdout.strip()}" + (" +changes" if changed.stdout.strip() else "")
 
 
 def _ring_flash() -> str:
@@ -90,7 +111,7 @@ def _ring_flash() -> str:
 
 FEATURES: dict[str, Callable[[], str]] = {
     'attn_implementation="ring_flash", RingTrainer': _ring_flash,
-    "hf_ring.trl (RingSFTTrainer, RingDPOTrainer)": _trl_trainers,
+    "hf_ring.trl": _trl_trainers,
     "DeepSpeed ZeRO-2/3": _deepspeed,
     "PEFT": _peft,
 }
@@ -110,7 +131,8 @@ def feature_lines() -> list[str]:
 def report() -> str:
     """The whole report, as printed by ``python -m hf_ring.env``."""
     sections = [
-        [f"hf_ring {hf_ring.__version__}, Python {platform.python_version()}, {platform.platform()}"],
+        [f"hf_ring {hf_ring.__version__}, Python {platform.python_version()}, {platform.platform()}",
+         source_line()],
         ["upstream packages (installed, tested range, status):", *package_lines()],
         ["torch:", *torch_lines()],
         ["attention kernels that run here:", *kernel_lines()],

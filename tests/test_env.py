@@ -123,7 +123,11 @@ def test_env_report_names_each_package_and_the_kernels():
         assert tested.describe() in line and versions.status(name) in line, line
     assert "cpu float32: torch_cpu_flash, reference" in out, out
     assert 'attn_implementation="ring_flash", RingTrainer: registered' in out, out
-    assert "hf_ring.trl (RingSFTTrainer, RingDPOTrainer):" in out, out
+    assert "hf_ring.trl: available: RingDPOTrainer, RingGRPOTrainer, RingRLOOTrainer, RingSFTTrainer" in out, out
+    assert "hf_ring.patches.peft reads its ModulesToSaveWrapper internals" in out, out
+    commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    if commit.returncode == 0:  # the suite runs from a checkout (an sdist would not be one)
+        assert f"commit {commit.stdout.strip()}" in out, out
 
 
 def test_env_report_names_what_is_refused_without_trl():
@@ -131,7 +135,7 @@ def test_env_report_names_what_is_refused_without_trl():
         error="ModuleNotFoundError(name, name=name)") + "import runpy; runpy.run_module('hf_ring.env', run_name='__main__')"
     proc = _python(code)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "hf_ring.trl (RingSFTTrainer, RingDPOTrainer): REFUSED: ModuleNotFoundError" in proc.stdout, proc.stdout
+    assert "hf_ring.trl: REFUSED: ModuleNotFoundError" in proc.stdout, proc.stdout
 
 
 # ---- the upstream canary's report (scripts/upstream_report.py) ----
