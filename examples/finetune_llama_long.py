@@ -320,7 +320,10 @@ def train_and_report(trainer: transformers.Trainer, args: argparse.Namespace) ->
     metrics = dict(result.metrics)
     if getattr(trainer, "deepspeed_engine_summary", None) is not None:
         print(f"[hf_ring] rank {trainer.args.process_index}: {trainer.deepspeed_engine_summary.describe()}", flush=True)
-    evaluated_last_step = args.eval_steps > 0 and trainer.state.global_step % args.eval_steps == 0
+    # transformers 5 evaluates at the last step itself (4.57 only at multiples of eval_steps):
+    # read whether it did rather than guess from the step count.
+    final = trainer.state.global_step
+    evaluated_last_step = any("eval_loss" in e and e.get("step") == final for e in trainer.state.log_history)
     if args.num_eval_examples > 0 and not evaluated_last_step:
         metrics.update(trainer.evaluate())
     else:

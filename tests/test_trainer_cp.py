@@ -182,6 +182,21 @@ def fresh_process_state():
     hf_ring.set_context_parallel_state(None)
 
 
+def test_the_example_evaluates_the_last_step_once(tmp_path, fresh_process_state):
+    """3 steps with an evaluation every 2: evaluated at steps 2 and 3, each once, whether the
+    Trainer evaluates at the end itself (transformers 5) or the example does (4.57)."""
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import finetune_llama_long
+
+    metrics = finetune_llama_long.main(["--output_dir", str(tmp_path), "--seq_len", "256", "--max_steps", "3",
+                                        "--eval_steps", "2", "--num_train_examples", "8", "--num_eval_examples", "2",
+                                        "--hidden_size", "32", "--cp_size", "1", "--disable_tqdm"])
+    with open(tmp_path / "trainer_state.json") as f:
+        evaluated = [e["step"] for e in json.load(f)["log_history"] if "eval_loss" in e]
+    assert evaluated == [2, 3], evaluated
+    assert math.isfinite(metrics["eval_loss"]), metrics
+
+
 def test_loss_shares_add_up_to_the_token_mean_and_its_gradient():
     import torch.nn.functional as F
 
