@@ -142,7 +142,8 @@ def _ssd_args(x: dict) -> list[torch.Tensor]:
 MIXERS = {
     "gated_delta_rule": Mixer(
         "gated_delta_rule", ("q", "k", "v", "g", "beta"), (), _gdr_problem, _gdr_full_ops,
-        lambda x, coll, lay, a: gated_delta_rule_op(*_gdr_args(x), coll, lay, None, a.chunk, None, True)[0],
+        lambda x, coll, lay, a: gated_delta_rule_op(*_gdr_args(x), coll, layout=lay, chunk_size=a.chunk,
+                                                      use_qk_l2norm_in_kernel=True)[0],
         lambda a: {"k_heads": a.k_heads, "v_heads": a.v_heads, "head_dim": a.head_dim, "chunk": a.chunk}),
     "ssd": Mixer(
         "ssd", ("x", "dt", "B", "C"), ("A", "D", "dt_bias"), _ssd_problem, _ssd_full_ops,

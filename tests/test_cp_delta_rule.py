@@ -246,3 +246,26 @@ def test_cp_matches_the_full_sequence(world):
                          ref, NAMES)
         bad = out_of_bounds(errors(got, ref, NAMES), one)
         assert not bad, f"case {i} {case}: {bad}"
+
+
+def test_the_delta_rule_ops_take_their_options_by_name_in_one_order():
+    """The gated delta rule and KDA ops once took output_final_state and use_qk_l2norm_in_kernel
+    in swapped positions: a positional call meant for one silently set the other. Every
+    option after the collectives is keyword-only, in the same order, for both ops and both
+    public wrappers."""
+    import inspect
+
+    from hf_ring.mixers.kimi_delta import context_parallel_kimi_delta_attention, kimi_delta_op
+
+    def options(fn, after: str) -> list[str]:
+        params = list(inspect.signature(fn).parameters.values())
+        rest = params[[p.name for p in params].index(after) + 1:]
+        assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in rest), (fn.__name__, rest)
+        return [p.name for p in rest]
+
+    ops = [options(fn, "coll") for fn in (gated_delta_rule_op, kimi_delta_op)]
+    wrappers = [options(fn, "beta") for fn in (context_parallel_gated_delta_rule, context_parallel_kimi_delta_attention)]
+    assert ops[0] == ops[1], ops
+    assert sorted(wrappers[0]) == sorted(wrappers[1]), wrappers
+    with pytest.raises(TypeError, match="positional"):
+        gated_delta_rule_op(*(torch.zeros(1, 2, 1, 4),) * 3, torch.zeros(1, 2, 1), torch.zeros(1, 2, 1), None, "zigzag")

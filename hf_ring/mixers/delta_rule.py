@@ -120,9 +120,9 @@ class _StateGradients(torch.autograd.Function):
 
 def gated_delta_rule_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    coll: Optional[Collectives], layout: str = "zigzag", local_doc_lens: Optional[Sequence[int]] = None,
-    chunk_size: int = 64, initial_state: Optional[torch.Tensor] = None,
-    use_qk_l2norm_in_kernel: bool = False, output_final_state: bool = False,
+    coll: Optional[Collectives], *, layout: str = "zigzag", local_doc_lens: Optional[Sequence[int]] = None,
+    chunk_size: int = 64, initial_state: Optional[torch.Tensor] = None, output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """:func:`context_parallel_gated_delta_rule` over given collectives (None: one
     process); the benchmark passes virtual ones. No check across ranks."""
@@ -215,8 +215,9 @@ def context_parallel_gated_delta_rule(
     """
     _, world = group_coords(group)
     coll = GroupCollectives(group) if world > 1 else None
-    return gated_delta_rule_op(q, k, v, g, beta, coll, layout, local_doc_lens, chunk_size, initial_state,
-                               use_qk_l2norm_in_kernel, output_final_state)
+    return gated_delta_rule_op(q, k, v, g, beta, coll, layout=layout, local_doc_lens=local_doc_lens,
+                               chunk_size=chunk_size, initial_state=initial_state,
+                               output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
 
 
 __all__ = ["check_gated_delta_inputs", "context_parallel_gated_delta_rule", "gated_delta_rule_op"]

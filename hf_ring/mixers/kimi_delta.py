@@ -92,7 +92,7 @@ def _compose(mine: list[Piece], order: list[Piece], runs: dict, init: Optional[t
 
 def kimi_delta_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    coll: Optional[Collectives], layout: str = "zigzag", local_doc_lens: Optional[Sequence[int]] = None,
+    coll: Optional[Collectives], *, layout: str = "zigzag", local_doc_lens: Optional[Sequence[int]] = None,
     chunk_size: int = 64, initial_state: Optional[torch.Tensor] = None, output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = False,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -169,8 +169,9 @@ def context_parallel_kimi_delta_attention(
     """
     _, world = group_coords(group)
     coll = GroupCollectives(group) if world > 1 else None
-    return kimi_delta_op(q, k, v, g, beta, coll, layout, local_doc_lens, chunk_size, initial_state,
-                         output_final_state, use_qk_l2norm_in_kernel)
+    return kimi_delta_op(q, k, v, g, beta, coll, layout=layout, local_doc_lens=local_doc_lens, chunk_size=chunk_size,
+                         initial_state=initial_state, output_final_state=output_final_state,
+                         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
 
 
 __all__ = ["context_parallel_kimi_delta_attention", "kimi_delta_op"]
