@@ -74,3 +74,16 @@ def test_each_rank_encodes_its_share_of_the_images():
         assert rel_err(r["pooled"], torch.cat(images.pooler_output)) <= 1e-5
         assert all(rel_err(h, ref) <= 1e-5 for h, ref in zip(r["hidden"], images.hidden_states))
         assert "full_batch_digest" in r["refusal"], r["refusal"]
+
+
+def test_a_packed_row_without_cp_runs_the_tower_whole():
+    """A packed row without CP reaches the tower with a FullBatch whose state is None (only its
+    spans go down): the tower is not split, and nothing reads a CP size from a missing state."""
+    from hf_ring.hf.multimodal.shard import CURRENT, FullBatch
+    from hf_ring.hf.multimodal.tower import _take_share
+
+    token = CURRENT.set(FullBatch(family=None, state=None, digest=None))
+    try:
+        assert _take_share(torch.nn.Identity(), (), {}) is None
+    finally:
+        CURRENT.reset(token)

@@ -4,13 +4,22 @@ is balanced for zigzag and stripe (and not for contiguous)."""
 
 from __future__ import annotations
 
+from typing import Optional, Sequence
+
 import pytest
 import torch
 
-from hf_ring.patterns.ring.schedule import rank_work, step_blocks
+from hf_ring.patterns.ring.schedule import step_blocks
 from hf_ring.sharding import local_cu_seqlens, packed_shard_indices, shard_indices
 
 pytestmark = pytest.mark.quick  # in the 5-minute check (docs/testing.md)
+
+
+def rank_work(layout: str, causal: bool, local_len: int, rank: int, world: int,
+              local_doc_lens: Optional[Sequence[int]] = None) -> float:
+    """Query-key pairs rank ``rank`` computes over the whole ring (for balance checks)."""
+    return sum(b.work for step in range(world)
+               for b in step_blocks(layout, causal, local_len, rank, (rank - step) % world, local_doc_lens))
 
 
 def _covered_pairs(layout, causal, global_idx, world, rank, local_doc_lens=None):

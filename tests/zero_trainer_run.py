@@ -31,7 +31,14 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 import finetune_llama_long  # noqa: E402
 
 import hf_ring  # noqa: E402
-from hf_ring.training import deepspeed_support  # noqa: E402
+
+
+def _full_gradients(engine: Any) -> dict[str, torch.Tensor]:
+    """Every parameter's whole gradient, by name, gathered from ZeRO's partitions (collective:
+    every rank calls it, after the backward of an accumulation boundary, before the step)."""
+    from deepspeed.utils import safe_get_full_grad
+
+    return {name: safe_get_full_grad(p).detach().clone() for name, p in engine.module.named_parameters()}
 
 
 def _rank() -> int:
@@ -71,7 +78,7 @@ class FirstStepDump(hf_ring.RingTrainer):
 
         def step(*args: Any, **kwargs: Any) -> Any:
             if engine.is_gradient_accumulation_boundary() and "grads" not in self._first_step:
-                self._save_first_step(deepspeed_support.full_gradients(engine))
+                self._save_first_step(_full_gradients(engine))
                 engine.step = original
             return original(*args, **kwargs)
 

@@ -94,11 +94,6 @@ def registered() -> bool:
     return _attempted and not _missing and _error is None
 
 
-def registration_error() -> Optional[BaseException]:
-    """The error that stopped the registration (None when it succeeded or transformers is missing)."""
-    return _error
-
-
 def describe() -> str:
     """One line for ``python -m hf_ring.env``."""
     if not _attempted:

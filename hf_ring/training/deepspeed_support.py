@@ -31,7 +31,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
-import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
@@ -255,14 +254,6 @@ def check_engine(model: Any, state: ContextParallelState) -> EngineSummary:
         total_elements=total,
         train_batch_size=int(model.train_batch_size()),
     )
-
-
-def full_gradients(model: Any) -> dict[str, torch.Tensor]:
-    """Every parameter's whole gradient, by name, gathered from ZeRO's partitions (collective:
-    every rank calls it, after the backward of an accumulation boundary, before the step)."""
-    from deepspeed.utils import safe_get_full_grad
-
-    return {name: safe_get_full_grad(p).detach().clone() for name, p in model.module.named_parameters()}
 
 
 def gradient_reduction(model: Any, state: ContextParallelState) -> "weight_sharding.GradientReduction":

@@ -53,10 +53,6 @@ class GradientReduction:
         """What each rank's loss share is multiplied by: the wrapper averages over the group."""
         return self.group_size
 
-    @property
-    def shards_weights(self) -> bool:
-        return self.kind in (FSDP2, HSDP, ZERO)
-
     def describe(self) -> str:
         if self.kind == NONE:
             return "gradients: one process, no reduction"

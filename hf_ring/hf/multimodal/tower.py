@@ -101,7 +101,8 @@ def split_tower(tower: nn.Module) -> None:
 def _take_share(tower: nn.Module, args: tuple, kwargs: dict):
     _ACTIVE.set(None)
     full = CURRENT.get()
-    if full is None or full.state.cp_size == 1:
+    # A packed row without CP (FullBatch.state None) is not cut: its tower runs whole.
+    if full is None or full.state is None or full.state.cp_size == 1:
         return None
     state = full.state
     inputs = bind_arguments(tower, args, kwargs)

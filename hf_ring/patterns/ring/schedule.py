@@ -102,19 +102,3 @@ def step_blocks(
             return [Block(0, local_len, 0, local_len, True)]
         return [Block(0, local_len, 0, local_len, False)] if src < rank else []
     raise ValueError(f"unknown layout {layout!r}")
-
-
-def rank_work(
-    layout: str,
-    causal: bool,
-    local_len: int,
-    rank: int,
-    world: int,
-    local_doc_lens: Optional[Sequence[int]] = None,
-) -> float:
-    """Query-key pairs rank ``rank`` computes over the whole ring (for balance checks)."""
-    return sum(
-        b.work
-        for step in range(world)
-        for b in step_blocks(layout, causal, local_len, rank, (rank - step) % world, local_doc_lens)
-    )
