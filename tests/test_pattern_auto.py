@@ -72,3 +72,41 @@ def test_one_process_state_keeps_the_pattern():
         assert (state.pattern, state.ulysses_size) == ("auto", None)
     finally:
         hf_ring.set_context_parallel_state(None)
+
+
+def _logged_choices(rank: int, world: int) -> list[str]:
+    import logging
+
+    import torch
+
+    from hf_ring.patterns import auto
+    from hf_ring.patterns.build import build_plan
+
+    auto._LOGGED.clear()  # once per process: an earlier case on this live rank may have logged these kinds
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("hf_ring")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        common = dict(pattern="auto", group=None, rank=rank, world=world, layout="zigzag", causal=True, scale=0.25,
+                      backend="reference", device=torch.device("cpu"), dtype=torch.float32, n_heads=4, n_kv_heads=2,
+                      head_dim=16, seq=64)
+        for local_doc_lens in (None, (8, 24), (16, 16)):  # dense rows, then two packed batches
+            build_plan(**common, local_doc_lens=local_doc_lens)
+    finally:
+        logger.removeHandler(handler)
+    return lines
+
+
+def test_auto_logs_its_choice_for_dense_and_packed_rows():
+    """One line per kind of call: the dense rows' choice, and the packed rows' (the ring, the
+    one pattern that runs them), said once although the documents differ by batch."""
+    from distributed import run_world
+
+    for lines in run_world(2, _logged_choices):
+        assert len(lines) == 2, lines
+        assert "64 tokens over cp=2, 4/2 heads: pattern 'auto' picked" in lines[0], lines
+        assert "64 tokens over cp=2, 4/2 heads, packed: pattern 'auto' picked 'ring'" in lines[1], lines
+        assert "packed rows (2 documents): the ring's per-document schedule" in lines[1], lines

@@ -30,7 +30,7 @@ from hf_ring.distributed.comm import CommWaitStats, Transport
 from hf_ring.kernels import get_backend
 from hf_ring.kernels.base import KernelNeeds
 from hf_ring.kernels.value_heads import with_value_head_dim
-from hf_ring.patterns.auto import first_that_runs, log_choice_once, pattern_candidates
+from hf_ring.patterns.auto import PatternChoice, first_that_runs, log_choice_once, pattern_candidates
 from hf_ring.patterns.hybrid import RING_SHARD_LAYOUTS, hybrid_groups, hybrid_ring_plan
 from hf_ring.patterns.plan import PATTERNS, AttentionPlan
 from hf_ring.patterns.ring.spans import BidirectionalSpans
@@ -139,17 +139,21 @@ def build_plan(
             raise NotImplementedError(
                 f"packed rows run the ring pattern only (its per-document schedule), not pattern={pattern!r}; "
                 "use pattern='ring' or 'auto' with packing")
-        return _build("ring", None, **common)
-    if pattern != "auto":
+        plan = _build("ring", None, **common)
+        choice = PatternChoice("ring", None, f"packed rows ({len(local_doc_lens)} documents): the ring's "
+                                             "per-document schedule, the one pattern that runs them")
+    elif pattern != "auto":
         return _build(pattern, ulysses_size, **common)
-    candidates = pattern_candidates(n_heads, n_kv_heads, seq, world, local_world_size or world, first_rank,
-                                    rank_stride)
-    plan, choice = first_that_runs(candidates, lambda c: _build(c.pattern, c.ulysses_size, **common))
-    features = [f for f, on in (("window", common["window"]), ("chunk", common["chunk"]), ("softcap", softcap),
-                                ("spans", spans)) if on is not None]
-    log_choice_once(choice, (n_heads, n_kv_heads, *features),
-                    f"{seq} tokens over cp={world}, {n_heads}/{n_kv_heads} heads"
-                    + (f", {', '.join(features)}" if features else ""))
+    else:
+        candidates = pattern_candidates(n_heads, n_kv_heads, seq, world, local_world_size or world, first_rank,
+                                        rank_stride)
+        plan, choice = first_that_runs(candidates, lambda c: _build(c.pattern, c.ulysses_size, **common))
+    if pattern == "auto":
+        features = [f for f, on in (("window", common["window"]), ("chunk", common["chunk"]), ("softcap", softcap),
+                                    ("spans", spans), ("packed", local_doc_lens)) if on is not None]
+        log_choice_once(choice, (n_heads, n_kv_heads, *features),
+                        f"{seq} tokens over cp={world}, {n_heads}/{n_kv_heads} heads"
+                        + (f", {', '.join(features)}" if features else ""))
     return plan
 
 
