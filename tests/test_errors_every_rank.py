@@ -53,12 +53,12 @@ def mark_as_bnb_4bit(model: torch.nn.Module) -> None:
     model.config.quantization_config = {"quant_method": "bitsandbytes", "load_in_4bit": True}
 
 
-def _trainer(tmp: str, model: torch.nn.Module, collator) -> None:
+def _trainer(tmp: str, model: torch.nn.Module, collator, **options) -> None:
     from transformers import TrainingArguments
 
     import hf_ring
 
-    args = TrainingArguments(output_dir=tmp, report_to=[], use_cpu=True, max_steps=1)
+    args = TrainingArguments(output_dir=tmp, report_to=[], use_cpu=True, max_steps=1, **options)
     hf_ring.RingTrainer(model=model, args=args, ring_plugin=hf_ring.RingAttentionPlugin(cp_size=2),
                         data_collator=collator)
 
@@ -93,6 +93,11 @@ def _rank_main(rank: int, world: int, tmp: str, port: int) -> dict:
     except ValueError as e:
         out["trainer"] = str(e)
     try:
+        _trainer(tmp, _tiny_ring_llama(), hf_ring.RingDataCollator(0, cp_size=2, cp_rank=rank), torch_compile=True)
+        out["compiled"] = "no error"
+    except NotImplementedError as e:
+        out["compiled"] = str(e)
+    try:
         _quantised_lora_on_rank_one(rank, tmp)
         out["quantised"] = "no error"
     except NotImplementedError as e:
@@ -106,6 +111,8 @@ def test_one_ranks_refusal_is_raised_on_every_rank(tmp_path):
     assert "rank(s) [1]" in ranks[0]["generic"] and "rank one's inputs are wrong" in ranks[0]["generic"]
     assert "the data collator shards for cp_size=2, cp_rank=0" in ranks[1]["trainer"], ranks[1]["trainer"]
     assert "rank(s) [1]" in ranks[0]["trainer"] and "cp_rank=0" in ranks[0]["trainer"], ranks[0]["trainer"]
+    for r in ranks:  # refused where every rank sees it, so on every rank at once
+        assert "TrainingArguments(torch_compile=True) under context parallelism is not supported" in r["compiled"], r["compiled"]
     refusal = ranks[1]["quantised"]
     for words in ("quantization_method='bitsandbytes'", "is_loaded_in_4bit", "not tested under context parallelism",
                   "cp_size=2", "cp_size=1", "load it unquantised"):

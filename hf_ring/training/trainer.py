@@ -117,7 +117,8 @@ class RingTrainer(Trainer):
     ``compute_metrics`` with ``cp_size > 1`` (not tested; use ``predict()``), the legacy
     prediction loop, the ``batch_rebalance`` sampling strategy, ``torch.nn.DataParallel``,
     loss terms the model adds to its own loss (an MoE router auxiliary loss, a z-loss), a
-    quantised base model (QLoRA) with ``cp_size > 1``.
+    quantised base model (QLoRA) with ``cp_size > 1``, ``torch_compile=True`` with
+    ``cp_size > 1`` (no compiled run checked against the uncompiled one yet).
     """
 
     # compute_loss returns a share already normalised over the whole accumulated step.

@@ -118,6 +118,14 @@ def check_trainer_supported(trainer: Any, subclass_loss: bool) -> None:
                 "rank would attend only within its own shard"
             )
         _refuse_quantized(trainer.model, state.cp_size)
+        if getattr(args, "torch_compile", False):
+            raise NotImplementedError(
+                f"TrainingArguments(torch_compile=True) under context parallelism is not supported (cp_size="
+                f"{state.cp_size}): nothing in hf_ring is a compile boundary yet (no custom ops with fake "
+                "implementations), so the compiler would trace the ring's Python loop and its collectives, and no "
+                "compiled run has been checked against the uncompiled one; set torch_compile=False, or compile at "
+                "cp_size=1"
+            )
         if trainer.compute_metrics is not None:
             raise NotImplementedError(
                 "compute_metrics is not tested under context parallelism; drop it (the eval loss is exact) and "
