@@ -6,17 +6,11 @@ What changes against the stock Trainer, and why:
   the data-parallel ranks only; every rank of a CP group gets the same batch and the
   :class:`RingDataCollator` keeps its shard of the sequence;
 - training loss: the stock per-rank loss is a mean over the rank's tokens, which under CP is
-  the mean of a shard (NaN for a shard without an answer token). Here each rank computes its
-  share of the mean the stock Trainer trains the model on (:mod:`hf_ring.training.loss`):
-  for the token mean, ``sum of its token losses / valid tokens of the whole optimizer step
-  over the whole dp x cp world`` (``num_items_in_batch``, counted from ``shift_labels``
-  across gradient accumulation); for a model with ``accepts_loss_kwargs = False``, ``sum of
-  its token losses / valid tokens of the micro-batch over its CP group``, divided by the
-  step's micro-batches and the data-parallel ranks. The share is multiplied by the number of
-  processes the wrapper (DDP, FSDP2, HSDP) averages gradients over, read from the wrapped
-  model (:mod:`hf_ring.training.weight_sharding`, which refuses a reduction that misses some
-  dp x cp rank). The gradients then equal those of a run without CP, and the Trainer's
-  logged loss (the mean over processes of what each returns) is the stock run's;
+  the mean of a shard. Each rank computes its share of the mean the stock Trainer trains the
+  model on (:mod:`hf_ring.training.loss`: the step's token mean, or for
+  ``accepts_loss_kwargs = False`` the mean of micro-batch means), times the number of
+  processes the wrapper averages gradients over (:mod:`hf_ring.training.weight_sharding`).
+  Gradients and the logged loss are then the stock run's;
 - eval loss: what the stock Trainer reports, the mean over eval samples of their batch's
   token-mean loss, each batch's mean taken over the CP group's tokens and the losses
   gathered over data-parallel ranks only (:mod:`hf_ring.training.eval_loss`); the token
@@ -97,12 +91,8 @@ class RingTrainer(Trainer):
             :class:`ChunkedLossConfig`, True / False, or None (default: on under context
             parallelism). The training and eval losses are the same; ``outputs.logits`` of a
             chunked forward are empty.
-        loss_mean: which mean of the token losses an optimizer step trains on
-            (:mod:`hf_ring.training.loss`): ``"auto"`` (default) the stock Trainer's rule
-            for the model (the token mean of the step; for a model that sets
-            ``accepts_loss_kwargs = False``, such as Qwen2.5-VL, the mean of the micro-batches'
-            own means), ``"tokens"`` or ``"micro_batches"`` by name (a warning where it departs
-            from the stock rule).
+        loss_mean: ``"auto"`` (the stock Trainer's mean for the model), ``"tokens"`` or
+            ``"micro_batches"`` (:mod:`hf_ring.training.loss`; warned where not stock).
         *args, **kwargs: as for ``transformers.Trainer``. ``data_collator`` must produce
             ``shift_labels`` (use :class:`RingDataCollator`, e.g. ``ring_plugin.make_collator``,
             or for an image-text model :class:`RingVisionDataCollator`,
@@ -153,14 +143,11 @@ class RingTrainer(Trainer):
         # A set-up refused on some ranks only (a collator built for another CP rank) is raised on every
         # rank, instead of leaving the others to die in their next collective with nothing named.
         raise_together(self._check_supported)
-        # What the stock Trainer read from the model decides the stock mean; then the flag is
-        # set because transformers 4.x decides from it whether compute_loss already normalised
-        # for gradient accumulation (it does, under either mean).
+        # The stock flag decides the stock mean; then True: compute_loss normalises for accumulation.
         stock_accepts = bool(getattr(self, "model_accepts_loss_kwargs", True))
         self.loss_mean = resolve_loss_mean(loss_mean, stock_accepts)
-        departure = departure_from_stock(self.loss_mean, stock_accepts, type(self.model).__name__,
-                                         self.args.gradient_accumulation_steps, self.ring_state.dp_size)
-        if departure is not None:
+        if departure := departure_from_stock(self.loss_mean, stock_accepts, type(self.model).__name__,
+                                             self.args.gradient_accumulation_steps, self.ring_state.dp_size):
             logger.warning(departure)
         self.model_accepts_loss_kwargs = True
         self._eval_totals: Optional[LossTotals] = None
@@ -237,16 +224,10 @@ class RingTrainer(Trainer):
     def _loss_for_backward(
         self, token_sum: torch.Tensor, count: torch.Tensor, num_items_in_batch: Optional[torch.Tensor], multiplier: int
     ) -> torch.Tensor:
-        """This rank's share of the step's loss (scalars), times ``multiplier``
-        (:meth:`_loss_multiplier`).
-
-        ``num_items_in_batch``: the valid tokens of the whole optimizer step over the world
-        (a training step); None: outside one (the share of this micro-batch's token mean over
-        the world). In a training step under ``loss_mean="micro_batches"`` the share is
-        ``token_sum / the micro-batch's valid tokens over the CP group`` (``count`` summed
-        there: collective), divided by the step's micro-batches and the data-parallel ranks,
-        as the stock Trainer averages their means (a micro-batch without a valid token adds
-        0, where the stock model's mean is NaN)."""
+        """This rank's share of the step's loss (scalars), times ``multiplier``.
+        ``num_items_in_batch``: the step's valid tokens over the world (None outside a
+        training step). Under ``loss_mean="micro_batches"`` the micro-batch's count over the
+        CP group, divided over the step's micro-batches and the dp ranks (stock's rule)."""
         if num_items_in_batch is not None and self.loss_mean == "micro_batches":
             micro_batch_count = all_reduce_sum(count, self.ring_state.cp_group)
             means = self.current_gradient_accumulation_steps * self.ring_state.dp_size
