@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from hf_ring.distributed.rows import concat_over_group
 from hf_ring.patterns.state import ContextParallelState
 from hf_ring.training.loss import all_reduce_sum
 
@@ -44,14 +45,6 @@ def batch_token_mean(token_sum: torch.Tensor, count: torch.Tensor, group: Option
     return (totals[0] / totals[1]).float()  # 0 / 0 is NaN, as the stock model's mean
 
 
-def _gather(tensor: torch.Tensor, group: Optional[dist.ProcessGroup], size: int) -> torch.Tensor:
-    if size == 1:
-        return tensor
-    pieces = [torch.empty_like(tensor) for _ in range(size)]
-    dist.all_gather(pieces, tensor.contiguous(), group=group)
-    return torch.cat(pieces, dim=0)
-
-
 def data_parallel_gather(accelerator: Any, state: ContextParallelState) -> Callable[[torch.Tensor], torch.Tensor]:
     """``accelerator.gather_for_metrics`` over the data-parallel ranks of ``state`` only.
 
@@ -69,7 +62,7 @@ def data_parallel_gather(accelerator: Any, state: ContextParallelState) -> Calla
                 f"under context parallelism RingTrainer gathers eval tensors only, got {type(tensor).__name__}; "
                 "evaluate with cp_size=1 for other outputs"
             )
-        data = _gather(tensor, state.dp_group, state.dp_size)
+        data = concat_over_group(tensor, state.dp_group, state.dp_size)
         gradient_state = accelerator.gradient_state
         if gradient_state.end_of_dataloader and gradient_state.remainder > 0:
             return data[: gradient_state.remainder]

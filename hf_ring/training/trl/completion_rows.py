@@ -25,11 +25,12 @@ Positions: TRL's forward of a left-padded row numbers its tokens from the paddin
 the ring's from 0; rotary attention depends only on the difference of positions, so both
 compute the same function (they agree to float rounding).
 
-Gradients: each rank's loss reads only its own rows; the gather's backward sums every
-rank's gradient of the group's rows over the group and keeps this rank's shard, so each rank
-receives its share of the gradient of the sum of the group's losses, which the wrapper's
-average over the dp x cp processes makes the gradient of one process per data-parallel
-rank, as TRL's own processes average theirs.
+Gradients: each rank's loss reads only its own rows. The fields' gather has a
+reduce-scatter for backward, which hands each rank the group's summed gradient of the
+group's rows at its own shard's positions, so each rank receives its share of the gradient
+of the sum of the group's losses, which the wrapper's average over the dp x cp processes
+makes the gradient of one process per data-parallel rank, as TRL's own processes average
+theirs.
 
 Must not import TRL (it is reached through ``RingFusedForward``'s accessors) or accelerate.
 """
@@ -41,7 +42,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from hf_ring.patterns.state import ContextParallelState
+from hf_ring.distributed.rows import concat_over_group
 from hf_ring.sharding.labels import IGNORE_INDEX
 from hf_ring.training.trl.fused_forward import RingFusedForward
 
@@ -61,15 +62,6 @@ def _windows(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             "are not supported under CP)"
         )
     return starts, lengths
-
-
-def _gather_group(t: torch.Tensor, state: ContextParallelState) -> torch.Tensor:
-    """Every CP rank's ``(rows, width)`` tensor, concatenated in rank order (no gradient)."""
-    if state.cp_size == 1:
-        return t
-    pieces = [torch.empty_like(t) for _ in range(state.cp_size)]
-    dist.all_gather(pieces, t.contiguous(), group=state.cp_group)
-    return torch.cat(pieces, dim=0)
 
 
 def completion_log_probs(
@@ -113,9 +105,9 @@ def completion_log_probs(
     labels = torch.where(real & is_completion, ids, torch.full_like(ids, IGNORE_INDEX))
 
     out = forward(
-        input_ids=_gather_group(ids, state),
-        labels=_gather_group(labels, state),
-        attention_mask=_gather_group(real.long(), state),
+        input_ids=concat_over_group(ids, state.cp_group, state.cp_size),
+        labels=concat_over_group(labels, state.cp_group, state.cp_size),
+        attention_mask=concat_over_group(real.long(), state.cp_group, state.cp_size),
         fused_lm_head=True,
     )
     mine = slice(state.cp_rank * rows, (state.cp_rank + 1) * rows)

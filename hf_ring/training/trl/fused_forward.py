@@ -19,9 +19,10 @@ rank of a CP group computes the same loss.
 documents instead (:mod:`hf_ring.sharding.row_packing`): each document is sharded on its
 own, ``ring_flash`` reads their boundaries, and the fields come back in the rows' layout.
 
-Gradients: the gathered ``log_probs`` is differentiable. Its backward sums each rank's
-gradient of the full row over the CP group and keeps this rank's shard: every rank's
-parameters then receive ``cp_size`` times their share, which DDP's average over all
+Gradients: the gathered ``log_probs`` is differentiable
+(:func:`hf_ring.distributed.rows.gather_rows`). Its backward is a reduce-scatter: each rank
+receives the CP group's summed gradient of the full row at its own shard's positions. Every
+rank's parameters then receive ``cp_size`` times their share, which DDP's average over all
 ``dp_size * cp_size`` processes turns into exactly the gradient of a run without CP, and
 the loss each rank returns (and the Trainer logs) is the true per-batch loss.
 """
@@ -31,9 +32,8 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 
-from hf_ring.distributed.rows import gather_rows as gather_rows_whole
+from hf_ring.distributed.rows import gather_rows
 from hf_ring.hf.guard import per_token_labels
 from hf_ring.patches import trl as trl_patches
 from hf_ring.patterns.state import ContextParallelState
@@ -44,37 +44,6 @@ from hf_ring.sharding.row_packing import pack_rows, unpack_field
 # What TRL's preference trainers pass; anything else (pixel values, router logits) is refused under CP.
 _ACCEPTED = frozenset({"input_ids", "attention_mask", "labels", "fused_lm_head", "use_cache"})
 _PER_TOKEN_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")
-
-
-class _GatherRows(torch.autograd.Function):
-    """All-gather of sequence shards; backward: the CP group's summed gradient, this rank's shard."""
-
-    @staticmethod
-    def forward(ctx: Any, local: torch.Tensor, state: ContextParallelState,
-                cu_seqlens: Optional[torch.Tensor]) -> torch.Tensor:
-        ctx.state, ctx.cu_seqlens = state, cu_seqlens
-        return gather_rows_whole(local, state.cp_group, state.cp_size, state.layout, cu_seqlens)
-
-    @staticmethod
-    def backward(ctx: Any, grad_rows: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        state, cu_seqlens = ctx.state, ctx.cu_seqlens
-        total = grad_rows.contiguous().clone()
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=state.cp_group)
-        if cu_seqlens is not None:
-            return shard_packed(total, cu_seqlens, state.cp_size, state.cp_rank, dim=1), None, None
-        return shard_sequence(total, state.cp_size, state.cp_rank, dim=1, layout=state.layout), None, None
-
-
-def gather_rows(local: torch.Tensor, state: ContextParallelState, cu_seqlens: Optional[torch.Tensor] = None
-                ) -> torch.Tensor:
-    """Whole rows from this rank's shard ``(batch, local_seq)`` (any dtype); differentiable in
-    ``local`` when it requires grad (see the module docstring for the backward).
-    ``cu_seqlens``: int32 ``(n_docs + 1,)`` for a packed row (batch 1)."""
-    if state.cp_size == 1:
-        return local
-    if local.requires_grad:
-        return _GatherRows.apply(local, state, cu_seqlens)
-    return gather_rows_whole(local, state.cp_group, state.cp_size, state.layout, cu_seqlens)
 
 
 def _whole_rows(out: Any, to_rows: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -159,7 +128,8 @@ class RingFusedForward:
                 fused_lm_head=True,
                 use_cache=False,
             )
-        return _whole_rows(out, lambda local: gather_rows(local, state)[:, : seq - 1])
+        return _whole_rows(
+            out, lambda local: gather_rows(local, state.cp_group, state.cp_size, state.layout)[:, : seq - 1])
 
     def _packed_forward(self, input_ids: torch.Tensor, labels: torch.Tensor,
                         attention_mask: Optional[torch.Tensor]) -> Any:
@@ -187,4 +157,5 @@ class RingFusedForward:
                 fused_lm_head=True,
                 use_cache=False,
             )
-        return _whole_rows(out, lambda local: unpack_field(gather_rows(local, state, cu), packed))
+        return _whole_rows(out, lambda local: unpack_field(
+            gather_rows(local, state.cp_group, state.cp_size, state.layout, cu), packed))
