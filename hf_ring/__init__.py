@@ -51,7 +51,7 @@ _ring_flash.register_if_installed()
 # The collator and the Accelerate plugin need only torch; the Trainer needs transformers.
 from hf_ring.training.collator import RingCollatorConfig, RingDataCollator
 from hf_ring.training.plugin import RingAttentionPlugin
-from hf_ring.training.vision_collator import RingVisionCollatorConfig, RingVisionDataCollator
+from hf_ring.training.vision.collator import RingVisionCollatorConfig, RingVisionDataCollator
 
 __all__ += ["RingCollatorConfig", "RingDataCollator", "RingAttentionPlugin", "RingVisionCollatorConfig",
             "RingVisionDataCollator"]

@@ -49,7 +49,7 @@ from hf_ring.mixers.delta_rule_chunk import local_gated_delta_rule
 from hf_ring.patches.transformers import release_line
 from hf_ring.sharding import shard_packed, unshard_packed
 from hf_ring.training.collator import RingCollatorConfig
-from hf_ring.training.vision_packing import pack_image_text
+from hf_ring.training.vision.packing import pack_image_text
 from closeness import grads, rel_err
 from vlm_cases import ROWS, SEQ, VOCAB, _qwen_batch, _qwen_samples, build
 from vlm_checks import TOL, WORLD, errors, run_full, run_shard

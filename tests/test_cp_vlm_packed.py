@@ -2,7 +2,7 @@
 
 Each family's samples (tests/vlm_cases.py ``PACKED_SAMPLES``: two image-text samples of 23 and
 17 to 19 tokens, Qwen2.5-VL's and Qwen3-VL's second one a video, and a text-only one of 5)
-are packed into one row by ``hf_ring.training.vision_packing.pack_image_text``: each document
+are packed into one row by ``hf_ring.training.vision.packing.pack_image_text``: each document
 padded to a multiple of 4 (cp=2), its images in document order, its positions the model's own
 for it alone (Qwen's M-RoPE from ``compute_3d_position_ids`` per document, after a text row),
 ``cu_seq_lens_q/k``. Every rank of a gloo world of 2 (one CP group, zigzag) feeds the same
@@ -54,7 +54,7 @@ from hf_ring.patches.transformers import release_line
 from hf_ring.sharding import shard_packed, unshard_packed
 from hf_ring.training.collator import RingCollatorConfig
 from hf_ring.training.loss import all_reduce_sum, count_valid_tokens, token_loss_sum
-from hf_ring.training.vision_packing import pack_image_text
+from hf_ring.training.vision.packing import pack_image_text
 from closeness import grads, rel_err
 from vlm_checks import TOL, WORLD, ZERO, assert_tower_exercised
 from vlm_cases import (

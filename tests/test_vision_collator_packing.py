@@ -26,7 +26,7 @@ import hf_ring
 from hf_ring.patches.transformers import release_line
 from hf_ring.sharding import unshard_packed
 from hf_ring.training.collator import RingCollatorConfig, _shift
-from hf_ring.training.vision_packing import pack_image_text
+from hf_ring.training.vision.packing import pack_image_text
 from closeness import rel_err
 from vlm_cases import FAMILIES, IMAGE, PACKED_SAMPLES, VIDEO, build, tiny_gemma
 

@@ -125,17 +125,19 @@ class LossTotals:
 LOSS_MEANS = ("auto", "tokens", "micro_batches")
 
 
-def resolve_loss_mean(requested: str, stock_accepts_loss_kwargs: bool) -> str:
-    """The mean to train on: ``requested``, or for ``"auto"`` the stock Trainer's for a model
-    with ``stock_accepts_loss_kwargs`` (what the stock Trainer read from it).
-
-    Raises:
-        ValueError: ``requested`` is not one of :data:`LOSS_MEANS`.
-    """
+def check_loss_mean(requested: str) -> None:
+    """Raise ValueError unless ``requested`` is one of :data:`LOSS_MEANS`."""
     if requested not in LOSS_MEANS:
         raise ValueError(f"loss_mean={requested!r} is not one of {LOSS_MEANS}: 'auto' follows the stock "
                          "Trainer's rule for the model, 'tokens' is the token mean of the optimizer step, "
                          "'micro_batches' the mean of each micro-batch's own mean")
+
+
+def resolve_loss_mean(requested: str, stock_accepts_loss_kwargs: bool) -> str:
+    """The mean to train on: ``requested`` (checked by :func:`check_loss_mean`), or for
+    ``"auto"`` the stock Trainer's for a model with ``stock_accepts_loss_kwargs`` (what the
+    stock Trainer read from it)."""
+    check_loss_mean(requested)
     if requested != "auto":
         return requested
     return "tokens" if stock_accepts_loss_kwargs else "micro_batches"

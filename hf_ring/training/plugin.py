@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from hf_ring.training.collator import RingDataCollator
 from hf_ring.training.loss import all_reduce_sum
-from hf_ring.training.vision_collator import RingVisionDataCollator
+from hf_ring.training.vision.collator import RingVisionDataCollator
 from hf_ring.patches import accelerate as accelerate_patches
 from hf_ring.patterns.state import ContextParallelState, check_kernel_name, check_pattern, setup_context_parallel
 from hf_ring.sharding.layouts import check_layout

@@ -11,39 +11,32 @@ What changes against the stock Trainer, and why:
   ``accepts_loss_kwargs = False`` the mean of micro-batch means), times the number of
   processes the wrapper averages gradients over (:mod:`hf_ring.training.weight_sharding`).
   Gradients and the logged loss are then the stock run's;
-- eval loss: what the stock Trainer reports, the mean over eval samples of their batch's
-  token-mean loss, each batch's mean taken over the CP group's tokens and the losses
-  gathered over data-parallel ranks only (:mod:`hf_ring.training.eval_loss`); the token
-  mean over the whole set (every token weighs the same) is logged beside it as
-  ``eval_token_loss``;
-- bookkeeping: the total train batch size counts data-parallel ranks only;
-- saving: a PEFT adapter whose weights FSDP2 shards is written by ``save_model`` (the stock
-  one writes nothing under a sharded state dict: :mod:`hf_ring.training.adapter_saving`).
+- eval loss: each batch's loss is its token mean over the CP group's tokens
+  (:meth:`RingTrainer.prediction_step`); the stock loop around it, its losses gathered over
+  data-parallel ranks only, and ``eval_token_loss`` beside it (the token mean over the
+  whole set) are every Ring trainer's (:mod:`hf_ring.training.trainer_base`, with the
+  plugin, the batch-size bookkeeping, the gradient multiplier and saving).
 
 Works with transformers 4.57 and 5.x (it overrides only public or long-stable methods:
-``compute_loss``, ``get_batch_samples``, ``prediction_step``, ``evaluation_loop``,
-``get_total_train_batch_size``, ``save_model``). The Trainer's and the config's private
-attributes it needs are read through :mod:`hf_ring.patches.transformers`, which checks
-them against the versions it was written for.
+``compute_loss``, ``get_batch_samples``, ``prediction_step``, and in the base
+``evaluation_loop``, ``get_total_train_batch_size``, ``save_model``). The Trainer's and the
+config's private attributes it needs are read through :mod:`hf_ring.patches.transformers`,
+which checks them against the versions it was written for.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any, Optional
 
 import torch
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer
 from transformers.utils import logging as hf_logging
 
-from hf_ring.distributed.errors import raise_together
 from hf_ring.distributed.rows import gather_rows
-from hf_ring.training import adapter_saving, deepspeed_support, weight_sharding
-from hf_ring.training.eval_loss import batch_token_mean, data_parallel_gather
 from hf_ring.memory.chunked_loss import ChunkedLossConfig, model_token_loss_sum
 from hf_ring.training.loss import (
-    LossTotals,
     all_reduce_sum,
+    check_loss_mean,
     count_valid_tokens,
     departure_from_stock,
     loss_share,
@@ -52,8 +45,7 @@ from hf_ring.training.loss import (
     token_loss_sum,
 )
 from hf_ring.training.plugin import RingAttentionPlugin
-from hf_ring.training.trainer_checks import check_trainer_supported
-from hf_ring.patches import accelerate as accelerate_patches
+from hf_ring.training.trainer_base import RingTrainerBase
 from hf_ring.patches import transformers as transformers_patches
 
 
@@ -80,7 +72,7 @@ def _model_inputs(inputs: dict[str, Any], config: Any) -> tuple[dict[str, Any], 
     return kwargs, shift_labels
 
 
-class RingTrainer(Trainer):
+class RingTrainer(RingTrainerBase, Trainer):
     """``transformers.Trainer`` for context-parallel training.
 
     Args:
@@ -122,27 +114,10 @@ class RingTrainer(Trainer):
         loss_mean: str = "auto",
         **kwargs: Any,
     ):
-        resolve_loss_mean(loss_mean, True)  # a bad value is refused before any model is prepared
-        self.ring_plugin = ring_plugin if ring_plugin is not None else RingAttentionPlugin(cp_size=1)
-        # Before the Trainer builds its Accelerator: on CPU accelerate would drop FSDP silently.
-        # Trainer takes (model, args, ...); TRL's DPOTrainer (model, ref_model, args, ...).
-        training_args = kwargs.get("args", next((a for a in args if isinstance(a, TrainingArguments)), None))
-        on_cpu = training_args is None or training_args.device.type == "cpu"
-        if on_cpu and weight_sharding.fsdp_requested(training_args, None):
-            accelerate_patches.enable_fsdp_on_cpu()
-        model = kwargs.get("model", args[0] if args else None)
-        if model is not None and weight_sharding.fsdp_requested(training_args, None):
-            dropped = transformers_patches.drop_absent_no_split_modules(model)
-            if dropped:
-                logger.info(f"[hf_ring] FSDP: {type(model).__name__} lists layer classes it does not have "
-                            f"({', '.join(dropped)}) among those to wrap; dropped")
+        check_loss_mean(loss_mean)  # refused before any model is prepared
         self.chunked_loss = chunked_loss if isinstance(chunked_loss, ChunkedLossConfig) else ChunkedLossConfig(chunked_loss)
         self._chunked_loss_notice_given = False
-        super().__init__(*args, **kwargs)
-        self.ring_state = self.ring_plugin.attach(self.accelerator)
-        # A set-up refused on some ranks only (a collator built for another CP rank) is raised on every
-        # rank, instead of leaving the others to die in their next collective with nothing named.
-        raise_together(self._check_supported)
+        super().__init__(*args, ring_plugin=ring_plugin, **kwargs)
         # The stock flag decides the stock mean; then True: compute_loss normalises for accumulation.
         stock_accepts = bool(getattr(self, "model_accepts_loss_kwargs", True))
         self.loss_mean = resolve_loss_mean(loss_mean, stock_accepts)
@@ -150,22 +125,11 @@ class RingTrainer(Trainer):
                                              self.args.gradient_accumulation_steps, self.ring_state.dp_size):
             logger.warning(departure)
         self.model_accepts_loss_kwargs = True
-        self._eval_totals: Optional[LossTotals] = None
-        # How the wrapped model reduces gradients; read from it at the first training step.
-        self.gradient_reduction: Optional[weight_sharding.GradientReduction] = None
 
-    def _check_supported(self) -> None:
-        """Raise for what this trainer cannot run exactly; called once, at construction, on every
-        rank together. The TRL trainers extend it with their own refusals (``super()`` first)."""
-        subclass_loss = type(self).compute_loss is not RingTrainer.compute_loss
-        check_trainer_supported(self, subclass_loss=subclass_loss)
-        deepspeed_support.check_trainer(self, self.ring_state)
+    def _computes_token_loss(self) -> bool:
+        return type(self).compute_loss is RingTrainer.compute_loss
 
     # ---- training ----
-
-    def get_total_train_batch_size(self, args: Any) -> int:
-        """Examples per optimizer step: CP ranks share a batch, so only data-parallel ranks count."""
-        return transformers_patches.train_batch_size(self) * args.gradient_accumulation_steps * self.ring_state.dp_size
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: torch.device) -> tuple[list, Any]:
         """The step's micro-batches and their valid-token count over the whole dp x cp world."""
@@ -194,32 +158,6 @@ class RingTrainer(Trainer):
         token_sum, outputs = self._token_loss_sum(model, kwargs, shift_labels)
         loss = self._loss_for_backward(token_sum, count_valid_tokens(shift_labels), num_items_in_batch, multiplier)
         return (loss, outputs) if return_outputs else loss
-
-    def _loss_multiplier(self, model: torch.nn.Module) -> int:
-        """What this rank's loss share is multiplied by: the number of processes the wrapped
-        ``model`` averages gradients over. Call it before the forward (FSDP2's parameters
-        are sharded then). Without gradients (a subclass evaluating through compute_loss) no
-        wrapper reduces anything; every multiplier that gradient_reduction accepts equals the
-        world size."""
-        return self._gradient_multiplier(model) if torch.is_grad_enabled() else self.ring_state.world_size
-
-    def _check_gradients_averaged_over_world(self, model: torch.nn.Module) -> None:
-        """The TRL trainers' gathered rows give each rank ``cp_size`` times its share: exact
-        under a wrapper averaging over every process; checked (and recorded) with gradients."""
-        multiplier = self._loss_multiplier(model) if torch.is_grad_enabled() else self.ring_state.world_size
-        if multiplier != self.ring_state.world_size:
-            raise NotImplementedError(f"{type(self).__name__} needs gradients averaged over all "
-                                      f"{self.ring_state.world_size} processes; the wrapper averages over {multiplier}")
-
-    def _gradient_multiplier(self, model: torch.nn.Module) -> int:
-        """The loss multiplier for how ``model`` (wrapped) reduces gradients; checked once."""
-        if self.gradient_reduction is None and getattr(self, "is_deepspeed_enabled", False):
-            self.gradient_reduction = deepspeed_support.gradient_reduction(model, self.ring_state)
-        if self.gradient_reduction is None:
-            self.gradient_reduction = weight_sharding.gradient_reduction(
-                model, fsdp_requested=weight_sharding.fsdp_requested(self.args, self.accelerator)
-            )
-        return self.gradient_reduction.multiplier
 
     def _loss_for_backward(
         self, token_sum: torch.Tensor, count: torch.Tensor, num_items_in_batch: Optional[torch.Tensor], multiplier: int
@@ -257,14 +195,6 @@ class RingTrainer(Trainer):
                        else "deepspeed" if getattr(self, "is_deepspeed_enabled", False) else "none")
             logger.info(f"[hf_ring] chunked loss on (weights sharded by: {wrapper}): no full logits")
         return True
-
-    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
-        """The stock ``save_model``, except that a PEFT adapter under FSDP2 with a sharded state
-        dict is gathered and written (call on every rank, as the Trainer does)."""
-        if adapter_saving.saves_sharded_adapter(self):
-            adapter_saving.save_sharded_adapter(self, output_dir if output_dir is not None else self.args.output_dir)
-            return
-        super().save_model(output_dir, _internal_call)
 
     # ---- evaluation ----
 
@@ -310,41 +240,3 @@ class RingTrainer(Trainer):
             )
         return gather_rows(local, state.cp_group, state.cp_size, state.layout)
 
-    def _record_eval_batch(self, token_sum: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-        """Add this rank's ``(token loss sum, valid count)`` (scalars) to the eval totals; return the
-        batch's token-mean loss over the CP group (float32 scalar, NaN without a valid token, as
-        the stock model's; collective over the CP group)."""
-        if self._eval_totals is not None:
-            self._eval_totals.add(token_sum, count)
-        return batch_token_mean(token_sum, count, self.ring_state.cp_group)
-
-    def evaluation_loop(
-        self,
-        dataloader: Any,
-        description: str,
-        prediction_loss_only: Optional[bool] = None,
-        ignore_keys: Optional[list[str]] = None,
-        metric_key_prefix: str = "eval",
-    ) -> Any:
-        """The stock loop and its ``{prefix}_loss`` (the mean over samples of their batch's loss),
-        with the losses gathered over data-parallel ranks under CP; adds ``{prefix}_token_loss``,
-        the token mean over the whole set, when the batches had tokens to count."""
-        self._eval_totals = LossTotals()
-        gather = self.gather_function
-        if self.ring_state.cp_size > 1:
-            gather = data_parallel_gather(self.accelerator, self.ring_state)
-        try:
-            with transformers_patches.eval_gather_replaced(self, gather):
-                output = super().evaluation_loop(
-                    dataloader,
-                    description,
-                    prediction_loss_only=prediction_loss_only,
-                    ignore_keys=ignore_keys,
-                    metric_key_prefix=metric_key_prefix,
-                )
-            token_mean = self._eval_totals.global_mean(self.args.device)
-            if not math.isnan(token_mean):  # the same on every rank: the totals are reduced
-                output.metrics[f"{metric_key_prefix}_token_loss"] = token_mean
-        finally:
-            self._eval_totals = None
-        return output

@@ -1,10 +1,10 @@
-"""What ``RingTrainer`` refuses at construction, and why: each is a setting under which the
+"""What the Ring trainers refuse at construction, and why: each is a setting under which the
 stock Trainer would compute something that context parallelism cannot reproduce exactly
 (a mean over a shard, predictions split across ranks, a loss term from whole-batch
 statistics), or one never checked against a run without CP (a quantised base model), so
 it is an error that says what to change, never a silently different run.
 
-Must not import TRL (the TRL trainers reuse these checks through ``RingTrainer``).
+Must not import TRL (the TRL trainers reuse these checks through ``RingTrainerBase``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from hf_ring.patches import peft as peft_patches
 from hf_ring.patches import transformers as transformers_patches
 from hf_ring.training import weight_sharding
 from hf_ring.training.collator import RingDataCollator
-from hf_ring.training.vision_collator import RingVisionDataCollator
+from hf_ring.training.vision.collator import RingVisionDataCollator
 
 RING_ATTENTION = "ring_flash"
 
@@ -104,7 +104,7 @@ def check_reference_attention(ref_model: Any, cp_size: int, how: str) -> None:
 
 
 def check_trainer_supported(trainer: Any, subclass_loss: bool) -> None:
-    """Raise ValueError / NotImplementedError for what ``trainer`` (a ``RingTrainer`` whose
+    """Raise ValueError / NotImplementedError for what ``trainer`` (a Ring trainer whose
     Accelerator and ring state exist) cannot run exactly under context parallelism;
     ``subclass_loss``: a subclass (the TRL trainers) computes the loss its own way."""
     state, args = trainer.ring_state, trainer.args

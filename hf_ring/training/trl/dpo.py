@@ -9,9 +9,10 @@ read) are gathered back into whole rows. TRL's loss, of any ``loss_type``, and i
 computed from exactly what they are computed from without CP, identically on every rank
 of the group; the gather's backward makes the gradients those of a run without CP.
 
-The eval loss is the stock Trainer's (``RingTrainer``'s evaluation loop): the mean over
-eval samples of their batch's DPO loss, gathered over data-parallel ranks; TRL's token count is divided by the
-number of processes that share a batch.
+The eval loss is the stock Trainer's (every Ring trainer's evaluation loop,
+:mod:`hf_ring.training.trainer_base`): the mean over eval samples of their batch's DPO loss,
+gathered over data-parallel ranks; TRL's token count is divided by the number of processes
+that share a batch. Every other method is TRL's, reached through ``super()``.
 """
 
 from __future__ import annotations
@@ -19,17 +20,16 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-from transformers import Trainer
 from trl import DPOTrainer
 
 from hf_ring.training.plugin import RingAttentionPlugin
-from hf_ring.training.trainer import RingTrainer
+from hf_ring.training.trainer_base import RingTrainerBase
 from hf_ring.training.trainer_checks import check_reference_attention
 from hf_ring.patches import trl as trl_patches
 from hf_ring.training.trl.fused_forward import RingFusedForward
 
 
-class RingDPOTrainer(RingTrainer, DPOTrainer):
+class RingDPOTrainer(RingTrainerBase, DPOTrainer):
     """``trl.DPOTrainer`` for context-parallel training.
 
     Args:
@@ -83,10 +83,6 @@ class RingDPOTrainer(RingTrainer, DPOTrainer):
         pad = getattr(self.data_collator, "pad_token_id", None)
         return int(pad) if pad is not None else 0
 
-    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: torch.device) -> tuple[list, Any]:
-        """The stock Trainer's: DPO's loss is a mean over pairs, not over tokens."""
-        return Trainer.get_batch_samples(self, epoch_iterator, num_batches, device)
-
     def compute_loss(
         self,
         model: torch.nn.Module,
@@ -96,7 +92,7 @@ class RingDPOTrainer(RingTrainer, DPOTrainer):
     ) -> Any:
         """TRL's DPO loss of the CP group's batch (the same on every rank of the group)."""
         if self.ring_state.cp_size == 1:
-            return DPOTrainer.compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         if return_outputs:
             raise NotImplementedError(
                 "RingDPOTrainer under context parallelism returns no model outputs (TRL would recompute full "
@@ -107,15 +103,4 @@ class RingDPOTrainer(RingTrainer, DPOTrainer):
         ring_reference = RingFusedForward(self.ref_model, self.ring_state, self._pad_token_id())
         with trl_patches.reference_model_replaced(self, ring_reference):
             ring_model = RingFusedForward(model, self.ring_state, self._pad_token_id())
-            return DPOTrainer.compute_loss(self, ring_model, inputs, False, num_items_in_batch)
-
-    def prediction_step(
-        self,
-        model: torch.nn.Module,
-        inputs: dict[str, Any],
-        prediction_loss_only: bool,
-        ignore_keys: Optional[list[str]] = None,
-    ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """TRL's prediction step (not RingTrainer's token loss): the CP group's batch loss, the
-        same on every rank of the group, which RingTrainer's loop gathers over dp ranks."""
-        return DPOTrainer.prediction_step(self, model, inputs, prediction_loss_only, ignore_keys)
+            return super().compute_loss(ring_model, inputs, False, num_items_in_batch)

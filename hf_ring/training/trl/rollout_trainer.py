@@ -29,9 +29,14 @@ reference, policy with its backward). Under context parallelism (``cp_size > 1``
   the mean of the group's losses, as between TRL's own processes. Where that mean is not
   the loss of the group's batch, the subclass rescales it (:meth:`_group_loss`).
 
-A CP group is therefore one of TRL's processes. At cp 1 every method is TRL's own.
+A CP group is therefore one of TRL's processes. At cp 1 every method is TRL's own. Each
+override reaches TRL's through ``super()`` (the subclass is
+``RingGRPOTrainer(RingRolloutTrainer, GRPOTrainer)``: this class and
+:class:`~hf_ring.training.trainer_base.RingTrainerBase` come first in the method order), so a
+class placed between them and TRL's (a user's subclass of ``GRPOTrainer``) is not skipped.
 
-Must not import a TRL trainer class (the subclass names it as ``_trl_trainer``).
+Must not import a TRL trainer class (the subclass derives from it and names it as
+``_trl_trainer``, whose private methods :mod:`hf_ring.patches.trl` checks).
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ from hf_ring.patches import torch as torch_patches
 from hf_ring.patches import transformers as transformers_patches
 from hf_ring.patches import trl as trl_patches
 from hf_ring.training.plugin import RingAttentionPlugin
-from hf_ring.training.trainer import RingTrainer
+from hf_ring.training.trainer_base import RingTrainerBase
 from hf_ring.training.trainer_checks import RING_ATTENTION, check_reference_attention
 from hf_ring.training.trl.completion_rows import completion_log_probs
 from hf_ring.training.trl.fused_forward import RingFusedForward
@@ -71,9 +76,9 @@ def _generating_alone(model: torch.nn.Module) -> Iterator[None]:
             model.generate = own
 
 
-class RingRolloutTrainer(RingTrainer):
-    """The CP methods of the rollout trainers; a subclass also derives from TRL's trainer
-    (``_trl_trainer``) and names its config check (``_check_config(args, kwargs, cp_size)``)."""
+class RingRolloutTrainer(RingTrainerBase):
+    """The CP methods of the rollout trainers; a subclass also derives from TRL's trainer,
+    names it (``_trl_trainer``) and its config check (``_check_config(args, kwargs, cp_size)``)."""
 
     _trl_trainer: type
     _check_config: Callable[[Any, dict[str, Any], int], None]
@@ -135,15 +140,11 @@ class RingRolloutTrainer(RingTrainer):
 
     # ---- data and generation ----
 
-    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: torch.device) -> tuple[list, Any]:
-        """TRL's (the stock Trainer's): the rollout trainers count their tokens after generation."""
-        return self._trl_trainer.get_batch_samples(self, epoch_iterator, num_batches, device)
-
     def _prepare_inputs(self, generation_batch: Any) -> dict[str, Any]:
         """TRL's, on this rank's slice of the CP group's prompts, the group's batch shuffled as one."""
         state = self.ring_state
         if state.cp_size == 1:
-            return self._trl_trainer._prepare_inputs(self, generation_batch)
+            return super()._prepare_inputs(generation_batch)
         rows = len(generation_batch)
         if rows % state.cp_size:
             raise ValueError(f"the CP group's generation batch has {rows} rollouts, not a multiple of cp_size="
@@ -151,21 +152,21 @@ class RingRolloutTrainer(RingTrainer):
         share = rows // state.cp_size
         mine = generation_batch[state.cp_rank * share : (state.cp_rank + 1) * share]
         with trl_patches.shuffle_replaced(self._trl_trainer, group_shuffle(state)):
-            return self._trl_trainer._prepare_inputs(self, mine)
+            return super()._prepare_inputs(mine)
 
     def _generate_single_turn(self, prompt_ids: list, images: Any, multimodal_fields: Any, *rest: Any) -> Any:
         """TRL's generation (``rest``: GRPO's ``num_generations``, ...), returning what TRL's
         does (GRPO: completion ids and sampling log-probs; RLOO: the ids); under CP once per CP
         group, on its first rank, without CP."""
-        generate_one = self._trl_trainer._generate_single_turn
+        generate_one = super()._generate_single_turn
         if self.ring_state.cp_size == 1:
-            return generate_one(self, prompt_ids, images, multimodal_fields, *rest)
+            return generate_one(prompt_ids, images, multimodal_fields, *rest)
         if images is not None or multimodal_fields:
             raise NotImplementedError("image-text rollouts are not supported under context parallelism")
 
         def generate(group_prompt_ids: list) -> tuple[list, Optional[list]]:
             with _generating_alone(self.model):
-                out = generate_one(self, group_prompt_ids, None, {}, *rest)
+                out = generate_one(group_prompt_ids, None, {}, *rest)
             return out if self._generation_returns_logprobs else (out, None)
 
         # FSDP2: every process gathers the whole weights together, the first ranks generate from them alone.
@@ -190,8 +191,8 @@ class RingRolloutTrainer(RingTrainer):
         as a ring over the CP group's rows (:func:`completion_log_probs`), ``batch_size`` rows at a time."""
         state = self.ring_state
         if state.cp_size == 1 and not self.padding_free:
-            return self._trl_trainer._get_per_token_logps_and_entropies(
-                self, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
                 compute_aux_loss, **multimodal)
         given = sorted(k for k, v in multimodal.items() if v is not None)
         if compute_aux_loss or given:
@@ -213,18 +214,12 @@ class RingRolloutTrainer(RingTrainer):
                      num_items_in_batch: Optional[torch.Tensor] = None) -> Any:
         """TRL's loss of this rank's slice, as the group's loss share (:meth:`_group_loss`)."""
         state = self.ring_state
-        compute = self._trl_trainer.compute_loss
         if state.cp_size == 1:
-            return compute(self, model, inputs, return_outputs, num_items_in_batch)
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         self._check_gradients_averaged_over_world(model)
-        return self._group_loss(compute(self, model, inputs, return_outputs, num_items_in_batch), inputs)
+        return self._group_loss(super().compute_loss(model, inputs, return_outputs, num_items_in_batch), inputs)
 
     def _group_loss(self, loss: torch.Tensor, inputs: dict[str, Any]) -> torch.Tensor:
         """TRL's loss of this rank's slice turned into its share of the group's loss (here: as it
         is; the mean over equal slices of their losses is the group's)."""
         return loss
-
-    def prediction_step(self, model: torch.nn.Module, inputs: Any, prediction_loss_only: bool,
-                        ignore_keys: Optional[list[str]] = None) -> tuple[Optional[torch.Tensor], ...]:
-        """TRL's (evaluation is refused under CP)."""
-        return self._trl_trainer.prediction_step(self, model, inputs, prediction_loss_only, ignore_keys)

@@ -28,7 +28,7 @@ import torch
 from hf_ring.patterns.state import ContextParallelState
 from hf_ring.sharding import required_multiple
 from hf_ring.training.trl.sft_collator import NUM_TOKENS_KEY
-from hf_ring.training.vision_collator import IMAGE_INPUTS, PER_TOKEN, RingVisionDataCollator
+from hf_ring.training.vision.collator import IMAGE_INPUTS, PER_TOKEN, RingVisionDataCollator
 
 # Per token of the batch, (B, L); per image, dim 0 over the batch's images in example order.
 _TOKEN_KEYS = ("input_ids", "attention_mask", "labels", *PER_TOKEN)

@@ -14,7 +14,7 @@ the model computes its own.
 Rows are built by one function per mode, chosen by :func:`row_builder`: :func:`dense_rows`
 (one padded row per sample) or :func:`packed_rows` (``packing=True``: the batch's samples in
 one row, each a document with its own images, padding, zigzag and positions, built by
-``hf_ring.training.vision_packing.packed_row``). Packed positions are the model's own for
+``hf_ring.training.vision.packing.packed_row``). Packed positions are the model's own for
 each document alone (Qwen's M-RoPE from its own code), so the packing collator is handed the
 model (``model=``); the labels are then cut with ``shard_packed``, as the model's hook cuts
 the packed row.
@@ -38,7 +38,7 @@ from hf_ring.sharding.labels import IGNORE_INDEX
 from hf_ring.training.collator import (
     RingCollatorConfig, _as_ids, _round_up, _shift, check_coordinates, shards_as,
 )
-from hf_ring.training.vision_packing import TYPE_KEYS, check_no_cache, check_packing_model, packed_row
+from hf_ring.training.vision.packing import TYPE_KEYS, check_no_cache, check_packing_model, packed_row
 
 # Per-sample visual inputs, concatenated over the batch along dim 0 (as the processors do),
 # with the placeholder kind they belong to.
@@ -244,7 +244,7 @@ def dense_rows(examples: Sequence[VisionExample], config: RingVisionCollatorConf
 
 
 def packed_rows(examples: Sequence[VisionExample], config: RingVisionCollatorConfig, model: nn.Module) -> dict[str, Any]:
-    """The full batch as one packed row (``hf_ring.training.vision_packing.packed_row``):
+    """The full batch as one packed row (``hf_ring.training.vision.packing.packed_row``):
     ``input_ids``, ``labels`` int64 ``(1, L)`` (L the sum of the documents, each padded to
     ``config.multiple``; each document's first label -100), ``position_ids`` (``(4, 1, L)``
     M-RoPE or ``(1, L)``: ``model``'s own per document), ``mm_token_type_ids`` ``(1, L)`` where
