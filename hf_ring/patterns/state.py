@@ -185,8 +185,10 @@ def setup_context_parallel(
             ``DistributedConfig(tp_size=...)``): the mesh is ``dp, cp, tp`` with TP
             innermost, so every CP group holds ranks of one TP coordinate (the same heads);
             the data axis is what remains (``world / (cp_size * tp_size)``).
-            The groups are tested (tests/test_mesh.py); a whole TP model under CP is not
-            yet (docs/limits.md), and ``RingAttentionPlugin`` builds ``tp_size=1`` only.
+            A model loaded with ``DistributedConfig(tp_size=T, fsdp_size=cp_size)`` computes
+            what one process computes (tests/test_tp_cp.py); training it with
+            ``RingTrainer`` is not built yet (docs/limits.md): ``RingAttentionPlugin``
+            builds ``tp_size=1`` only.
 
     Every process of the world must call this with the same arguments (group creation is
     collective). Calling it again with the same ``cp_size`` over the same default group
@@ -204,6 +206,12 @@ def setup_context_parallel(
         raise ValueError(f"timeout must be a positive datetime.timedelta (or None), got {timeout!r}")
     check_layout(layout)
     check_pattern(pattern, ulysses_size, cp_size)
+    if pattern == "hybrid" and tp_size > 1:
+        raise NotImplementedError(
+            f"pattern='hybrid' beside tensor parallelism (tp_size={tp_size}) has not been checked against one process "
+            "(it needs 4 CP ranks per TP coordinate); use 'ring', 'allgather', 'ulysses' or 'auto' (which does not "
+            "pick hybrid beside TP)"
+        )
     check_kernel_name(backend)
     if not dist.is_available() or not dist.is_initialized():
         if cp_size == 1 and tp_size == 1:

@@ -17,7 +17,8 @@ One module per kind of model feature, each a detector: ``token_mixers`` (convolu
 SSM / linear-recurrence mixers), ``layer_kinds`` (the config's layer kinds),
 ``interface`` (attention that bypasses transformers' attention interface),
 ``rope`` (length-dependent RoPE),
-``windows`` (sliding windows and chunks), ``temperature`` (Llama 4's temperature tuning);
+``windows`` (sliding windows and chunks), ``temperature`` (Llama 4's temperature tuning),
+``tensor_parallel`` (a TP model's group must be the CP state's, or the ring mixes heads);
 ``reading`` holds what they share, ``detectors`` their list and the two entry points,
 :func:`check_model_under_cp` and :func:`check_model_supported`, and what the ring is handed from
 the reading (:func:`handed_to_the_ring`).

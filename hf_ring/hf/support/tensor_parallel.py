@@ -1,0 +1,96 @@
+"""A tensor-parallel model under context parallelism: its TP group must be the state's.
+
+Why: under tensor parallelism (transformers' ``DistributedConfig(tp_size=T)``) each rank's
+attention sees its own heads only, as plain tensors: q/k/v are split column-wise by whole
+heads. A ring over those local heads is exact if every rank of a CP group holds the **same**
+heads, i.e. the CP group holds ranks of one TP coordinate. hf_ring's mesh puts TP
+innermost (``hf_ring.distributed.mesh``), as transformers' dense mesh
+``(pp, dp_replicate, fsdp, tp)`` does, so with ``setup_context_parallel(cp_size=C,
+tp_size=T)`` a CP group's ranks are ``T`` apart. Built with ``tp_size=1`` for a TP model, a
+CP group would be a TP group: ranks holding different heads would pass each other keys and
+values of the same shape, and the ring would compute a wrong attention without a word.
+
+The model's TP group is read from its weights: the DTensor parameters' mesh dimension
+named ``"tp"`` (transformers' and torchtitan's name; an FSDP2 mesh has none), once per model.
+
+Part of the transformers integration: must not import Trainer, TRL, or hf_ring's training
+or memory layers.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch.distributed as dist
+import torch.nn as nn
+
+_TP_RANKS = "_hf_ring_tp_ranks"
+_TP_AXIS = "tp"
+
+
+def _dtensor_type() -> Optional[type]:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed: no model can be tensor-parallel
+        return None
+    return DTensor
+
+
+def model_tp_ranks(model: nn.Module) -> Optional[tuple[int, ...]]:
+    """The global ranks of ``model``'s tensor-parallel group (this rank's), in order, or None
+    when no parameter is a DTensor on a mesh with a ``"tp"`` dimension; read once per model."""
+    if _TP_RANKS in model.__dict__:
+        return model.__dict__[_TP_RANKS]
+    dtensor = _dtensor_type()
+    ranks = None
+    for param in model.parameters() if dtensor is not None else ():
+        if isinstance(param, dtensor) and _TP_AXIS in (param.device_mesh.mesh_dim_names or ()):
+            ranks = tuple(dist.get_process_group_ranks(param.device_mesh.get_group(_TP_AXIS)))
+            break
+    model.__dict__[_TP_RANKS] = ranks
+    return ranks
+
+
+def _state_tp_ranks(state: Any) -> tuple[int, ...]:
+    if state.tp_size == 1 or state.tp_group is None:
+        return (dist.get_rank(),)
+    return tuple(dist.get_process_group_ranks(state.tp_group))
+
+
+def check_tensor_parallel_layout(model: nn.Module, state: Any) -> None:
+    """Refuse a tensor-parallel ``model`` whose TP group is not the context-parallel state's.
+
+    Args:
+        model: the guarded (base) model, its weights possibly DTensors of transformers' TP.
+        state: the active ``ContextParallelState`` (``cp_size > 1``).
+
+    Raises:
+        ValueError: naming both groups and the call that lays CP out beside TP.
+    """
+    tp_ranks = model_tp_ranks(model)
+    if tp_ranks is None or len(tp_ranks) == 1:
+        if state.tp_size > 1:
+            raise ValueError(
+                f"the context-parallel state was built with tp_size={state.tp_size}, but "
+                f"{type(model).__name__} is not tensor-parallel (no weight is a DTensor on a mesh with a 'tp' "
+                "dimension); load it with transformers' DistributedConfig(tp_size=...) or build the state with "
+                "tp_size=1"
+            )
+        return
+    if tp_ranks == _state_tp_ranks(state):
+        return
+    if state.tp_size == 1:
+        raise ValueError(
+            f"{type(model).__name__} is tensor-parallel over ranks {tp_ranks} (tp_size={len(tp_ranks)}), but the "
+            f"context-parallel state was built with tp_size=1: its CP group {state.cp_ranks} would pass keys and "
+            "values between ranks that hold different heads, and the ring would compute a wrong attention. Build it "
+            f"with hf_ring.setup_context_parallel(cp_size={state.cp_size}, tp_size={len(tp_ranks)}): each CP group "
+            f"then holds ranks of one TP coordinate, {len(tp_ranks)} apart (TP innermost, as transformers' "
+            "DistributedConfig lays it out)"
+        )
+    raise ValueError(
+        f"{type(model).__name__} is tensor-parallel over ranks {tp_ranks}, but hf_ring's mesh (TP innermost) "
+        f"puts this rank's TP group at {_state_tp_ranks(state)}, so its CP group {state.cp_ranks} would mix ranks "
+        "that hold different heads; load the model with a mesh whose 'tp' dimension is innermost (transformers' "
+        "DistributedConfig does) and the same tp_size as setup_context_parallel's"
+    )

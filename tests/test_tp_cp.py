@@ -1,0 +1,227 @@
+"""Context parallelism beside transformers' tensor parallelism: tp2 x cp2 on 4 processes.
+
+The model is loaded the Hugging Face way, ``from_pretrained(dir,
+distributed_config=DistributedConfig(tp_size=2, fsdp_size=2))``: transformers' dense mesh
+``(pp, dp_replicate, fsdp, tp)`` over 4 gloo ranks, TP innermost (ranks {0, 1} and {2, 3}
+hold different heads), FSDP2 over the ``fsdp`` ranks {0, 2} and {1, 3}, which are hf_ring's CP
+groups from ``setup_context_parallel(cp_size=2, tp_size=2)``: CP shards the sequence over
+the ranks that FSDP shards the weights over (torchtitan's ``fsdp = dp_shard x cp``).
+
+Compared with one process on the full sequence (SDPA, float32), for the ring, all-gather,
+Ulysses and auto patterns (hybrid needs 4 CP ranks), and for a packed row of two documents
+through the ring against each document alone: every rank's logits of its
+shard, the loss, and every parameter's gradient (``grad.full_tensor()``). Each CP rank's loss
+is its share of the token mean times 2, since FSDP2 averages gradients over its 2 ranks.
+Tolerance 2e-5 relative to the largest value: float32 on a tiny model, the attention summed
+over two ring steps and TP's partial sums in other orders (measured: logits 2.1e-7, loss
+7.4e-9, the worst gradient 8.7e-7 for every pattern; packed 1.7e-7, 7.6e-8, 6.0e-7); a ring that mixed the heads of two TP ranks, or attended
+locally, is off by 1e-1.
+
+And the negative: the same TP model under a CP state built with ``tp_size=1`` (its CP groups
+would be TP groups) is refused by name on every rank, as is a model that is not
+tensor-parallel under a ``tp_size=2`` state.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distributed import run_world
+
+pytest.importorskip("transformers.distributed")
+
+SEQ, VOCAB = 32, 64
+TOL = 2e-5
+
+
+def _save_model(path: str) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    LlamaForCausalLM(config).save_pretrained(path)
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """``input_ids`` int64 ``(1, SEQ)`` and their labels shifted on the full row, ``(1, SEQ)``."""
+    ids = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(1))
+    shift = torch.full_like(ids, -100)
+    shift[:, :-1] = ids[:, 1:]
+    return ids, shift
+
+
+def _reference(path: str) -> tuple[torch.Tensor, float, dict[str, torch.Tensor]]:
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float32)
+    ids, shift = _batch()
+    logits = model(input_ids=ids).logits
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), shift.flatten(), reduction="mean")
+    loss.backward()
+    return logits.detach(), loss.item(), {n: p.grad for n, p in model.named_parameters()}
+
+
+DOCS = (12, 20)  # a packed row's documents, each a multiple of 2 * cp
+
+
+def _packed_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One packed row of :data:`DOCS`: ``input_ids``, its positions (from 0 in each document)
+    and labels shifted inside each document, int64 ``(1, SEQ)``; ``cu_seqlens`` int32 ``(3,)``."""
+    ids, _ = _batch()
+    positions = torch.cat([torch.arange(n) for n in DOCS])[None]
+    shift = torch.full_like(ids, -100)
+    start = 0
+    for n in DOCS:
+        shift[:, start : start + n - 1] = ids[:, start + 1 : start + n]
+        start += n
+    cu = torch.tensor([0, DOCS[0], sum(DOCS)], dtype=torch.int32)
+    return ids, positions, shift, cu
+
+
+def _packed_reference(path: str) -> tuple[torch.Tensor, float, dict[str, torch.Tensor]]:
+    """Each document of the packed row alone through one process: logits ``(1, SEQ, VOCAB)``,
+    the token-mean loss over the row, the gradients."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float32)
+    ids, _, shift, cu = _packed_batch()
+    logits = torch.cat([model(input_ids=ids[:, a:b]).logits for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())], 1)
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), shift.flatten(), reduction="mean")
+    loss.backward()
+    return logits.detach(), loss.item(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).abs().max() / want.abs().max().clamp(min=1e-30)).item()
+
+
+PATTERNS = ("ring", "allgather", "ulysses", "auto", "ring_packed")
+
+
+def _tp_cp_case(rank: int, world: int, path: str) -> dict:
+    """Per pattern: this rank's relative errors against one process (see the module docstring)."""
+    import hf_ring
+    from transformers import LlamaForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    from hf_ring.sharding import shard_packed, shard_sequence
+
+    dense_reference = _reference(path)
+    model = LlamaForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(tp_size=2, fsdp_size=2),
+                                             attn_implementation="ring_flash", dtype=torch.float32)
+    results = {}
+    for pattern in PATTERNS:
+        state = hf_ring.setup_context_parallel(cp_size=2, tp_size=2, pattern=pattern.removesuffix("_packed"))
+        ref_logits, ref_loss, ref_grads = dense_reference
+        if pattern.endswith("_packed"):
+            ids, positions, shift, cu = _packed_batch()
+            ref_logits, ref_loss, ref_grads = _packed_reference(path)
+            extra = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(DOCS), max_length_k=max(DOCS))
+
+            def shard(t: torch.Tensor) -> torch.Tensor:
+                return shard_packed(t, cu, 2, state.cp_rank, dim=1)
+        else:
+            (ids, shift), positions, extra = _batch(), torch.arange(SEQ)[None], {}
+
+            def shard(t: torch.Tensor) -> torch.Tensor:
+                return shard_sequence(t, 2, state.cp_rank, dim=1, layout=state.layout)
+
+        count = (shift != -100).sum()
+        model.zero_grad(set_to_none=True)
+        try:
+            logits = model(input_ids=shard(ids), position_ids=shard(positions), **extra).logits
+        except (ValueError, NotImplementedError) as e:
+            results[pattern] = f"refused: {e}"
+            continue
+        local = torch.nn.functional.cross_entropy(logits.flatten(0, 1), shard(shift).flatten(), reduction="sum")
+        (local / count * 2).backward()  # FSDP2 averages over the 2 CP ranks it shards over
+        loss = local.detach().clone()
+        torch.distributed.all_reduce(loss, group=state.cp_group)
+        grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                 for n, p in model.named_parameters()}
+        results[pattern] = {
+            "cp_ranks": state.cp_ranks,
+            "logits": _relative(logits.detach(), shard(ref_logits)),
+            "loss": abs(loss.item() / count.item() - ref_loss) / ref_loss,
+            "grads": {n: _relative(g, ref_grads[n]) for n, g in grads.items()},
+        }
+    return results
+
+
+def _refusal_case(rank: int, world: int, path: str) -> list[str]:
+    import hf_ring
+    from transformers import LlamaForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    from hf_ring.sharding import shard_sequence
+
+    ids, _ = _batch()
+    messages = []
+    tp_model = LlamaForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(tp_size=2, fsdp_size=2),
+                                                attn_implementation="ring_flash", dtype=torch.float32)
+    plain = LlamaForCausalLM.from_pretrained(path, attn_implementation="ring_flash", dtype=torch.float32)
+    for model, tp_size in ((tp_model, 1), (plain, 2)):
+        state = hf_ring.setup_context_parallel(cp_size=2, tp_size=tp_size)
+
+        def shard(t: torch.Tensor) -> torch.Tensor:
+            return shard_sequence(t, 2, state.cp_rank, dim=1, layout=state.layout)
+
+        try:  # valid inputs: without the check both forwards would run, the first one wrong
+            model(input_ids=shard(ids), position_ids=shard(torch.arange(SEQ)[None]))
+            messages.append("ran")
+        except ValueError as e:
+            messages.append(str(e))
+    return messages
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("tp_llama"))
+    _save_model(path)
+    return path
+
+
+_RESULTS: dict[str, list[dict]] = {}
+
+
+def _tp_cp_results(path: str) -> list[dict]:
+    """Every rank's results of :func:`_tp_cp_case`, computed once for all the patterns."""
+    if path not in _RESULTS:
+        _RESULTS[path] = run_world(4, _tp_cp_case, path)
+    return _RESULTS[path]
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_tp2_cp2_computes_what_one_process_computes(model_dir, pattern):
+    results = _tp_cp_results(model_dir)
+    assert isinstance(results[0][pattern], dict), results[0][pattern]
+    assert [r[pattern]["cp_ranks"] for r in results] == [(0, 2), (1, 3), (0, 2), (1, 3)]  # one TP coordinate each
+    for rank, r in enumerate(r[pattern] for r in results):
+        assert r["logits"] < TOL, (rank, r["logits"])
+        assert r["loss"] < TOL, (rank, r["loss"])
+        worst = max(r["grads"], key=r["grads"].get)
+        assert r["grads"][worst] < TOL, (rank, worst, r["grads"][worst])
+        assert len(r["grads"]) == 21  # every parameter of the 2-layer Llama compared
+
+
+def test_cp_groups_that_cross_tp_coordinates_are_refused(model_dir):
+    for rank, (crossed, not_tp) in enumerate(run_world(4, _refusal_case, model_dir)):
+        assert "is tensor-parallel over ranks" in crossed and "tp_size=1" in crossed, (rank, crossed)
+        assert "setup_context_parallel(cp_size=2, tp_size=2)" in crossed, (rank, crossed)
+        assert "is not tensor-parallel" in not_tp, (rank, not_tp)
+
+
+def test_hybrid_beside_tp_is_refused_and_auto_does_not_pick_it():
+    """The hybrid pattern has not run beside TP (it needs 4 CP ranks per TP coordinate): refused
+    by name, and ``auto`` (which picks it for a CP group across nodes) offers it only without TP."""
+    import hf_ring
+    from hf_ring.patterns.auto import pattern_candidates
+
+    with pytest.raises(NotImplementedError, match="pattern='hybrid' beside tensor parallelism"):
+        hf_ring.setup_context_parallel(cp_size=4, tp_size=2, pattern="hybrid", ulysses_size=2)
+    call = dict(n_heads=8, n_kv_heads=8, seq_len=4096, cp_size=4)
+    # Ranks 0-3, 2 per node; and ranks 0, 2, 4, 6 (TP 2), 4 per node: two nodes, two ranks in each.
+    assert "hybrid" in [c.pattern for c in pattern_candidates(**call, local_world_size=2)]
+    assert "hybrid" not in [c.pattern for c in pattern_candidates(**call, local_world_size=4, rank_stride=2)]
