@@ -16,6 +16,9 @@ One process per device; the sequence of every batch is split over ``--cp_size`` 
     # weights sharded with FSDP2 over every process (or --fsdp hybrid_shard: HSDP), CPU or GPU:
     accelerate launch --config_file examples/accelerate_fsdp_cpu.yaml examples/finetune_llama_long.py --cp_size 2
     torchrun --nproc_per_node 4 examples/finetune_llama_long.py --cp_size 2 --fsdp full_shard
+    # tensor parallelism beside CP, 4 processes: tp 2 x cp 2 (the model loaded with transformers'
+    # DistributedConfig(tp_size=2, fsdp_size=2): FSDP2 over the CP ranks, TP innermost):
+    accelerate launch --multi_gpu --num_processes 4 examples/finetune_llama_long.py --tp_size 2 --cp_size 2
 
 Longest context per device (README, "Longest context per device"): the loss is computed
 chunk by chunk without the full logits by default under CP (``--chunked_loss``);
@@ -33,6 +36,7 @@ import argparse
 import gc
 import logging
 import os
+import shutil
 import sys
 from typing import Optional, Sequence
 
@@ -53,6 +57,8 @@ def build_parser(description: Optional[str] = __doc__) -> argparse.ArgumentParse
     """The example's flags (the TRL examples add theirs to the same parser)."""
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cp_size", type=int, default=1, help="processes per context-parallel group")
+    p.add_argument("--tp_size", type=int, default=1,
+                   help="tensor-parallel ranks (transformers' DistributedConfig; FSDP2 over the other ranks)")
     p.add_argument("--layout", default="zigzag", choices=["zigzag", "stripe", "contiguous"],
                    help="how each sequence is split over a CP group (packing needs zigzag)")
     p.add_argument("--cp_pattern", default="ring", choices=["ring", "allgather", "ulysses", "hybrid", "auto"],
@@ -127,8 +133,18 @@ def parse_args(
     args = parser.parse_args(argv)
     if args.fsdp and args.deepspeed:
         parser.error("--fsdp and --deepspeed both shard the weights: choose one")
-    if args.stock_trainer and (args.cp_size != 1 or args.packing):
-        parser.error("--stock_trainer runs plain transformers: --cp_size 1, no --packing")
+    if args.stock_trainer and (args.cp_size != 1 or args.packing or args.tp_size != 1):
+        parser.error("--stock_trainer runs plain transformers: --cp_size 1, --tp_size 1, no --packing")
+    if args.tp_size < 1:
+        parser.error(f"--tp_size must be >= 1, got {args.tp_size}")
+    if args.tp_size > 1:
+        beside = [flag for flag, given in (("--fsdp", args.fsdp), ("--deepspeed", args.deepspeed),
+                                           ("--lora_r", args.lora_r), ("--offload_checkpoints", args.offload_checkpoints),
+                                           ("--tiled_mlp", args.tiled_mlp), ("--chunked_loss on", args.chunked_loss == "on"))
+                  if given]
+        if beside:
+            parser.error(f"--tp_size {args.tp_size} with {', '.join(beside)}: not checked beside tensor parallelism "
+                         "(the weights are sharded by transformers' DistributedConfig: FSDP2 over the dp x cp ranks)")
     return args
 
 
@@ -175,10 +191,13 @@ def _dtype(args: argparse.Namespace) -> torch.dtype:
 
 def build_model(args: argparse.Namespace, tokenizer, attn_implementation: str,
                 training_args: Optional[TrainingArguments] = None) -> torch.nn.Module:
-    """The model to train; ``training_args`` tell whether ZeRO-3 is configured (None: it is not)."""
+    """The model to train; ``training_args`` tell whether ZeRO-3 is configured (None: it is not).
+    With ``--tp_size`` > 1 it is loaded tensor-parallel (:func:`_load_tensor_parallel`)."""
     if args.model_name_or_path:
         if args.vocab_size is not None:
             raise ValueError("--vocab_size applies to the default model only, not to --model_name_or_path")
+        if args.tp_size > 1:
+            return _load_tensor_parallel(args.model_name_or_path, args, attn_implementation)
         return AutoModelForCausalLM.from_pretrained(
             args.model_name_or_path, attn_implementation=attn_implementation, dtype=_dtype(args)
         )
@@ -192,7 +211,31 @@ def build_model(args: argparse.Namespace, tokenizer, attn_implementation: str,
         config = _default_config(args, tokenizer)
     # Whole even under ZeRO-3 (partitioned when the Trainer wraps it): the same --seed, the same weights.
     with deepspeed_support.constructed_whole(training_args):
-        return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).to(_dtype(args))
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).to(_dtype(args))
+    if args.tp_size == 1:
+        return model
+    # transformers shards a model for TP as it loads it: the initial weights go through a checkpoint,
+    # which the main process writes (save_pretrained writes on rank 0 only) and every process reads.
+    initial, state = os.path.join(args.output_dir, "tp_initial_weights"), PartialState()
+    if state.is_main_process:
+        model.save_pretrained(initial)
+    state.wait_for_everyone()
+    model = _load_tensor_parallel(initial, args, attn_implementation)
+    state.wait_for_everyone()
+    if state.is_main_process:
+        shutil.rmtree(initial)
+    return model
+
+
+def _load_tensor_parallel(path: str, args: argparse.Namespace, attn_implementation: str) -> torch.nn.Module:
+    """The checkpoint at ``path`` loaded with transformers' ``DistributedConfig``: TP over
+    ``--tp_size`` ranks (innermost), FSDP2 over the others (the dp x cp ranks)."""
+    from transformers.distributed import DistributedConfig
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    config = DistributedConfig(tp_size=args.tp_size, fsdp_size=world // args.tp_size)
+    return AutoModelForCausalLM.from_pretrained(path, distributed_config=config,
+                                                attn_implementation=attn_implementation, dtype=_dtype(args))
 
 
 def _default_config(args: argparse.Namespace, tokenizer) -> LlamaConfig:
@@ -227,10 +270,13 @@ def start_plugin(args: argparse.Namespace) -> hf_ring.RingAttentionPlugin:
     """The plugin with its dp x cp groups built (after the process group is up); prints this rank's place."""
     logging.getLogger("hf_ring").setLevel(logging.INFO)  # --cp_pattern auto says what it picked
     logging.getLogger("hf_ring").addHandler(logging.StreamHandler(sys.stdout))
-    plugin = hf_ring.RingAttentionPlugin(cp_size=args.cp_size, layout=args.layout, pattern=args.cp_pattern,
-                                         ulysses_size=args.ulysses_size, backend=args.attn_backend)
+    plugin = hf_ring.RingAttentionPlugin(cp_size=args.cp_size, tp_size=args.tp_size, layout=args.layout,
+                                         pattern=args.cp_pattern, ulysses_size=args.ulysses_size,
+                                         backend=args.attn_backend)
     state = plugin.setup()
-    print(f"[hf_ring] {plugin.describe()} (dp_size {state.dp_size} x cp_size {state.cp_size})", flush=True)
+    grid = f"dp_size {state.dp_size} x cp_size {state.cp_size}" + (f" x tp_size {state.tp_size}" if state.tp_size > 1
+                                                                     else "")
+    print(f"[hf_ring] {plugin.describe()} ({grid})", flush=True)
     return plugin
 
 

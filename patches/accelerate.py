@@ -17,6 +17,9 @@ the one place in hf_ring that knows those names:
   ``_is_accelerate_prepared``;
 - ``enable_fsdp_on_cpu``: ``AcceleratorState.__init__`` keeps an FSDP request on CPU, which
   accelerate 1.15 drops silently (its own section below; written for 1.15.0 only).
+- ``allow_parallelism_config_on_cpu``: ``ParallelismConfig._validate_accelerator`` accepts a
+  CPU state, for a tensor-parallel model that the Trainer gives a parallelism config (its
+  own section below; written for 1.15.0 only).
 
 Written for accelerate 1.10.0 to 1.15.0: the source of ``Accelerator.prepare_data_loader``,
 of ``accelerate.data_loader.prepare_data_loader``'s signature, of ``_dataloaders``'s
@@ -284,3 +287,47 @@ def enable_fsdp_on_cpu() -> None:
 
     setattr(__init__, _CPU_FSDP_MARK, True)
     AcceleratorState.__init__ = __init__
+
+
+# A model loaded with transformers' ``DistributedConfig(tp_size=...)`` makes the Trainer build
+# ``ParallelismConfig(tp_size=..., dp_shard_size=...)`` for its Accelerator, whose
+# ``ParallelismConfig._validate_accelerator`` accepts only FSDP2, GPU-like and DeepSpeed states:
+# on CPU (MULTI_CPU, gloo) it raises, though the model owns its placement and gradient
+# reduction and nothing of that config needs a GPU. The check is run as for a GPU state;
+# everything else it checks (sizes against the world, FSDP's dimensions) still runs. Read in
+# accelerate 1.15.0 only (the versions of the CPU FSDP patch above).
+_CPU_PARALLELISM_MARK = "_hf_ring_cpu_parallelism"
+
+
+def allow_parallelism_config_on_cpu() -> None:
+    """Make ``ParallelismConfig`` validate a MULTI_CPU Accelerator as a multi-device one.
+
+    Idempotent; for every Accelerator created afterwards in this process.
+
+    Raises:
+        UnsupportedAccelerateVersion: accelerate is not a release this patch was written for.
+    """
+    version = check_version()
+    _check_cpu_fsdp_version(version)
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import DistributedType
+
+    original = getattr(ParallelismConfig, "_validate_accelerator", None)
+    if original is None or len(inspect.signature(original).parameters) != 2:
+        raise _fail("ParallelismConfig has no _validate_accelerator(self, accelerator)", version)
+    if getattr(original, _CPU_PARALLELISM_MARK, False):
+        return
+
+    @functools.wraps(original)
+    def _validate_accelerator(self: Any, accelerator: Any) -> None:
+        state = accelerator.state
+        if state.distributed_type != DistributedType.MULTI_CPU:
+            return original(self, accelerator)
+        state.distributed_type = DistributedType.MULTI_GPU
+        try:
+            return original(self, accelerator)
+        finally:
+            state.distributed_type = DistributedType.MULTI_CPU
+
+    setattr(_validate_accelerator, _CPU_PARALLELISM_MARK, True)
+    ParallelismConfig._validate_accelerator = _validate_accelerator

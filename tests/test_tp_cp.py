@@ -173,6 +173,20 @@ def _refusal_case(rank: int, world: int, path: str) -> list[str]:
             messages.append("ran")
         except ValueError as e:
             messages.append(str(e))
+    # RingTrainer's construction check, with the real model and states: the plugin's tp_size must be
+    # the model's, and only RingTrainer's own loss has run beside TP.
+    from types import SimpleNamespace
+
+    from hf_ring.training.trainer_checks import _check_tensor_parallel
+
+    for tp_size, subclass_loss in ((1, False), (2, True)):
+        trainer = SimpleNamespace(ring_state=hf_ring.setup_context_parallel(cp_size=2, tp_size=tp_size),
+                                  model=tp_model)
+        try:
+            _check_tensor_parallel(trainer, subclass_loss)
+            messages.append("accepted")
+        except (ValueError, NotImplementedError) as e:
+            messages.append(str(e))
     return messages
 
 
@@ -207,10 +221,12 @@ def test_tp2_cp2_computes_what_one_process_computes(model_dir, pattern):
 
 
 def test_cp_groups_that_cross_tp_coordinates_are_refused(model_dir):
-    for rank, (crossed, not_tp) in enumerate(run_world(4, _refusal_case, model_dir)):
+    for rank, (crossed, not_tp, plugin, trl) in enumerate(run_world(4, _refusal_case, model_dir)):
         assert "is tensor-parallel over ranks" in crossed and "tp_size=1" in crossed, (rank, crossed)
         assert "setup_context_parallel(cp_size=2, tp_size=2)" in crossed, (rank, crossed)
         assert "is not tensor-parallel" in not_tp, (rank, not_tp)
+        assert "RingAttentionPlugin(cp_size=2, tp_size=2)" in plugin, (rank, plugin)
+        assert "beside tensor parallelism (tp_size=2) has not been checked" in trl, (rank, trl)
 
 
 def test_hybrid_beside_tp_is_refused_and_auto_does_not_pick_it():

@@ -109,13 +109,19 @@ def runs(tmp_path_factory):
         "dp2_cp2": (4, ["--cp_size", "2", "--per_device_train_batch_size", "1"]),
         "packed_cp1": (1, ["--packing", "--per_device_train_batch_size", "2"]),
         "packed_cp2": (2, ["--packing", "--cp_size", "2", "--per_device_train_batch_size", "2"]),
+        # Tensor parallelism beside CP: transformers' DistributedConfig(tp_size=2, fsdp_size=2), 4 processes.
+        "tp2_cp2": (4, ["--tp_size", "2", "--cp_size", "2", "--per_device_train_batch_size", "2"]),
+        "packed_tp2_cp2": (4, ["--packing", "--tp_size", "2", "--cp_size", "2", "--per_device_train_batch_size", "2"]),
     }
+    # What proves the run took the path it names (beside the ranks every launch checks).
+    expect = {name: ("gradients: fsdp2 mesh (2,) over 2 processes", "cp_rank 1/2, tp_rank 1/2")
+              for name in ("tp2_cp2", "packed_tp2_cp2")}
 
     def get(name: str) -> dict:
         if name not in cache:
             nproc, args = configs[name]
             out = str(tmp_path_factory.mktemp(name))
-            cache[name] = _launch(nproc, out, args)
+            cache[name] = _launch(nproc, out, args, expect.get(name, ()))
             cache[name]["_output_dir"] = out
         return cache[name]
 
@@ -132,7 +138,7 @@ def test_reference_trains_and_is_finite(runs):
     assert ref["train_batch_size"] == 2
 
 
-@pytest.mark.parametrize("name", ["cp2", "cp2_stripe", "dp2", "dp2_cp2"])
+@pytest.mark.parametrize("name", ["cp2", "cp2_stripe", "dp2", "dp2_cp2", "tp2_cp2"])
 def test_same_losses_as_without_cp(runs, name):
     ref, got = runs("cp1"), runs(name)
     _assert_same(_losses(got), _losses(ref), f"{name} training loss")
@@ -144,10 +150,12 @@ def test_same_losses_as_without_cp(runs, name):
     assert _epochs(got) == pytest.approx(_epochs(ref))
 
 
-def test_packed_same_losses_as_without_cp(runs):
-    ref, got = runs("packed_cp1"), runs("packed_cp2")
-    _assert_same(_losses(got), _losses(ref), "packed training loss")
-    _assert_same(_eval_losses(got), _eval_losses(ref), "packed eval loss")
+@pytest.mark.parametrize("name", ["packed_cp2", "packed_tp2_cp2"])
+def test_packed_same_losses_as_without_cp(runs, name):
+    ref, got = runs("packed_cp1"), runs(name)
+    _assert_same(_losses(got), _losses(ref), f"{name} training loss")
+    _assert_same(_grad_norms(got), _grad_norms(ref), f"{name} gradient norm")
+    _assert_same(_eval_losses(got), _eval_losses(ref), f"{name} eval loss")
 
 
 @pytest.mark.skipif(

@@ -55,7 +55,7 @@ class ChunkedLossConfig:
 
     Args:
         enabled: True / False; None (default) turns it on under context parallelism
-            (``cp_size > 1``) and off otherwise.
+            (``cp_size > 1``) without tensor parallelism, and off otherwise.
         chunk_tokens: rows of logits per chunk; None chooses it so a chunk's float32
             logits take at most 64 MiB (``max(1, 2**24 // vocab_size)`` rows).
     """
@@ -69,8 +69,10 @@ class ChunkedLossConfig:
         if self.chunk_tokens is not None and (not isinstance(self.chunk_tokens, int) or self.chunk_tokens < 1):
             raise ValueError(f"ChunkedLossConfig.chunk_tokens must be a positive int or None, not {self.chunk_tokens!r}")
 
-    def active(self, cp_size: int) -> bool:
-        return self.enabled if self.enabled is not None else cp_size > 1
+    def active(self, cp_size: int, tp_size: int = 1) -> bool:
+        """Whether the loss is computed by chunks: as set, or (None) under context parallelism
+        without tensor parallelism (a TP model's LM head is column-sharded: not chunked here)."""
+        return self.enabled if self.enabled is not None else cp_size > 1 and tp_size == 1
 
     def rows_per_chunk(self, vocab_size: int) -> int:
         if self.chunk_tokens is not None:

@@ -55,7 +55,12 @@ class RingAttentionPlugin:
 
     Attributes:
         cp_size: processes per context-parallel group (the sequence is split ``cp_size``
-            ways); must divide the number of processes. Groups are consecutive global ranks.
+            ways); ``cp_size * tp_size`` must divide the number of processes. Without TP the
+            groups are consecutive global ranks.
+        tp_size: tensor-parallel ranks of a model loaded with transformers'
+            ``DistributedConfig(tp_size=tp_size, fsdp_size=<dp x cp>)``: TP is the innermost
+            mesh axis, so each CP group holds ranks of one TP coordinate, ``tp_size`` apart
+            (``hf_ring.distributed.mesh``); every rank of a TP x CP block gets the same batch.
         layout: the sequence layout, ``"zigzag"`` (default), ``"stripe"`` or ``"contiguous"``;
             the collator and the attention must use the same.
         pattern: how attention is split across a CP group: ``"ring"`` (default),
@@ -75,6 +80,7 @@ class RingAttentionPlugin:
     """
 
     cp_size: int = 1
+    tp_size: int = 1
     layout: str = "zigzag"
     pattern: str = "ring"
     ulysses_size: Optional[int] = None
@@ -82,8 +88,13 @@ class RingAttentionPlugin:
     timeout: Optional[float | timedelta] = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.cp_size, int) or isinstance(self.cp_size, bool) or self.cp_size < 1:
-            raise ValueError(f"cp_size must be a positive int, got {self.cp_size!r}")
+        for name in ("cp_size", "tp_size"):
+            size = getattr(self, name)
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                raise ValueError(f"{name} must be a positive int, got {size!r}")
+        if self.pattern == "hybrid" and self.tp_size > 1:
+            raise NotImplementedError("pattern='hybrid' beside tensor parallelism has not been checked against one "
+                                      "process; use 'ring', 'allgather', 'ulysses' or 'auto'")
         check_layout(self.layout)
         check_pattern(self.pattern, self.ulysses_size, self.cp_size)
         check_kernel_name(self.backend)
@@ -107,7 +118,8 @@ class RingAttentionPlugin:
             return self._state
         _ensure_process_group()
         world = dist.get_world_size() if dist.is_initialized() else 1
-        if world % self.cp_size != 0:
+        block = self.cp_size * self.tp_size
+        if world % block != 0:
             hint = ""
             if world == 1:
                 hint = (
@@ -116,12 +128,11 @@ class RingAttentionPlugin:
                     "(it then starts N processes with torchrun and hf_ring uses gloo); `torchrun "
                     "--nproc_per_node N` works too."
                 )
-            raise ValueError(
-                f"cp_size={self.cp_size} needs a multiple of {self.cp_size} processes, but the world "
-                f"has {world}.{hint}"
-            )
+            what = f"cp_size={self.cp_size}" + (f" x tp_size={self.tp_size}" if self.tp_size > 1 else "")
+            raise ValueError(f"{what} needs a multiple of {block} processes, but the world has {world}.{hint}")
         # ring_flash shards in the state's layout; make_collator cuts sequences the same way.
-        self._state = setup_context_parallel(self.cp_size, layout=self.layout, pattern=self.pattern,
+        self._state = setup_context_parallel(self.cp_size, tp_size=self.tp_size, layout=self.layout,
+                                             pattern=self.pattern,
                                              ulysses_size=self.ulysses_size, backend=self.backend,
                                              timeout=self.timeout)
         if importlib.util.find_spec("transformers") is not None:
@@ -140,7 +151,7 @@ class RingAttentionPlugin:
 
     @property
     def world_size(self) -> int:
-        """All processes, ``dp_size * cp_size``: what DDP averages gradients over."""
+        """All processes, ``dp_size * cp_size * tp_size``."""
         return self.state.world_size
 
     def describe(self) -> str:
@@ -150,7 +161,8 @@ class RingAttentionPlugin:
         dist_backend = dist.get_backend() if dist.is_initialized() else "none"
         return (
             f"rank {rank}/{s.world_size} (dist_backend {dist_backend}): dp_rank {s.dp_rank}/{s.dp_size}, "
-            f"cp_rank {s.cp_rank}/{s.cp_size}, layout {s.layout}, pattern {s.pattern}"
+            f"cp_rank {s.cp_rank}/{s.cp_size}, " + (f"tp_rank {s.tp_rank}/{s.tp_size}, " if s.tp_size > 1 else "")
+            + f"layout {s.layout}, pattern {s.pattern}"
             + (f" (ulysses_size {s.ulysses_size})" if s.ulysses_size else "") + f", kernel {s.backend}"
         )
 
@@ -214,5 +226,6 @@ class RingAttentionPlugin:
     # ---- loss ----
 
     def global_token_count(self, local_count: torch.Tensor) -> torch.Tensor:
-        """Valid tokens summed over the whole dp x cp world (collective)."""
-        return all_reduce_sum(local_count, group=None)
+        """Valid tokens summed over the dp x cp ranks (the state's loss group: TP ranks hold the
+        same tokens and are not counted twice; collective over the world)."""
+        return all_reduce_sum(local_count, group=self.state.loss_group)

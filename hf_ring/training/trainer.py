@@ -118,6 +118,11 @@ class RingTrainer(RingTrainerBase, Trainer):
         self.chunked_loss = chunked_loss if isinstance(chunked_loss, ChunkedLossConfig) else ChunkedLossConfig(chunked_loss)
         self._chunked_loss_notice_given = False
         super().__init__(*args, ring_plugin=ring_plugin, **kwargs)
+        if self.chunked_loss.enabled and self.ring_state.tp_size > 1:
+            raise NotImplementedError(
+                f"chunked_loss beside tensor parallelism (tp_size={self.ring_state.tp_size}) is not built: the LM "
+                "head is column-sharded by TP; leave chunked_loss unset (off beside TP) or set it to False"
+            )
         # The stock flag decides the stock mean; then True: compute_loss normalises for accumulation.
         stock_accepts = bool(getattr(self, "model_accepts_loss_kwargs", True))
         self.loss_mean = resolve_loss_mean(loss_mean, stock_accepts)
@@ -187,7 +192,7 @@ class RingTrainer(RingTrainerBase, Trainer):
         """Whether the loss is computed by chunks: as configured (None: under CP), with FSDP2
         and ZeRO-3 too (the loss runs inside the LM head's call, where they hold its whole
         weight). Says so once, naming the wrapper that gathers the weight."""
-        if not self.chunked_loss.active(self.ring_state.cp_size):
+        if not self.chunked_loss.active(self.ring_state.cp_size, self.ring_state.tp_size):
             return False
         if not self._chunked_loss_notice_given:
             self._chunked_loss_notice_given = True

@@ -68,11 +68,17 @@ def model_and_training_args(cls: type, args: tuple, kwargs: dict[str, Any]) -> t
 
 
 def _prepare_weight_sharding(model: Any, training_args: Any) -> None:
-    """What FSDP needs before the Trainer builds its Accelerator: on CPU, accelerate's FSDP
-    enabled (it would drop it silently); layer classes to wrap that the model lacks, dropped."""
+    """What sharded weights need before the Trainer builds its Accelerator: on CPU, accelerate's
+    FSDP enabled (it would drop it silently) and, for a model transformers sharded at load
+    (``DistributedConfig``: tensor parallelism), the parallelism config the Trainer gives
+    accelerate accepted (it would refuse a CPU state); layer classes to wrap that the model
+    lacks, dropped."""
+    on_cpu = training_args is None or training_args.device.type == "cpu"
+    if on_cpu and getattr(model, "is_distributed_loading_by_transformers", False):
+        accelerate_patches.allow_parallelism_config_on_cpu()
     if not weight_sharding.fsdp_requested(training_args, None):
         return
-    if training_args is None or training_args.device.type == "cpu":
+    if on_cpu:
         accelerate_patches.enable_fsdp_on_cpu()
     if model is not None and not isinstance(model, str):
         dropped = transformers_patches.drop_absent_no_split_modules(model)
@@ -124,16 +130,17 @@ class RingTrainerBase:
         ``model`` averages gradients over. Call it before the forward (FSDP2's parameters
         are sharded then). Without gradients (a subclass evaluating through compute_loss) no
         wrapper reduces anything; every multiplier that gradient_reduction accepts equals the
-        world size."""
-        return self._gradient_multiplier(model) if torch.is_grad_enabled() else self.ring_state.world_size
+        dp x cp ranks (the world without tensor parallelism)."""
+        return self._gradient_multiplier(model) if torch.is_grad_enabled() else self.ring_state.loss_size
 
     def _check_gradients_averaged_over_world(self, model: torch.nn.Module) -> None:
         """The TRL trainers' gathered rows give each rank ``cp_size`` times its share: exact
         under a wrapper averaging over every process; checked (and recorded) with gradients."""
         multiplier = self._loss_multiplier(model)
-        if multiplier != self.ring_state.world_size:
+        if multiplier != self.ring_state.loss_size:
             raise NotImplementedError(f"{type(self).__name__} needs gradients averaged over all "
-                                      f"{self.ring_state.world_size} processes; the wrapper averages over {multiplier}")
+                                      f"{self.ring_state.loss_size} dp x cp processes; the wrapper averages over "
+                                      f"{multiplier}")
 
     def _gradient_multiplier(self, model: torch.nn.Module) -> int:
         """The loss multiplier for how ``model`` (wrapped) reduces gradients; checked once."""
@@ -141,7 +148,8 @@ class RingTrainerBase:
             self.gradient_reduction = deepspeed_support.gradient_reduction(model, self.ring_state)
         if self.gradient_reduction is None:
             self.gradient_reduction = weight_sharding.gradient_reduction(
-                model, fsdp_requested=weight_sharding.fsdp_requested(self.args, self.accelerator)
+                model, fsdp_requested=weight_sharding.fsdp_requested(self.args, self.accelerator),
+                tp_size=self.ring_state.tp_size,
             )
         return self.gradient_reduction.multiplier
 

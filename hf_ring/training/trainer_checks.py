@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from hf_ring.hf.support import unrouted_token_mixers
+from hf_ring.hf.support.tensor_parallel import model_tp_ranks
 from hf_ring.patches import peft as peft_patches
 from hf_ring.patches import transformers as transformers_patches
 from hf_ring.training import weight_sharding
@@ -103,6 +104,28 @@ def check_reference_attention(ref_model: Any, cp_size: int, how: str) -> None:
         )
 
 
+def _check_tensor_parallel(trainer: Any, subclass_loss: bool) -> None:
+    """A tensor-parallel model (transformers' ``DistributedConfig``) needs the plugin's
+    ``tp_size`` to be its own; only ``RingTrainer``'s loss has been checked beside TP."""
+    state = trainer.ring_state
+    ranks = model_tp_ranks(peft_patches.base_model(trainer.model))
+    model_tp = len(ranks) if ranks else 1
+    if model_tp != state.tp_size:
+        raise ValueError(
+            f"the model is tensor-parallel over {model_tp} ranks but the context-parallel state has tp_size="
+            f"{state.tp_size}: build the plugin as RingAttentionPlugin(cp_size={state.cp_size}, tp_size={model_tp}) "
+            "(each CP group then holds ranks of one TP coordinate)"
+        )
+    if state.tp_size > 1 and subclass_loss:
+        raise NotImplementedError(
+            f"{type(trainer).__name__} beside tensor parallelism (tp_size={state.tp_size}) has not been checked "
+            "against one process; RingTrainer has. Train the TP model with hf_ring.RingTrainer, or without TP"
+        )
+    if state.tp_size > 1 and getattr(trainer, "is_deepspeed_enabled", False):
+        raise NotImplementedError("DeepSpeed beside transformers' tensor parallelism is not supported by hf_ring; "
+                                  "load the model with DistributedConfig(tp_size=..., fsdp_size=...) instead")
+
+
 def check_trainer_supported(trainer: Any, subclass_loss: bool) -> None:
     """Raise ValueError / NotImplementedError for what ``trainer`` (a Ring trainer whose
     Accelerator and ring state exist) cannot run exactly under context parallelism;
@@ -133,6 +156,7 @@ def check_trainer_supported(trainer: Any, subclass_loss: bool) -> None:
                 "group, or evaluate with cp_size=1"
             )
     weight_sharding.check_accelerate_parallelism(trainer.accelerator)
+    _check_tensor_parallel(trainer, subclass_loss)
     if trainer.compute_loss_func is not None:
         raise ValueError("RingTrainer computes the loss itself (token mean over dp x cp); drop compute_loss_func")
     if not subclass_loss:  # a subclass's own loss handles them (or refuses)

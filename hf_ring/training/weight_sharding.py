@@ -15,7 +15,9 @@ shard but that was wrapped otherwise (Accelerate on CPU silently falls back to D
 :func:`hf_ring.patches.accelerate.enable_fsdp_on_cpu`).
 
 FSDP2 averages over every rank of its mesh: one dimension for a full shard, both for HSDP
-(reduce-scatter over the shard dimension, all-reduce over the replicate one). A divide
+(reduce-scatter over the shard dimension, all-reduce over the replicate one); beside tensor
+parallelism (a model loaded with transformers' ``DistributedConfig``, its mesh ``(..., fsdp,
+tp)``) over every dimension but ``tp``, which must then hold the dp x cp ranks. A divide
 factor of one's own (``FSDPModule.set_gradient_divide_factor``) is not seen here: leave
 FSDP2's default.
 """
@@ -84,10 +86,28 @@ def _refuse_fsdp1(model: torch.nn.Module) -> None:
         )
 
 
-def _fsdp2_reduction(model: torch.nn.Module, world: int, world_ranks: list[int]) -> GradientReduction:
+# The mesh dimension of tensor parallelism (transformers' and torchtitan's name): FSDP2 does not
+# reduce gradients over it (each TP rank holds other columns of the weights).
+_TP_DIM = "tp"
+
+
+def _data_submesh(mesh: Any) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """The part of a parameter's device mesh that FSDP2 averages its gradient over, at this
+    rank's TP coordinate: ``(shape, sorted global ranks, the TP dimension's size)``."""
+    names = tuple(mesh.mesh_dim_names or ())
+    if _TP_DIM not in names:
+        return tuple(mesh.mesh.shape), tuple(sorted(mesh.mesh.flatten().tolist())), 1
+    tp_dim = names.index(_TP_DIM)
+    index = [slice(None)] * mesh.mesh.dim()
+    index[tp_dim] = mesh.get_coordinate()[tp_dim]
+    data = mesh.mesh[tuple(index)]
+    return tuple(data.shape), tuple(sorted(data.flatten().tolist())), mesh.mesh.shape[tp_dim]
+
+
+def _fsdp2_reduction(model: torch.nn.Module, world: int, world_ranks: list[int], tp_size: int) -> GradientReduction:
     from torch.distributed.tensor import DTensor
 
-    meshes = {}
+    meshes: dict[tuple[tuple[int, ...], tuple[int, ...]], str] = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
@@ -96,28 +116,34 @@ def _fsdp2_reduction(model: torch.nn.Module, world: int, world_ranks: list[int])
                 f"parameter {name!r} of the FSDP2 model is not sharded (not a DTensor): its gradient is not "
                 "reduced across processes; shard every trainable parameter (no ignored_params)"
             )
-        mesh = param.device_mesh
-        ranks = sorted(mesh.mesh.flatten().tolist())
-        meshes[(tuple(mesh.mesh.shape), tuple(ranks))] = name
+        shape, ranks, mesh_tp = _data_submesh(param.device_mesh)
+        if mesh_tp not in (1, tp_size):
+            raise ValueError(
+                f"parameter {name!r} is sharded over a tensor-parallel mesh dimension of {mesh_tp} ranks but the "
+                f"context-parallel state has tp_size={tp_size}; give RingAttentionPlugin the model's tp_size"
+            )
+        meshes[(shape, ranks)] = name
     if len(meshes) != 1:
         shapes = sorted(shape for shape, _ in meshes)
         raise ValueError(
-            f"the FSDP2 model's parameters live on {len(meshes)} different device meshes {shapes}; hf_ring needs "
-            "one mesh over every process for all of them"
+            f"the FSDP2 model's parameters average their gradients over {len(meshes)} different groups of ranks "
+            f"{shapes}; hf_ring needs one, over every data-parallel x context-parallel rank, for all of them"
         )
     ((shape, ranks),) = meshes
-    if list(ranks) != world_ranks:
+    expected = world // tp_size
+    if len(ranks) != expected or (tp_size == 1 and list(ranks) != world_ranks):
         raise ValueError(
-            f"the FSDP2 device mesh {shape} covers ranks {list(ranks)} but the world has {world} processes: "
+            f"the FSDP2 device mesh {shape} averages gradients over ranks {list(ranks)} but the world has {world} "
+            f"processes ({expected} data-parallel x context-parallel ranks per tensor-parallel coordinate): "
             "gradients would not be reduced over every data-parallel x context-parallel rank (a mesh over "
             "the data-parallel ranks only leaves the CP ranks' gradients apart and their weights drift). "
             "Shard over all processes (fsdp full shard, the default mesh) or use HSDP with the mesh "
             "(replicate=dp_size, shard=cp_size), e.g. examples/finetune_llama_long.py --fsdp hybrid_shard"
         )
-    return GradientReduction(HSDP if len(shape) == 2 else FSDP2, world, shape)
+    return GradientReduction(HSDP if len(shape) == 2 else FSDP2, expected, shape)
 
 
-def gradient_reduction(model: Any, *, fsdp_requested: bool = False) -> GradientReduction:
+def gradient_reduction(model: Any, *, fsdp_requested: bool = False, tp_size: int = 1) -> GradientReduction:
     """How ``model`` (as the training step sees it: wrapped) reduces gradients over the world.
 
     Args:
@@ -125,6 +151,8 @@ def gradient_reduction(model: Any, *, fsdp_requested: bool = False) -> GradientR
             or the bare module in a one-process run.
         fsdp_requested: FSDP was asked for (TrainingArguments ``fsdp``, an Accelerate FSDP
             plugin or config); a model not sharded by FSDP2 is then refused.
+        tp_size: tensor-parallel ranks (the mesh's ``"tp"`` dimension, over which FSDP2 does
+            not reduce): the reduction group is then the world's dp x cp ranks, ``world / tp_size``.
 
     Raises:
         ValueError: the reduction group is not the whole world (a dp-only FSDP mesh, DDP over
@@ -141,7 +169,13 @@ def gradient_reduction(model: Any, *, fsdp_requested: bool = False) -> GradientR
             # unsharded expose plain tensors; resharding (a no-op when sharded) shows the meshes.
             for module in fsdp_modules:
                 module.reshard()
-            return _fsdp2_reduction(model, world, world_ranks)
+            return _fsdp2_reduction(model, world, world_ranks, tp_size)
+    if tp_size > 1:
+        raise NotImplementedError(
+            f"a tensor-parallel model (tp_size={tp_size}) trains under context parallelism with FSDP2 over the "
+            "dp x cp ranks only (transformers' DistributedConfig(tp_size=..., fsdp_size=<dp x cp>)); this one is "
+            f"wrapped as {type(model).__name__}"
+        )
     if fsdp_requested:
         raise ValueError(
             f"FSDP was requested but the model was wrapped as {type(model).__name__}, not sharded by FSDP2: "
