@@ -230,8 +230,13 @@ def build_model(args: argparse.Namespace, tokenizer, attn_implementation: str,
 def _load_tensor_parallel(path: str, args: argparse.Namespace, attn_implementation: str) -> torch.nn.Module:
     """The checkpoint at ``path`` loaded with transformers' ``DistributedConfig``: TP over
     ``--tp_size`` ranks (innermost), FSDP2 over the others (the dp x cp ranks)."""
+    import dataclasses
+
     from transformers.distributed import DistributedConfig
 
+    if not {"tp_size", "fsdp_size"} <= {f.name for f in dataclasses.fields(DistributedConfig)}:
+        raise SystemExit(f"--tp_size needs transformers' DistributedConfig(tp_size=..., fsdp_size=...) (transformers 5.x); "
+                         f"transformers {transformers.__version__} has none")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     config = DistributedConfig(tp_size=args.tp_size, fsdp_size=world // args.tp_size)
     return AutoModelForCausalLM.from_pretrained(path, distributed_config=config,
