@@ -20,7 +20,9 @@ Checked in a gloo world of 2 (one CP group): two backward passes of a tiny Llama
 tiny LLaVA (tests/vlm_cases.py: a CLIP tower of 2 layers, its last one unused), wrapped in
 DDP(find_unused_parameters=True), the chunked loss against the full logits' loss: every
 gradient within 1e-6 relative (float32; the same token losses, summed by chunks of 8 rows:
-measured ~1e-7), and the tower's last layer without a gradient on both sides. The LLaVA case
+measured ~2.5e-7; relative to at least 1e-3 of the largest gradient's norm, since the tower's
+k_proj bias has a gradient of exactly zero whose rounding noise, ~4e-10, differs between the two
+sums), and the tower's last layer without a gradient on both sides. The LLaVA case
 failed at its second step before the fix.
 """
 
@@ -86,6 +88,10 @@ def test_chunked_loss_under_ddp_that_finds_unused_parameters(case):
         assert set(grads[True]) == set(grads[False])
         unused = [n for n in grads[False] if "vision_tower.encoder.layers.1." in n]
         assert case == "llama" or not unused, unused  # the tower's last layer: no gradient on either side
-        worst = max(rel_err(grads[True][n], grads[False][n]) for n in grads[False])
+        # A gradient that is zero in exact arithmetic (the tower's k_proj bias: softmax ignores a
+        # shift common to all keys) is rounding noise on both sides, ~1e-10 here, whose ratio means
+        # nothing: each error is taken relative to at least 1e-3 of the largest gradient's norm.
+        floor = 1e-3 * max(g.double().norm().item() for g in grads[False].values())
+        worst = max(rel_err(grads[True][n], grads[False][n], floor) for n in grads[False])
         print(f"\nchunked vs full logits under DDP(find_unused_parameters=True): worst gradient {worst:.1e}")
         assert worst <= 1e-6

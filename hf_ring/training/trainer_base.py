@@ -195,7 +195,7 @@ class RingTrainerBase:
                     ignore_keys=ignore_keys,
                     metric_key_prefix=metric_key_prefix,
                 )
-            token_mean = self._eval_totals.global_mean(self.args.device)
+            token_mean = self._eval_totals.global_mean(self.args.device, self.ring_state.loss_group)
             if not math.isnan(token_mean):  # the same on every rank: the totals are reduced
                 output.metrics[f"{metric_key_prefix}_token_loss"] = token_mean
         finally:
