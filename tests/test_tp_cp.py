@@ -243,3 +243,30 @@ def test_hybrid_beside_tp_is_refused_and_auto_does_not_pick_it():
     # Ranks 0-3, 2 per node; and ranks 0, 2, 4, 6 (TP 2), 4 per node: two nodes, two ranks in each.
     assert "hybrid" in [c.pattern for c in pattern_candidates(**call, local_world_size=2)]
     assert "hybrid" not in [c.pattern for c in pattern_candidates(**call, local_world_size=4, rank_stride=2)]
+
+
+def test_what_has_not_run_beside_tp_is_refused_by_name():
+    """Token mixers (TP would split their heads and states), image-text models and PEFT adapters
+    have not been checked beside TP: refused, naming them; nothing is refused at tp_size=1."""
+    from types import SimpleNamespace
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_ring.hf.support.tensor_parallel import check_features_beside_tp
+    from hf_ring.training.trainer_checks import _check_tensor_parallel
+
+    model = torch.nn.Linear(2, 2)
+    mixers = tuple(f"layers.{i}.linear_attn" for i in range(5))
+    with pytest.raises(NotImplementedError, match=r"token mixers \(layers.0.linear_attn, .* and 2 more\) beside"):
+        check_features_beside_tp(model, 2, mixers, image_text=False)
+    with pytest.raises(NotImplementedError, match="image-text models beside tensor parallelism"):
+        check_features_beside_tp(model, 2, (), image_text=True)
+    check_features_beside_tp(model, 1, mixers, image_text=True)
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)
+    adapted = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=2, target_modules=["q_proj"]))
+    trainer = SimpleNamespace(ring_state=SimpleNamespace(tp_size=2, cp_size=2), model=adapted)
+    with pytest.raises(NotImplementedError, match=r"PEFT adapters \(LoRA\) beside tensor parallelism"):
+        _check_tensor_parallel(trainer, subclass_loss=False)

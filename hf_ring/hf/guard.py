@@ -42,7 +42,7 @@ from hf_ring.hf.cp_inputs import (
 from hf_ring.hf.forward_context import COMM_STATS_KWARG, CONTEXT_KWARG, ForwardContext
 from hf_ring.hf.mixers import head_inputs, required_steps, route_mixers
 from hf_ring.hf.support import RING_FLASH, check_model_under_cp, handed_to_the_ring
-from hf_ring.hf.support.tensor_parallel import check_tensor_parallel_layout
+from hf_ring.hf.support.tensor_parallel import check_features_beside_tp, check_tensor_parallel_layout
 from hf_ring.patches.transformers import attn_implementation
 from hf_ring.patches.transformers.mixers import is_routed_layer, unmark_routed
 from hf_ring.patterns.state import get_context_parallel_state
@@ -180,6 +180,8 @@ def _pre_forward(model: nn.Module, args: tuple, kwargs: dict):
         return args, {**kwargs, CONTEXT_KWARG: context}
     _check_guarded_model(model, state.cp_size, takes_kwargs)
     check_tensor_parallel_layout(model, state)
+    if state.tp_size > 1:
+        check_features_beside_tp(model, state.tp_size, tuple(_mixer_layers(model)), image_text=shards is not None)
     checked = validate_cp_inputs(inputs, state, *_compute_dtype(model, inputs_device(inputs)), shards=shards)
     # After the collective check: every rank has the same lengths, so raises alike.
     check_model_under_cp(model, state.cp_size, rows_and_length(inputs)[1] * state.cp_size, doc_lens=checked.doc_lens)

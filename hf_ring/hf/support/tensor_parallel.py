@@ -94,3 +94,33 @@ def check_tensor_parallel_layout(model: nn.Module, state: Any) -> None:
         "that hold different heads; load the model with a mesh whose 'tp' dimension is innermost (transformers' "
         "DistributedConfig does) and the same tp_size as setup_context_parallel's"
     )
+
+
+def check_features_beside_tp(model: nn.Module, tp_size: int, mixers: tuple[str, ...], image_text: bool) -> None:
+    """Refuse, beside tensor parallelism, what has not been checked against one process there.
+
+    Args:
+        model: the guarded (base) model.
+        tp_size: the context-parallel state's tensor-parallel size (1: nothing to refuse).
+        mixers: the paths of the token mixers hf_ring routes in ``model`` (convolutions,
+            linear recurrences), whose heads TP would split.
+        image_text: the forward is an image-text model's language model.
+
+    Raises:
+        NotImplementedError: naming the feature and what to do.
+    """
+    if tp_size == 1:
+        return
+    if mixers:
+        shown = ", ".join(mixers[:3]) + (f" and {len(mixers) - 3} more" if len(mixers) > 3 else "")
+        raise NotImplementedError(
+            f"{type(model).__name__}'s token mixers ({shown}) beside tensor parallelism (tp_size={tp_size}) have not "
+            "been checked against one process (TP splits their heads and their states); train this model with "
+            "tp_size=1"
+        )
+    if image_text:
+        raise NotImplementedError(
+            f"image-text models beside tensor parallelism (tp_size={tp_size}) have not been checked against one "
+            "process under context parallelism; train them with tp_size=1"
+        )
+
