@@ -27,10 +27,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+import tensor_parallel_loading
 from distributed import run_world
 
-_distributed = pytest.importorskip("transformers.distributed")
-if not {"tp_size", "fsdp_size"} <= set(getattr(_distributed.DistributedConfig, "__dataclass_fields__", {})):
+if not tensor_parallel_loading.AVAILABLE:
     pytest.skip("transformers' DistributedConfig(tp_size, fsdp_size) is 5.x only", allow_module_level=True)
 
 SEQ, VOCAB = 32, 64

@@ -32,6 +32,7 @@ from packaging.version import Version
 
 from distributed import free_port
 from subprocess_limits import HANG_GUARD_S
+from tensor_parallel_loading import NEEDS_TP
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "finetune_llama_long.py")
@@ -90,21 +91,6 @@ def _eval_losses(state: dict) -> dict[int, float]:
     return {e["step"]: e["eval_loss"] for e in state["log_history"] if "eval_loss" in e}
 
 
-def _has_tensor_parallel_loading() -> bool:
-    """transformers' DistributedConfig takes tp_size and fsdp_size (5.x; 4.57's has neither)."""
-    import dataclasses
-
-    try:
-        from transformers.distributed import DistributedConfig
-    except ImportError:
-        return False
-    return {"tp_size", "fsdp_size"} <= {f.name for f in dataclasses.fields(DistributedConfig)}
-
-
-NEEDS_TP = pytest.mark.skipif(not _has_tensor_parallel_loading(),
-                              reason="transformers' DistributedConfig(tp_size, fsdp_size) is 5.x only")
-
-
 def _assert_same(got: dict[int, float], ref: dict[int, float], what: str, tol: float = REL_TOL) -> None:
     assert sorted(got) == sorted(ref), (what, sorted(got), sorted(ref))
     for step, value in ref.items():
@@ -118,6 +104,7 @@ def runs(tmp_path_factory):
     cache: dict[str, dict] = {}
     configs = {
         "cp1": (1, ["--per_device_train_batch_size", "2"]),
+        "stock": (1, ["--stock_trainer", "--per_device_train_batch_size", "2"]),
         "cp2": (2, ["--cp_size", "2", "--per_device_train_batch_size", "2", "--save_steps", "4"]),
         "cp2_stripe": (2, ["--cp_size", "2", "--layout", "stripe", "--per_device_train_batch_size", "2"]),
         "dp2": (2, ["--per_device_train_batch_size", "1"]),
@@ -163,6 +150,15 @@ def test_same_losses_as_without_cp(runs, name):
     assert got["global_step"] == STEPS
     # Epoch bookkeeping counts data-parallel ranks only (CP ranks share their batches).
     assert _epochs(got) == pytest.approx(_epochs(ref))
+
+
+@NEEDS_TP
+def test_tp2_cp2_logs_what_the_stock_trainer_logs(runs):
+    """The stock transformers Trainer on one process (the model's own loss, SDPA) as the reference."""
+    ref, got = runs("stock"), runs("tp2_cp2")
+    _assert_same(_losses(got), _losses(ref), "tp2_cp2 training loss vs stock")
+    _assert_same(_grad_norms(got), _grad_norms(ref), "tp2_cp2 gradient norm vs stock")
+    _assert_same(_eval_losses(got), _eval_losses(ref), "tp2_cp2 eval loss vs stock")
 
 
 @pytest.mark.parametrize("name", ["packed_cp2", pytest.param("packed_tp2_cp2", marks=NEEDS_TP)])

@@ -69,6 +69,8 @@ class ContextParallelState:
     tp_rank: int = 0
     tp_size: int = 1
     cp_ranks: tuple[int, ...] = ()
+    # This process's TP group's global ranks, in TP order (empty: no groups were built).
+    tp_ranks: tuple[int, ...] = ()
     loss_group: Optional[dist.ProcessGroup] = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -87,6 +89,8 @@ class ContextParallelState:
             raise ValueError(f"tp_rank {self.tp_rank} out of range for tp_size {self.tp_size}")
         if self.cp_ranks and len(self.cp_ranks) != self.cp_size:
             raise ValueError(f"cp_ranks {self.cp_ranks} do not hold cp_size={self.cp_size} ranks")
+        if self.tp_ranks and len(self.tp_ranks) != self.tp_size:
+            raise ValueError(f"tp_ranks {self.tp_ranks} do not hold tp_size={self.tp_size} ranks")
 
     @property
     def world_size(self) -> int:
@@ -264,6 +268,7 @@ def setup_context_parallel(
         tp_rank=groups.tp.rank,
         tp_size=tp_size,
         cp_ranks=groups.cp.ranks,
+        tp_ranks=groups.tp.ranks,
         loss_group=groups.loss.group,
     )
     if activate:

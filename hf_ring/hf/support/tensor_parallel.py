@@ -52,9 +52,7 @@ def model_tp_ranks(model: nn.Module) -> Optional[tuple[int, ...]]:
 
 
 def _state_tp_ranks(state: Any) -> tuple[int, ...]:
-    if state.tp_size == 1 or state.tp_group is None:
-        return (dist.get_rank(),)
-    return tuple(dist.get_process_group_ranks(state.tp_group))
+    return state.tp_ranks or (dist.get_rank(),)
 
 
 def check_tensor_parallel_layout(model: nn.Module, state: Any) -> None:
