@@ -31,6 +31,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
+from hf_ring.hf.random_draws import generator_digest
 from hf_ring.patterns.api import documents_fields
 from hf_ring.distributed.comm import peer_failed
 from hf_ring.patterns.state import ContextParallelState
@@ -229,12 +230,14 @@ def _check_right_padding(mask: torch.Tensor, index: torch.Tensor, state: Context
 class CheckedInputs(NamedTuple):
     """What :func:`validate_cp_inputs` learnt of a forward: a packed row's global document
     lengths (None: dense rows), the global batch's largest position id (padding included:
-    what the full sequence's RoPE reads its length from), and ``token_index``, int64
-    ``(seq_local,)`` on the CPU: the global row index of each of this rank's tokens."""
+    what the full sequence's RoPE reads its length from), ``token_index``, int64
+    ``(seq_local,)`` on the CPU: the global row index of each of this rank's tokens, and
+    ``generator_digests``: each CP rank's digest of its random generators (random_draws.py)."""
 
     doc_lens: Optional[tuple[int, ...]]
     max_position: int
     token_index: torch.Tensor
+    generator_digests: tuple[int, ...]
 
 
 def validate_cp_inputs(
@@ -290,6 +293,9 @@ def validate_cp_inputs(
         ("max_position", -1),
         # hf_ring's shards of one full batch (a multimodal model): every rank must hold the same.
         ("full_batch_digest", 0),
+        # Random draws are made as one process makes them only where every rank's generators
+        # agree; checked at the first draw (a forward that draws nothing may differ).
+        ("generators", generator_digest(device)),
         ("batch", batch),
         ("local_seq", seq_local),
         ("attention_mask", int(mask is not None)),
@@ -313,7 +319,7 @@ def validate_cp_inputs(
         header[3] = shards.digest
     try:
         rows = check_agreement(state.cp_group, fields, device, "the model's inputs", _HINT,
-                               ignore=("refused", "positions_not_global", "max_position"), values=header)
+                               ignore=("refused", "positions_not_global", "max_position", "generators"), values=header)
     except RuntimeError as e:
         if not peer_failed(e):
             raise
@@ -340,4 +346,5 @@ def validate_cp_inputs(
         )
     if mask is not None:
         _check_right_padding(mask, index, state)
-    return CheckedInputs(doc_lens, max(row[2] for row in rows), index)
+    generators = tuple(row[[name for name, _ in fields].index("generators")] for row in rows)
+    return CheckedInputs(doc_lens, max(row[2] for row in rows), index, generators)

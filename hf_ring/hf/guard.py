@@ -39,7 +39,9 @@ from hf_ring.hf import sequence_features
 from hf_ring.hf.cp_inputs import (
     SHARDED_KWARG, inputs_device, packed_document_lengths, rows_and_length, validate_cp_inputs,
 )
+from hf_ring.hf.draw_scope import install_draw_scopes
 from hf_ring.hf.forward_context import COMM_STATS_KWARG, CONTEXT_KWARG, ForwardContext
+from hf_ring.hf.random_draws import OneProcessDraws
 from hf_ring.hf.mixers import head_inputs, required_steps, route_mixers
 from hf_ring.hf.support import RING_FLASH, check_model_under_cp, handed_to_the_ring
 from hf_ring.hf.support.tensor_parallel import check_features_beside_tp, check_tensor_parallel_layout
@@ -186,10 +188,13 @@ def _pre_forward(model: nn.Module, args: tuple, kwargs: dict):
     # After the collective check: every rank has the same lengths, so raises alike.
     check_model_under_cp(model, state.cp_size, rows_and_length(inputs)[1] * state.cp_size, doc_lens=checked.doc_lens)
     sequence_features.hand_max_position(model, checked.max_position)
+    rows, seq_local = rows_and_length(inputs)
+    draws = OneProcessDraws(rows, seq_local, state.cp_size, checked.token_index, checked.generator_digests,
+                            tp_size=state.tp_size)
     context = ForwardContext(state, checked.doc_lens, comm_stats, made_by_guard=True,
                              token_index=checked.token_index, handed=handed_to_the_ring(model),
                              spans=shards.spans if shards is not None else None,
-                             causal_by_mask=shards is not None and shards.causal_by_mask)
+                             causal_by_mask=shards is not None and shards.causal_by_mask, draws=draws)
     kwargs = {**kwargs, CONTEXT_KWARG: context}
     if inputs.get("use_cache") is None and "use_cache" in signature.parameters:
         # A cache filled under CP holds only this rank's shard of K/V: useless to continue
@@ -315,5 +320,6 @@ def guard_model(model: nn.Module) -> None:
             m.__dict__[_GUARDED_LAYER] = True
     sequence_features.prepare(base)
     base.register_forward_pre_hook(_pre_forward, with_kwargs=True)
+    install_draw_scopes(base)  # after the guard's pre-hook: it reads the context it hands down
     base.register_forward_hook(_post_forward, with_kwargs=True)
     base.__dict__[_GUARDED_MODEL] = True

@@ -45,7 +45,9 @@ in 4.57.6 and 5.24.0):
   ``Trainer._prepare_inputs`` (``prepare_inputs``: what moves a batch to the device before
   the model's forward; the stock ``prediction_step`` calls it first),
   ``PreTrainedModel._set_gradient_checkpointing`` (``set_checkpoint_function``: to
-  checkpoint layers with hf_ring's CPU-offloading checkpoint), ``Trainer.gather_function``
+  checkpoint layers with hf_ring's CPU-offloading checkpoint), a layer's
+  ``_gradient_checkpointing_func`` (``wrap_checkpoint_function``: a recompute draws its
+  random numbers as the forward did, under CP), ``Trainer.gather_function``
   (``eval_gather_replaced``: under CP the eval losses are gathered over data-parallel ranks);
 - ``sources``: what is read from the modeling code itself: a causal LM's logit transform
   (``logit_transform``, for the chunked loss), whether a forward passes a keyword
@@ -75,6 +77,7 @@ from .attributes import (
     prepare_inputs,
     set_checkpoint_function,
     train_batch_size,
+    wrap_checkpoint_function,
 )
 from .hooks import apply
 from .rope import hand_max_position, length_dependent_rope, reads_max_position, set_max_position
@@ -103,4 +106,5 @@ __all__ = [
     "temperature_scale",
     "train_batch_size",
     "uses_attention_interface",
+    "wrap_checkpoint_function",
 ]

@@ -3,7 +3,7 @@ or calls, each through an accessor that checks the release line and the attribut
 first (the same in 4.57.6 and 5.24.0).
 
 Owns: ``attn_implementation``, ``train_batch_size``, ``prepare_inputs``,
-``set_checkpoint_function``, ``drop_absent_no_split_modules``, ``eval_gather_replaced``. Imports nothing of transformers itself (it is handed the objects).
+``set_checkpoint_function``, ``wrap_checkpoint_function``, ``drop_absent_no_split_modules``, ``eval_gather_replaced``. Imports nothing of transformers itself (it is handed the objects).
 """
 
 from __future__ import annotations
@@ -83,6 +83,29 @@ def set_checkpoint_function(model: Any, checkpoint_function: Callable) -> None:
     if params is None or params[:2] != ["enable", "gradient_checkpointing_func"]:
         raise fail(f"{type(model).__name__}._set_gradient_checkpointing has parameters {params}", version)
     method(enable=True, gradient_checkpointing_func=checkpoint_function)
+
+
+def wrap_checkpoint_function(layer: Any, wrap: Callable[[Callable], Callable]) -> None:
+    """Replace the checkpoint function of ``layer``, a checkpointed decoder layer with
+    checkpointing on, by ``wrap(function)``, unless it is one ``wrap`` made already (marked
+    ``_hf_ring_wrapped``). The function is called as ``function(partial_forward, *args)``
+    (``layer._gradient_checkpointing_func``, set by ``_set_gradient_checkpointing``; the
+    same in 4.57.6 and 5.24.0) and the partial holds the layer's keyword arguments.
+
+    Raises:
+        UnsupportedTransformersVersion: an unsupported version, or a layer with
+            checkpointing on and no callable ``_gradient_checkpointing_func``.
+    """
+    if not getattr(layer, "gradient_checkpointing", False):
+        return
+    version = installed_version()
+    function = getattr(layer, "_gradient_checkpointing_func", None)
+    if not callable(function):
+        raise fail(f"{type(layer).__name__}._gradient_checkpointing_func is {function!r}", version)
+    if not getattr(function, "_hf_ring_wrapped", False):
+        wrapped = wrap(function)
+        wrapped._hf_ring_wrapped = True
+        layer._gradient_checkpointing_func = wrapped
 
 
 def drop_absent_no_split_modules(model: Any) -> list[str]:

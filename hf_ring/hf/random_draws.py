@@ -1,0 +1,294 @@
+"""Random draws under context parallelism: each token gets the mask or noise that one process
+running the full sequence gives it, never the same mask on every rank.
+
+Why: a model's dropout (residual, embedding, hidden, PEFT's ``lora_dropout``) and its MoE
+router noise (Mixtral-style jitter, PhiMoE's Gumbel sampling) draw a tensor shaped like the
+activations they act on. Under CP those are ``(batch, seq_local, ...)``, and every rank of a
+CP group holds the same generator state (``set_seed`` on every process, as the Trainer
+does), so every rank would draw the same mask for different tokens: training that is
+neither what one process computes nor independent noise, and says nothing.
+
+How: while a guarded forward runs under CP, :class:`OneProcessDraws` (a
+``TorchFunctionMode``) sees every torch call. A random one whose tensor has the sequence
+axis (``(rows, seq_local, ...)``, or ``(rows * seq_local, ...)`` flattened batch-major) is
+made on the full sequence's shape, with the same op and arguments, on the same generator,
+and this rank keeps its own tokens (``token_index``, the layout's or the packed row's). The
+generator therefore advances as in one process and every later draw matches too. A call
+that gradient checkpointing replays (torch restores the generator for the recompute) draws
+the same again. Any other random op on a sequence-shaped tensor, or one whose sequence
+axis cannot be told, is refused by name on every rank (the shapes agree across ranks).
+
+Exact on CPU: torch's CPU kernels draw in the tensor's logical order from one seed, so the
+full draw sliced is bitwise one process's. On CUDA the full draw is the same kernel on the
+same shape, so the masks are one process's too; a dropout's product is rounded once more
+(the kernel multiplies by ``mask * scale`` in float32, this by the rounded ``scale``).
+
+Cost: each sharded draw makes the full sequence's tensor (dropout: a tensor of ones and the
+op's output, both ``cp_size`` times the local activation) for the duration of the call;
+docs/randomness.md gives the measured time and memory.
+
+Part of the transformers integration; uses no transformers API. Must not import the Trainer,
+TRL, or hf_ring's training and memory layers.
+"""
+
+from __future__ import annotations
+
+import inspect
+import traceback
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+# What to set to 0 for a draw hf_ring refuses (the message names the op and its caller).
+_WHAT_TO_DO = (
+    "set that probability or noise to 0 in the model's config (the module's dropout, e.g. "
+    "hidden_dropout / resid_pdrop / embd_pdrop / lora_dropout, or router_jitter_noise / "
+    "input_jitter_noise), or train it without context parallelism"
+)
+
+
+def _dropout_flags(func: Callable, args: tuple, kwargs: dict) -> tuple[torch.Tensor, float, bool, bool]:
+    """``(input, p, training, inplace)`` of a dropout call: ``F.dropout(input, p=0.5,
+    training=True, inplace=False)`` or ``torch.dropout(input, p, train)``."""
+    if func is torch.dropout:
+        bound = dict(zip(("input", "p", "train"), args), **kwargs)
+        return bound["input"], float(bound["p"]), bool(bound["train"]), False
+    bound = inspect.signature(F.dropout).bind(*args, **kwargs)
+    bound.apply_defaults()
+    a = bound.arguments
+    return a["input"], float(a["p"]), bool(a["training"]), bool(a["inplace"])
+
+
+# Random ops that act on the tensor they are called on (drawn in full, then copied in).
+_FILLS = frozenset({
+    torch.Tensor.uniform_, torch.Tensor.normal_, torch.Tensor.exponential_, torch.Tensor.geometric_,
+    torch.Tensor.log_normal_, torch.Tensor.cauchy_, torch.Tensor.random_, torch.Tensor.bernoulli_,
+})
+# Random ops that make a new tensor like their first argument (drawn in full, then sliced).
+_LIKES = frozenset({torch.rand_like, torch.randn_like, torch.randint_like})
+# Random ops made from a size (drawn in full when the size has the sequence axis).
+_SIZED = frozenset({torch.rand, torch.randn})
+_DROPOUTS = frozenset({F.dropout, torch.dropout})
+# Random ops hf_ring does not draw on the full sequence: refused when a tensor they read or
+# make has the sequence axis (a per-token probability, channel dropout, a permutation).
+_REFUSED = frozenset({
+    torch.bernoulli, torch.Tensor.bernoulli, torch.multinomial, torch.Tensor.multinomial, torch.normal,
+    torch.poisson, torch.randint, torch.randperm, torch.binomial, torch.alpha_dropout,
+    torch.feature_dropout, torch.feature_alpha_dropout, torch.native_dropout, torch.dropout_,
+    torch.rrelu, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
+    F.gumbel_softmax, F.rrelu,
+})
+# Calls among _REFUSED that draw nothing with these keyword values (eval-mode dropout).
+_DRAWS_ONLY_IF = {F.dropout1d: "training", F.dropout2d: "training", F.dropout3d: "training",
+                  F.alpha_dropout: "training", F.feature_alpha_dropout: "training", F.rrelu: "training"}
+
+
+def _op_name(func: Callable) -> str:
+    owner = "torch.Tensor." if getattr(func, "__objclass__", None) is torch._C.TensorBase else ""
+    module = getattr(func, "__module__", None) or "torch"
+    return owner + func.__name__ if owner else f"{module}.{func.__name__}"
+
+
+def _caller() -> str:
+    """The innermost frame outside torch and this file: the model code that drew."""
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        path = frame.filename.replace("\\", "/")
+        if "/torch/" not in path and not path.endswith("/random_draws.py"):
+            return f"{path.rsplit('/site-packages/', 1)[-1]}:{frame.lineno} ({frame.name})"
+    return "?"
+
+
+def generator_digest(device: torch.device) -> int:
+    """A 31-bit digest of the generators a draw on ``device`` reads: the CPU's, and the
+    accelerator's for a tensor on one. Ranks whose digests agree draw the same numbers."""
+    states = [torch.get_rng_state()]
+    if device.type != "cpu":
+        states.append(getattr(torch, device.type).get_rng_state(device))
+    digest = 0
+    for state in states:
+        digest = zlib.crc32(state.numpy().tobytes(), digest)
+    return digest & 0x7FFFFFFF
+
+
+@dataclass(frozen=True)
+class _Placement:
+    """Where a local tensor's tokens sit in the full sequence's tensor."""
+
+    axis: int
+    full_shape: tuple[int, ...]
+    index: torch.Tensor  # int64 (n,) on the tensor's device: full-axis positions of the local ones
+
+
+@dataclass(eq=False)
+class OneProcessDraws(TorchFunctionMode):
+    """Random draws of one guarded forward under CP, made as one process makes them.
+
+    Attributes:
+        rows: the forward's batch size.
+        seq_local: tokens per row on this rank.
+        cp_size: the CP group's size; the full row is ``seq_local * cp_size`` tokens.
+        token_index: int64 ``(seq_local,)`` on the CPU: the full-row position of each of
+            this rank's tokens (any layout, packed rows included).
+        generator_digests: each CP rank's digest of its generators at the forward's start
+            (cp_inputs.py gathers them in its header): draws need them all equal.
+        tp_size: the tensor-parallel size; beside TP a draw may be on a head-sharded
+            tensor, which the full-sequence draw does not reproduce, so sharded draws are refused.
+        active: set while the mode is entered (the base model's forward, or a layer's
+            recompute under gradient checkpointing); ``entered_by``: the id of the module
+            whose hooks entered it (draw_scope.py).
+    """
+
+    rows: int
+    seq_local: int
+    cp_size: int
+    token_index: torch.Tensor
+    generator_digests: tuple[int, ...]
+    tp_size: int = 1
+    active: bool = False
+    entered_by: Optional[int] = None
+    _indices: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        super().__init__()
+
+    # ---------------------------------------------------------------- placement
+
+    def _index(self, flat: bool, device: torch.device) -> torch.Tensor:
+        key = (flat, device)
+        if key not in self._indices:
+            index = self.token_index
+            if flat:  # row-major (rows * seq_local): row r's tokens follow row r-1's
+                full = self.seq_local * self.cp_size
+                index = (torch.arange(self.rows)[:, None] * full + index[None, :]).reshape(-1)
+            self._indices[key] = index.to(device)
+        return self._indices[key]
+
+    def placement(self, shape: tuple[int, ...], device: torch.device, op: str) -> Optional[_Placement]:
+        """Where a tensor of ``shape`` holds this rank's tokens; None: it has no sequence axis.
+
+        Raises:
+            NotImplementedError: the shape has the local length on an axis that is not
+                the sequence's as hf_ring reads it, or the draw is beside tensor parallelism.
+        """
+        full = self.seq_local * self.cp_size
+        found = None
+        if len(shape) >= 2 and shape[0] == self.rows and shape[1] == self.seq_local:
+            found = _Placement(1, (shape[0], full, *shape[2:]), self._index(False, device))
+        elif len(shape) >= 1 and shape[0] == self.rows * self.seq_local:
+            found = _Placement(0, (self.rows * full, *shape[1:]), self._index(True, device))
+        elif self.seq_local in shape or self.rows * self.seq_local in shape:
+            self._refuse(op, shape, "its sequence axis is not where hf_ring looks for it "
+                         "(dim 1 after the batch, or dim 0 with the batch flattened in)")
+        if found is not None and self.tp_size > 1:
+            self._refuse(op, shape, f"beside tensor parallelism (tp_size={self.tp_size}) the tensor may "
+                         "hold this rank's heads only, which a full-sequence draw does not reproduce")
+        return found
+
+    def _refuse(self, op: str, shape: tuple[int, ...], why: str) -> None:
+        raise NotImplementedError(
+            f"{op} draws random numbers for a sequence-sharded tensor {tuple(shape)} under context "
+            f"parallelism (cp_size={self.cp_size}), called from {_caller()}, and hf_ring cannot draw "
+            f"it as one process would: {why}. {_WHAT_TO_DO}"
+        )
+
+    def _check_generators(self) -> None:
+        if len(set(self.generator_digests)) > 1:
+            ranks = [r for r, d in enumerate(self.generator_digests) if d != self.generator_digests[0]]
+            raise RuntimeError(
+                f"the random generators of this context-parallel group differ (CP rank(s) {ranks} "
+                "against rank 0) at the start of a forward that draws random numbers: hf_ring draws "
+                "each dropout mask and router noise as one process would, which needs every rank of a "
+                "CP group to hold the same generator state. Seed every process alike "
+                "(transformers.set_seed(seed), as the Trainer does), and draw nothing on some ranks only"
+            )
+
+    # ---------------------------------------------------------------- the ops
+
+    def _take(self, full: torch.Tensor, where: _Placement) -> torch.Tensor:
+        return full.index_select(where.axis, where.index)
+
+    def _dropout(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        x, p, training, inplace = _dropout_flags(func, args, kwargs)
+        if not training or p == 0.0:
+            return func(*args, **kwargs)  # draws nothing
+        where = self.placement(tuple(x.shape), x.device, _op_name(func))
+        if where is None:
+            return func(*args, **kwargs)
+        self._check_generators()
+        ones = torch.ones(where.full_shape, dtype=x.dtype, device=x.device)
+        # The same call on ones: the mask scaled by 1 / (1 - p), drawn as one process draws it.
+        scale = func(ones, p, True, inplace) if func is F.dropout else func(ones, p, True)
+        local = self._take(scale, where)
+        return x.mul_(local) if inplace else x * local
+
+    def _fill(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        target = args[0]
+        if func is torch.Tensor.bernoulli_ and isinstance(args[1] if len(args) > 1 else kwargs.get("p"), torch.Tensor):
+            return self._checked(func, args, kwargs)  # per-token probabilities: not drawn in full
+        where = self.placement(tuple(target.shape), target.device, _op_name(func))
+        if where is None:
+            return func(*args, **kwargs)
+        self._check_generators()
+        full = torch.empty(where.full_shape, dtype=target.dtype, device=target.device)
+        func(full, *args[1:], **kwargs)
+        with torch.no_grad():
+            target.copy_(self._take(full, where))
+        return target
+
+    def _like(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        x = args[0] if args else kwargs["input"]
+        where = self.placement(tuple(x.shape), x.device, _op_name(func))
+        if where is None:
+            return func(*args, **kwargs)
+        self._check_generators()
+        template = torch.empty(where.full_shape, dtype=x.dtype, device=x.device)
+        rest = {k: v for k, v in kwargs.items() if k != "input"}
+        return self._take(func(template, *args[1:], **rest), where)
+
+    def _sized(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        size = kwargs.get("size", args[0] if len(args) == 1 and not isinstance(args[0], int) else args)
+        shape = tuple(int(n) for n in size)
+        device = torch.device(kwargs.get("device") or "cpu")
+        where = self.placement(shape, device, _op_name(func))
+        if where is None:
+            return func(*args, **kwargs)
+        self._check_generators()
+        rest = {k: v for k, v in kwargs.items() if k != "size"}
+        return self._take(func(where.full_shape, **rest), where)
+
+    def _checked(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        flag = _DRAWS_ONLY_IF.get(func)
+        if flag is not None:
+            bound = inspect.signature(func).bind(*args, **kwargs)
+            bound.apply_defaults()
+            if not bound.arguments[flag] or float(bound.arguments.get("p", 1.0)) == 0.0:
+                return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        tensors = [t for t in (*args, *kwargs.values(), *(out if isinstance(out, tuple) else (out,)))
+                   if isinstance(t, torch.Tensor)]
+        for t in tensors:
+            if self.placement(tuple(t.shape), t.device, _op_name(func)) is not None:
+                self._refuse(_op_name(func), tuple(t.shape), "hf_ring draws dropout, fills (uniform_, "
+                             "exponential_, ...), rand_like / randn_like and rand / randn on the full "
+                             "sequence, not this op")
+        return out
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        rule = _RULES.get(func)
+        if rule is None:
+            return func(*args, **(kwargs or {}))
+        return rule(self, func, args, kwargs or {})
+
+
+# One dict lookup per torch call: the mode sees every op of the forward.
+_RULES: dict[Callable, Callable] = {
+    **{f: OneProcessDraws._dropout for f in _DROPOUTS},
+    **{f: OneProcessDraws._fill for f in _FILLS},
+    **{f: OneProcessDraws._like for f in _LIKES},
+    **{f: OneProcessDraws._sized for f in _SIZED},
+    **{f: OneProcessDraws._checked for f in _REFUSED},
+}
