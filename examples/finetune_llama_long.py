@@ -119,6 +119,13 @@ def build_parser(description: Optional[str] = __doc__) -> argparse.ArgumentParse
                    help="train a LoRA adapter of this rank (PEFT) instead of every weight (0: off); it is saved "
                         "in --output_dir at the end and loads into the plain model with PeftModel.from_pretrained")
     p.add_argument("--lora_modules", default="q_proj,v_proj", help="--lora_r: the modules it adapts")
+    p.add_argument("--pad_to_multiple_of", type=int, default=None,
+                   help="pad rows (or packed documents) to a multiple of this (default: what the layout needs, "
+                        "2 x cp_size for zigzag); with dropout, runs at other cp sizes compare step for step only "
+                        "when padded alike: one process's mask of a row depends on the batch's padded length")
+    p.add_argument("--lora_dropout", type=float, default=0.0,
+                   help="--lora_r: dropout on the adapters' inputs; under CP each token gets the mask one "
+                        "process gives it from the same seed (docs/randomness.md)")
     p.add_argument("--stock_trainer", action="store_true",
                    help="--cp_size 1 only: the stock transformers Trainer and the model's own loss, what hf_ring's "
                         "runs are compared against")
@@ -325,7 +332,8 @@ def main(argv: Optional[Sequence[str]] = None, callbacks: Optional[list] = None)
         args=training_args,
         train_dataset=train_set,
         eval_dataset=eval_set if args.num_eval_examples > 0 else None,
-        data_collator=plugin.make_collator(pad_token_id=pad_id, packing=args.packing),
+        data_collator=plugin.make_collator(pad_token_id=pad_id, packing=args.packing,
+                                           pad_to_multiple_of=args.pad_to_multiple_of),
         ring_plugin=plugin,
         callbacks=callbacks,
         chunked_loss=hf_ring.ChunkedLossConfig(
@@ -336,10 +344,10 @@ def main(argv: Optional[Sequence[str]] = None, callbacks: Optional[list] = None)
 
 
 def lora_config(args: argparse.Namespace):
-    """PEFT's ``LoraConfig`` of rank ``--lora_r`` on ``--lora_modules`` (no dropout: runs compare exactly)."""
+    """PEFT's ``LoraConfig`` of rank ``--lora_r`` on ``--lora_modules``, ``--lora_dropout``."""
     from peft import LoraConfig
 
-    return LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0,
+    return LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=args.lora_dropout,
                       target_modules=args.lora_modules.split(","))
 
 
@@ -354,7 +362,7 @@ def _stock_trainer(model, training_args, train_set, eval_set, plugin, pad_id, ar
     """Plain transformers: the stock Trainer, the model computing its own loss from ``labels``
     (padded with -100) and a right-padding ``attention_mask``; the rows padded as hf_ring's
     collator pads them, so that both see the same batches."""
-    ring = plugin.make_collator(pad_token_id=pad_id, return_attention_mask=True)
+    ring = plugin.make_collator(pad_token_id=pad_id, return_attention_mask=True, pad_to_multiple_of=args.pad_to_multiple_of)
 
     def collate(features):
         batch = ring(features)

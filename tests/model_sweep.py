@@ -78,6 +78,8 @@ GRAD_FLOOR = 1e-3
 # Configs are checked on the meta device first: a family whose size knobs the tables
 # missed fails as an error instead of filling the machine's memory.
 MAX_PARAMS = 3_000_000
+# The generator state every forward starts from (reference, CP ranks, no CP).
+FORWARD_SEED = 20261205
 # A rank left waiting in the ring by a peer that failed gives up after this long.
 CP_TIMEOUT = timedelta(seconds=60)
 
@@ -167,7 +169,8 @@ def _count_params_on_meta(config, implementation: str) -> int:
 
 
 def _make_model(config, implementation: str, state_dict=None, seed: int = 0):
-    """The tests' tiny_model, in training mode (dropouts are 0 in the sweep's configs)."""
+    """The tests' tiny_model, in training mode, with the family's default dropout and router
+    noise (every forward starts from FORWARD_SEED: see _forward_backward)."""
     from test_hf_attention import tiny_model
 
     return tiny_model(config, implementation, state_dict, seed).train()
@@ -206,8 +209,11 @@ def _weights(name: str, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def _forward_backward(model, ids, positions, weights) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """logits, loss, and every parameter's gradient flattened (zeros where none)."""
+    """logits, loss, and every parameter's gradient flattened (zeros where none); the forward
+    starts from FORWARD_SEED on every rank, as transformers.set_seed leaves a process, so
+    that a family's dropout and router noise draw what one process draws."""
     kwargs = {"position_ids": positions} if positions is not None else {}
+    torch.manual_seed(FORWARD_SEED)
     logits = model(input_ids=ids, **kwargs).logits.float()
     loss = (logits.double() * weights.double()).sum()  # float64: no rounding of the sum itself
     loss.backward()

@@ -16,8 +16,11 @@ and applies, in order:
    long-context run's sequences are longer than the window); multi-head latent attention
    gets one KV head per query head;
 3. hybrids get one layer of every layer type their full-size default uses;
-4. ``OVERRIDES[model_type]``: what a family needs on top (``DROP``: let the config derive it);
-5. every dropout-like probability is set to 0 (the sweep compares training forwards).
+4. ``OVERRIDES[model_type]``: what a family needs on top (``DROP``: let the config derive it).
+
+Dropout probabilities and router noise keep the family's defaults: the sweep compares
+training forwards from the same seed, in which every random draw must be made as one
+process makes it, or refused (issue 36; the sweep zeroed them before, and so hid it).
 
 Keys a config derives itself (read-only properties) are never passed. ``VARIANTS`` add
 configs that exercise what the defaults do not (sequence-length-dependent RoPE, windows
@@ -82,7 +85,6 @@ SHRINK: dict[str, Any] = dict(
     num_expert_group=1,
     first_k_dense_replace=1,
     num_nextn_predict_layers=0,
-    router_jitter_noise=0.0,
     # multi-head latent attention (DeepSeek-style)
     q_lora_rank=32,
     kv_lora_rank=16,
@@ -279,6 +281,8 @@ def model_type_of(name: str) -> str:
 
 
 def _zero_dropouts(config: PretrainedConfig) -> None:
+    """Every dropout-like probability of ``config`` (and of the configs it holds) set to 0:
+    for the image-text sweep, whose towers run outside the CP forward."""
     for key, value in list(vars(config).items()):
         if isinstance(value, PretrainedConfig):
             _zero_dropouts(value)
@@ -339,6 +343,4 @@ def build_config(name: str) -> PretrainedConfig:
         kwargs.update(copy.deepcopy(VARIANTS[name][1]))
     # DROP, and what the config derives itself (read-only properties), is not passed
     kwargs = {k: v for k, v in kwargs.items() if v is not DROP and not _read_only(config_class, k)}
-    config = AutoConfig.for_model(model_type, **kwargs)
-    _zero_dropouts(config)
-    return config
+    return AutoConfig.for_model(model_type, **kwargs)

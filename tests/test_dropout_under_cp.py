@@ -23,6 +23,8 @@ themselves are bitwise one process's (``test_masks_are_one_process_masks``).
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import transformers
@@ -32,6 +34,7 @@ from transformers import AutoConfig
 import hf_ring
 from closeness import grads, rel_err
 from distributed import run_world
+from hf_ring.hf.randomness.refusals import draws_refused
 from hf_ring.sharding import shard_packed, unshard_packed
 from test_hf_attention import _COMMON, VOCAB, tiny_model
 
@@ -140,12 +143,31 @@ def _on_rank(case: dict, rank: int, world: int) -> dict:
     return _forward_backward(case, _model(case, "ring_flash"), shard, extra)
 
 
+def _refusals(case: dict, rank: int, world: int) -> dict:
+    """What every rank raises where a sharded draw cannot be one process's: a caller's rows
+    laid out otherwise (draws_refused, as hf_ring's TRL forwards set it), and generators that
+    differ across the ranks."""
+    hf_ring.setup_context_parallel(world)
+    model = _model(case, "ring_flash")
+    shard = lambda x: hf_ring.shard_sequence(x, world, rank)  # noqa: E731
+    found = {}
+    for name in ("caller", "generators"):
+        torch.manual_seed(SEED + (rank if name == "generators" else 0))
+        try:
+            with draws_refused("rows laid out otherwise") if name == "caller" else contextlib.nullcontext():
+                model(input_ids=shard(case["ids"]), position_ids=shard(case["positions"]))
+        except (NotImplementedError, RuntimeError) as e:
+            found[name] = f"{type(e).__name__}: {e}"
+    return found
+
+
 def _rank_main(rank: int, world: int, cases: dict) -> dict:
     out = {}
     for name, case in cases.items():
         layout = "stripe" if name.endswith("_stripe") else "zigzag"
         hf_ring.setup_context_parallel(world, layout=layout)
         out[name] = _on_rank(case, rank, world)
+    out["refusals"] = _refusals(cases["phi"], rank, world)
     return out
 
 
@@ -201,3 +223,13 @@ def test_masks_are_one_process_masks(world, name):
         assert torch.equal(gathered, mask), f"dropout call {call}"
         # Not a mask of ones: the test would pass without dropout.
         assert not bool(mask.all())
+
+
+@pytest.mark.parametrize("world", [2, 4], ids=lambda w: f"world{w}")
+def test_draws_that_cannot_be_one_process_draws_are_refused_on_every_rank(world):
+    _, ranks = _run(world)
+    for found in (r["refusals"] for r in ranks):
+        assert "NotImplementedError" in found["caller"] and "rows laid out otherwise" in found["caller"]
+        assert "embed_dropout" in found["caller"] or "modeling_phi" in found["caller"], found["caller"]
+        assert "RuntimeError" in found["generators"] and "generators of this context-parallel group differ" \
+            in found["generators"]

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import hf_ring
-from hf_ring.hf.random_draws import OneProcessDraws
+from hf_ring.hf.randomness.draws import OneProcessDraws
+from hf_ring.hf.randomness.refusals import NoDraws, current_refusal, draws_refused
 from hf_ring.sharding.layouts import shard_indices
 from hf_ring.sharding.packed import packed_shard_indices
 
@@ -147,5 +147,51 @@ def test_generators_that_differ_are_refused_at_the_first_draw():
             F.dropout(x, 0.1, True)
 
 
-def test_the_modes_names_are_public_enough():
-    assert hf_ring.hf.random_draws.OneProcessDraws is OneProcessDraws
+
+def test_no_draws_refuses_every_draw_but_lets_the_rest_run():
+    """The split vision tower's mode: each rank encodes its own share of the images."""
+    x = torch.randn(3, 4)
+    with NoDraws("a tower"):
+        assert torch.equal(F.dropout(x, 0.5, False), x)  # eval: nothing drawn
+        assert torch.equal(F.dropout(x, 0.0, True), x)
+        for draw in (lambda: F.dropout(x, 0.5, True), lambda: torch.rand(3), lambda: torch.rand_like(x),
+                     lambda: x.clone().uniform_()):
+            with pytest.raises(NotImplementedError, match="draws random numbers in a tower"):
+                draw()
+
+
+def test_a_refusal_set_by_the_caller_refuses_sharded_draws_only():
+    index = _index("zigzag", 2, 0)
+    with draws_refused("rows laid out otherwise"):
+        draws = OneProcessDraws(ROWS, index.numel(), 2, index, (0, 0), refusal=current_refusal())
+    assert current_refusal() is None
+    with draws:
+        F.dropout(torch.randn(5, 7), 0.5, True)  # no sequence axis: made as it is
+        with pytest.raises(NotImplementedError, match="rows laid out otherwise"):
+            F.dropout(torch.randn(ROWS, index.numel(), HIDDEN), 0.1, True)
+
+
+class _Called(Exception):
+    pass
+
+
+def test_trl_fused_forward_refuses_draws_where_its_rows_are_not_trls():
+    """RingFusedForward runs TRL's rows as they are where their length is a multiple of the
+    layout's (the masks are one process's), and refuses draws where it pads them or packs them."""
+    from closeness import fake_cp_state
+    from hf_ring.training.trl.fused_forward import RingFusedForward
+
+    seen = []
+
+    def model(**kwargs):
+        seen.append(current_refusal())
+        raise _Called
+
+    for packed, seq in ((False, 8), (False, 7), (True, 8)):
+        forward = RingFusedForward(model, fake_cp_state(0, 2), packed=packed)
+        ids = torch.ones(2, seq, dtype=torch.long)
+        with pytest.raises(_Called):
+            forward(input_ids=ids, labels=ids, attention_mask=torch.ones_like(ids), fused_lm_head=True)
+    assert seen[0] is None
+    assert "rows of 7 tokens run padded to 8" in seen[1]
+    assert "padding_free" in seen[2]

@@ -1,8 +1,10 @@
 """LoRA with RingTrainer's defaults logs what the stock Trainer + PEFT logs (issue 22).
 
-Runs examples/finetune_llama_long.py with ``--lora_r 4`` (PEFT's LoRA on q_proj and v_proj,
-every other weight frozen) in float32 with a fixed seed, 8 AdamW steps of 2 x 2 examples
-(gradient accumulation 2), evaluated at steps 4 and 8:
+Runs examples/finetune_llama_long.py with ``--lora_r 4 --lora_dropout 0.1`` (PEFT's LoRA on
+q_proj and v_proj, dropout on their inputs as LoRA recipes keep it, every other weight frozen)
+in float32 with a fixed seed, 8 AdamW steps of 2 x 2 examples (gradient accumulation 2),
+evaluated at steps 4 and 8. Under CP each token gets the dropout mask that the stock run
+gives it (issue 36; before, both CP ranks drew one mask for their different tokens):
 
     1 process, --stock_trainer: transformers.Trainer, the model's own loss, SDPA (the reference)
     1 process, RingTrainer, cp 1
@@ -37,7 +39,9 @@ from test_trainer_cp import _assert_same, _eval_losses, _grad_norms, _launch, _l
 from test_trainer_fsdp import TRANSFORMERS_5, needs_transformers_5  # noqa: E402
 
 TOL = 1e-5
-LORA = ["--lora_r", "4"]
+# Every run pads its rows to a multiple of 4 (cp 2's zigzag): one process's dropout mask of a
+# row depends on the batch's padded length, so runs padded otherwise draw other masks.
+LORA = ["--lora_r", "4", "--lora_dropout", "0.1", "--pad_to_multiple_of", "4"]
 FSDP = pytest.param("fsdp_cp2", marks=needs_transformers_5)
 
 

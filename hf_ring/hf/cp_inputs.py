@@ -31,7 +31,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from hf_ring.hf.random_draws import generator_digest
+from hf_ring.hf.randomness.draws import generator_digest
 from hf_ring.patterns.api import documents_fields
 from hf_ring.distributed.comm import peer_failed
 from hf_ring.patterns.state import ContextParallelState
@@ -232,7 +232,7 @@ class CheckedInputs(NamedTuple):
     lengths (None: dense rows), the global batch's largest position id (padding included:
     what the full sequence's RoPE reads its length from), ``token_index``, int64
     ``(seq_local,)`` on the CPU: the global row index of each of this rank's tokens, and
-    ``generator_digests``: each CP rank's digest of its random generators (random_draws.py)."""
+    ``generator_digests``: each CP rank's digest of its random generators (randomness/draws.py)."""
 
     doc_lens: Optional[tuple[int, ...]]
     max_position: int

@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from hf_ring.distributed.comm import CommWaitStats
-from hf_ring.hf.random_draws import OneProcessDraws
+from hf_ring.hf.randomness.draws import OneProcessDraws
 from hf_ring.hf.support.detectors import Handed
 from hf_ring.patterns.state import ContextParallelState
 from hf_ring.patterns.build import build_plan
@@ -63,7 +63,7 @@ class ForwardContext:
             by the guard's digest of the token types; without CP on packed rows only), which
             every attention layer's plan computes on top of causal and its window; None: none.
         draws: under CP, the mode that makes this forward's random draws as one process
-            makes them (random_draws.py), put in force by draw_scope.py; None without CP.
+            makes them (randomness/draws.py), put in force by randomness/scope.py; None without CP.
         causal_by_mask: the model's attention layers are flagged non-causal but the mask it
             builds (replaced by ``spans``) is causal plus the spans (PaliGemma's
             ``use_bidirectional_attention``): they run the ring's causal plan with the spans.

@@ -39,9 +39,10 @@ from hf_ring.hf import sequence_features
 from hf_ring.hf.cp_inputs import (
     SHARDED_KWARG, inputs_device, packed_document_lengths, rows_and_length, validate_cp_inputs,
 )
-from hf_ring.hf.draw_scope import install_draw_scopes
+from hf_ring.hf.randomness.scope import install_draw_scopes
 from hf_ring.hf.forward_context import COMM_STATS_KWARG, CONTEXT_KWARG, ForwardContext
-from hf_ring.hf.random_draws import OneProcessDraws
+from hf_ring.hf.randomness.draws import OneProcessDraws
+from hf_ring.hf.randomness.refusals import current_refusal
 from hf_ring.hf.mixers import head_inputs, required_steps, route_mixers
 from hf_ring.hf.support import RING_FLASH, check_model_under_cp, handed_to_the_ring
 from hf_ring.hf.support.tensor_parallel import check_features_beside_tp, check_tensor_parallel_layout
@@ -190,7 +191,7 @@ def _pre_forward(model: nn.Module, args: tuple, kwargs: dict):
     sequence_features.hand_max_position(model, checked.max_position)
     rows, seq_local = rows_and_length(inputs)
     draws = OneProcessDraws(rows, seq_local, state.cp_size, checked.token_index, checked.generator_digests,
-                            tp_size=state.tp_size)
+                            tp_size=state.tp_size, refusal=current_refusal())
     context = ForwardContext(state, checked.doc_lens, comm_stats, made_by_guard=True,
                              token_index=checked.token_index, handed=handed_to_the_ring(model),
                              spans=shards.spans if shards is not None else None,

@@ -44,11 +44,14 @@ import torch.nn as nn
 from hf_ring.distributed.collectives import GroupCollectives, all_gather
 from hf_ring.hf.guard import bind_arguments
 from hf_ring.hf.multimodal.shard import CURRENT, FullBatch
+from hf_ring.hf.randomness.refusals import NoDraws
 from hf_ring.patterns.validation import check_agreement
 
 _SPLIT_FLAG = "_hf_ring_tower_split"
 # Read by the output hook of the tower call the input hook split (None: ran whole).
 _ACTIVE: ContextVar[Optional["TowerSplit"]] = ContextVar("hf_ring_tower_split", default=None)
+# In force while a split call runs: a random draw on a rank's share matches no one-process draw.
+_NO_DRAWS: ContextVar[Optional[NoDraws]] = ContextVar("hf_ring_tower_no_draws", default=None)
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,7 @@ def split_tower(tower: nn.Module) -> None:
         return
     tower.register_forward_pre_hook(_take_share, with_kwargs=True)
     tower.register_forward_hook(_gather_features)
+    tower.register_forward_hook(_end_share, always_call=True)
     tower.__dict__[_SPLIT_FLAG] = True
 
 
@@ -133,7 +137,17 @@ def _take_share(tower: nn.Module, args: tuple, kwargs: dict):
     inputs["hidden_states"] = patches[p0:p1]
     inputs["grid_thw"] = grid[e0:e1]
     _ACTIVE.set(split)
+    no_draws = NoDraws(f"{type(tower).__name__}, whose images hf_ring splits over the CP group")
+    no_draws.__enter__()
+    _NO_DRAWS.set(no_draws)
     return (), inputs
+
+
+def _end_share(tower: nn.Module, args: tuple, output: Any) -> None:
+    no_draws = _NO_DRAWS.get()
+    if no_draws is not None:
+        _NO_DRAWS.set(None)
+        no_draws.__exit__(None, None, None)
 
 
 def _gather(x: torch.Tensor, split: TowerSplit, per_patch: bool = False) -> torch.Tensor:

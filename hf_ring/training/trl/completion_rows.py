@@ -44,7 +44,13 @@ import torch.distributed as dist
 
 from hf_ring.distributed.rows import concat_over_group
 from hf_ring.sharding.labels import IGNORE_INDEX
+from hf_ring.hf.randomness.refusals import draws_refused
 from hf_ring.training.trl.fused_forward import RingFusedForward
+
+# Why the rollouts' random draws (dropout, LoRA dropout, router noise) cannot be TRL's own.
+_COMPACTED = ("the rollout trainers run the CP group's rows compacted (TRL's left padding removed) and "
+              "gathered, where TRL's one process runs its own left-padded rows: the dropout masks of their "
+              "tokens differ; set the dropout to 0 (e.g. LoraConfig(lora_dropout=0.0)) for GRPO / RLOO under CP")
 
 
 def _windows(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,12 +110,13 @@ def completion_log_probs(
     is_completion = (starts[:, None] + cols[None, :]) >= prompt_width
     labels = torch.where(real & is_completion, ids, torch.full_like(ids, IGNORE_INDEX))
 
-    out = forward(
-        input_ids=concat_over_group(ids, state.cp_group, state.cp_size),
-        labels=concat_over_group(labels, state.cp_group, state.cp_size),
-        attention_mask=concat_over_group(real.long(), state.cp_group, state.cp_size),
-        fused_lm_head=True,
-    )
+    with draws_refused(_COMPACTED):
+        out = forward(
+            input_ids=concat_over_group(ids, state.cp_group, state.cp_size),
+            labels=concat_over_group(labels, state.cp_group, state.cp_size),
+            attention_mask=concat_over_group(real.long(), state.cp_group, state.cp_size),
+            fused_lm_head=True,
+        )
     mine = slice(state.cp_rank * rows, (state.cp_rank + 1) * rows)
     # Completion column j of TRL's row is compact token (prompt_width + j - start), scored at the position before it.
     token = prompt_width + torch.arange(logits_to_keep, device=device)[None, :] - starts[:, None]  # (rows, C)

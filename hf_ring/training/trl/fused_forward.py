@@ -29,12 +29,14 @@ the loss each rank returns (and the Trainer logs) is the true per-batch loss.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Optional
 
 import torch
 
 from hf_ring.distributed.rows import gather_rows
 from hf_ring.hf.guard import per_token_labels
+from hf_ring.hf.randomness.refusals import draws_refused
 from hf_ring.patches import trl as trl_patches
 from hf_ring.patterns.state import ContextParallelState
 from hf_ring.sharding import required_multiple, shard_packed, shard_sequence
@@ -44,6 +46,17 @@ from hf_ring.sharding.row_packing import pack_rows, unpack_field
 # What TRL's preference trainers pass; anything else (pixel values, router logits) is refused under CP.
 _ACCEPTED = frozenset({"input_ids", "attention_mask", "labels", "fused_lm_head", "use_cache"})
 _PER_TOKEN_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")
+
+
+# Why a forward's random draws (dropout, LoRA dropout, router noise) cannot be TRL's own.
+_PADDED = ("TRL's rows of {seq} tokens run padded to {padded} under context parallelism (a multiple of what the "
+           "layout needs), and one process's dropout mask of a row depends on the batch's padded length")
+_PACKED = ("padding_free runs TRL's rows as one packed row under context parallelism, where TRL's one process "
+           "runs them as padded rows: the dropout masks of their tokens differ")
+
+
+def _unless(aligned: bool, reason: str):
+    return contextlib.nullcontext() if aligned else draws_refused(reason)
 
 
 def _whole_rows(out: Any, to_rows: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -120,7 +133,7 @@ class RingFusedForward:
         def shard(t: torch.Tensor) -> torch.Tensor:
             return shard_sequence(t, state.cp_size, state.cp_rank, dim=1, layout=state.layout)
 
-        with per_token_labels():  # only the per-token fields are read, never out.loss
+        with per_token_labels(), _unless(padded == seq, _PADDED.format(seq=seq, padded=padded)):
             out = self.model(
                 input_ids=shard(ids),
                 position_ids=shard(positions),
@@ -145,7 +158,7 @@ class RingFusedForward:
         def shard(t: torch.Tensor) -> torch.Tensor:
             return shard_packed(t, cu, state.cp_size, state.cp_rank, dim=1)
 
-        with per_token_labels():
+        with per_token_labels(), draws_refused(_PACKED):
             out = self.model(
                 input_ids=shard(packed.input_ids),
                 position_ids=shard(packed.position_ids),

@@ -14,7 +14,10 @@ a run without CP:
   meanwhile: generating the same batch on every rank would repeat the work ``cp_size``
   times for nothing, and splitting it across the ranks would draw other samples than one
   process does (the sampling RNG runs over the batch), so the run could not be compared
-  with one process.
+  with one process. The first rank's generators, which sampling advanced, go along with
+  the completions: every rank of the group then holds what one process holds after
+  generating, as the training forward's dropout needs (hf_ring/hf/randomness: every rank
+  of a CP group draws from the same generator state).
 - :func:`group_shuffle`: TRL shuffles a process's generation batch with ``torch.randperm``
   of its length; under CP each rank draws the permutation of the **group's** batch instead
   (so the first rank's RNG, which samples the next rollouts, advances as one process's
@@ -35,6 +38,19 @@ from hf_ring.patterns.state import ContextParallelState, context_parallel_suspen
 # What TRL's generation returns: completion token ids per prompt, and per-token sampling
 # log-probabilities (None on the transformers path).
 Generated = tuple[list[list[int]], Optional[list]]
+
+
+def _generator_states() -> tuple[torch.Tensor, Optional[list[torch.Tensor]]]:
+    """The CPU generator's state and every CUDA device's (None without CUDA)."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_generator_states(states: tuple[torch.Tensor, Optional[list[torch.Tensor]]]) -> None:
+    cpu, cuda = states
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
 
 
 def _slice(state: ContextParallelState, counts: Sequence[int], rows: Optional[list]) -> Optional[list]:
@@ -64,16 +80,17 @@ def generate_for_group(
     if state.cp_rank == 0:
         try:
             with context_parallel_suspended():
-                payload[0] = ("ok", generate([row for part in parts for row in part]))
+                payload[0] = ("ok", generate([row for part in parts for row in part]), _generator_states())
         except Exception as e:  # noqa: BLE001 - shared with the group, then raised here below
             payload[0] = ("error", f"{type(e).__name__}: {e}")
             error = e
     dist.broadcast_object_list(payload, src=state.first_rank, group=group)
-    status, result = payload[0]
+    status, result = payload[0][:2]
     if status != "ok":
         if error is not None:
             raise error
         raise RuntimeError(f"generation failed on the CP group's first rank (global rank {state.first_rank}): {result}")
+    _set_generator_states(payload[0][2])
     completions, logprobs = result
     if len(completions) != sum(counts):
         raise RuntimeError(f"generation returned {len(completions)} completions for {sum(counts)} prompts")

@@ -34,7 +34,6 @@ TRL, or hf_ring's training and memory layers.
 from __future__ import annotations
 
 import inspect
-import traceback
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -43,63 +42,9 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-# What to set to 0 for a draw hf_ring refuses (the message names the op and its caller).
-_WHAT_TO_DO = (
-    "set that probability or noise to 0 in the model's config (the module's dropout, e.g. "
-    "hidden_dropout / resid_pdrop / embd_pdrop / lora_dropout, or router_jitter_noise / "
-    "input_jitter_noise), or train it without context parallelism"
+from hf_ring.hf.randomness.ops import (
+    DRAWS_ONLY_IF, DROPOUTS, FILLS, LIKES, REFUSED, SIZED, WHAT_TO_DO, caller, dropout_flags, op_name,
 )
-
-
-def _dropout_flags(func: Callable, args: tuple, kwargs: dict) -> tuple[torch.Tensor, float, bool, bool]:
-    """``(input, p, training, inplace)`` of a dropout call: ``F.dropout(input, p=0.5,
-    training=True, inplace=False)`` or ``torch.dropout(input, p, train)``."""
-    if func is torch.dropout:
-        bound = dict(zip(("input", "p", "train"), args), **kwargs)
-        return bound["input"], float(bound["p"]), bool(bound["train"]), False
-    bound = inspect.signature(F.dropout).bind(*args, **kwargs)
-    bound.apply_defaults()
-    a = bound.arguments
-    return a["input"], float(a["p"]), bool(a["training"]), bool(a["inplace"])
-
-
-# Random ops that act on the tensor they are called on (drawn in full, then copied in).
-_FILLS = frozenset({
-    torch.Tensor.uniform_, torch.Tensor.normal_, torch.Tensor.exponential_, torch.Tensor.geometric_,
-    torch.Tensor.log_normal_, torch.Tensor.cauchy_, torch.Tensor.random_, torch.Tensor.bernoulli_,
-})
-# Random ops that make a new tensor like their first argument (drawn in full, then sliced).
-_LIKES = frozenset({torch.rand_like, torch.randn_like, torch.randint_like})
-# Random ops made from a size (drawn in full when the size has the sequence axis).
-_SIZED = frozenset({torch.rand, torch.randn})
-_DROPOUTS = frozenset({F.dropout, torch.dropout})
-# Random ops hf_ring does not draw on the full sequence: refused when a tensor they read or
-# make has the sequence axis (a per-token probability, channel dropout, a permutation).
-_REFUSED = frozenset({
-    torch.bernoulli, torch.Tensor.bernoulli, torch.multinomial, torch.Tensor.multinomial, torch.normal,
-    torch.poisson, torch.randint, torch.randperm, torch.binomial, torch.alpha_dropout,
-    torch.feature_dropout, torch.feature_alpha_dropout, torch.native_dropout, torch.dropout_,
-    torch.rrelu, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
-    F.gumbel_softmax, F.rrelu,
-})
-# Calls among _REFUSED that draw nothing with these keyword values (eval-mode dropout).
-_DRAWS_ONLY_IF = {F.dropout1d: "training", F.dropout2d: "training", F.dropout3d: "training",
-                  F.alpha_dropout: "training", F.feature_alpha_dropout: "training", F.rrelu: "training"}
-
-
-def _op_name(func: Callable) -> str:
-    owner = "torch.Tensor." if getattr(func, "__objclass__", None) is torch._C.TensorBase else ""
-    module = getattr(func, "__module__", None) or "torch"
-    return owner + func.__name__ if owner else f"{module}.{func.__name__}"
-
-
-def _caller() -> str:
-    """The innermost frame outside torch and this file: the model code that drew."""
-    for frame in reversed(traceback.extract_stack()[:-2]):
-        path = frame.filename.replace("\\", "/")
-        if "/torch/" not in path and not path.endswith("/random_draws.py"):
-            return f"{path.rsplit('/site-packages/', 1)[-1]}:{frame.lineno} ({frame.name})"
-    return "?"
 
 
 def generator_digest(device: torch.device) -> int:
@@ -137,9 +82,11 @@ class OneProcessDraws(TorchFunctionMode):
             (cp_inputs.py gathers them in its header): draws need them all equal.
         tp_size: the tensor-parallel size; beside TP a draw may be on a head-sharded
             tensor, which the full-sequence draw does not reproduce, so sharded draws are refused.
+        refusal: why no sharded draw of this forward can match one process's (the caller's
+            rows are laid out otherwise, :func:`draws_refused`), or None.
         active: set while the mode is entered (the base model's forward, or a layer's
             recompute under gradient checkpointing); ``entered_by``: the id of the module
-            whose hooks entered it (draw_scope.py).
+            whose hooks entered it (randomness/scope.py).
     """
 
     rows: int
@@ -148,6 +95,7 @@ class OneProcessDraws(TorchFunctionMode):
     token_index: torch.Tensor
     generator_digests: tuple[int, ...]
     tp_size: int = 1
+    refusal: Optional[str] = None
     active: bool = False
     entered_by: Optional[int] = None
     _indices: dict = field(default_factory=dict, repr=False)
@@ -183,6 +131,8 @@ class OneProcessDraws(TorchFunctionMode):
         elif self.seq_local in shape or self.rows * self.seq_local in shape:
             self._refuse(op, shape, "its sequence axis is not where hf_ring looks for it "
                          "(dim 1 after the batch, or dim 0 with the batch flattened in)")
+        if found is not None and self.refusal is not None:
+            self._refuse(op, shape, self.refusal)
         if found is not None and self.tp_size > 1:
             self._refuse(op, shape, f"beside tensor parallelism (tp_size={self.tp_size}) the tensor may "
                          "hold this rank's heads only, which a full-sequence draw does not reproduce")
@@ -191,8 +141,8 @@ class OneProcessDraws(TorchFunctionMode):
     def _refuse(self, op: str, shape: tuple[int, ...], why: str) -> None:
         raise NotImplementedError(
             f"{op} draws random numbers for a sequence-sharded tensor {tuple(shape)} under context "
-            f"parallelism (cp_size={self.cp_size}), called from {_caller()}, and hf_ring cannot draw "
-            f"it as one process would: {why}. {_WHAT_TO_DO}"
+            f"parallelism (cp_size={self.cp_size}), called from {caller()}, and hf_ring cannot draw "
+            f"it as one process would: {why}. {WHAT_TO_DO}"
         )
 
     def _check_generators(self) -> None:
@@ -212,10 +162,10 @@ class OneProcessDraws(TorchFunctionMode):
         return full.index_select(where.axis, where.index)
 
     def _dropout(self, func: Callable, args: tuple, kwargs: dict) -> Any:
-        x, p, training, inplace = _dropout_flags(func, args, kwargs)
+        x, p, training, inplace = dropout_flags(func, args, kwargs)
         if not training or p == 0.0:
             return func(*args, **kwargs)  # draws nothing
-        where = self.placement(tuple(x.shape), x.device, _op_name(func))
+        where = self.placement(tuple(x.shape), x.device, op_name(func))
         if where is None:
             return func(*args, **kwargs)
         self._check_generators()
@@ -229,7 +179,7 @@ class OneProcessDraws(TorchFunctionMode):
         target = args[0]
         if func is torch.Tensor.bernoulli_ and isinstance(args[1] if len(args) > 1 else kwargs.get("p"), torch.Tensor):
             return self._checked(func, args, kwargs)  # per-token probabilities: not drawn in full
-        where = self.placement(tuple(target.shape), target.device, _op_name(func))
+        where = self.placement(tuple(target.shape), target.device, op_name(func))
         if where is None:
             return func(*args, **kwargs)
         self._check_generators()
@@ -241,7 +191,7 @@ class OneProcessDraws(TorchFunctionMode):
 
     def _like(self, func: Callable, args: tuple, kwargs: dict) -> Any:
         x = args[0] if args else kwargs["input"]
-        where = self.placement(tuple(x.shape), x.device, _op_name(func))
+        where = self.placement(tuple(x.shape), x.device, op_name(func))
         if where is None:
             return func(*args, **kwargs)
         self._check_generators()
@@ -253,7 +203,7 @@ class OneProcessDraws(TorchFunctionMode):
         size = kwargs.get("size", args[0] if len(args) == 1 and not isinstance(args[0], int) else args)
         shape = tuple(int(n) for n in size)
         device = torch.device(kwargs.get("device") or "cpu")
-        where = self.placement(shape, device, _op_name(func))
+        where = self.placement(shape, device, op_name(func))
         if where is None:
             return func(*args, **kwargs)
         self._check_generators()
@@ -261,7 +211,7 @@ class OneProcessDraws(TorchFunctionMode):
         return self._take(func(where.full_shape, **rest), where)
 
     def _checked(self, func: Callable, args: tuple, kwargs: dict) -> Any:
-        flag = _DRAWS_ONLY_IF.get(func)
+        flag = DRAWS_ONLY_IF.get(func)
         if flag is not None:
             bound = inspect.signature(func).bind(*args, **kwargs)
             bound.apply_defaults()
@@ -271,8 +221,8 @@ class OneProcessDraws(TorchFunctionMode):
         tensors = [t for t in (*args, *kwargs.values(), *(out if isinstance(out, tuple) else (out,)))
                    if isinstance(t, torch.Tensor)]
         for t in tensors:
-            if self.placement(tuple(t.shape), t.device, _op_name(func)) is not None:
-                self._refuse(_op_name(func), tuple(t.shape), "hf_ring draws dropout, fills (uniform_, "
+            if self.placement(tuple(t.shape), t.device, op_name(func)) is not None:
+                self._refuse(op_name(func), tuple(t.shape), "hf_ring draws dropout, fills (uniform_, "
                              "exponential_, ...), rand_like / randn_like and rand / randn on the full "
                              "sequence, not this op")
         return out
@@ -286,9 +236,10 @@ class OneProcessDraws(TorchFunctionMode):
 
 # One dict lookup per torch call: the mode sees every op of the forward.
 _RULES: dict[Callable, Callable] = {
-    **{f: OneProcessDraws._dropout for f in _DROPOUTS},
-    **{f: OneProcessDraws._fill for f in _FILLS},
-    **{f: OneProcessDraws._like for f in _LIKES},
-    **{f: OneProcessDraws._sized for f in _SIZED},
-    **{f: OneProcessDraws._checked for f in _REFUSED},
+    **{f: OneProcessDraws._dropout for f in DROPOUTS},
+    **{f: OneProcessDraws._fill for f in FILLS},
+    **{f: OneProcessDraws._like for f in LIKES},
+    **{f: OneProcessDraws._sized for f in SIZED},
+    **{f: OneProcessDraws._checked for f in REFUSED},
 }
+

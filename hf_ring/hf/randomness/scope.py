@@ -1,4 +1,4 @@
-"""Where :class:`~hf_ring.hf.random_draws.OneProcessDraws` is in force: the guarded base
+"""Where :class:`~hf_ring.hf.randomness.draws.OneProcessDraws` is in force: the guarded base
 model's forward, and each checkpointed layer's recompute under gradient checkpointing.
 
 Why both: the forward's draws (embedding dropout, every layer's dropout and router noise)
@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional
 import torch.nn as nn
 
 from hf_ring.hf.forward_context import CONTEXT_KWARG
-from hf_ring.hf.random_draws import OneProcessDraws
+from hf_ring.hf.randomness.draws import OneProcessDraws
 from hf_ring.patches.transformers import wrap_checkpoint_function
 
 try:  # transformers' checkpointed decoder layer (4.52 and later, 5.x)
