@@ -236,6 +236,14 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
         "llama",
         dict(max_position_embeddings=24, rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=4.0)),
     ),
+    # Hidden, residual and embedding dropout, and router noise, where the defaults' attention
+    # dropout (refused under CP) would hide them: every family that draws, drawn under CP.
+    "gpt2_dropout": ("gpt2", dict(attn_pdrop=0.0)),
+    "bert_dropout": ("bert", dict(attention_probs_dropout_prob=0.0)),
+    "seed_oss_dropout": ("seed_oss", dict(attention_dropout=0.0)),
+    "phi_dropout": ("phi", dict(resid_pdrop=0.1, embd_pdrop=0.1)),
+    "mixtral_jitter": ("mixtral", dict(router_jitter_noise=0.1)),
+    "phimoe_noisy": ("phimoe", dict(router_jitter_noise=0.3, input_jitter_noise=0.1)),
 }
 
 _ENC_DEC = "the decoder of an encoder-decoder model (cross-attention), not a decoder-only LM"
@@ -278,16 +286,6 @@ def family_names() -> list[str]:
 
 def model_type_of(name: str) -> str:
     return VARIANTS[name][0] if name in VARIANTS else name
-
-
-def _zero_dropouts(config: PretrainedConfig) -> None:
-    """Every dropout-like probability of ``config`` (and of the configs it holds) set to 0:
-    for the image-text sweep, whose towers run outside the CP forward."""
-    for key, value in list(vars(config).items()):
-        if isinstance(value, PretrainedConfig):
-            _zero_dropouts(value)
-        elif isinstance(value, float) and ("dropout" in key or "pdrop" in key or "drop_prob" in key):
-            setattr(config, key, 0.0)
 
 
 _MISSING = object()

@@ -144,13 +144,19 @@ def _on_rank(case: dict, rank: int, world: int) -> dict:
 
 
 def _refusals(case: dict, rank: int, world: int) -> dict:
-    """What every rank raises where a sharded draw cannot be one process's: a caller's rows
-    laid out otherwise (draws_refused, as hf_ring's TRL forwards set it), and generators that
-    differ across the ranks."""
+    """What every rank raises where a draw cannot be one process's: attention dropout (GPT-2's
+    default), a caller's rows laid out otherwise (draws_refused, as hf_ring's TRL forwards set
+    it), and generators that differ across the ranks."""
     hf_ring.setup_context_parallel(world)
     model = _model(case, "ring_flash")
     shard = lambda x: hf_ring.shard_sequence(x, world, rank)  # noqa: E731
     found = {}
+    gpt2 = tiny_model(AutoConfig.for_model("gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=256),
+                      "ring_flash").train()  # its default attention dropout, 0.1
+    try:
+        gpt2(input_ids=shard(case["ids"]), position_ids=shard(case["positions"]))
+    except NotImplementedError as e:
+        found["attention"] = str(e)
     for name in ("caller", "generators"):
         torch.manual_seed(SEED + (rank if name == "generators" else 0))
         try:
@@ -231,5 +237,6 @@ def test_draws_that_cannot_be_one_process_draws_are_refused_on_every_rank(world)
     for found in (r["refusals"] for r in ranks):
         assert "NotImplementedError" in found["caller"] and "rows laid out otherwise" in found["caller"]
         assert "embed_dropout" in found["caller"] or "modeling_phi" in found["caller"], found["caller"]
+        assert "attention dropout 0.1" in found["attention"]
         assert "RuntimeError" in found["generators"] and "generators of this context-parallel group differ" \
             in found["generators"]

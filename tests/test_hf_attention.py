@@ -227,14 +227,24 @@ def test_softcapping_on_packed_rows_is_refused():
         model(ids, position_ids=positions, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
 
 
-def test_attention_dropout_in_training_is_refused():
-    model = tiny_model(tiny_config("llama", attention_dropout=0.1), "ring_flash")
-    ids = _ids(1, 8)
-    with torch.no_grad():
-        model(ids)  # eval: no dropout, fine
-    model.train()
-    with pytest.raises(NotImplementedError, match="attention dropout 0.1"):
-        model(ids)
+def test_attention_dropout_in_training_runs_as_sdpa_without_the_ring_and_is_refused_on_it():
+    """Without CP on dense rows ring_flash is transformers' SDPA, dropout included: from one
+    seed, the same logits as "sdpa". Where the ring runs (packed rows here; under CP in
+    test_dropout_under_cp) it is refused by name."""
+    ring, sdpa = _pair("llama", attention_dropout=0.5)
+    ring.train()
+    sdpa.train()
+    ids = _ids(2, 8)
+    torch.manual_seed(3)
+    got = ring(ids).logits
+    torch.manual_seed(3)
+    want = sdpa(ids).logits
+    torch.manual_seed(4)
+    other = sdpa(ids).logits
+    assert torch.equal(got, want) and not torch.equal(want, other)  # the same draw, and a draw at all
+    ids, cu, positions = _packed_batch([6, 10])
+    with pytest.raises(NotImplementedError, match="attention dropout 0.5"):
+        ring(ids, position_ids=positions, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
 
 
 def test_from_pretrained_loads_ring_flash(tmp_path):

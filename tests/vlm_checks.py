@@ -24,12 +24,16 @@ ZERO = 1e-5  # the norm below which a gradient is zero in exact arithmetic (othe
 # order of their sums (measured errors are <= 1e-6, each file's docstring gives its own).
 TOL = 1e-4
 WORLD = 2  # the gloo world of the image-text CP tests: one CP group of 2
+# Every forward (each rank's, the reference's) starts from this generator state, as
+# transformers.set_seed leaves a process: a family's dropout then draws what one process draws.
+FORWARD_SEED = 20261205
 
 
 def run_shard(model: torch.nn.Module, batch: dict, weights: torch.Tensor, world: int, rank: int) -> dict:
     """This rank's logits ``(rows, seq / world, vocab)`` and gradients for the full ``batch``;
     ``weights`` ``(rows, seq, vocab)`` float32 weight the full batch's logits into its loss."""
     model.zero_grad(set_to_none=True)
+    torch.manual_seed(FORWARD_SEED)
     logits = model(**batch).logits
     (logits * hf_ring.shard_sequence(weights, world, rank)).sum().backward()
     return {"logits": logits.detach(), "grads": grads(model)}
@@ -38,6 +42,7 @@ def run_shard(model: torch.nn.Module, batch: dict, weights: torch.Tensor, world:
 def run_full(model: torch.nn.Module, batch: dict, weights: torch.Tensor) -> dict:
     """One process on the full batch: logits ``(rows, seq, vocab)`` and gradients."""
     model.zero_grad(set_to_none=True)
+    torch.manual_seed(FORWARD_SEED)
     logits = model(**batch).logits
     (logits * weights).sum().backward()
     return {"logits": logits.detach(), "grads": grads(model)}

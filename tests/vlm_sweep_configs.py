@@ -31,7 +31,7 @@ from transformers import PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
-from model_sweep_configs import COMMON, WRITTEN_FOR, _zero_dropouts, build_config as tiny_text_config
+from model_sweep_configs import COMMON, WRITTEN_FOR, build_config as tiny_text_config
 
 __all__ = ["WRITTEN_FOR", "build_config", "family_names", "model_class_name"]
 
@@ -144,6 +144,5 @@ def build_config(name: str) -> PretrainedConfig:
             continue
         subs[key] = _text(sub) if key in ("text_config", "decoder") else _shrunk(sub, VISION)
     kwargs = {**subs, **_special_tokens(defaults)}
-    config = config_class(**kwargs)
-    _zero_dropouts(config)
-    return config
+    # Dropouts and router noise keep the family's defaults (issue 36), as in the text sweep.
+    return config_class(**kwargs)

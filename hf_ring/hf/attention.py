@@ -82,6 +82,7 @@ def _local_attention(
         )
     sinks = kwargs.pop("s_aux", None)
     if sinks is not None or softcap is not None:
+        refuse_dropout(module, dropout)  # hf_ring's eager path draws none
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         out = eager_attention(query, key, value, attention_mask, scale, is_causal(module, kwargs), sinks, softcap)
         return out, None
@@ -245,13 +246,14 @@ def ring_flash_attention_forward(
         ``(attn_output, None)``, attn_output ``(batch, seq_local, n_heads, head_dim)`` in the
         query's dtype.
     """
-    refuse_dropout(module, dropout)
     refuse_uncomputed(module, kwargs)
     context: Optional[ForwardContext] = kwargs.pop(CONTEXT_KWARG, None)
     chunk = None
     if context is None:
         refuse_without_context(module)
-    elif context.state is not None or kwargs.get("cu_seq_lens_q") is not None:
+    if kwargs.get("cu_seq_lens_q") is not None or (context is not None and context.state is not None):
+        refuse_dropout(module, dropout)  # without the ring, SDPA (or eager) draws it as transformers does
+    if context is not None and (context.state is not None or kwargs.get("cu_seq_lens_q") is not None):
         # The ring runs: what the model applies outside this call (its mask's window and
         # chunks, the temperature of its shard's positions) is computed here over the row.
         sliding_window, chunk = layer_window_and_chunk(module, sliding_window, context)

@@ -27,11 +27,11 @@ def refuse_dropout(module: nn.Module, dropout: float) -> None:
     if dropout > 0:
         raise NotImplementedError(
             f"{layer_name(module)} asks for attention dropout {dropout} in training, which ring_flash does "
-            "not compute: it drops entries of the (query x key) probabilities, which the ring never forms "
-            "(it merges blocks through their log-sum-exp), and a kernel's own dropout would draw another "
-            "mask for each block and each cp. Set the config's attention dropout to 0.0 (attention_dropout, "
-            "attn_pdrop or attention_probs_dropout_prob by family); hidden, residual and embedding "
-            "dropout are computed"
+            "not compute under context parallelism, on packed rows, or with sinks or softcapping: it drops "
+            "entries of the (query x key) probabilities, which the ring never forms (it merges blocks through "
+            "their log-sum-exp), and a kernel's own dropout would draw another mask for each block and each "
+            "cp. Set the config's attention dropout to 0.0 (attention_dropout, attn_pdrop or "
+            "attention_probs_dropout_prob by family); hidden, residual and embedding dropout are computed"
         )
 
 
