@@ -24,12 +24,13 @@ themselves are bitwise one process's (``test_masks_are_one_process_masks``).
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import pytest
 import torch
 import transformers
 from packaging.version import Version
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoModelForTokenClassification
 
 import hf_ring
 from closeness import grads, rel_err
@@ -67,7 +68,7 @@ def _config(family: str):
     raise ValueError(family)
 
 
-# name: (family, options). Options: "packed", "checkpointing", "lora", "stripe".
+# name: (family, options). Options: "packed", "checkpointing", "lora", "tokcls".
 CASES = {
     "phi": ("phi", ()),
     "phi_packed": ("phi", ("packed",)),
@@ -75,17 +76,30 @@ CASES = {
     "gpt2": ("gpt2", ()),
     "llama_lora": ("llama", ("lora",)),
     "llama_lora_checkpointing": ("llama", ("lora", "checkpointing")),
+    # Dropout in the head, after the base model's forward: the classifier's (default 0.1).
+    "llama_token_classification": ("llama", ("tokcls",)),
     "mixtral_jitter": ("mixtral", ()),
     **({"phimoe": ("phimoe", ()), "phimoe_noisy": ("phimoe_noisy", ()),
         "phimoe_checkpointing": ("phimoe_noisy", ("checkpointing",))} if TRANSFORMERS_5 else {}),
 }
 
 
+def _tiny(config, implementation: str, options: tuple, state_dict=None, seed: int = 0):
+    if "tokcls" not in options:
+        return tiny_model(config, implementation, state_dict, seed)
+    torch.manual_seed(seed)
+    model = AutoModelForTokenClassification.from_config(copy.deepcopy(config), attn_implementation=implementation)
+    if state_dict is not None:
+        model.load_state_dict(state_dict)
+    return model.float()
+
+
 def _model(case: dict, implementation: str):
-    model = tiny_model(case["config"], implementation, case["state_dict"])
+    model = _tiny(case["config"], implementation, case["options"], case["state_dict"])
     if "lora" in case["options"]:
-        lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["q_proj", "v_proj", "o_proj"],
-                               init_lora_weights=False)
+        # lm_head too: its adapter's dropout draws in the head, after the base model's forward.
+        lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1,
+                               target_modules=["q_proj", "v_proj", "o_proj", "lm_head"], init_lora_weights=False)
         torch.manual_seed(7)  # the adapters' weights: the same in every process
         model = peft.get_peft_model(model, lora)
     if "checkpointing" in case["options"]:
@@ -97,7 +111,8 @@ def _case(name: str, world: int, seed: int) -> dict:
     family, options = CASES[name]
     config = _config(family)
     g = torch.Generator().manual_seed(seed)
-    case = {"config": config, "options": options, "state_dict": tiny_model(config, "sdpa", seed=seed).state_dict()}
+    case = {"config": config, "options": options,
+            "state_dict": _tiny(config, "sdpa", options, seed=seed).state_dict()}
     if "packed" in options:
         lens = [2 * world, 6 * world, 4 * world]  # each a multiple of 2 * cp_size
         case["cu"] = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
@@ -122,7 +137,7 @@ def _forward_backward(case: dict, model, shard, extra: dict) -> dict:
     found, handles = _masks(model)
     torch.manual_seed(SEED)  # every process alike, as transformers.set_seed leaves them
     logits = model(input_ids=shard(case["ids"]), position_ids=shard(case["positions"]), **extra).logits
-    loss = (logits.double() * shard(case["weights"]).double()).sum()
+    loss = (logits.double() * shard(case["weights"])[..., : logits.shape[-1]].double()).sum()
     loss.backward()
     for h in handles:
         h.remove()
@@ -145,8 +160,9 @@ def _on_rank(case: dict, rank: int, world: int) -> dict:
 
 def _refusals(case: dict, rank: int, world: int) -> dict:
     """What every rank raises where a draw cannot be one process's: attention dropout (GPT-2's
-    default), a caller's rows laid out otherwise (draws_refused, as hf_ring's TRL forwards set
-    it), and generators that differ across the ranks."""
+    default), NEFTune (its noise scaled by the shard's length), a draw whose size is the rank's
+    own (found after the forward), a caller's rows laid out otherwise (draws_refused, as
+    hf_ring's TRL forwards set it), and generators that differ across the ranks."""
     hf_ring.setup_context_parallel(world)
     model = _model(case, "ring_flash")
     shard = lambda x: hf_ring.shard_sequence(x, world, rank)  # noqa: E731
@@ -157,6 +173,24 @@ def _refusals(case: dict, rank: int, world: int) -> dict:
         gpt2(input_ids=shard(case["ids"]), position_ids=shard(case["positions"]))
     except NotImplementedError as e:
         found["attention"] = str(e)
+    embeddings = model.get_input_embeddings()
+    embeddings.neftune_noise_alpha = 5.0  # as the Trainer's neftune_noise_alpha sets it
+    try:
+        model(input_ids=shard(case["ids"]), position_ids=shard(case["positions"]))
+    except NotImplementedError as e:
+        found["neftune"] = str(e)
+    del embeddings.neftune_noise_alpha
+    # A draw whose size is this rank's own (a count of its tokens): the generators part.
+    def draw_own_count(module, args):
+        torch.rand(rank + 1)
+
+    hook = model.model.layers[0].register_forward_pre_hook(draw_own_count)
+    torch.manual_seed(SEED)
+    try:
+        model(input_ids=shard(case["ids"]), position_ids=shard(case["positions"]))
+    except ValueError as e:
+        found["data_dependent"] = str(e)
+    hook.remove()
     for name in ("caller", "generators"):
         torch.manual_seed(SEED + (rank if name == "generators" else 0))
         try:
@@ -209,14 +243,15 @@ def test_training_with_random_draws_matches_one_process(world, name):
     largest = max(float(g.norm()) for g in ref["grads"].values())
     worst = max(float((summed[n] - g).double().norm()) / max(float(g.norm()), GRAD_FLOOR * largest)
                 for n, g in ref["grads"].items())
-    scale = float((ref["logits"].double() * case["weights"].double()).abs().sum())
+    scale = float((ref["logits"].double() * case["weights"][..., : ref["logits"].shape[-1]].double()).abs().sum())
     found = {"logits": rel_err(logits, ref["logits"]), "loss": abs(float(sum(m["loss"] for m in mine) - ref["loss"])) / scale,
              "grad": worst}
     assert max(found.values()) <= TOL, found
 
 
 @pytest.mark.parametrize("world", [2, 4], ids=lambda w: f"world{w}")
-@pytest.mark.parametrize("name", ["phi", "phi_packed", "gpt2", "llama_lora", "phi_checkpointing"])
+@pytest.mark.parametrize("name", ["phi", "phi_packed", "gpt2", "llama_lora", "phi_checkpointing",
+                                  "llama_token_classification"])
 def test_masks_are_one_process_masks(world, name):
     """Every dropout call's mask, gathered from the CP ranks and put back in order, is the
     one process's mask of that call, bitwise (not merely different on every rank)."""
@@ -238,5 +273,7 @@ def test_draws_that_cannot_be_one_process_draws_are_refused_on_every_rank(world)
         assert "NotImplementedError" in found["caller"] and "rows laid out otherwise" in found["caller"]
         assert "embed_dropout" in found["caller"] or "modeling_phi" in found["caller"], found["caller"]
         assert "attention dropout 0.1" in found["attention"]
+        assert "NEFTune (neftune_noise_alpha=5.0)" in found["neftune"]
+        assert "generators after this forward's draws differ" in found["data_dependent"]
         assert "RuntimeError" in found["generators"] and "generators of this context-parallel group differ" \
             in found["generators"]

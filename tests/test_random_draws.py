@@ -75,6 +75,9 @@ DRAWS = {
     "randn_like": lambda x: x + torch.randn_like(x),
     "bernoulli_ float": lambda x: torch.empty_like(x).bernoulli_(0.3),
     "two draws": lambda x: F.dropout(F.dropout(x, 0.1, True), 0.2, True),
+    # a (rows, seq, hidden) view with the hidden axis outermost in memory: drawn on that layout
+    "permuted layout dropout": lambda x: F.dropout(x.transpose(1, 2).contiguous().transpose(1, 2), 0.3, True),
+    "permuted layout rand_like": lambda x: torch.rand_like(x.transpose(1, 2).contiguous().transpose(1, 2)),
 }
 
 
@@ -125,6 +128,8 @@ def test_draws_without_a_sequence_axis_pass_through():
     lambda x: torch.empty_like(x).bernoulli_(torch.sigmoid(x)),
     lambda x: F.dropout1d(x, 0.1, True),
     lambda x: F.dropout(x.transpose(0, 1), 0.1, True),      # the sequence axis first
+    lambda x: F.dropout(x.reshape(-1), 0.1, True),          # the tokens folded into one axis
+    lambda x: F.dropout(x.reshape(x.shape[0], -1), 0.1, True),
 ])
 def test_other_draws_on_sequence_tensors_are_refused(op):
     index = _index("zigzag", 2, 0)

@@ -39,10 +39,10 @@ from hf_ring.hf import sequence_features
 from hf_ring.hf.cp_inputs import (
     SHARDED_KWARG, inputs_device, packed_document_lengths, rows_and_length, validate_cp_inputs,
 )
-from hf_ring.hf.randomness.scope import install_draw_scopes
+from hf_ring.hf.randomness.scope import install_draw_scopes, install_head_scope
 from hf_ring.hf.forward_context import COMM_STATS_KWARG, CONTEXT_KWARG, ForwardContext
-from hf_ring.hf.randomness.draws import OneProcessDraws
-from hf_ring.hf.randomness.refusals import current_refusal
+from hf_ring.hf.randomness.draws import OneProcessDraws, check_generators_after
+from hf_ring.hf.randomness.refusals import current_refusal, refuse_length_scaled_noise
 from hf_ring.hf.mixers import head_inputs, required_steps, route_mixers
 from hf_ring.hf.support import RING_FLASH, check_model_under_cp, handed_to_the_ring
 from hf_ring.hf.support.tensor_parallel import check_features_beside_tp, check_tensor_parallel_layout
@@ -182,6 +182,7 @@ def _pre_forward(model: nn.Module, args: tuple, kwargs: dict):
             return args, kwargs
         return args, {**kwargs, CONTEXT_KWARG: context}
     _check_guarded_model(model, state.cp_size, takes_kwargs)
+    refuse_length_scaled_noise(model, state.cp_size)
     check_tensor_parallel_layout(model, state)
     if state.tp_size > 1:
         check_features_beside_tp(model, state.tp_size, tuple(_mixer_layers(model)), image_text=shards is not None)
@@ -262,9 +263,12 @@ def _post_forward(model: nn.Module, args: tuple, kwargs: dict, output: Any):
             f"ring attention was bypassed: under context parallelism these attention layers of "
             f"{type(model).__name__} did not run ring_flash in this forward: {', '.join(missing)}. "
             "Their attention went to another function (a transformers version hf_ring does not "
-            "know, or a patched layer), which computes attention over this rank's shard only. "
+            "know, or a patched layer), which computes attention over this rank's shard only, or "
+            "the model skipped them (LayerDrop in training: set the config's layerdrop to 0). "
             "Use a supported transformers release, or report the model"
         )
+    if context.draws is not None and context.draws.unplaced:
+        check_generators_after(context.draws, context.state.cp_group, inputs_device(bind_arguments(model, args, kwargs)))
     mixers = [name for name, m in _mixer_layers(model).items()
               if any((id(m), step) not in context.ran_mixers for step in required_steps(m))]
     if mixers:
@@ -287,6 +291,7 @@ def guard_head(model: nn.Module, per_token: bool = False) -> None:
         model.__dict__[_PER_TOKEN_HEAD] = True
     if not model.__dict__.get(_GUARDED_LOSS):
         model.register_forward_pre_hook(_check_head_under_cp, with_kwargs=True)
+        install_head_scope(model)  # a head's own dropout draws on the sharded hidden states
         model.__dict__[_GUARDED_LOSS] = True
 
 

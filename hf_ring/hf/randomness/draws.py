@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from hf_ring.patterns.validation import check_agreement
 from hf_ring.hf.randomness.ops import (
     DRAWS_ONLY_IF, DROPOUTS, FILLS, LIKES, REFUSED, SIZED, WHAT_TO_DO, caller, dropout_flags, op_name,
 )
@@ -68,6 +69,32 @@ class _Placement:
     index: torch.Tensor  # int64 (n,) on the tensor's device: full-axis positions of the local ones
 
 
+def check_generators_after(draws: "OneProcessDraws", group: Any, device: torch.device) -> None:
+    """After a forward whose draws ran some as they are (no sequence axis): every rank of the
+    CP ``group`` must hold the same generators still. Collective over ``group``; raises the
+    same ValueError on every rank where they differ (a draw whose size depended on a rank's
+    own tokens: every draw after it was another rank's than one process's)."""
+    check_agreement(
+        group, [("generators", generator_digest(device))], device,
+        "the random generators after this forward's draws",
+        "a random draw whose size depends on this rank's own tokens (torch.rand(n) of a count of "
+        "them, say) left the ranks' generators apart, so the draws after it were not one process's. "
+        "Draw with a size every rank shares, or set that op's probability or noise to 0",
+    )
+
+
+def _full_like(x: torch.Tensor, where: _Placement) -> torch.Tensor:
+    """An empty tensor of the full sequence's shape laid out in memory as ``empty_like(x)``
+    lays out ``x``'s (its axes in the same stride order): some kernels draw in memory order,
+    so a permuted tensor's draw is one process's only on the same layout."""
+    if x.is_contiguous():
+        return torch.empty(where.full_shape, dtype=x.dtype, device=x.device)
+    strides = torch.empty_like(x).stride()  # what the op's own empty_like makes of x: dense or not
+    order = sorted(range(x.dim()), key=lambda d: (-strides[d], d))
+    physical = torch.empty([where.full_shape[d] for d in order], dtype=x.dtype, device=x.device)
+    return physical.permute([order.index(d) for d in range(x.dim())])
+
+
 @dataclass(eq=False)
 class OneProcessDraws(TorchFunctionMode):
     """Random draws of one guarded forward under CP, made as one process makes them.
@@ -83,7 +110,10 @@ class OneProcessDraws(TorchFunctionMode):
         tp_size: the tensor-parallel size; beside TP a draw may be on a head-sharded
             tensor, which the full-sequence draw does not reproduce, so sharded draws are refused.
         refusal: why no sharded draw of this forward can match one process's (the caller's
-            rows are laid out otherwise, :func:`draws_refused`), or None.
+            rows are laid out otherwise, :func:`~hf_ring.hf.randomness.refusals.draws_refused`), or None.
+        unplaced: set when a draw without a sequence axis ran as it is: one whose size
+            depends on a rank's own tokens would leave the ranks' generators apart, so the
+            guard compares them after the forward (:func:`check_generators_after`).
         active: set while the mode is entered (the base model's forward, or a layer's
             recompute under gradient checkpointing); ``entered_by``: the id of the module
             whose hooks entered it (randomness/scope.py).
@@ -96,6 +126,7 @@ class OneProcessDraws(TorchFunctionMode):
     generator_digests: tuple[int, ...]
     tp_size: int = 1
     refusal: Optional[str] = None
+    unplaced: bool = False
     active: bool = False
     entered_by: Optional[int] = None
     _indices: dict = field(default_factory=dict, repr=False)
@@ -131,6 +162,10 @@ class OneProcessDraws(TorchFunctionMode):
         elif self.seq_local in shape or self.rows * self.seq_local in shape:
             self._refuse(op, shape, "its sequence axis is not where hf_ring looks for it "
                          "(dim 1 after the batch, or dim 0 with the batch flattened in)")
+        elif any(n > self.seq_local and n % self.seq_local == 0 for n in shape):
+            # (rows, seq_local * hidden), (rows * seq_local * hidden,): the tokens folded into an axis.
+            self._refuse(op, shape, f"an axis is a multiple of the local length ({self.seq_local}), so the "
+                         "sequence may be folded into it (a reshape before the draw), which hf_ring cannot unfold")
         if found is not None and self.refusal is not None:
             self._refuse(op, shape, self.refusal)
         if found is not None and self.tp_size > 1:
@@ -167,9 +202,10 @@ class OneProcessDraws(TorchFunctionMode):
             return func(*args, **kwargs)  # draws nothing
         where = self.placement(tuple(x.shape), x.device, op_name(func))
         if where is None:
+            self.unplaced = True
             return func(*args, **kwargs)
         self._check_generators()
-        ones = torch.ones(where.full_shape, dtype=x.dtype, device=x.device)
+        ones = _full_like(x, where).fill_(1)
         # The same call on ones: the mask scaled by 1 / (1 - p), drawn as one process draws it.
         scale = func(ones, p, True, inplace) if func is F.dropout else func(ones, p, True)
         local = self._take(scale, where)
@@ -181,9 +217,10 @@ class OneProcessDraws(TorchFunctionMode):
             return self._checked(func, args, kwargs)  # per-token probabilities: not drawn in full
         where = self.placement(tuple(target.shape), target.device, op_name(func))
         if where is None:
+            self.unplaced = True
             return func(*args, **kwargs)
         self._check_generators()
-        full = torch.empty(where.full_shape, dtype=target.dtype, device=target.device)
+        full = _full_like(target, where)
         func(full, *args[1:], **kwargs)
         with torch.no_grad():
             target.copy_(self._take(full, where))
@@ -193,9 +230,10 @@ class OneProcessDraws(TorchFunctionMode):
         x = args[0] if args else kwargs["input"]
         where = self.placement(tuple(x.shape), x.device, op_name(func))
         if where is None:
+            self.unplaced = True
             return func(*args, **kwargs)
         self._check_generators()
-        template = torch.empty(where.full_shape, dtype=x.dtype, device=x.device)
+        template = _full_like(x, where)
         rest = {k: v for k, v in kwargs.items() if k != "input"}
         return self._take(func(template, *args[1:], **rest), where)
 
@@ -205,6 +243,7 @@ class OneProcessDraws(TorchFunctionMode):
         device = torch.device(kwargs.get("device") or "cpu")
         where = self.placement(shape, device, op_name(func))
         if where is None:
+            self.unplaced = True
             return func(*args, **kwargs)
         self._check_generators()
         rest = {k: v for k, v in kwargs.items() if k != "size"}
@@ -218,6 +257,7 @@ class OneProcessDraws(TorchFunctionMode):
             if not bound.arguments[flag] or float(bound.arguments.get("p", 1.0)) == 0.0:
                 return func(*args, **kwargs)
         out = func(*args, **kwargs)
+        self.unplaced = True
         tensors = [t for t in (*args, *kwargs.values(), *(out if isinstance(out, tuple) else (out,)))
                    if isinstance(t, torch.Tensor)]
         for t in tensors:

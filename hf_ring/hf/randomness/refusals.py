@@ -6,6 +6,7 @@
   :class:`~hf_ring.hf.randomness.draws.OneProcessDraws`, which refuses a sharded draw with it.
 - :class:`NoDraws`: refuses every draw while in force, for code that runs a different share
   of the work on every rank (the split vision tower).
+- :func:`refuse_length_scaled_noise`: NEFTune, whose noise is scaled by the shard's length.
 
 Part of the transformers integration; uses no transformers API. Must not import the Trainer,
 TRL, or hf_ring's training and memory layers.
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 from torch.overrides import TorchFunctionMode
 
@@ -70,3 +71,20 @@ class NoDraws(TorchFunctionMode):
                     f"runs its own share there, so no draw matches one process's. {WHAT_TO_DO}"
                 )
         return func(*args, **kwargs)
+
+
+def refuse_length_scaled_noise(model: Any, cp_size: int) -> None:
+    """NEFTune (the Trainer's and TRL's ``neftune_noise_alpha``) adds uniform noise to the
+    input embeddings of magnitude ``alpha / sqrt(seq_len * hidden)``, the length read from the
+    embeddings' output: under CP this rank's shard, so the noise would be ``sqrt(cp_size)``
+    times one process's. Refused on every rank (the setting is the same on each)."""
+    get = getattr(model, "get_input_embeddings", None)
+    embeddings = get() if callable(get) else None
+    alpha = getattr(embeddings, "neftune_noise_alpha", None)
+    if alpha:
+        raise NotImplementedError(
+            f"NEFTune (neftune_noise_alpha={alpha}) scales its embedding noise by the sequence length its "
+            f"hook reads from the embeddings, which under context parallelism (cp_size={cp_size}) is this "
+            f"rank's shard: the noise would be sqrt({cp_size}) times one process's. Train without "
+            "neftune_noise_alpha under context parallelism"
+        )

@@ -12,8 +12,13 @@ forward that finds checkpointing on; the wrapper outlives the forward): the func
 hands to the checkpoint enters the draws of the forward whose context its keyword
 arguments carry, when they are not in force already, i.e. in the recompute.
 
-Hooks on the base model, not a ``with`` block: the model's forward is transformers' code.
-The exit hook is ``always_call``, so a forward that raises leaves no mode behind.
+A head around the base model (``LlamaForTokenClassification``'s classifier dropout, PEFT's
+LoRA on ``lm_head``) draws on the sharded hidden states after the base model returned: when
+the base model runs inside a guarded head's forward, its draws stay in force until the head's
+forward ends (the head's hooks open a holder the base model's hook fills).
+
+Hooks, not a ``with`` block: the model's forward is transformers' code. The exit hooks are
+``always_call``, so a forward that raises leaves no mode behind.
 
 Must not import the Trainer, TRL, or hf_ring's training and memory layers.
 """
@@ -21,6 +26,7 @@ Must not import the Trainer, TRL, or hf_ring's training and memory layers.
 from __future__ import annotations
 
 import functools
+from contextvars import ContextVar
 from typing import Any, Callable, Optional
 
 import torch.nn as nn
@@ -35,7 +41,18 @@ except ImportError:  # pragma: no cover - older than the tested range
     GradientCheckpointingLayer = ()
 
 _SCOPED = "_hf_ring_draw_scope"
+_HEAD_SCOPED = "_hf_ring_head_draw_scope"
 _LAYERS = "_hf_ring_checkpointed_layers"
+
+
+class _HeadHolder:
+    """One guarded head's forward: its id, and the draws its base model entered for it."""
+
+    def __init__(self, head_id: int) -> None:
+        self.head_id, self.draws, self.token = head_id, None, None
+
+
+_HEAD: ContextVar[Optional[_HeadHolder]] = ContextVar("hf_ring_head_draw_scope", default=None)
 
 
 def _draws(kwargs: dict) -> Optional[OneProcessDraws]:
@@ -85,11 +102,39 @@ def _model_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
         return
     for layer in module.__dict__.get(_LAYERS, ()):
         wrap_checkpoint_function(layer, _scoped_checkpoint)
-    _enter(draws, id(module))
+    holder = _HEAD.get()
+    if holder is not None and holder.draws is None and not draws.active:
+        holder.draws = draws  # the head closes them, after its own draws on the hidden states
+        _enter(draws, holder.head_id)
+    else:
+        _enter(draws, id(module))
 
 
 def _model_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
     _exit(_draws(kwargs), id(module))
+
+
+def _head_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    holder = _HeadHolder(id(module))
+    holder.token = _HEAD.set(holder)
+
+
+def _head_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    holder = _HEAD.get()
+    if holder is None or holder.head_id != id(module):
+        return
+    _HEAD.reset(holder.token)
+    _exit(holder.draws, id(module))
+
+
+def install_head_scope(head: nn.Module) -> None:
+    """Keep the draws of the base model's CP forward in force until ``head``'s forward (the
+    model around the base model) ends. Idempotent."""
+    if head.__dict__.get(_HEAD_SCOPED):
+        return
+    head.register_forward_pre_hook(_head_pre_hook, with_kwargs=True)
+    head.register_forward_hook(_head_hook, with_kwargs=True, always_call=True)
+    head.__dict__[_HEAD_SCOPED] = True
 
 
 def install_draw_scopes(base: nn.Module) -> None:
