@@ -8,8 +8,8 @@ every token gets the mask one process gives it. This prints, for one rank's
 - ``local_s``: the plain local draw (what runs without hf_ring's mode: the wrong mask,
   the same on every rank), ``full_s``: the draw under the mode, each the median of
   ``--repeats`` calls;
-- ``local_peak_gib`` / ``full_peak_gib``: the growth of the process's peak resident memory
-  over one call, measured in a fresh child process each (``ru_maxrss``), against
+- ``local_peak_gib`` / ``full_peak_gib``: how far the process's resident memory rose over
+  one call, ``x`` included (Linux's VmHWM, reset before the call), against
   ``activation_gib``, the size of ``x`` itself.
 
 One JSON line per (tokens, hidden, cp, dtype). CPU only; a GPU's kernel differs, the
@@ -21,9 +21,8 @@ buffers it makes do not (a tensor of ones and the op's output, each ``cp`` times
 from __future__ import annotations
 
 import argparse
+import gc
 import json
-import multiprocessing as mp
-import resource
 import statistics
 import time
 
@@ -53,25 +52,20 @@ def _call(tokens: int, hidden: int, cp: int, dtype: torch.dtype, full: bool) -> 
     return seconds
 
 
-def _peak_growth(tokens: int, hidden: int, cp: int, dtype_name: str, full: bool, out) -> None:
-    dtype = getattr(torch, dtype_name)
-    torch.set_num_threads(1)
-    x = torch.randn(1, tokens // cp, hidden, dtype=dtype)  # the activation itself, before the baseline
-    del x
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def _peak_growth(tokens: int, hidden: int, cp: int, dtype: torch.dtype, full: bool) -> float:
+    """GiB the process's resident memory rose above where it stood before one call (Linux:
+    the peak is reset through /proc/self/clear_refs, then read as VmHWM)."""
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _status_kib("VmRSS")
     _call(tokens, hidden, cp, dtype, full)
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    out.put((after - before) / 2**20)  # KiB -> GiB
-
-
-def _measure_peak(tokens: int, hidden: int, cp: int, dtype_name: str, full: bool) -> float:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    child = ctx.Process(target=_peak_growth, args=(tokens, hidden, cp, dtype_name, full, queue))
-    child.start()
-    value = queue.get()
-    child.join()
-    return value
+    return (_status_kib("VmHWM") - before) / 2**20
 
 
 def main() -> None:
@@ -93,8 +87,8 @@ def main() -> None:
                 "tokens": tokens, "hidden": args.hidden, "cp": cp, "dtype": args.dtype, "threads": args.threads,
                 "activation_gib": tokens // cp * args.hidden * dtype.itemsize / 2**30,
                 "local_s": statistics.median(local), "full_s": statistics.median(full),
-                "local_peak_gib": _measure_peak(tokens, args.hidden, cp, args.dtype, False),
-                "full_peak_gib": _measure_peak(tokens, args.hidden, cp, args.dtype, True),
+                "local_peak_gib": _peak_growth(tokens, args.hidden, cp, dtype, False),
+                "full_peak_gib": _peak_growth(tokens, args.hidden, cp, dtype, True),
             }
             print(json.dumps(row), flush=True)
 

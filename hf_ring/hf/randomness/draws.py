@@ -207,7 +207,10 @@ class OneProcessDraws(TorchFunctionMode):
         self._check_generators()
         ones = _full_like(x, where).fill_(1)
         # The same call on ones: the mask scaled by 1 / (1 - p), drawn as one process draws it.
-        scale = func(ones, p, True, inplace) if func is F.dropout else func(ones, p, True)
+        # On CPU the in-place call draws as the other does and saves a full buffer; on CUDA the
+        # two are other kernels, so the model's own form is kept.
+        inplace_ones = inplace or x.device.type == "cpu"
+        scale = func(ones, p, True, inplace_ones) if func is F.dropout else func(ones, p, True)
         local = self._take(scale, where)
         return x.mul_(local) if inplace else x * local
 
