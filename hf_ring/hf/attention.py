@@ -251,9 +251,10 @@ def ring_flash_attention_forward(
     chunk = None
     if context is None:
         refuse_without_context(module)
-    if kwargs.get("cu_seq_lens_q") is not None or (context is not None and context.state is not None):
+    ring_runs = kwargs.get("cu_seq_lens_q") is not None or (context is not None and context.state is not None)
+    if ring_runs:
         refuse_dropout(module, dropout)  # without the ring, SDPA (or eager) draws it as transformers does
-    if context is not None and (context.state is not None or kwargs.get("cu_seq_lens_q") is not None):
+    if context is not None and ring_runs:
         # The ring runs: what the model applies outside this call (its mask's window and
         # chunks, the temperature of its shard's positions) is computed here over the row.
         sliding_window, chunk = layer_window_and_chunk(module, sliding_window, context)

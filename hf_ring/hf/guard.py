@@ -8,7 +8,8 @@ without a word. A forward pre-hook on the model's base model (the ``LlamaModel``
 per forward (``hf_ring.hf.cp_inputs``) and passes a :class:`ForwardContext` down to the
 attention layers through the forward's keyword arguments; ``ring_flash`` notes in it
 every layer that ran the ring; the forward hook compares that with the model's attention
-layers and raises if any is missing.
+layers and raises if any is missing. Under CP the context also carries the forward's
+random draws, made as one process makes them (``hf_ring.hf.randomness``).
 
 Models created with ``attn_implementation="ring_flash"`` after ``import hf_ring`` are
 guarded automatically (``patches/transformers/hooks.py`` calls
@@ -192,7 +193,7 @@ def _pre_forward(model: nn.Module, args: tuple, kwargs: dict):
     sequence_features.hand_max_position(model, checked.max_position)
     rows, seq_local = rows_and_length(inputs)
     draws = OneProcessDraws(rows, seq_local, state.cp_size, checked.token_index, checked.generator_digests,
-                            tp_size=state.tp_size, refusal=current_refusal())
+                            device=inputs_device(inputs), tp_size=state.tp_size, refusal=current_refusal())
     context = ForwardContext(state, checked.doc_lens, comm_stats, made_by_guard=True,
                              token_index=checked.token_index, handed=handed_to_the_ring(model),
                              spans=shards.spans if shards is not None else None,
@@ -268,7 +269,7 @@ def _post_forward(model: nn.Module, args: tuple, kwargs: dict, output: Any):
             "Use a supported transformers release, or report the model"
         )
     if context.draws is not None and context.draws.unplaced:
-        check_generators_after(context.draws, context.state.cp_group, inputs_device(bind_arguments(model, args, kwargs)))
+        check_generators_after(context.state.cp_group, context.draws.device)
     mixers = [name for name, m in _mixer_layers(model).items()
               if any((id(m), step) not in context.ran_mixers for step in required_steps(m))]
     if mixers:

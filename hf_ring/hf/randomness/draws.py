@@ -69,7 +69,7 @@ class _Placement:
     index: torch.Tensor  # int64 (n,) on the tensor's device: full-axis positions of the local ones
 
 
-def check_generators_after(draws: "OneProcessDraws", group: Any, device: torch.device) -> None:
+def check_generators_after(group: Any, device: torch.device) -> None:
     """After a forward whose draws ran some as they are (no sequence axis): every rank of the
     CP ``group`` must hold the same generators still. Collective over ``group``; raises the
     same ValueError on every rank where they differ (a draw whose size depended on a rank's
@@ -107,6 +107,7 @@ class OneProcessDraws(TorchFunctionMode):
             this rank's tokens (any layout, packed rows included).
         generator_digests: each CP rank's digest of its generators at the forward's start
             (cp_inputs.py gathers them in its header): draws need them all equal.
+        device: the forward's inputs' device (where the generators are compared again).
         tp_size: the tensor-parallel size; beside TP a draw may be on a head-sharded
             tensor, which the full-sequence draw does not reproduce, so sharded draws are refused.
         refusal: why no sharded draw of this forward can match one process's (the caller's
@@ -124,6 +125,7 @@ class OneProcessDraws(TorchFunctionMode):
     cp_size: int
     token_index: torch.Tensor
     generator_digests: tuple[int, ...]
+    device: torch.device = torch.device("cpu")
     tp_size: int = 1
     refusal: Optional[str] = None
     unplaced: bool = False
