@@ -18,14 +18,17 @@ that gradient checkpointing replays (torch restores the generator for the recomp
 the same again. Any other random op on a sequence-shaped tensor, or one whose sequence
 axis cannot be told, is refused by name on every rank (the shapes agree across ranks).
 
-Exact on CPU: torch's CPU kernels draw in the tensor's logical order from one seed, so the
-full draw sliced is bitwise one process's. On CUDA the full draw is the same kernel on the
+Exact on CPU: the full tensor is laid out as the op's own ``empty_like`` lays out the input,
+so the same kernel draws the same numbers for every element, and the draw sliced is bitwise
+one process's (tests/test_random_draws.py). On CUDA the full draw is the same kernel on the
 same shape, so the masks are one process's too; a dropout's product is rounded once more
-(the kernel multiplies by ``mask * scale`` in float32, this by the rounded ``scale``).
+(the kernel multiplies by ``mask * scale`` in float32, this by the rounded ``scale``). Not run
+on a GPU yet.
 
-Cost: each sharded draw makes the full sequence's tensor (dropout: a tensor of ones and the
-op's output, both ``cp_size`` times the local activation) for the duration of the call;
-docs/randomness.md gives the measured time and memory.
+Cost: each sharded draw makes tensors of the full sequence's shape (dropout: a tensor of ones
+and the kernel's noise, on CUDA also the op's output; each ``cp_size`` times the local
+activation) for the duration of the call; docs/randomness.md gives the measured time and
+memory.
 
 Part of the transformers integration; uses no transformers API. Must not import the Trainer,
 TRL, or hf_ring's training and memory layers.
