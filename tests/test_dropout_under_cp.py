@@ -37,8 +37,9 @@ import hf_ring
 from closeness import grads, rel_err
 from distributed import run_world
 from hf_ring.hf.randomness.refusals import draws_refused
-from hf_ring.sharding import shard_packed, unshard_packed
+from hf_ring.sharding import unshard_packed
 from test_hf_attention import _COMMON, VOCAB, tiny_model
+from test_hf_sequence_features import case_shard
 
 TRANSFORMERS_5 = Version(transformers.__version__) >= Version("5.0.0.dev0")
 TOL = 1e-4
@@ -150,15 +151,7 @@ def _forward_backward(case: dict, model, shard, extra: dict) -> dict:
 
 
 def _on_rank(case: dict, rank: int, world: int) -> dict:
-    state = hf_ring.get_context_parallel_state()
-    extra = {}
-    if "cu" in case:
-        cu = case["cu"]
-        shard = lambda x: shard_packed(x, cu, world, rank)  # noqa: E731
-        longest = int((cu[1:] - cu[:-1]).max())
-        extra = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
-    else:
-        shard = lambda x: hf_ring.shard_sequence(x, world, rank, layout=state.layout)  # noqa: E731
+    shard, extra = case_shard(case, rank, world, hf_ring.get_context_parallel_state().layout)
     return _forward_backward(case, _model(case, "ring_flash"), shard, extra)
 
 

@@ -21,6 +21,8 @@ RoPE and temperature read the row's positions as a whole. One spawn per world si
 
 from __future__ import annotations
 
+from typing import Callable
+
 import pytest
 import torch
 import transformers
@@ -117,16 +119,20 @@ def _case(name: str, world: int, seed: int, packed: bool) -> dict:
     return case
 
 
+def case_shard(case: dict, rank: int, world: int, layout: str = "zigzag") -> tuple[Callable, dict]:
+    """How rank ``rank`` of ``world`` cuts a case's full-row tensors (per document on a packed
+    row, ``case["cu"]``; else in ``layout``), and the packed row's keyword arguments."""
+    if "cu" not in case:
+        return (lambda x: hf_ring.shard_sequence(x, world, rank, layout=layout)), {}
+    cu = case["cu"]
+    longest = int((cu[1:] - cu[:-1]).max())
+    extra = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+    return (lambda x: shard_packed(x, cu, world, rank)), extra
+
+
 def _on_rank(case: dict, rank: int, world: int) -> dict:
     model = tiny_model(case["config"], "ring_flash", case["state_dict"]).train()
-    extra = {}
-    if "cu" in case:
-        cu = case["cu"]
-        shard = lambda x: shard_packed(x, cu, world, rank)  # noqa: E731
-        longest = int((cu[1:] - cu[:-1]).max())
-        extra = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
-    else:
-        shard = lambda x: hf_ring.shard_sequence(x, world, rank)  # noqa: E731
+    shard, extra = case_shard(case, rank, world)
     logits = model(shard(case["ids"]), position_ids=shard(case["positions"]), **extra).logits
     loss = (logits.double() * shard(case["weights"]).double()).sum()
     loss.backward()
