@@ -198,6 +198,16 @@ class OneProcessDraws(TorchFunctionMode):
 
     # ---------------------------------------------------------------- the ops
 
+    def _sharded(self, shape: tuple[int, ...], device: torch.device, func: Callable) -> Optional[_Placement]:
+        """The placement of a draw about to be made of ``shape``, its generators checked; None
+        (noted: the generators are compared after the forward) for a draw made as it is."""
+        where = self.placement(shape, device, op_name(func))
+        if where is None:
+            self.unplaced = True
+        else:
+            self._check_generators()
+        return where
+
     def _take(self, full: torch.Tensor, where: _Placement) -> torch.Tensor:
         return full.index_select(where.axis, where.index)
 
@@ -205,11 +215,9 @@ class OneProcessDraws(TorchFunctionMode):
         x, p, training, inplace = dropout_flags(func, args, kwargs)
         if not training or p == 0.0:
             return func(*args, **kwargs)  # draws nothing
-        where = self.placement(tuple(x.shape), x.device, op_name(func))
+        where = self._sharded(tuple(x.shape), x.device, func)
         if where is None:
-            self.unplaced = True
             return func(*args, **kwargs)
-        self._check_generators()
         ones = _full_like(x, where).fill_(1)
         # The same call on ones: the mask scaled by 1 / (1 - p), drawn as one process draws it.
         # On CPU the in-place call draws as the other does and saves a full buffer; on CUDA the
@@ -223,11 +231,9 @@ class OneProcessDraws(TorchFunctionMode):
         target = args[0]
         if func is torch.Tensor.bernoulli_ and isinstance(args[1] if len(args) > 1 else kwargs.get("p"), torch.Tensor):
             return self._checked(func, args, kwargs)  # per-token probabilities: not drawn in full
-        where = self.placement(tuple(target.shape), target.device, op_name(func))
+        where = self._sharded(tuple(target.shape), target.device, func)
         if where is None:
-            self.unplaced = True
             return func(*args, **kwargs)
-        self._check_generators()
         full = _full_like(target, where)
         func(full, *args[1:], **kwargs)
         with torch.no_grad():
@@ -236,11 +242,9 @@ class OneProcessDraws(TorchFunctionMode):
 
     def _like(self, func: Callable, args: tuple, kwargs: dict) -> Any:
         x = args[0] if args else kwargs["input"]
-        where = self.placement(tuple(x.shape), x.device, op_name(func))
+        where = self._sharded(tuple(x.shape), x.device, func)
         if where is None:
-            self.unplaced = True
             return func(*args, **kwargs)
-        self._check_generators()
         template = _full_like(x, where)
         rest = {k: v for k, v in kwargs.items() if k != "input"}
         return self._take(func(template, *args[1:], **rest), where)
@@ -249,11 +253,9 @@ class OneProcessDraws(TorchFunctionMode):
         size = kwargs.get("size", args[0] if len(args) == 1 and not isinstance(args[0], int) else args)
         shape = tuple(int(n) for n in size)
         device = torch.device(kwargs.get("device") or "cpu")
-        where = self.placement(shape, device, op_name(func))
+        where = self._sharded(shape, device, func)
         if where is None:
-            self.unplaced = True
             return func(*args, **kwargs)
-        self._check_generators()
         rest = {k: v for k, v in kwargs.items() if k != "size"}
         return self._take(func(where.full_shape, **rest), where)
 
