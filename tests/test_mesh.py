@@ -85,8 +85,7 @@ def test_auto_reads_node_placement_from_the_strided_cp_group():
     common = dict(n_heads=32, n_kv_heads=8, seq_len=65536, local_world_size=8)
     # cp 4 x tp 2 on an 8-process node: CP ranks 0, 2, 4, 6 are all inside it.
     assert _order(cp_size=4, rank_stride=2, **common)[0] == "ulysses"
-    # cp 4 x tp 4: ranks 0, 4 | 8, 12 span two nodes, so not Ulysses; Ulysses pairs would stay inside
-    # one (hybrid/2), but hybrid beside TP has not run and is not offered (tests/test_tp_cp.py).
-    assert _order(cp_size=4, rank_stride=4, **common) == ["ring", "allgather"]
+    # cp 4 x tp 4: ranks 0, 4 | 8, 12 span two nodes, so not Ulysses; Ulysses pairs stay inside one: hybrid/2.
+    assert _order(cp_size=4, rank_stride=4, **common) == ["hybrid/2", "ring", "allgather"]
     # cp 2 x tp 8: ranks 0 | 8, one per node: no node-local Ulysses group.
     assert _order(cp_size=2, rank_stride=8, **common) == ["ring", "allgather"]

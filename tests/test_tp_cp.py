@@ -8,7 +8,7 @@ groups from ``setup_context_parallel(cp_size=2, tp_size=2)``: CP shards the sequ
 the ranks that FSDP shards the weights over (torchtitan's ``fsdp = dp_shard x cp``).
 
 Compared with one process on the full sequence (SDPA, float32), for the ring, all-gather,
-Ulysses and auto patterns (hybrid needs 4 CP ranks), and for a packed row of two documents
+Ulysses and auto patterns (hybrid, which needs 4 CP ranks, is in tests/test_nd_cp.py), and for a packed row of two documents
 through the ring against each document alone: every rank's logits of its
 shard, the loss, and every parameter's gradient (``grad.full_tensor()``). Each CP rank's loss
 is its share of the token mean times 2, since FSDP2 averages gradients over its 2 ranks.
@@ -231,18 +231,18 @@ def test_cp_groups_that_cross_tp_coordinates_are_refused(model_dir):
         assert "beside tensor parallelism (tp_size=2) has not been checked" in trl, (rank, trl)
 
 
-def test_hybrid_beside_tp_is_refused_and_auto_does_not_pick_it():
-    """The hybrid pattern has not run beside TP (it needs 4 CP ranks per TP coordinate): refused
-    by name, and ``auto`` (which picks it for a CP group across nodes) offers it only without TP."""
-    import hf_ring
+def test_auto_offers_hybrid_beside_tp_only_with_its_ulysses_groups_inside_a_node():
+    """Beside TP a CP group's ranks are ``tp`` apart (tests/test_nd_cp.py runs hybrid at
+    cp4 x tp2): ``auto`` offers hybrid when its Ulysses groups of consecutive CP ranks each
+    lie inside a node, read with that stride."""
     from hf_ring.patterns.auto import pattern_candidates
 
-    with pytest.raises(NotImplementedError, match="pattern='hybrid' beside tensor parallelism"):
-        hf_ring.setup_context_parallel(cp_size=4, tp_size=2, pattern="hybrid", ulysses_size=2)
     call = dict(n_heads=8, n_kv_heads=8, seq_len=4096, cp_size=4)
-    # Ranks 0-3, 2 per node; and ranks 0, 2, 4, 6 (TP 2), 4 per node: two nodes, two ranks in each.
-    assert "hybrid" in [c.pattern for c in pattern_candidates(**call, local_world_size=2)]
-    assert "hybrid" not in [c.pattern for c in pattern_candidates(**call, local_world_size=4, rank_stride=2)]
+    # CP ranks 0, 2, 4, 6 (TP 2), 4 processes per node: Ulysses over {0, 2} and {4, 6}, the ring across.
+    offered = {c.pattern: c.ulysses_size for c in pattern_candidates(**call, local_world_size=4, rank_stride=2)}
+    assert offered.get("hybrid") == 2, offered
+    # 2 processes per node: every CP rank on a node of its own, so no Ulysses group fits a node.
+    assert "hybrid" not in [c.pattern for c in pattern_candidates(**call, local_world_size=2, rank_stride=2)]
 
 
 def test_what_has_not_run_beside_tp_is_refused_by_name():

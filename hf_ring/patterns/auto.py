@@ -95,7 +95,7 @@ def pattern_candidates(
     if nodes == 1 and n_heads % cp_size == 0:
         candidates.append(PatternChoice("ulysses", None, f"cp={cp_size} inside {where} and {heads} divide over "
                                                          "it: two all-to-alls on intra-node links, one full-sequence kernel"))
-    if nodes > 1 and rank_stride == 1:  # hybrid beside TP has not run (docs/limits.md): not offered
+    if nodes > 1:
         # Ulysses groups are u consecutive ranks of the CP group: each must lie inside a node.
         sizes = [u for u in range(min(local_world_size, cp_size), 1, -1)
                  if cp_size % u == 0 and n_heads % u == 0

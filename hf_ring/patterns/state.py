@@ -189,10 +189,10 @@ def setup_context_parallel(
             ``DistributedConfig(tp_size=...)``): the mesh is ``dp, cp, tp`` with TP
             innermost, so every CP group holds ranks of one TP coordinate (the same heads);
             the data axis is what remains (``world / (cp_size * tp_size)``).
-            A model loaded with ``DistributedConfig(tp_size=T, fsdp_size=cp_size)`` computes
-            what one process computes (tests/test_tp_cp.py); training it with
-            ``RingTrainer`` is not built yet (docs/limits.md): ``RingAttentionPlugin``
-            builds ``tp_size=1`` only.
+            A model loaded with ``DistributedConfig(tp_size=T, fsdp_size=world / T)``
+            computes what one process computes, every pattern (tests/test_tp_cp.py,
+            tests/test_nd_cp.py), and trains with ``RingTrainer`` and
+            ``RingAttentionPlugin(cp_size=C, tp_size=T)`` (docs/parallelism.md).
 
     Every process of the world must call this with the same arguments (group creation is
     collective). Calling it again with the same ``cp_size`` over the same default group
@@ -210,12 +210,6 @@ def setup_context_parallel(
         raise ValueError(f"timeout must be a positive datetime.timedelta (or None), got {timeout!r}")
     check_layout(layout)
     check_pattern(pattern, ulysses_size, cp_size)
-    if pattern == "hybrid" and tp_size > 1:
-        raise NotImplementedError(
-            f"pattern='hybrid' beside tensor parallelism (tp_size={tp_size}) has not been checked against one process "
-            "(it needs 4 CP ranks per TP coordinate); use 'ring', 'allgather', 'ulysses' or 'auto' (which does not "
-            "pick hybrid beside TP)"
-        )
     check_kernel_name(backend)
     if not dist.is_available() or not dist.is_initialized():
         if cp_size == 1 and tp_size == 1:

@@ -92,9 +92,6 @@ class RingAttentionPlugin:
             size = getattr(self, name)
             if not isinstance(size, int) or isinstance(size, bool) or size < 1:
                 raise ValueError(f"{name} must be a positive int, got {size!r}")
-        if self.pattern == "hybrid" and self.tp_size > 1:
-            raise NotImplementedError("pattern='hybrid' beside tensor parallelism has not been checked against one "
-                                      "process; use 'ring', 'allgather', 'ulysses' or 'auto'")
         check_layout(self.layout)
         check_pattern(self.pattern, self.ulysses_size, self.cp_size)
         check_kernel_name(self.backend)
