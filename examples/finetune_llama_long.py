@@ -19,6 +19,10 @@ One process per device; the sequence of every batch is split over ``--cp_size`` 
     # tensor parallelism beside CP, 4 processes: tp 2 x cp 2 (the model loaded with transformers'
     # DistributedConfig(tp_size=2, fsdp_size=2): FSDP2 over the CP ranks, TP innermost):
     accelerate launch --multi_gpu --num_processes 4 examples/finetune_llama_long.py --tp_size 2 --cp_size 2
+    # the sizes written the Accelerate way (accelerate asks for FSDP2 with a parallelism config);
+    # hf_ring runs the CP, torch's is not engaged:
+    accelerate launch --num_processes 2 --use_fsdp --fsdp_version 2 --use_parallelism_config \
+        --parallelism_config_cp_size 2 examples/finetune_llama_long.py
 
 Longest context per device (README, "Longest context per device"): the loss is computed
 chunk by chunk without the full logits by default under CP (``--chunked_loss``);
@@ -56,8 +60,10 @@ from long_context_data import ByteTokenizer, passkey_dataset  # noqa: E402
 def build_parser(description: Optional[str] = __doc__) -> argparse.ArgumentParser:
     """The example's flags (the TRL examples add theirs to the same parser)."""
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cp_size", type=int, default=1, help="processes per context-parallel group")
-    p.add_argument("--tp_size", type=int, default=1,
+    p.add_argument("--cp_size", type=int, default=None,
+                   help="processes per context-parallel group (default: accelerate launch's "
+                        "--parallelism_config_cp_size, else 1)")
+    p.add_argument("--tp_size", type=int, default=None,
                    help="tensor-parallel ranks (transformers' DistributedConfig; FSDP2 over the other ranks)")
     p.add_argument("--layout", default="zigzag", choices=["zigzag", "stripe", "contiguous"],
                    help="how each sequence is split over a CP group (packing needs zigzag)")
@@ -138,6 +144,7 @@ def parse_args(
     """The flags of ``parser`` (default: :func:`build_parser`), checked together."""
     parser = parser if parser is not None else build_parser()
     args = parser.parse_args(argv)
+    _sizes_from_launch(parser, args)
     if args.fsdp and args.deepspeed:
         parser.error("--fsdp and --deepspeed both shard the weights: choose one")
     if args.stock_trainer and (args.cp_size != 1 or args.packing or args.tp_size != 1):
@@ -153,6 +160,21 @@ def parse_args(
             parser.error(f"--tp_size {args.tp_size} with {', '.join(beside)}: not checked beside tensor parallelism "
                          "(the weights are sharded by transformers' DistributedConfig: FSDP2 over the dp x cp ranks)")
     return args
+
+
+def _sizes_from_launch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--cp_size`` and ``--tp_size`` from accelerate launch's parallelism config
+    (``--use_parallelism_config --parallelism_config_cp_size C``) where it gives one, else 1;
+    flags that contradict it are refused."""
+    from hf_ring.training.parallelism_config import plugin_sizes, requested_parallelism_config
+
+    config = requested_parallelism_config(None)
+    launched = plugin_sizes(config) if config is not None else (1, 1)
+    for i, flag in enumerate(("cp_size", "tp_size")):
+        given = getattr(args, flag)
+        if config is not None and given is not None and given != launched[i]:
+            parser.error(f"--{flag} {given} but the launch's parallelism config says {flag}={launched[i]}: give it once")
+        setattr(args, flag, launched[i] if given is None else given)
 
 
 def refuse_memory_options(parser: argparse.ArgumentParser, args: argparse.Namespace, why: str) -> None:

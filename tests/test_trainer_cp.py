@@ -36,6 +36,8 @@ from tensor_parallel_loading import NEEDS_TP
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "finetune_llama_long.py")
+# FSDP2 on CPU through accelerate launch needs transformers 5 (hf_ring.training.weight_sharding).
+NEEDS_FSDP2 = pytest.mark.skipif(Version(transformers.__version__) < Version("5"), reason="FSDP2 needs transformers 5")
 STEPS = 8
 REL_TOL = 1e-4
 COMMON = [
@@ -45,14 +47,15 @@ COMMON = [
 ]
 
 
-def _run(nproc: int, script: list[str]) -> str:
-    """Run ``script`` (a path and its arguments) on ``nproc`` processes; return its output."""
+def _run(nproc: int, script: list[str], launch: tuple[str, ...] = ("--multi_gpu",)) -> str:
+    """Run ``script`` (a path and its arguments) on ``nproc`` processes; return its output.
+    ``launch``: accelerate launch's flags that choose how (``--multi_gpu``: on a machine
+    without GPUs accelerate otherwise starts ONE process; ``--use_fsdp`` starts them too)."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false")
     if nproc == 1:
         cmd = [sys.executable, *script]
     else:
-        # --multi_gpu: on a machine without GPUs accelerate otherwise starts ONE process.
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(nproc),
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch, "--num_processes", str(nproc),
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                "--main_process_port", str(free_port()), *script]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=HANG_GUARD_S)
@@ -61,10 +64,11 @@ def _run(nproc: int, script: list[str]) -> str:
     return log
 
 
-def _launch(nproc: int, out_dir: str, args: list[str], expect: tuple[str, ...] = ()) -> dict:
+def _launch(nproc: int, out_dir: str, args: list[str], expect: tuple[str, ...] = (),
+            launch: tuple[str, ...] = ("--multi_gpu",)) -> dict:
     """Run the example on ``nproc`` processes; return its trainer_state.json. ``expect``: lines
     its output must contain (which code path ran)."""
-    log = _run(nproc, [EXAMPLE, "--output_dir", out_dir, *COMMON, *args])
+    log = _run(nproc, [EXAMPLE, "--output_dir", out_dir, *COMMON, *args], launch)
     # Every process reports where it sits in the dp x cp grid: proof that nproc really ran.
     ranks = re.findall(rf"\[hf_ring\] rank (\d+)/{nproc} \(dist_backend", log)
     assert sorted(map(int, ranks)) == list(range(nproc)), log[-3000:]
@@ -115,15 +119,21 @@ def runs(tmp_path_factory):
         "tp2_cp2": (4, ["--tp_size", "2", "--cp_size", "2", "--per_device_train_batch_size", "2"]),
         "packed_tp2_cp2": (4, ["--packing", "--tp_size", "2", "--cp_size", "2", "--per_device_train_batch_size", "2"]),
     }
+    # The sizes the Accelerate way: accelerate launch's parallelism config (it asks for FSDP2 with
+    # one), no --cp_size; hf_ring runs the CP, torch's is not engaged.
+    configs["launch_cp2"] = (2, ["--per_device_train_batch_size", "2"])
+    launch = {"launch_cp2": ("--use_fsdp", "--fsdp_version", "2", "--use_parallelism_config",
+                             "--parallelism_config_cp_size", "2")}
     # What proves the run took the path it names (beside the ranks every launch checks).
     expect = {name: ("gradients: fsdp2 mesh (2,) over 2 processes", "cp_rank 1/2, tp_rank 1/2")
               for name in ("tp2_cp2", "packed_tp2_cp2")}
+    expect["launch_cp2"] = ("gradients: fsdp2 mesh (2,) over 2 processes", "cp_rank 1/2, layout zigzag")
 
     def get(name: str) -> dict:
         if name not in cache:
             nproc, args = configs[name]
             out = str(tmp_path_factory.mktemp(name))
-            cache[name] = _launch(nproc, out, args, expect.get(name, ()))
+            cache[name] = _launch(nproc, out, args, expect.get(name, ()), launch.get(name, ("--multi_gpu",)))
             cache[name]["_output_dir"] = out
         return cache[name]
 
@@ -140,7 +150,8 @@ def test_reference_trains_and_is_finite(runs):
     assert ref["train_batch_size"] == 2
 
 
-@pytest.mark.parametrize("name", ["cp2", "cp2_stripe", "dp2", "dp2_cp2", pytest.param("tp2_cp2", marks=NEEDS_TP)])
+@pytest.mark.parametrize("name", ["cp2", "cp2_stripe", "dp2", "dp2_cp2", pytest.param("tp2_cp2", marks=NEEDS_TP),
+                                  pytest.param("launch_cp2", marks=NEEDS_FSDP2)])
 def test_same_losses_as_without_cp(runs, name):
     ref, got = runs("cp1"), runs(name)
     _assert_same(_losses(got), _losses(ref), f"{name} training loss")

@@ -103,6 +103,17 @@ class RingAttentionPlugin:
             raise ValueError(f"timeout must be positive, got {self.timeout!r}")
         self._state: Optional[ContextParallelState] = None
 
+    @classmethod
+    def from_parallelism_config(cls, config: Any, **settings: Any) -> "RingAttentionPlugin":
+        """The plugin for Accelerate's ``ParallelismConfig``: its ``cp_size`` and ``tp_size``
+        (checked: no ``sp_size``, no torch-only CP settings), and ``settings`` (layout,
+        pattern, ulysses_size, backend, timeout) for what the config does not say. Its data
+        axes are what remains of the world (``dp_replicate x dp_shard``)."""
+        from hf_ring.training.parallelism_config import plugin_sizes
+
+        cp_size, tp_size = plugin_sizes(config)
+        return cls(cp_size=cp_size, tp_size=tp_size, **settings)
+
     # ---- groups ----
 
     def setup(self) -> ContextParallelState:

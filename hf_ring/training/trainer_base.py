@@ -37,7 +37,7 @@ from transformers.utils import logging as hf_logging
 from hf_ring.distributed.errors import raise_together
 from hf_ring.patches import accelerate as accelerate_patches
 from hf_ring.patches import transformers as transformers_patches
-from hf_ring.training import adapter_saving, deepspeed_support, weight_sharding
+from hf_ring.training import adapter_saving, deepspeed_support, parallelism_config, weight_sharding
 from hf_ring.training.eval_loss import batch_token_mean, data_parallel_gather
 from hf_ring.training.loss import LossTotals
 from hf_ring.training.plugin import RingAttentionPlugin
@@ -67,14 +67,25 @@ def model_and_training_args(cls: type, args: tuple, kwargs: dict[str, Any]) -> t
     return bound.arguments.get("model"), bound.arguments.get("args")
 
 
-def _prepare_weight_sharding(model: Any, training_args: Any) -> None:
+def _plugin_for(ring_plugin: Optional[RingAttentionPlugin], config: Optional[Any]) -> RingAttentionPlugin:
+    """The given plugin, checked against the run's ``ParallelismConfig``; without one, the
+    plugin that config describes (or ``cp_size=1``). A config of data axes only sizes nothing."""
+    if not parallelism_config.asks_for_sizes(config):
+        return ring_plugin if ring_plugin is not None else RingAttentionPlugin(cp_size=1)
+    if ring_plugin is None:
+        return RingAttentionPlugin.from_parallelism_config(config)
+    parallelism_config.check_plugin_agrees(config, ring_plugin.cp_size, ring_plugin.tp_size)
+    return ring_plugin
+
+
+def _prepare_weight_sharding(model: Any, training_args: Any, config: Optional[Any] = None) -> None:
     """What sharded weights need before the Trainer builds its Accelerator: on CPU, accelerate's
     FSDP enabled (it would drop it silently) and, for a model transformers sharded at load
-    (``DistributedConfig``: tensor parallelism), the parallelism config the Trainer gives
-    accelerate accepted (it would refuse a CPU state); layer classes to wrap that the model
-    lacks, dropped."""
+    (``DistributedConfig``: tensor parallelism) or a run given a ``ParallelismConfig``, the
+    parallelism config accelerate gets accepted (it would refuse a CPU state); layer classes
+    to wrap that the model lacks, dropped."""
     on_cpu = training_args is None or training_args.device.type == "cpu"
-    if on_cpu and getattr(model, "is_distributed_loading_by_transformers", False):
+    if on_cpu and (getattr(model, "is_distributed_loading_by_transformers", False) or config is not None):
         accelerate_patches.allow_parallelism_config_on_cpu()
     if not weight_sharding.fsdp_requested(training_args, None):
         return
@@ -97,8 +108,11 @@ class RingTrainerBase:
     """
 
     def __init__(self, *args: Any, ring_plugin: Optional[RingAttentionPlugin] = None, **kwargs: Any):
-        self.ring_plugin = ring_plugin if ring_plugin is not None else RingAttentionPlugin(cp_size=1)
-        _prepare_weight_sharding(*model_and_training_args(type(self), args, kwargs))
+        model, training_args = model_and_training_args(type(self), args, kwargs)
+        # TrainingArguments' parallelism_config (or accelerate launch's) sizes hf_ring's CP and TP.
+        self._parallelism_config = parallelism_config.requested_parallelism_config(training_args)
+        self.ring_plugin = _plugin_for(ring_plugin, self._parallelism_config)
+        _prepare_weight_sharding(model, training_args, self._parallelism_config)
         # How the wrapped model reduces gradients; read from it at the first training step.
         self.gradient_reduction: Optional[weight_sharding.GradientReduction] = None
         self._eval_totals: Optional[LossTotals] = None
@@ -107,6 +121,18 @@ class RingTrainerBase:
         # A set-up refused on some ranks only (a collator built for another CP rank) is raised on every
         # rank, instead of leaving the others to die in their next collective with nothing named.
         raise_together(self._check_supported)
+
+    def create_accelerator_and_postprocess(self) -> None:
+        """The stock Accelerator, given the run's ``ParallelismConfig`` with its CP axis folded
+        into ``dp_shard`` (:func:`parallelism_config.accelerate_view`): hf_ring runs the CP,
+        so Accelerate must not engage torch's (nor build it from accelerate launch's
+        environment)."""
+        if self._parallelism_config is None:
+            return super().create_accelerator_and_postprocess()
+        view = parallelism_config.accelerate_view(self._parallelism_config,
+                                                  fsdp=weight_sharding.fsdp_requested(self.args, None))
+        with parallelism_config.given_to_accelerate(self.args, view):
+            return super().create_accelerator_and_postprocess()
 
     def _check_supported(self) -> None:
         """Raise for what this trainer cannot run exactly; called once, at construction, on every

@@ -221,7 +221,8 @@ def check_accelerate_parallelism(accelerator: Any) -> None:
         if size > 1:
             raise ValueError(
                 f"the Accelerator's parallelism_config asks for its own {what} ({name}={size}); hf_ring brings "
-                f"its own: leave parallelism_config's {name} at 1 and give the CP size to RingAttentionPlugin"
+                f"its own: give the CP size to RingAttentionPlugin, or the parallelism_config to a Ring trainer's "
+                f"TrainingArguments (which hands Accelerate the config with {name} folded into dp_shard)"
             )
 
 
