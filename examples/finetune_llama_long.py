@@ -50,6 +50,7 @@ from accelerate import PartialState
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, TrainingArguments
 
 import hf_ring
+from hf_ring.hf.support.router_balance import router_balance_of
 from hf_ring.training import deepspeed_support
 from hf_ring.training.weight_sharding import FSDP_MODES, fsdp_training_arguments
 
@@ -88,6 +89,14 @@ def build_parser(description: Optional[str] = __doc__) -> argparse.ArgumentParse
                    help="default: ring_flash when cp_size > 1, else sdpa")
     p.add_argument("--hidden_size", type=int, default=128, help="default model only")
     p.add_argument("--num_layers", type=int, default=2, help="default model only")
+    p.add_argument("--moe_experts", type=int, default=0,
+                   help="default model only: N > 0 makes it a Qwen3-MoE with N experts (2 per token) and its "
+                        "router load-balancing loss")
+    p.add_argument("--router_aux_loss_coef", type=float, default=0.01,
+                   help="--moe_experts: the weight of the router's load-balancing loss (0: none)")
+    p.add_argument("--ep_size", type=int, default=1,
+                   help="expert-parallel ranks (transformers' DistributedConfig(ep_size=...)): each holds "
+                        "1/ep_size of every MoE layer's experts; FSDP2 over the dp x cp ranks")
     p.add_argument("--tie_word_embeddings", action="store_true",
                    help="default model only: the LM head shares the input embeddings' weight")
     p.add_argument("--vocab_size", type=int, default=None,
@@ -147,18 +156,27 @@ def parse_args(
     _sizes_from_launch(parser, args)
     if args.fsdp and args.deepspeed:
         parser.error("--fsdp and --deepspeed both shard the weights: choose one")
-    if args.stock_trainer and (args.cp_size != 1 or args.packing or args.tp_size != 1):
-        parser.error("--stock_trainer runs plain transformers: --cp_size 1, --tp_size 1, no --packing")
-    if args.tp_size < 1:
-        parser.error(f"--tp_size must be >= 1, got {args.tp_size}")
-    if args.tp_size > 1:
+    if args.stock_trainer and (args.cp_size != 1 or args.packing or args.tp_size != 1 or args.ep_size != 1):
+        parser.error("--stock_trainer runs plain transformers: --cp_size 1, --tp_size 1, --ep_size 1, no --packing")
+    for flag in ("tp_size", "ep_size"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    if args.moe_experts < 0 or (args.moe_experts and args.moe_experts < 2):
+        parser.error(f"--moe_experts must be 0 (a dense model) or >= 2, got {args.moe_experts}")
+    if args.ep_size > 1 and args.tp_size > 1:
+        parser.error("--ep_size with --tp_size: expert parallelism beside tensor parallelism has not been checked "
+                     "against one process (docs/parallelism.md); use one of them")
+    if args.ep_size > 1 and not (args.moe_experts or args.model_name_or_path or args.config_name):
+        parser.error("--ep_size needs a mixture-of-experts model: --moe_experts N (or an MoE checkpoint)")
+    if args.tp_size > 1 or args.ep_size > 1:
         beside = [flag for flag, given in (("--fsdp", args.fsdp), ("--deepspeed", args.deepspeed),
                                            ("--lora_r", args.lora_r), ("--offload_checkpoints", args.offload_checkpoints),
                                            ("--tiled_mlp", args.tiled_mlp), ("--chunked_loss on", args.chunked_loss == "on"))
                   if given]
         if beside:
-            parser.error(f"--tp_size {args.tp_size} with {', '.join(beside)}: not checked beside tensor parallelism "
-                         "(the weights are sharded by transformers' DistributedConfig: FSDP2 over the dp x cp ranks)")
+            parser.error(f"--tp_size {args.tp_size} --ep_size {args.ep_size} with {', '.join(beside)}: not checked "
+                         "beside tensor or expert parallelism (the weights are sharded by transformers' "
+                         "DistributedConfig: FSDP2 over the dp x cp ranks)")
     return args
 
 
@@ -221,12 +239,12 @@ def _dtype(args: argparse.Namespace) -> torch.dtype:
 def build_model(args: argparse.Namespace, tokenizer, attn_implementation: str,
                 training_args: Optional[TrainingArguments] = None) -> torch.nn.Module:
     """The model to train; ``training_args`` tell whether ZeRO-3 is configured (None: it is not).
-    With ``--tp_size`` > 1 it is loaded tensor-parallel (:func:`_load_tensor_parallel`)."""
+    With ``--tp_size`` or ``--ep_size`` > 1 it is loaded sharded (:func:`_load_distributed`)."""
     if args.model_name_or_path:
         if args.vocab_size is not None:
             raise ValueError("--vocab_size applies to the default model only, not to --model_name_or_path")
-        if args.tp_size > 1:
-            return _load_tensor_parallel(args.model_name_or_path, args, attn_implementation)
+        if args.tp_size > 1 or args.ep_size > 1:
+            return _load_distributed(args.model_name_or_path, args, attn_implementation)
         return AutoModelForCausalLM.from_pretrained(
             args.model_name_or_path, attn_implementation=attn_implementation, dtype=_dtype(args)
         )
@@ -241,43 +259,55 @@ def build_model(args: argparse.Namespace, tokenizer, attn_implementation: str,
     # Whole even under ZeRO-3 (partitioned when the Trainer wraps it): the same --seed, the same weights.
     with deepspeed_support.constructed_whole(training_args):
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).to(_dtype(args))
-    if args.tp_size == 1:
+    if args.tp_size == 1 and args.ep_size == 1:
         return model
-    # transformers shards a model for TP as it loads it: the initial weights go through a checkpoint,
+    # transformers shards a model for TP and EP as it loads it: the initial weights go through a checkpoint,
     # which the main process writes (save_pretrained writes on rank 0 only) and every process reads.
     initial, state = os.path.join(args.output_dir, "tp_initial_weights"), PartialState()
     if state.is_main_process:
         model.save_pretrained(initial)
     state.wait_for_everyone()
-    model = _load_tensor_parallel(initial, args, attn_implementation)
+    model = _load_distributed(initial, args, attn_implementation)
     state.wait_for_everyone()
     if state.is_main_process:
         shutil.rmtree(initial)
     return model
 
 
-def _load_tensor_parallel(path: str, args: argparse.Namespace, attn_implementation: str) -> torch.nn.Module:
+def _load_distributed(path: str, args: argparse.Namespace, attn_implementation: str) -> torch.nn.Module:
     """The checkpoint at ``path`` loaded with transformers' ``DistributedConfig``: TP over
-    ``--tp_size`` ranks (innermost), FSDP2 over the others (the dp x cp ranks)."""
+    ``--tp_size`` ranks (innermost), FSDP2 over the others (the dp x cp ranks), and each MoE
+    layer's experts split over ``--ep_size`` ranks."""
     import dataclasses
 
     from transformers.distributed import DistributedConfig
 
     if not {"tp_size", "fsdp_size"} <= {f.name for f in dataclasses.fields(DistributedConfig)}:
-        raise SystemExit(f"--tp_size needs transformers' DistributedConfig(tp_size=..., fsdp_size=...) (transformers 5.x); "
-                         f"transformers {transformers.__version__} has none")
+        raise SystemExit(f"--tp_size / --ep_size need transformers' DistributedConfig(tp_size=..., fsdp_size=...) "
+                         f"(transformers 5.x); transformers {transformers.__version__} has none")
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    config = DistributedConfig(tp_size=args.tp_size, fsdp_size=world // args.tp_size)
+    sizes = dict(ep_size=args.ep_size) if args.ep_size > 1 else {}
+    config = DistributedConfig(tp_size=args.tp_size, fsdp_size=world // args.tp_size, **sizes)
     return AutoModelForCausalLM.from_pretrained(path, distributed_config=config,
                                                 attn_implementation=attn_implementation, dtype=_dtype(args))
 
 
-def _default_config(args: argparse.Namespace, tokenizer) -> LlamaConfig:
-    """The embedded default: a small Llama sized by --hidden_size and --num_layers."""
+def _default_config(args: argparse.Namespace, tokenizer) -> transformers.PretrainedConfig:
+    """The embedded default: a small Llama sized by --hidden_size and --num_layers, or with
+    --moe_experts a Qwen3-MoE of the same sizes (every layer's MLP a mixture of experts)."""
     heads = max(2, args.hidden_size // 16)
     vocab_size = args.vocab_size if args.vocab_size is not None else len(tokenizer)
     if vocab_size < len(tokenizer):
         raise ValueError(f"--vocab_size {vocab_size} is below the tokenizer's {len(tokenizer)} ids")
+    if args.moe_experts:
+        return transformers.Qwen3MoeConfig(
+            vocab_size=vocab_size, hidden_size=args.hidden_size, intermediate_size=2 * args.hidden_size,
+            moe_intermediate_size=args.hidden_size, num_experts=args.moe_experts, num_experts_per_tok=2,
+            num_hidden_layers=args.num_layers, num_attention_heads=heads, num_key_value_heads=heads // 2,
+            head_dim=args.hidden_size // heads, max_position_embeddings=2 * args.seq_len,
+            output_router_logits=args.router_aux_loss_coef > 0, router_aux_loss_coef=args.router_aux_loss_coef,
+            pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id, use_cache=False, tie_word_embeddings=args.tie_word_embeddings)
     return LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=args.hidden_size,
@@ -310,6 +340,8 @@ def start_plugin(args: argparse.Namespace) -> hf_ring.RingAttentionPlugin:
     state = plugin.setup()
     grid = f"dp_size {state.dp_size} x cp_size {state.cp_size}" + (f" x tp_size {state.tp_size}" if state.tp_size > 1
                                                                      else "")
+    if args.ep_size > 1:
+        grid += f"; experts over ep_size {args.ep_size}"
     print(f"[hf_ring] {plugin.describe()} ({grid})", flush=True)
     return plugin
 
@@ -354,8 +386,10 @@ def main(argv: Optional[Sequence[str]] = None, callbacks: Optional[list] = None)
         args=training_args,
         train_dataset=train_set,
         eval_dataset=eval_set if args.num_eval_examples > 0 else None,
+        # A router load-balancing loss counts the tokens an attention_mask marks, as the stock collator's.
         data_collator=plugin.make_collator(pad_token_id=pad_id, packing=args.packing,
-                                           pad_to_multiple_of=args.pad_to_multiple_of),
+                                           pad_to_multiple_of=args.pad_to_multiple_of,
+                                           return_attention_mask=router_balance_of(model) is not None),
         ring_plugin=plugin,
         callbacks=callbacks,
         chunked_loss=hf_ring.ChunkedLossConfig(

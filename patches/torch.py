@@ -25,6 +25,14 @@
   public but writes one value for every module (the root's is specially False), so the
   previous settings are read and put back here.
 
+- ``fsdp2_gradient_divide_factors(model)``: each FSDP2 parameter's ``FSDPParamGroup
+  .gradient_divide_factor`` (None: FSDP2's default, the size of the group it reduces over),
+  keyed by the module and name its ``FSDPParam._module_info`` holds (the parameter object
+  itself is swapped until FSDP2's lazy init). ``set_gradient_divide_factor`` is public, its
+  getter is not. transformers sets it on the experts of an expert-parallel model (their gradient
+  covers the batches of every data-parallel rank, not of their ``efsdp`` group), and the
+  loss multiplier must match what each gradient is really divided by.
+
 Written for torch 2.13.0 (``Module.__init__`` and ``register_forward_hook`` were read
 there: ``_forward_hooks`` is an ``OrderedDict`` from handle id to hook). torch is not
 refused by version here, since pyproject's range (``torch>=2.5``) is what hf_ring supports;
@@ -77,6 +85,29 @@ def _fsdp2_param_groups(state: object) -> list:
             f"hf_ring's torch accessors were written for torch {', '.join(WRITTEN_FOR)}: report this with your "
             "torch version")
     return groups
+
+
+def fsdp2_gradient_divide_factors(model: nn.Module) -> dict[tuple[int, str], "float | None"]:
+    """``(id(module), parameter name) -> divide factor`` (None: FSDP2's default) for every
+    parameter an FSDP2 unit of ``model`` manages, the module being the one that holds it."""
+    from torch.distributed.fsdp import FSDPModule
+
+    factors: dict[tuple[int, str], "float | None"] = {}
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        for group in _fsdp2_param_groups(module._get_fsdp_state()):
+            params = getattr(group, "fsdp_params", None)
+            infos = [getattr(p, "_module_info", None) for p in params] if isinstance(params, list) else [None]
+            if not hasattr(group, "gradient_divide_factor") or not all(
+                    hasattr(i, "module") and hasattr(i, "param_name") for i in infos):
+                raise UnsupportedTorchVersion(
+                    f"FSDP2's FSDPParamGroup has no gradient_divide_factor / fsdp_params[i]._module_info in torch "
+                    f"{torch.__version__}; hf_ring's torch accessors were written for torch "
+                    f"{', '.join(WRITTEN_FOR)}: report this with your torch version")
+            for info in infos:
+                factors[(id(info.module), info.param_name)] = group.gradient_divide_factor
+    return factors
 
 
 @contextmanager

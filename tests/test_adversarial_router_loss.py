@@ -1,11 +1,12 @@
 """RingTrainer and models that add terms of their own to their loss (MoE router losses, a z-loss).
 
 The stock Trainer's loss for an MoE model (Mixtral with ``output_router_logits=True``) is
-the cross-entropy plus ``router_aux_loss_coef * aux_loss``; RingTrainer computed the
+the cross-entropy plus ``router_aux_loss_coef * aux_loss``; RingTrainer once computed the
 cross-entropy alone, a silently different loss and gradient (found by adversarial testing:
-4.16 against 5.16 on a two-layer version of the model below). It must refuse, naming the setting, and still
-train the same model with the auxiliary loss off. One process, no CP: the refusal does not
-depend on cp_size.
+4.16 against 5.16 on a two-layer version of the model below). Now it adds the term as the
+stock model does, over the CP group's whole sequence (tests/test_moe_cp.py under CP), and
+refuses what it cannot reproduce, naming the setting. One process here: the loss and the
+refusals do not depend on cp_size.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from transformers import (BambaConfig, BambaForCausalLM, JetMoeConfig, JetMoeForCausalLM, MixtralConfig,
                           MixtralForCausalLM, TrainingArguments)
 
-from hf_ring import RingTrainer
+from hf_ring import RingAttentionPlugin, RingTrainer
 
 
 def _model(output_router_logits: bool) -> MixtralForCausalLM:
@@ -27,21 +28,29 @@ def _model(output_router_logits: bool) -> MixtralForCausalLM:
     return MixtralForCausalLM(config)
 
 
-def test_router_aux_loss_is_refused_not_dropped(tmp_path):
+def test_router_aux_loss_is_added_as_the_stock_model_adds_it(tmp_path):
+    """RingTrainer's loss on a padded batch with the collator's attention_mask equals the
+    model's own (cross-entropy mean + 0.5 x aux, padding out of both), within float32
+    rounding (1e-6 relative); the term is not small (0.5 x ~2)."""
     model = _model(True)
-    ids = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(1))
-    # What the stock Trainer would optimise differs from the cross-entropy by the aux term
-    # (0.5 x ~2 here; any difference above float32 rounding shows it is not dropped harmlessly).
-    with torch.no_grad():
-        with_aux = model(input_ids=ids, labels=ids).loss
-        model.config.output_router_logits = False
-        without = model(input_ids=ids, labels=ids).loss
-        model.config.output_router_logits = True
-    assert abs(with_aux.item() - without.item()) > 1e-3
     args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
-    with pytest.raises(NotImplementedError, match=r"output_router_logits=True.*router_aux_loss_coef"):
-        RingTrainer(model=model, args=args)
-    RingTrainer(model=_model(False), args=args)  # the auxiliary loss off: accepted
+    plugin = RingAttentionPlugin(cp_size=1)
+    trainer = RingTrainer(model=model, args=args, ring_plugin=plugin)
+    rows = [{"input_ids": list(range(3, 13))}, {"input_ids": list(range(20, 26))}]
+    batch = plugin.make_collator(0, return_attention_mask=True)(rows)
+    stock_labels = torch.where(batch["attention_mask"].bool(), batch["input_ids"], -100)
+    with torch.no_grad():
+        stock = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=stock_labels)
+        ours = trainer.compute_loss(model, dict(batch))
+        without_aux = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=stock_labels,
+                            output_router_logits=False).loss
+    assert abs(ours.item() - stock.loss.item()) < 1e-6 * stock.loss.item(), (ours.item(), stock.loss.item())
+    assert abs(stock.loss.item() - without_aux.item()) > 0.1  # the term weighs in
+    with pytest.raises(ValueError, match="return_attention_mask=True"):
+        trainer.compute_loss(model, dict(plugin.make_collator(0)(rows)))
+    with pytest.raises(NotImplementedError, match="packed rows"):
+        trainer.compute_loss(model, dict(plugin.make_collator(0, packing=True)(rows)))
+    RingTrainer(model=_model(False), args=args)  # the auxiliary loss off: nothing to add
 
 
 def test_other_loss_terms_are_refused(tmp_path):

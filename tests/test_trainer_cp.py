@@ -119,6 +119,11 @@ def runs(tmp_path_factory):
         "tp2_cp2": (4, ["--tp_size", "2", "--cp_size", "2", "--per_device_train_batch_size", "2"]),
         "packed_tp2_cp2": (4, ["--packing", "--tp_size", "2", "--cp_size", "2", "--per_device_train_batch_size", "2"]),
     }
+    # A Qwen3-MoE with its router load-balancing loss (weight 0.5, so it moves the gradients), its
+    # experts split over 2 expert-parallel ranks beside CP: DistributedConfig(ep_size=2, fsdp_size=2).
+    moe = ["--moe_experts", "4", "--router_aux_loss_coef", "0.5", "--per_device_train_batch_size", "2"]
+    configs.update({"moe_cp1": (1, moe), "moe_stock": (1, [*moe, "--stock_trainer"]),
+                    "moe_ep2_cp2": (2, [*moe, "--cp_size", "2", "--ep_size", "2"])})
     # The sizes the Accelerate way: accelerate launch's parallelism config (it asks for FSDP2 with
     # one), no --cp_size; hf_ring runs the CP, torch's is not engaged.
     configs["launch_cp2"] = (2, ["--per_device_train_batch_size", "2"])
@@ -127,6 +132,7 @@ def runs(tmp_path_factory):
     # What proves the run took the path it names (beside the ranks every launch checks).
     expect = {name: ("gradients: fsdp2 mesh (2,) over 2 processes", "cp_rank 1/2, tp_rank 1/2")
               for name in ("tp2_cp2", "packed_tp2_cp2")}
+    expect["moe_ep2_cp2"] = ("experts over ep_size 2", "gradients: fsdp2 mesh (2,) over 2 processes")
     expect["launch_cp2"] = ("gradients: fsdp2 mesh (2,) over 2 processes", "cp_rank 1/2, layout zigzag")
 
     def get(name: str) -> dict:
@@ -170,6 +176,18 @@ def test_tp2_cp2_logs_what_the_stock_trainer_logs(runs):
     _assert_same(_losses(got), _losses(ref), "tp2_cp2 training loss vs stock")
     _assert_same(_grad_norms(got), _grad_norms(ref), "tp2_cp2 gradient norm vs stock")
     _assert_same(_eval_losses(got), _eval_losses(ref), "tp2_cp2 eval loss vs stock")
+
+
+@NEEDS_TP
+def test_moe_with_experts_split_beside_cp_logs_what_one_process_logs(runs):
+    """ep2 x cp2 on 2 processes against the same MoE at cp1 on one process, and that against the
+    stock Trainer (the model's own loss: cross-entropy + 0.5 x its load-balancing loss)."""
+    ref, stock, got = runs("moe_cp1"), runs("moe_stock"), runs("moe_ep2_cp2")
+    for name, reference in (("moe_ep2_cp2", ref), ("moe_cp1 vs stock", stock)):
+        run = got if name == "moe_ep2_cp2" else ref
+        _assert_same(_losses(run), _losses(reference), f"{name} training loss")
+        _assert_same(_grad_norms(run), _grad_norms(reference), f"{name} gradient norm")
+        _assert_same(_eval_losses(run), _eval_losses(reference), f"{name} eval loss")
 
 
 @pytest.mark.parametrize("name", ["packed_cp2", pytest.param("packed_tp2_cp2", marks=NEEDS_TP)])

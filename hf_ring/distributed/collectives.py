@@ -12,7 +12,8 @@ dimension indexes the ranks of one group:
 
 :func:`all_to_all` is the differentiable all-to-all Ulysses is built from;
 :func:`all_gather` the differentiable all-gather the token mixers exchange their pieces'
-summaries with (its backward sums, on each rank, every rank's gradient of its tensor).
+summaries with (its backward sums, on each rank, every rank's gradient of its tensor);
+:func:`summed_over` the differentiable all-reduce of statistics summed over a group.
 """
 
 from __future__ import annotations
@@ -165,4 +166,31 @@ def all_gather(x: torch.Tensor, coll: Collectives) -> torch.Tensor:
     return _AllGather.apply(x, coll)
 
 
-__all__ = ["Collectives", "GroupCollectives", "VirtualCollectives", "all_gather", "all_to_all"]
+class _SumOverGroup(torch.autograd.Function):
+    """All-reduce (sum) whose backward all-reduces too: every rank read every rank's term,
+    so each term's gradient is the sum of every rank's gradient of the total."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return grad, None
+
+
+def summed_over(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """Differentiable sum of ``x`` (any shape, floating, the same on every rank) over
+    ``group`` (None: the default group); ``x`` itself without torch.distributed. Every rank
+    must run the backward."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return x
+    return _SumOverGroup.apply(x, group)
+
+
+__all__ = ["Collectives", "GroupCollectives", "VirtualCollectives", "all_gather", "all_to_all", "summed_over"]

@@ -33,6 +33,7 @@ from transformers import Trainer
 from transformers.utils import logging as hf_logging
 
 from hf_ring.distributed.rows import gather_rows
+from hf_ring.hf.support.router_balance import router_balance_loss, router_balance_of
 from hf_ring.memory.chunked_loss import ChunkedLossConfig, model_token_loss_sum
 from hf_ring.training.loss import (
     all_reduce_sum,
@@ -98,7 +99,9 @@ class RingTrainer(RingTrainerBase, Trainer):
     Not supported (clear error at construction): ``compute_loss_func``, label smoothing,
     ``compute_metrics`` with ``cp_size > 1`` (not tested; use ``predict()``), the legacy
     prediction loop, the ``batch_rebalance`` sampling strategy, ``torch.nn.DataParallel``,
-    loss terms the model adds to its own loss (an MoE router auxiliary loss, a z-loss), a
+    loss terms the model adds to its own loss other than an MoE router load-balancing loss of
+    Mixtral's form (which is computed over the CP group's whole sequence and added as the
+    stock loss adds it), a z-loss, a
     quantised base model (QLoRA) with ``cp_size > 1``, ``torch_compile=True`` with
     ``cp_size > 1`` (no compiled run checked against the uncompiled one yet).
     """
@@ -130,6 +133,8 @@ class RingTrainer(RingTrainerBase, Trainer):
                                              self.args.gradient_accumulation_steps, self.ring_state.dp_size):
             logger.warning(departure)
         self.model_accepts_loss_kwargs = True
+        # The MoE load-balancing loss the model adds to its own (checked at construction), or None.
+        self.router_balance = router_balance_of(self.model)
 
     def _computes_token_loss(self) -> bool:
         return type(self).compute_loss is RingTrainer.compute_loss
@@ -161,23 +166,56 @@ class RingTrainer(RingTrainerBase, Trainer):
         kwargs, shift_labels = _model_inputs(inputs, getattr(self.model, "config", None))
         multiplier = self._loss_multiplier(model)
         token_sum, outputs = self._token_loss_sum(model, kwargs, shift_labels)
-        loss = self._loss_for_backward(token_sum, count_valid_tokens(shift_labels), num_items_in_batch, multiplier)
+        # The router's term: the stock loss adds coef x aux once per micro-batch; the CP ranks share it.
+        router_share = self._router_term(outputs, kwargs) / self.ring_state.cp_size
+        loss = self._loss_for_backward(token_sum, count_valid_tokens(shift_labels), num_items_in_batch, multiplier,
+                                       router_share)
         return (loss, outputs) if return_outputs else loss
 
     def _loss_for_backward(
-        self, token_sum: torch.Tensor, count: torch.Tensor, num_items_in_batch: Optional[torch.Tensor], multiplier: int
+        self, token_sum: torch.Tensor, count: torch.Tensor, num_items_in_batch: Optional[torch.Tensor], multiplier: int,
+        router_share: torch.Tensor | float = 0.0,
     ) -> torch.Tensor:
         """This rank's share of the step's loss (scalars), times ``multiplier``.
         ``num_items_in_batch``: the step's valid tokens over the world (None outside a
         training step). Under ``loss_mean="micro_batches"`` the micro-batch's count over the
-        CP group, divided over the step's micro-batches and the dp ranks (stock's rule)."""
+        CP group, divided over the step's micro-batches and the dp ranks (stock's rule).
+        ``router_share``: this rank's share of the micro-batch's router loss term, added as
+        the stock loss adds it (to the mean of the micro-batch in micro-batch mode)."""
         if num_items_in_batch is not None and self.loss_mean == "micro_batches":
             micro_batch_count = all_reduce_sum(count, self.ring_state.cp_group)
             means = self.current_gradient_accumulation_steps * self.ring_state.dp_size
-            return scale_for_ddp(loss_share(token_sum, micro_batch_count) / means, multiplier)
+            return scale_for_ddp((loss_share(token_sum, micro_batch_count) + router_share) / means, multiplier)
         if num_items_in_batch is None:
             num_items_in_batch = self.ring_plugin.global_token_count(count)
-        return scale_for_ddp(loss_share(token_sum, num_items_in_batch), multiplier)
+        return scale_for_ddp(loss_share(token_sum, num_items_in_batch) + router_share, multiplier)
+
+    def _router_term(self, outputs: Any, kwargs: dict[str, Any]) -> torch.Tensor | float:
+        """``coef x`` the router's load-balancing loss over the CP group's whole sequence
+        (:mod:`hf_ring.hf.support.router_balance`), the same on every CP rank; 0.0 for a model
+        that adds none."""
+        if self.router_balance is None:
+            return 0.0
+        # The stock collator's attention_mask keeps padding out of the loss's token counts; without
+        # one the padding, whose amount changes with cp_size, would be counted.
+        if "cu_seq_lens_q" in kwargs:
+            raise NotImplementedError(
+                f"{self.router_balance.model}'s router load-balancing loss on packed rows: each document's padding "
+                "(to a multiple of 2 x cp_size) would count among its tokens; train on padded rows "
+                "(make_collator(..., packing=False, return_attention_mask=True)) or set "
+                "config.output_router_logits=False")
+        if kwargs.get("attention_mask") is None:
+            raise ValueError(
+                f"{self.router_balance.model}'s router load-balancing loss counts the tokens the attention_mask marks "
+                "(padding out, as with the stock collator), but the batch has none; build the collator with "
+                "make_collator(..., return_attention_mask=True)")
+        logits = getattr(outputs, "router_logits", None)
+        if not logits:
+            raise RuntimeError(f"{self.router_balance.model} has output_router_logits=True but its forward returned no "
+                               "router_logits; hf_ring cannot add its load-balancing loss")
+        aux = router_balance_loss(tuple(logits), self.router_balance, kwargs.get("attention_mask"),
+                                  self.ring_state.cp_group)
+        return self.router_balance.coef * aux
 
     def _token_loss_sum(
         self, model: torch.nn.Module, kwargs: dict[str, Any], shift_labels: torch.Tensor, chunked: bool = True
@@ -223,7 +261,8 @@ class RingTrainer(RingTrainerBase, Trainer):
             # Predictions need the full logits; the loss alone does not.
             token_sum, outputs = self._token_loss_sum(model, kwargs, shift_labels, chunked=prediction_loss_only)
             count = count_valid_tokens(shift_labels)
-        loss = self._record_eval_batch(token_sum, count)
+            router_term = self._router_term(outputs, kwargs)
+        loss = self._record_eval_batch(token_sum, count) + router_term  # the stock model's loss: CE mean + coef x aux
         if prediction_loss_only:
             return loss, None, None
         return loss, self._whole_rows(outputs.logits.detach(), inputs), self._whole_rows(shift_labels, inputs)

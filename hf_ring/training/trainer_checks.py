@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from hf_ring.hf.support import unrouted_token_mixers
+from hf_ring.hf.support.router_balance import router_balance_of
 from hf_ring.hf.support.tensor_parallel import model_tp_ranks
 from hf_ring.patches import peft as peft_patches
 from hf_ring.patches import transformers as transformers_patches
@@ -22,25 +23,18 @@ from hf_ring.training.vision.collator import RingVisionDataCollator
 RING_ATTENTION = "ring_flash"
 
 
-def _refuse_loss_terms(model: Any) -> None:
+def _refuse_loss_terms(model: Any, tp_size: int) -> None:
     """Terms an MoE / Bamba model adds to its own loss when given labels, which the stock
-    Trainer optimises and RingTrainer's token cross-entropy does not contain: the router's
-    load-balancing loss (``output_router_logits`` with a nonzero ``router_aux_loss_coef``,
-    JetMoE's ``aux_loss_coef``, DBRX's ``moe_loss_weight``; a nonlinear function of
-    statistics over every token of the batch, which a shard cannot stand in for) and Bamba's
-    ``z_loss``. Refused rather than silently dropped."""
-    config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    coef = getattr(model, "router_aux_loss_coef", getattr(model, "aux_loss_coef", None))
-    if coef is None:
-        coef = getattr(text, "router_aux_loss_coef", 0.0)
-    if getattr(text, "output_router_logits", False) and coef:
+    Trainer optimises. The router's load-balancing loss of Mixtral's form RingTrainer adds
+    over the CP group's whole sequence (``hf_ring.hf.support.router_balance``, which refuses
+    any other: JetMoE's ``aux_loss_coef``, a family whose function differs), not yet beside
+    TP; Bamba's ``z_loss`` is refused. Refused rather than silently dropped."""
+    balance = router_balance_of(model)
+    if balance is not None and tp_size > 1:
         raise NotImplementedError(
-            f"{type(model).__name__}'s config sets output_router_logits=True with a router auxiliary loss "
-            f"coefficient of {coef}: the stock Trainer adds that MoE load-balancing loss to the loss, but "
-            "RingTrainer computes the token cross-entropy only; set config.output_router_logits=False (or the "
-            "coefficient, router_aux_loss_coef, to 0.0) to train without it"
-        )
+            f"{balance.model}'s router load-balancing loss (output_router_logits=True) beside tensor parallelism "
+            f"(tp_size={tp_size}) has not been checked against one process; set config.output_router_logits=False "
+            "or train without TP")
     if getattr(model, "z_loss_coefficient", 0.0):
         raise NotImplementedError(
             f"{type(model).__name__} adds a z-loss (z_loss_coefficient={model.z_loss_coefficient}) to its own loss, "
@@ -165,7 +159,7 @@ def check_trainer_supported(trainer: Any, subclass_loss: bool) -> None:
     if trainer.compute_loss_func is not None:
         raise ValueError("RingTrainer computes the loss itself (token mean over dp x cp); drop compute_loss_func")
     if not subclass_loss:  # a subclass's own loss handles them (or refuses)
-        _refuse_loss_terms(trainer.model)
+        _refuse_loss_terms(trainer.model, trainer.ring_state.tp_size)
     if args.label_smoothing_factor != 0:
         raise NotImplementedError("label smoothing is not supported by RingTrainer; set label_smoothing_factor=0")
     if getattr(args, "use_legacy_prediction_loop", False):

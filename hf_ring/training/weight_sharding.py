@@ -17,9 +17,12 @@ shard but that was wrapped otherwise (Accelerate on CPU silently falls back to D
 FSDP2 averages over every rank of its mesh: one dimension for a full shard, both for HSDP
 (reduce-scatter over the shard dimension, all-reduce over the replicate one); beside tensor
 parallelism (a model loaded with transformers' ``DistributedConfig``, its mesh ``(..., fsdp,
-tp)``) over every dimension but ``tp``, which must then hold the dp x cp ranks. A divide
-factor of one's own (``FSDPModule.set_gradient_divide_factor``) is not seen here: leave
-FSDP2's default.
+tp)``) over every dimension but ``tp``, which must then hold the dp x cp ranks. The experts
+of transformers' expert parallelism (mesh ``(..., efsdp, ep)``) are reduced over ``efsdp``
+but divided by the divide factor transformers sets (``dp_size``), since their gradient
+gathers every rank's tokens: that factor must be the dp x cp ranks. Any other divide factor
+of one's own (``FSDPModule.set_gradient_divide_factor``) on dense weights is not seen here:
+leave FSDP2's default.
 """
 
 from __future__ import annotations
@@ -89,6 +92,8 @@ def _refuse_fsdp1(model: torch.nn.Module) -> None:
 # The mesh dimension of tensor parallelism (transformers' and torchtitan's name): FSDP2 does not
 # reduce gradients over it (each TP rank holds other columns of the weights).
 _TP_DIM = "tp"
+# The expert mesh's expert-parallel dimension (transformers' ``(pp, dp_replicate, efsdp, ep)``).
+_EP_DIM = "ep"
 
 
 def _data_submesh(mesh: Any) -> tuple[tuple[int, ...], tuple[int, ...], int]:
@@ -104,9 +109,31 @@ def _data_submesh(mesh: Any) -> tuple[tuple[int, ...], tuple[int, ...], int]:
     return tuple(data.shape), tuple(sorted(data.flatten().tolist())), mesh.mesh.shape[tp_dim]
 
 
+def _check_expert_param(name: str, param: Any, factor: Optional[float], world: int, world_ranks: list[int],
+                        tp_size: int) -> None:
+    """An expert of transformers' expert parallelism (mesh ``(..., efsdp, ep)``): its gradient
+    gathers every rank's tokens through the dispatch's all-to-all and is divided by the divide
+    factor transformers sets, which must be the world's dp x cp ranks, as the dense weights'."""
+    if tp_size > 1:
+        raise NotImplementedError(
+            f"parameter {name!r} is expert-parallel beside tensor parallelism (tp_size={tp_size}): not checked "
+            "against one process; use expert parallelism with tp_size=1")
+    ranks = sorted(param.device_mesh.mesh.flatten().tolist())
+    if ranks != world_ranks or factor is None or factor != world:
+        raise ValueError(
+            f"expert parameter {name!r} reduces its gradient over ranks {ranks} divided by {factor} (None: its "
+            f"efsdp group's size), but the loss shares add up over the world of {world}: its gradient would be off "
+            "by their ratio. Load the model with transformers' DistributedConfig(ep_size=..., fsdp_size=<dp x cp>)")
+
+
 def _fsdp2_reduction(model: torch.nn.Module, world: int, world_ranks: list[int], tp_size: int) -> GradientReduction:
     from torch.distributed.tensor import DTensor
 
+    from hf_ring.patches.torch import fsdp2_gradient_divide_factors
+
+    factors = fsdp2_gradient_divide_factors(model)
+    holder = {f"{prefix}.{n}" if prefix else n: (id(m), n)
+              for prefix, m in model.named_modules() for n, _ in m.named_parameters(recurse=False)}
     meshes: dict[tuple[tuple[int, ...], tuple[int, ...]], str] = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
@@ -116,6 +143,9 @@ def _fsdp2_reduction(model: torch.nn.Module, world: int, world_ranks: list[int],
                 f"parameter {name!r} of the FSDP2 model is not sharded (not a DTensor): its gradient is not "
                 "reduced across processes; shard every trainable parameter (no ignored_params)"
             )
+        if _EP_DIM in (param.device_mesh.mesh_dim_names or ()):
+            _check_expert_param(name, param, factors.get(holder.get(name)), world, world_ranks, tp_size)
+            continue
         shape, ranks, mesh_tp = _data_submesh(param.device_mesh)
         if mesh_tp not in (1, tp_size):
             raise ValueError(
