@@ -58,6 +58,11 @@ def fake_cp_state(cp_rank: int = 0, cp_size: int = 2, **kwargs: Any) -> "hf_ring
     that reads only the state's sizes and settings; keyword-built, so a new field cannot
     shift the others."""
     from hf_ring import ContextParallelState
+    from hf_ring.distributed.groups import BUILT_AXES, AxisGroup, ProcessMesh
+    from hf_ring.distributed.mesh import ParallelDims
+    from hf_ring.patterns.state import AttentionSettings
 
-    return ContextParallelState(cp_group=None, cp_rank=cp_rank, cp_size=cp_size, dp_group=None,
-                                dp_rank=0, dp_size=1, **kwargs)
+    ranks = tuple(range(cp_size))
+    axes = {name: AxisGroup(None, 0, 1, (cp_rank,)) for name in BUILT_AXES}
+    axes["cp"] = axes["loss"] = AxisGroup(None, cp_rank, cp_size, ranks)
+    return ContextParallelState(ProcessMesh(ParallelDims(cp_size, cp=cp_size), axes), AttentionSettings(**kwargs))

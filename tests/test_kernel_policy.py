@@ -95,16 +95,16 @@ def test_the_state_names_a_kernel_and_points_a_process_group_backend_to_dist_bac
     with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
         hf_ring.RingAttentionPlugin(cp_size=1, backend="flash")
     state = hf_ring.setup_context_parallel(1, backend="reference", activate=False)
-    assert state.backend == "reference"
+    assert state.kernel == "reference"
 
 
 def test_ring_flash_plans_use_the_states_kernel_choice():
-    state = fake_cp_state(0, 2, backend="reference")
+    state = fake_cp_state(0, 2, kernel="reference")
     q = torch.zeros(1, 8, 4, 16)
     assert ForwardContext(state).plan(q, 2, 0.25).backend.name == "reference"
     auto = fake_cp_state(0, 2)
     assert ForwardContext(auto).plan(q, 2, 0.25).backend.name == "torch_cpu_flash"
     assert ForwardContext(auto).plan(q, 2, 0.25, softcap=50.0).backend.name == "reference"
-    named = fake_cp_state(0, 2, backend="torch_cpu_flash")
+    named = fake_cp_state(0, 2, kernel="torch_cpu_flash")
     with pytest.raises(NotImplementedError, match="cannot compute logit softcapping"):
         ForwardContext(named).plan(q, 2, 0.25, softcap=50.0)

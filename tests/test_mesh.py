@@ -89,3 +89,30 @@ def test_auto_reads_node_placement_from_the_strided_cp_group():
     assert _order(cp_size=4, rank_stride=4, **common) == ["hybrid/2", "ring", "allgather"]
     # cp 2 x tp 8: ranks 0 | 8, one per node: no node-local Ulysses group.
     assert _order(cp_size=2, rank_stride=8, **common) == ["ring", "allgather"]
+
+
+def test_process_mesh_holds_every_axis_by_name_and_refuses_what_does_not_fit():
+    """The state's one mesh object (no communication: groups of None): every built axis by
+    name, and a group whose size or ranks do not fit the dimensions refused on creation."""
+    from hf_ring.distributed.groups import BUILT_AXES, AxisGroup, ProcessMesh
+    from hf_ring.patterns.state import AttentionSettings, ContextParallelState
+
+    dims = ParallelDims(8, cp=2, tp=2)
+    rank = 5  # dp 1, cp 0, tp 1
+    axes = {name: AxisGroup(None, dims.coord(name, rank), dims.size(name), dims.group_ranks(name, rank))
+            for name in BUILT_AXES}
+    mesh = ProcessMesh(dims, axes)
+    assert (mesh.rank("cp"), mesh.ranks("cp"), mesh.ranks("tp"), mesh.size("loss")) == (0, (5, 7), (4, 5), 4)
+    state = ContextParallelState(mesh, AttentionSettings(kernel="reference"))
+    assert (state.dp_rank, state.dp_size, state.cp_ranks, state.first_rank, state.kernel) == (1, 2, (5, 7), 5,
+                                                                                             "reference")
+    assert (state.world_size, state.loss_size, state.cp_rank_stride) == (8, 4, 2)
+    with pytest.raises(ValueError, match="no group is built for axis 'fsdp'"):
+        mesh.group("fsdp")
+    with pytest.raises(ValueError, match="axis 'cp'"):
+        ProcessMesh(dims, {**axes, "cp": AxisGroup(None, 0, 4, (0, 2, 4, 6))})
+    with pytest.raises(ValueError, match="holds the axes"):
+        ProcessMesh(dims, {k: v for k, v in axes.items() if k != "loss"})
+    with pytest.raises(ValueError, match="dividing cp_size=2"):
+        ContextParallelState(mesh, AttentionSettings(pattern="hybrid", ulysses_size=4))
+    assert ProcessMesh.single().size("cp") == 1

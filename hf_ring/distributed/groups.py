@@ -38,18 +38,54 @@ class AxisGroup:
     ranks: tuple[int, ...]
 
 
+# The axes a ProcessMesh builds groups for: cp and tp of the mesh, and two flattened ones
+# (mesh.py): batch (the data-parallel ranks fed different batches) and loss (dp x cp).
+BUILT_AXES = ("cp", "tp", "batch", "loss")
+
+
 @dataclass(frozen=True)
-class MeshGroups:
-    """This process's groups on the N-D mesh (``mesh.ParallelDims``): context-parallel,
-    data-parallel (``batch``: ranks with different batches), tensor-parallel, and ``loss``
-    (dp x cp: the ranks whose token counts add up; None as group where that is the whole
-    world, so collectives over it run on the default group)."""
+class ProcessMesh:
+    """This process's place on the N-D mesh (``mesh.ParallelDims``) and its group along each
+    of :data:`BUILT_AXES`, by name: ``mesh.group("cp")``, ``mesh.rank("batch")``,
+    ``mesh.size("loss")``, ``mesh.ranks("tp")``. A group of None is the default group (the
+    axis spans the whole world) or, for a one-process mesh, no group at all."""
 
     dims: ParallelDims
-    cp: AxisGroup
-    dp: AxisGroup
-    tp: AxisGroup
-    loss: AxisGroup
+    axes: dict[str, AxisGroup]
+
+    def __post_init__(self) -> None:
+        if set(self.axes) != set(BUILT_AXES):
+            raise ValueError(f"a ProcessMesh holds the axes {BUILT_AXES}, got {tuple(self.axes)}")
+        for name, axis in self.axes.items():
+            if axis.size != self.dims.size(name) or not 0 <= axis.rank < axis.size or len(axis.ranks) != axis.size:
+                raise ValueError(f"axis {name!r}: rank {axis.rank} of {axis.size} ranks {axis.ranks} does not fit the "
+                                 f"mesh {self.dims.describe()}")
+
+    def __hash__(self) -> int:
+        return hash((self.dims, tuple(sorted(self.axes.items()))))
+
+    @classmethod
+    def single(cls) -> "ProcessMesh":
+        """The mesh of one process (no torch.distributed)."""
+        return cls(ParallelDims(1), {name: AxisGroup(None, 0, 1, (0,)) for name in BUILT_AXES})
+
+    def _axis(self, name: str) -> AxisGroup:
+        if name not in self.axes:
+            raise ValueError(f"no group is built for axis {name!r}; the built axes are {', '.join(BUILT_AXES)}")
+        return self.axes[name]
+
+    def group(self, name: str) -> Optional[dist.ProcessGroup]:
+        return self._axis(name).group
+
+    def rank(self, name: str) -> int:
+        return self._axis(name).rank
+
+    def size(self, name: str) -> int:
+        return self._axis(name).size
+
+    def ranks(self, name: str) -> tuple[int, ...]:
+        """The axis group's global ranks, in the axis's order."""
+        return self._axis(name).ranks
 
 
 def local_world_size(world: int) -> int:
@@ -68,7 +104,7 @@ def group_coords(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def build_mesh_groups(dims: ParallelDims, dist_backend: Optional[str], timeout: timedelta) -> MeshGroups:
+def build_process_mesh(dims: ParallelDims, dist_backend: Optional[str], timeout: timedelta) -> ProcessMesh:
     """Build this mesh's process groups over the initialised default process group.
 
     Collective over the whole world: every rank creates every group (``new_group``'s
@@ -105,7 +141,8 @@ def build_mesh_groups(dims: ParallelDims, dist_backend: Optional[str], timeout: 
     # single rank.
     cp, dp = build("cp", True), build("batch", True)
     tp = build("tp", False) if dims.tp > 1 else AxisGroup(None, 0, 1, (rank,))
-    return MeshGroups(dims, cp, dp, tp, build("loss", False))
+    return ProcessMesh(dims, {"cp": cp, "tp": tp, "batch": dp, "loss": build("loss", False)})
 
 
-__all__ = ["DEFAULT_CP_TIMEOUT", "AxisGroup", "MeshGroups", "build_mesh_groups", "group_coords", "local_world_size"]
+__all__ = ["BUILT_AXES", "DEFAULT_CP_TIMEOUT", "AxisGroup", "ProcessMesh", "build_process_mesh", "group_coords",
+           "local_world_size"]

@@ -305,7 +305,7 @@ def validate_cp_inputs(
         ("pattern", _PATTERN_CODES.index(state.pattern)),
         ("ulysses_size", state.ulysses_size or 0),
         # Kernels that differ in what they compute would refuse a layer on some ranks only.
-        ("kernel", name_code(state.backend)),
+        ("kernel", name_code(state.kernel)),
         ("local_world_size", state.local_world_size),
         ("autocast", int(autocast)),
         ("compute_dtype", dtype_code(compute_dtype)),

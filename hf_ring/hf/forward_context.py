@@ -117,7 +117,7 @@ class ForwardContext:
                 layout="zigzag" if local_docs is not None or s is None else s.layout,
                 causal=True,
                 scale=scale,
-                backend=s.backend if s is not None else "auto",
+                backend=s.kernel if s is not None else "auto",
                 device=q.device,
                 dtype=q.dtype,
                 n_heads=q.shape[2],

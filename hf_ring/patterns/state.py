@@ -20,7 +20,7 @@ from typing import Iterator, Optional
 import torch.distributed as dist
 
 from hf_ring.kernels.registry import registered_backends
-from hf_ring.distributed.groups import DEFAULT_CP_TIMEOUT, build_mesh_groups, local_world_size
+from hf_ring.distributed.groups import DEFAULT_CP_TIMEOUT, ProcessMesh, build_process_mesh, local_world_size
 from hf_ring.distributed.mesh import ParallelDims
 from hf_ring.patterns.plan import PATTERNS
 from hf_ring.sharding.layouts import check_layout
@@ -31,20 +31,41 @@ _DIST_BACKENDS = ("nccl", "gloo", "mpi", "ucc", "xccl", "hccl", "cpu:gloo,cuda:n
 
 
 @dataclass(frozen=True)
-class ContextParallelState:
-    """Process groups and coordinates of this process on the dp x cp (x tp) mesh.
+class AttentionSettings:
+    """What runs over the CP group: the sequence layout, the pattern (and the hybrid
+    pattern's Ulysses group size), the attention kernel, and where ``auto`` reads the node
+    placement from. Validated on creation; the pattern against the CP size in
+    :class:`ContextParallelState`."""
 
-    ``dp_*`` is the data axis (``batch``: ranks fed different batches); a CP group's ranks
-    share one TP coordinate (``cp_ranks``, ``tp`` apart); ``loss_group`` holds the dp x cp
-    ranks whose token counts add up (None: the whole world, which it is without TP)."""
-
-    cp_group: Optional[dist.ProcessGroup]
-    cp_rank: int
-    cp_size: int
-    dp_group: Optional[dist.ProcessGroup]
-    dp_rank: int
-    dp_size: int
     layout: str = "zigzag"
+    # hf_ring.context_parallel_attn_func's patterns, or "auto": chosen per model and
+    # sequence (hf_ring/patterns/auto.py).
+    pattern: str = "ring"
+    ulysses_size: Optional[int] = None
+    # "auto" (per layer, the first kernel that computes its features here) or a name from
+    # hf_ring.kernels.available_backends.
+    kernel: str = "auto"
+    # Processes per node (LOCAL_WORLD_SIZE when launched by torchrun / accelerate).
+    local_world_size: int = 1
+
+    def __post_init__(self) -> None:
+        check_layout(self.layout)
+        check_kernel_name(self.kernel)
+        if self.local_world_size < 1:
+            raise ValueError(f"local_world_size must be >= 1, got {self.local_world_size}")
+
+
+@dataclass(frozen=True)
+class ContextParallelState:
+    """This process's place on the N-D mesh (``mesh``: its groups by axis name,
+    ``hf_ring.distributed.groups.ProcessMesh``) and what runs over its CP group
+    (``attention``), read once per forward by the guard. The properties name what the
+    rest of hf_ring reads: ``cp_*`` (the sequence split), ``dp_*`` (``batch``: the ranks fed
+    different batches), ``tp_*``, ``loss_group`` (the dp x cp ranks whose token counts add
+    up; None: the whole world, which it is without TP)."""
+
+    mesh: ProcessMesh
+    attention: AttentionSettings = field(default_factory=AttentionSettings)
     # The default process group the groups were built over: a state outlives neither a
     # destroyed nor a re-initialised one.
     world_group: Optional[dist.ProcessGroup] = field(default=None, compare=False, repr=False)
@@ -52,66 +73,56 @@ class ContextParallelState:
     timeout: Optional[timedelta] = field(default=None, compare=False)
     # The process-group backend the groups were built with (None: the default group's).
     dist_backend: Optional[str] = field(default=None, compare=False)
-    # How attention is split across the CP group (hf_ring.context_parallel_attn_func's
-    # patterns, or "auto": chosen per model and sequence, see hf_ring/patterns/auto.py), and
-    # the Ulysses group size of the hybrid pattern.
-    pattern: str = "ring"
-    ulysses_size: Optional[int] = None
-    # Processes per node (LOCAL_WORLD_SIZE when launched by torchrun / accelerate): where
-    # "auto" reads whether the CP group stays inside a node.
-    local_world_size: int = 1
-    # The attention kernel: "auto" (per layer, the first that computes its features here)
-    # or a name from hf_ring.kernels.available_backends.
-    backend: str = "auto"
-    # Tensor parallelism beside CP: this process's TP group and place in it (one TP
-    # coordinate's heads), the CP group's global ranks in CP order, the loss group.
-    tp_group: Optional[dist.ProcessGroup] = field(default=None, compare=False, repr=False)
-    tp_rank: int = 0
-    tp_size: int = 1
-    cp_ranks: tuple[int, ...] = ()
-    # This process's TP group's global ranks, in TP order (empty: no groups were built).
-    tp_ranks: tuple[int, ...] = ()
-    loss_group: Optional[dist.ProcessGroup] = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        check_layout(self.layout)
-        check_pattern(self.pattern, self.ulysses_size, self.cp_size)
-        check_kernel_name(self.backend)
-        if self.local_world_size < 1:
-            raise ValueError(f"local_world_size must be >= 1, got {self.local_world_size}")
-        if self.cp_size < 1 or self.dp_size < 1:
-            raise ValueError(f"cp_size and dp_size must be >= 1, got {self.cp_size}, {self.dp_size}")
-        if not 0 <= self.cp_rank < self.cp_size:
-            raise ValueError(f"cp_rank {self.cp_rank} out of range for cp_size {self.cp_size}")
-        if not 0 <= self.dp_rank < self.dp_size:
-            raise ValueError(f"dp_rank {self.dp_rank} out of range for dp_size {self.dp_size}")
-        if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
-            raise ValueError(f"tp_rank {self.tp_rank} out of range for tp_size {self.tp_size}")
-        if self.cp_ranks and len(self.cp_ranks) != self.cp_size:
-            raise ValueError(f"cp_ranks {self.cp_ranks} do not hold cp_size={self.cp_size} ranks")
-        if self.tp_ranks and len(self.tp_ranks) != self.tp_size:
-            raise ValueError(f"tp_ranks {self.tp_ranks} do not hold tp_size={self.tp_size} ranks")
+        check_pattern(self.attention.pattern, self.attention.ulysses_size, self.cp_size)
+
+    # ---- the mesh ----
+    cp_group = property(lambda self: self.mesh.group("cp"))
+    cp_rank = property(lambda self: self.mesh.rank("cp"))
+    cp_size = property(lambda self: self.mesh.size("cp"))
+    dp_group = property(lambda self: self.mesh.group("batch"))
+    dp_rank = property(lambda self: self.mesh.rank("batch"))
+    dp_size = property(lambda self: self.mesh.size("batch"))
+    tp_group = property(lambda self: self.mesh.group("tp"))
+    tp_rank = property(lambda self: self.mesh.rank("tp"))
+    tp_size = property(lambda self: self.mesh.size("tp"))
+    loss_group = property(lambda self: self.mesh.group("loss"))
+    # The CP and TP groups' global ranks, in their axis's order.
+    cp_ranks = property(lambda self: self.mesh.ranks("cp"))
+    tp_ranks = property(lambda self: self.mesh.ranks("tp"))
+
+    # ---- what runs over it ----
+    layout = property(lambda self: self.attention.layout)
+    pattern = property(lambda self: self.attention.pattern)
+    ulysses_size = property(lambda self: self.attention.ulysses_size)
+    kernel = property(lambda self: self.attention.kernel)
+    local_world_size = property(lambda self: self.attention.local_world_size)
 
     @property
     def world_size(self) -> int:
-        """Every process of the mesh, ``dp_size * cp_size * tp_size``."""
-        return self.cp_size * self.dp_size * self.tp_size
+        """Every process of the mesh."""
+        return self.mesh.dims.world_size
 
     @property
     def loss_size(self) -> int:
         """The ranks whose token-loss shares add up to the step's: ``dp_size * cp_size``
         (TP ranks hold the same tokens)."""
-        return self.cp_size * self.dp_size
+        return self.mesh.size("loss")
 
     @property
     def first_rank(self) -> int:
         """The global rank of this CP group's first rank."""
-        return self.cp_ranks[0] if self.cp_ranks else self.dp_rank * self.cp_size
+        return self.cp_ranks[0]
 
     @property
     def cp_rank_stride(self) -> int:
         """How far apart the CP group's global ranks are (``tp_size``: TP is innermost)."""
         return self.tp_size
+
+    def with_attention(self, **changes: object) -> "ContextParallelState":
+        """The same groups with other attention settings (no collective)."""
+        return replace(self, attention=replace(self.attention, **changes))
 
 
 def check_pattern(pattern: str, ulysses_size: Optional[int], cp_size: int) -> None:
@@ -129,7 +140,7 @@ def check_pattern(pattern: str, ulysses_size: Optional[int], cp_size: int) -> No
         raise ValueError(f"ulysses_size is for pattern='hybrid' only (got pattern={pattern!r}); 'auto' picks its own")
 
 
-def check_kernel_name(backend: str) -> None:
+def check_kernel_name(backend: str) -> None:  # named backend= in the public functions' arguments
     """Refuse a kernel choice that is no name (the kernel itself is resolved per layer,
     where device and dtype are known); a process-group backend name is pointed to
     ``dist_backend=``."""
@@ -211,10 +222,10 @@ def setup_context_parallel(
     check_layout(layout)
     check_pattern(pattern, ulysses_size, cp_size)
     check_kernel_name(backend)
+    attention = AttentionSettings(layout, pattern, ulysses_size, backend)
     if not dist.is_available() or not dist.is_initialized():
         if cp_size == 1 and tp_size == 1:
-            state = ContextParallelState(None, 0, 1, None, 0, 1, layout, pattern=pattern, ulysses_size=ulysses_size,
-                                         backend=backend)
+            state = ContextParallelState(ProcessMesh.single(), attention)
             if activate:
                 _ACTIVE = state
             return state
@@ -233,38 +244,17 @@ def setup_context_parallel(
         and timeout in (None, active.timeout)
         and dist_backend in (None, active.dist_backend)
     ):
-        if (active.layout, active.pattern, active.ulysses_size, active.backend) != (layout, pattern, ulysses_size,
-                                                                                     backend):
+        if replace(active.attention, local_world_size=1) != attention:
             # Same groups, another layout, pattern or kernel: no collective needed.
-            active = replace(active, layout=layout, pattern=pattern, ulysses_size=ulysses_size, backend=backend)
+            active = active.with_attention(layout=layout, pattern=pattern, ulysses_size=ulysses_size, kernel=backend)
             if activate:
                 _ACTIVE = active
         return active
     world = dist.get_world_size()
     timeout = DEFAULT_CP_TIMEOUT if timeout is None else timeout
-    groups = build_mesh_groups(ParallelDims(world, cp=cp_size, tp=tp_size), dist_backend, timeout)
-    state = ContextParallelState(
-        cp_group=groups.cp.group,
-        cp_rank=groups.cp.rank,
-        cp_size=cp_size,
-        dp_group=groups.dp.group,
-        dp_rank=groups.dp.rank,
-        dp_size=groups.dp.size,
-        layout=layout,
-        world_group=dist.group.WORLD,
-        timeout=timeout,
-        dist_backend=dist_backend,
-        pattern=pattern,
-        ulysses_size=ulysses_size,
-        local_world_size=local_world_size(world),
-        backend=backend,
-        tp_group=groups.tp.group,
-        tp_rank=groups.tp.rank,
-        tp_size=tp_size,
-        cp_ranks=groups.cp.ranks,
-        tp_ranks=groups.tp.ranks,
-        loss_group=groups.loss.group,
-    )
+    mesh = build_process_mesh(ParallelDims(world, cp=cp_size, tp=tp_size), dist_backend, timeout)
+    state = ContextParallelState(mesh, replace(attention, local_world_size=local_world_size(world)),
+                                 world_group=dist.group.WORLD, timeout=timeout, dist_backend=dist_backend)
     if activate:
         _ACTIVE = state
     return state

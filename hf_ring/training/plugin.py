@@ -171,7 +171,7 @@ class RingAttentionPlugin:
             f"rank {rank}/{s.world_size} (dist_backend {dist_backend}): dp_rank {s.dp_rank}/{s.dp_size}, "
             f"cp_rank {s.cp_rank}/{s.cp_size}, " + (f"tp_rank {s.tp_rank}/{s.tp_size}, " if s.tp_size > 1 else "")
             + f"layout {s.layout}, pattern {s.pattern}"
-            + (f" (ulysses_size {s.ulysses_size})" if s.ulysses_size else "") + f", kernel {s.backend}"
+            + (f" (ulysses_size {s.ulysses_size})" if s.ulysses_size else "") + f", kernel {s.kernel}"
         )
 
     # ---- data ----
