@@ -171,7 +171,7 @@ def parse_args(
     if args.tp_size > 1 or args.ep_size > 1:
         beside = [flag for flag, given in (("--fsdp", args.fsdp), ("--deepspeed", args.deepspeed),
                                            ("--lora_r", args.lora_r), ("--offload_checkpoints", args.offload_checkpoints),
-                                           ("--tiled_mlp", args.tiled_mlp), ("--chunked_loss on", args.chunked_loss == "on"))
+                                           ("--tiled_mlp", args.tiled_mlp))
                   if given]
         if beside:
             parser.error(f"--tp_size {args.tp_size} --ep_size {args.ep_size} with {', '.join(beside)}: not checked "

@@ -8,14 +8,18 @@ groups from ``setup_context_parallel(cp_size=2, tp_size=2)``: CP shards the sequ
 the ranks that FSDP shards the weights over (torchtitan's ``fsdp = dp_shard x cp``).
 
 Compared with one process on the full sequence (SDPA, float32), for the ring, all-gather,
-Ulysses and auto patterns (hybrid, which needs 4 CP ranks, is in tests/test_nd_cp.py), and for a packed row of two documents
-through the ring against each document alone: every rank's logits of its
-shard, the loss, and every parameter's gradient (``grad.full_tensor()``). Each CP rank's loss
-is its share of the token mean times 2, since FSDP2 averages gradients over its 2 ranks.
-Tolerance 2e-5 relative to the largest value: float32 on a tiny model, the attention summed
-over two ring steps and TP's partial sums in other orders (measured: logits 2.1e-7, loss
-7.4e-9, the worst gradient 8.7e-7 for every pattern; packed 1.7e-7, 7.6e-8, 6.0e-7); a ring that mixed the heads of two TP ranks, or attended
-locally, is off by 1e-1.
+Ulysses and auto patterns (hybrid, which needs 4 CP ranks, is in tests/test_nd_cp.py), for
+a packed row of two documents through the ring against each document alone, and for the
+chunked loss on each TP rank's vocabulary rows (``ring_chunked``, 5 tokens per chunk):
+every rank's logits of its shard (none for the chunked loss), the loss, and every
+parameter's gradient (``grad.full_tensor()``). Each CP rank's loss is its share of the
+token mean times 2, since FSDP2 averages gradients over its 2 ranks. Tolerance 2e-5
+relative to the largest value: float32 on a tiny model, the attention summed over two ring
+steps and TP's partial sums in other orders (measured: logits 2.1e-7, loss 7.4e-9, the
+worst gradient 5.1e-7 for every pattern; packed 2.2e-7, 7.6e-8, 4.9e-7; chunked: loss
+7.4e-9, gradients 4.8e-7); a ring that mixed the heads of two TP ranks, or attended
+locally, is off by 1e-1, and the chunked loss without the hidden states' gradient summed
+over TP by 1.2.
 
 And the negative: the same TP model under a CP state built with ``tp_size=1`` (its CP groups
 would be TP groups) is refused by name on every rank, as is a model that is not
@@ -99,7 +103,7 @@ def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs().max() / want.abs().max().clamp(min=1e-30)).item()
 
 
-PATTERNS = ("ring", "allgather", "ulysses", "auto", "ring_packed")
+PATTERNS = ("ring", "allgather", "ulysses", "auto", "ring_packed", "ring_chunked")
 
 
 def _tp_cp_case(rank: int, world: int, path: str) -> dict:
@@ -108,6 +112,7 @@ def _tp_cp_case(rank: int, world: int, path: str) -> dict:
     from transformers import LlamaForCausalLM
     from transformers.distributed import DistributedConfig
 
+    from hf_ring.memory.chunked_loss import ChunkedLossConfig, model_token_loss_sum
     from hf_ring.sharding import shard_packed, shard_sequence
 
     dense_reference = _reference(path)
@@ -115,7 +120,7 @@ def _tp_cp_case(rank: int, world: int, path: str) -> dict:
                                              attn_implementation="ring_flash", dtype=torch.float32)
     results = {}
     for pattern in PATTERNS:
-        state = hf_ring.setup_context_parallel(cp_size=2, tp_size=2, pattern=pattern.removesuffix("_packed"))
+        state = hf_ring.setup_context_parallel(cp_size=2, tp_size=2, pattern=pattern.split("_")[0])
         ref_logits, ref_loss, ref_grads = dense_reference
         if pattern.endswith("_packed"):
             ids, positions, shift, cu = _packed_batch()
@@ -132,12 +137,18 @@ def _tp_cp_case(rank: int, world: int, path: str) -> dict:
 
         count = (shift != -100).sum()
         model.zero_grad(set_to_none=True)
+        inputs = dict(input_ids=shard(ids), position_ids=shard(positions), **extra)
         try:
-            logits = model(input_ids=shard(ids), position_ids=shard(positions), **extra).logits
+            if pattern.endswith("_chunked"):  # the loss on each TP rank's vocabulary rows, 5 tokens at a time
+                local, out = model_token_loss_sum(model, model, inputs, shard(shift), ChunkedLossConfig(True, 5))
+                logits = torch.empty(0)
+            else:
+                logits = model(**inputs).logits
+                local = torch.nn.functional.cross_entropy(logits.flatten(0, 1), shard(shift).flatten(),
+                                                          reduction="sum")
         except (ValueError, NotImplementedError) as e:
             results[pattern] = f"refused: {e}"
             continue
-        local = torch.nn.functional.cross_entropy(logits.flatten(0, 1), shard(shift).flatten(), reduction="sum")
         (local / count * 2).backward()  # FSDP2 averages over the 2 CP ranks it shards over
         loss = local.detach().clone()
         torch.distributed.all_reduce(loss, group=state.cp_group)
@@ -145,7 +156,7 @@ def _tp_cp_case(rank: int, world: int, path: str) -> dict:
                  for n, p in model.named_parameters()}
         results[pattern] = {
             "cp_ranks": state.cp_ranks,
-            "logits": _relative(logits.detach(), shard(ref_logits)),
+            "logits": _relative(logits.detach(), shard(ref_logits)) if logits.numel() else 0.0,
             "loss": abs(loss.item() / count.item() - ref_loss) / ref_loss,
             "grads": {n: _relative(g, ref_grads[n]) for n, g in grads.items()},
         }

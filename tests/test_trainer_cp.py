@@ -130,7 +130,9 @@ def runs(tmp_path_factory):
     launch = {"launch_cp2": ("--use_fsdp", "--fsdp_version", "2", "--use_parallelism_config",
                              "--parallelism_config_cp_size", "2")}
     # What proves the run took the path it names (beside the ranks every launch checks).
-    expect = {name: ("gradients: fsdp2 mesh (2,) over 2 processes", "cp_rank 1/2, tp_rank 1/2")
+    # Beside TP the loss is chunked on each TP rank's vocabulary rows (memory/vocab_parallel.py).
+    expect = {name: ("gradients: fsdp2 mesh (2,) over 2 processes", "cp_rank 1/2, tp_rank 1/2",
+                     "chunked loss on (weights sharded by: fsdp2, the vocabulary's rows over tp 2)")
               for name in ("tp2_cp2", "packed_tp2_cp2")}
     expect["moe_ep2_cp2"] = ("experts over ep_size 2", "gradients: fsdp2 mesh (2,) over 2 processes")
     expect["launch_cp2"] = ("gradients: fsdp2 mesh (2,) over 2 processes", "cp_rank 1/2, layout zigzag")

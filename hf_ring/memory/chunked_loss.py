@@ -36,10 +36,12 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from hf_ring.sharding.labels import IGNORE_INDEX
 from hf_ring.memory.lm_head import TURN_OFF, head_input_recorded, head_of
+from hf_ring.memory.vocab_parallel import VocabParallelCrossEntropy, VocabShard, vocab_shard_of
 from hf_ring.patches import deepspeed as deepspeed_patches
 from hf_ring.patches import peft as peft_patches
 from hf_ring.patches import transformers as transformers_patches
@@ -55,7 +57,7 @@ class ChunkedLossConfig:
 
     Args:
         enabled: True / False; None (default) turns it on under context parallelism
-            (``cp_size > 1``) without tensor parallelism, and off otherwise.
+            (``cp_size > 1``) or tensor parallelism (a vocabulary-sharded head), off otherwise.
         chunk_tokens: rows of logits per chunk; None chooses it so a chunk's float32
             logits take at most 64 MiB (``max(1, 2**24 // vocab_size)`` rows).
     """
@@ -71,8 +73,8 @@ class ChunkedLossConfig:
 
     def active(self, cp_size: int, tp_size: int = 1) -> bool:
         """Whether the loss is computed by chunks: as set, or (None) under context parallelism
-        without tensor parallelism (a TP model's LM head is column-sharded: not chunked here)."""
-        return self.enabled if self.enabled is not None else cp_size > 1 and tp_size == 1
+        or tensor parallelism (whose head would otherwise gather the whole logits on every rank)."""
+        return self.enabled if self.enabled is not None else cp_size > 1 or tp_size > 1
 
     def rows_per_chunk(self, vocab_size: int) -> int:
         if self.chunk_tokens is not None:
@@ -124,34 +126,41 @@ class LogitTransform:
 
 
 def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                labels: torch.Tensor, transform: LogitTransform) -> torch.Tensor:
-    # The same operations as the model's head, its transform and token_loss_sum.
+                labels: torch.Tensor, transform: LogitTransform, shard: Optional[VocabShard]) -> torch.Tensor:
+    # The same operations as the model's head, its transform and token_loss_sum; on a
+    # vocabulary slice (tensor parallelism), the cross-entropy reduced over the TP group.
     logits = transform(F.linear(hidden, weight, bias))
+    if shard is not None:
+        return VocabParallelCrossEntropy.apply(logits.float(), labels, shard)
     return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """``sum CE(transform(hidden @ weight.T + bias), labels)`` over valid rows, by chunks.
 
-    ``apply(hidden, weight, bias, labels, chunk_tokens, transform, autocast_state)``: hidden
-    ``(rows, hidden_size)`` any float dtype; weight ``(vocab, hidden_size)``; bias ``(vocab,)``
-    or None; labels int64 ``(rows,)`` with -100 ignored; returns a float32 scalar. Saves the
+    ``apply(hidden, weight, bias, labels, chunk_tokens, transform, autocast_state, shard)``:
+    hidden ``(rows, hidden_size)`` any float dtype; weight ``(vocab, hidden_size)``, or under
+    tensor parallelism this rank's rows of it (``shard``: :class:`VocabShard`; else None);
+    bias ``(vocab,)`` (or its rows) or None; labels int64 ``(rows,)`` with -100 ignored;
+    returns a float32 scalar. With a shard, the hidden states' gradient is summed over the
+    TP group (each rank's is its slice's part). Saves the
     valid rows only; backward recomputes each chunk's logits and differentiates them with
     autograd (the same operations as the forward), accumulating the weight's and bias's
     gradients in float32 (float64 for float64 weights).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, chunk_tokens, transform, autocast_state):
+    def forward(ctx, hidden, weight, bias, labels, chunk_tokens, transform, autocast_state, shard=None):
         valid = labels.ne(IGNORE_INDEX).nonzero().squeeze(1)
         rows, valid_labels = hidden.index_select(0, valid), labels.index_select(0, valid)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         with _autocast(hidden.device.type, autocast_state):
             for start in range(0, rows.shape[0], chunk_tokens):
                 stop = start + chunk_tokens
-                total = total + _chunk_loss(rows[start:stop], weight, bias, valid_labels[start:stop], transform)
+                total = total + _chunk_loss(rows[start:stop], weight, bias, valid_labels[start:stop], transform,
+                                            shard)
         ctx.save_for_backward(rows, valid_labels, valid, weight, bias)
-        ctx.setup = (hidden.shape, chunk_tokens, transform, autocast_state)
+        ctx.setup = (hidden.shape, chunk_tokens, transform, autocast_state, shard)
         return total
 
     @staticmethod
@@ -165,7 +174,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, grad_total, rows, valid_labels, valid, weight, bias, needs):
-        hidden_shape, chunk_tokens, transform, autocast_state = ctx.setup
+        hidden_shape, chunk_tokens, transform, autocast_state, shard = ctx.setup
         need_h, need_w, need_b = needs
         w = weight.detach().requires_grad_(need_w)
         b = bias.detach().requires_grad_(need_b) if bias is not None else None
@@ -177,7 +186,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             stop = start + chunk_tokens
             with torch.enable_grad(), _autocast(rows.device.type, autocast_state):
                 h = rows[start:stop].detach().requires_grad_(need_h)
-                loss = _chunk_loss(h, w, b, valid_labels[start:stop], transform)
+                loss = _chunk_loss(h, w, b, valid_labels[start:stop], transform, shard)
             wanted = [t for t, need in ((h, need_h), (w, need_w), (b, need_b)) if need]
             grads = iter(torch.autograd.grad(loss, wanted, grad_total))
             if need_h:
@@ -188,9 +197,11 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 grad_b += next(grads)
         grad_hidden = None
         if need_h:
+            if shard is not None:  # every TP rank's part of it, from its own vocabulary slice
+                dist.all_reduce(grad_rows, op=dist.ReduceOp.SUM, group=shard.group)
             grad_hidden = grad_rows.new_zeros(hidden_shape).index_copy_(0, valid, grad_rows)
         return (grad_hidden, grad_w.to(weight.dtype) if need_w else None,
-                grad_b.to(bias.dtype) if need_b else None, None, None, None, None)
+                grad_b.to(bias.dtype) if need_b else None, None, None, None, None, None)
 
 
 def _autocast_state(device_type: str) -> tuple[bool, torch.dtype]:
@@ -210,6 +221,7 @@ def chunked_token_loss_sum(
     *,
     chunk_tokens: int,
     transform: LogitTransform = LogitTransform(),
+    shard: Optional[VocabShard] = None,
 ) -> torch.Tensor:
     """``token_loss_sum(transform(F.linear(hidden, weight, bias)), shift_labels)`` without the
     full logits.
@@ -217,10 +229,13 @@ def chunked_token_loss_sum(
     Args:
         hidden: ``(..., hidden_size)``, the LM head's input, any float dtype.
         shift_labels: int64 ``(...)`` matching ``hidden.shape[:-1]``; ``-100`` is ignored.
-        weight: ``(vocab, hidden_size)``, the head's weight (the embeddings when tied).
-        bias: ``(vocab,)`` or None.
+        weight: ``(vocab, hidden_size)``, the head's weight (the embeddings when tied), or
+            under tensor parallelism this rank's rows of it, ``(shard.rows, hidden_size)``.
+        bias: ``(vocab,)`` (or its rows) or None.
         chunk_tokens: rows of logits computed at a time.
         transform: what the model applies to the head's output.
+        shard: the vocabulary rows ``weight`` holds (:func:`vocab_parallel.vocab_shard_of`),
+            or None for a whole weight. Collective over its TP group.
 
     Returns:
         A float32 scalar, differentiable in ``hidden``, ``weight`` and ``bias``.
@@ -241,7 +256,7 @@ def chunked_token_loss_sum(
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     labels = shift_labels.reshape(-1).to(hidden.device)
     state = _autocast_state(hidden.device.type)
-    return ChunkedLinearCrossEntropy.apply(flat_hidden, weight, bias, labels, chunk_tokens, transform, state)
+    return ChunkedLinearCrossEntropy.apply(flat_hidden, weight, bias, labels, chunk_tokens, transform, state, shard)
 
 
 def model_token_loss_sum(
@@ -274,9 +289,13 @@ def model_token_loss_sum(
     chunk_tokens = config.rows_per_chunk(linear.out_features)  # the weight's shape: a partition under ZeRO-3
 
     def loss(hidden: torch.Tensor, head_linear: nn.Linear) -> torch.Tensor:
-        # Inside the head's call: FSDP2 / ZeRO-3 hold its whole weight here.
-        return chunked_token_loss_sum(hidden, shift_labels, head_linear.weight, head_linear.bias,
-                                      chunk_tokens=chunk_tokens, transform=transform)
+        # Inside the head's call: FSDP2 / ZeRO-3 hold its whole weight here (TP: this rank's rows).
+        weight, bias = head_linear.weight, head_linear.bias
+        shard = vocab_shard_of(weight)
+        if shard is not None:
+            weight, bias = weight.to_local(), bias.to_local() if bias is not None else None
+        return chunked_token_loss_sum(hidden, shift_labels, weight, bias, chunk_tokens=chunk_tokens,
+                                      transform=transform, shard=shard)
 
     with head_input_recorded(head, linear, loss) as recorded:
         outputs = model(**kwargs)

@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from hf_ring.patches import peft as peft_patches
 from hf_ring.patches import torch as torch_patches
+from hf_ring.patches import transformers as transformers_patches
 
 TURN_OFF = "turn the chunked loss off (RingTrainer(chunked_loss=False), or --chunked_loss off in the example)"
 
@@ -35,7 +36,10 @@ def head_of(model: nn.Module) -> tuple[str, nn.Module, nn.Linear]:
     where = f"{type(model).__name__}.{attr}"
     if linear is not head:
         where += f" (PEFT's {type(head).__name__} runs a {type(linear).__name__})"
-    if type(linear).forward is not nn.Linear.forward or "forward" in vars(linear):
+    # transformers' tensor parallelism installs a forward that gathers the vocabulary-sharded
+    # logits; the chunked loss runs in its place on this rank's rows (vocab_parallel.py).
+    own_forward = "forward" in vars(linear) and not transformers_patches.tensor_parallel_forward(linear)
+    if type(linear).forward is not nn.Linear.forward or own_forward:
         raise NotImplementedError(
             f"chunked loss: {where} is a {type(linear).__name__} with a forward of its own, not a plain nn.Linear "
             f"(a LoRA adapter on the LM head is one: leave lm_head out of target_modules); {TURN_OFF}"
@@ -104,8 +108,12 @@ def head_input_recorded(
         recorded.append(loss(x, linear))
         return SkippedHead.apply(x, linear.weight, linear.bias)
 
+    installed = vars(head).get("forward")  # tensor parallelism's, put back after
     head.forward = record
     try:
         yield recorded
     finally:
-        del head.forward
+        if installed is not None:
+            head.forward = installed
+        else:
+            del head.forward

@@ -81,9 +81,9 @@ class RingTrainer(RingTrainerBase, Trainer):
             ``RingAttentionPlugin(cp_size=1)``.
         chunked_loss: compute the LM head and the loss chunk by chunk, never holding the
             shard's full logits (:mod:`hf_ring.memory.chunked_loss`): a
-            :class:`ChunkedLossConfig`, True / False, or None (default: on under context
-            parallelism). The training and eval losses are the same; ``outputs.logits`` of a
-            chunked forward are empty.
+            :class:`ChunkedLossConfig`, True / False, or None (default: on under context or
+            tensor parallelism; beside TP on each rank's vocabulary rows). The training and
+            eval losses are the same; ``outputs.logits`` of a chunked forward are empty.
         loss_mean: ``"auto"`` (the stock Trainer's mean for the model), ``"tokens"`` or
             ``"micro_batches"`` (:mod:`hf_ring.training.loss`; warned where not stock).
         *args, **kwargs: as for ``transformers.Trainer``. ``data_collator`` must produce
@@ -121,11 +121,6 @@ class RingTrainer(RingTrainerBase, Trainer):
         self.chunked_loss = chunked_loss if isinstance(chunked_loss, ChunkedLossConfig) else ChunkedLossConfig(chunked_loss)
         self._chunked_loss_notice_given = False
         super().__init__(*args, ring_plugin=ring_plugin, **kwargs)
-        if self.chunked_loss.enabled and self.ring_state.tp_size > 1:
-            raise NotImplementedError(
-                f"chunked_loss beside tensor parallelism (tp_size={self.ring_state.tp_size}) is not built: the LM "
-                "head is column-sharded by TP; leave chunked_loss unset (off beside TP) or set it to False"
-            )
         # The stock flag decides the stock mean; then True: compute_loss normalises for accumulation.
         stock_accepts = bool(getattr(self, "model_accepts_loss_kwargs", True))
         self.loss_mean = resolve_loss_mean(loss_mean, stock_accepts)
@@ -227,16 +222,22 @@ class RingTrainer(RingTrainerBase, Trainer):
         return token_loss_sum(outputs.logits, shift_labels), outputs
 
     def _chunks_the_loss(self) -> bool:
-        """Whether the loss is computed by chunks: as configured (None: under CP), with FSDP2
-        and ZeRO-3 too (the loss runs inside the LM head's call, where they hold its whole
-        weight). Says so once, naming the wrapper that gathers the weight."""
-        if not self.chunked_loss.active(self.ring_state.cp_size, self.ring_state.tp_size):
+        """Whether the loss is computed by chunks: as configured (None: under CP or TP), with
+        FSDP2 and ZeRO-3 too (the loss runs inside the LM head's call, where they hold its
+        whole weight). Says so once, naming the wrapper that gathers the weight (read from
+        the gradient reduction when a training step has read it: transformers' own FSDP2
+        beside TP is no Trainer flag) and the TP split of the vocabulary."""
+        tp = self.ring_state.tp_size
+        if not self.chunked_loss.active(self.ring_state.cp_size, tp):
             return False
         if not self._chunked_loss_notice_given:
             self._chunked_loss_notice_given = True
             wrapper = ("fsdp2" if getattr(self, "is_fsdp_enabled", False)
                        else "deepspeed" if getattr(self, "is_deepspeed_enabled", False) else "none")
-            logger.info(f"[hf_ring] chunked loss on (weights sharded by: {wrapper}): no full logits")
+            if self.gradient_reduction is not None:
+                wrapper = self.gradient_reduction.kind
+            split = f", the vocabulary's rows over tp {tp}" if tp > 1 else ""
+            logger.info(f"[hf_ring] chunked loss on (weights sharded by: {wrapper}{split}): no full logits")
         return True
 
     # ---- evaluation ----

@@ -48,7 +48,9 @@ in 4.57.6 and 5.24.0):
   checkpoint layers with hf_ring's CPU-offloading checkpoint), a layer's
   ``_gradient_checkpointing_func`` (``wrap_checkpoint_function``: a recompute draws its
   random numbers as the forward did, under CP), ``Trainer.gather_function``
-  (``eval_gather_replaced``: under CP the eval losses are gathered over data-parallel ranks);
+  (``eval_gather_replaced``: under CP the eval losses are gathered over data-parallel ranks),
+  the forward tensor parallelism installs on a module (``tensor_parallel_forward``: the
+  chunked loss runs in place of the LM head's, vocabulary-sharded, and puts it back);
 - ``sources``: what is read from the modeling code itself: a causal LM's logit transform
   (``logit_transform``, for the chunked loss), whether a forward passes a keyword
   (``forward_passes_keyword``), a modeling module's attention-class tables and whether it
@@ -76,6 +78,7 @@ from .attributes import (
     eval_gather_replaced,
     prepare_inputs,
     set_checkpoint_function,
+    tensor_parallel_forward,
     train_batch_size,
     wrap_checkpoint_function,
 )
@@ -104,6 +107,7 @@ __all__ = [
     "set_checkpoint_function",
     "set_max_position",
     "temperature_scale",
+    "tensor_parallel_forward",
     "train_batch_size",
     "uses_attention_interface",
     "wrap_checkpoint_function",

@@ -3,7 +3,8 @@ or calls, each through an accessor that checks the release line and the attribut
 first (the same in 4.57.6 and 5.24.0).
 
 Owns: ``attn_implementation``, ``train_batch_size``, ``prepare_inputs``,
-``set_checkpoint_function``, ``wrap_checkpoint_function``, ``drop_absent_no_split_modules``, ``eval_gather_replaced``. Imports nothing of transformers itself (it is handed the objects).
+``set_checkpoint_function``, ``wrap_checkpoint_function``, ``drop_absent_no_split_modules``, ``eval_gather_replaced``,
+``tensor_parallel_forward``. Imports nothing of transformers itself (it is handed the objects).
 """
 
 from __future__ import annotations
@@ -147,3 +148,16 @@ def eval_gather_replaced(trainer: Any, gather: Callable[[Any], Any]) -> Iterator
         yield
     finally:
         trainer.gather_function = before
+
+
+# The name of the forward transformers' tensor parallelism installs on a sharded module
+# (``TensorParallelLayer.install_forward``, read in 5.24.0): it replaces ``module.forward`` by a
+# closure that transforms the inputs, runs the original forward and transforms its output.
+_TP_FORWARD = "TensorParallelLayer.install_forward.<locals>.tp_forward"
+
+
+def tensor_parallel_forward(module: Any) -> bool:
+    """Whether ``module``'s own ``forward`` attribute is the one transformers' tensor
+    parallelism installed on it (and nothing else's)."""
+    forward = vars(module).get("forward")
+    return forward is not None and getattr(forward, "__qualname__", "") == _TP_FORWARD
