@@ -234,8 +234,9 @@ class RingTrainer(RingTrainerBase, Trainer):
             self._chunked_loss_notice_given = True
             wrapper = ("fsdp2" if getattr(self, "is_fsdp_enabled", False)
                        else "deepspeed" if getattr(self, "is_deepspeed_enabled", False) else "none")
-            if self.gradient_reduction is not None:
-                wrapper = self.gradient_reduction.kind
+            kind = getattr(self.gradient_reduction, "kind", None)
+            if wrapper == "none" and kind in ("fsdp2", "hsdp"):
+                wrapper = kind
             split = f", the vocabulary's rows over tp {tp}" if tp > 1 else ""
             logger.info(f"[hf_ring] chunked loss on (weights sharded by: {wrapper}{split}): no full logits")
         return True
