@@ -163,6 +163,65 @@ def _tp_cp_case(rank: int, world: int, path: str) -> dict:
     return results
 
 
+def _save_hybrid(path: str) -> None:
+    """A tiny Qwen3.5 text model (gated delta net and full-attention layers, twice)."""
+    from model_sweep_configs import build_config
+    from transformers import AutoModelForCausalLM
+
+    tiny = build_config("qwen3_5_text")
+    config = type(tiny).from_dict({**tiny.to_dict(), "num_hidden_layers": 4, "vocab_size": VOCAB, "use_cache": False,
+                                   "layer_types": ["linear_attention", "full_attention"] * 2})
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).float().save_pretrained(path)
+
+
+def _hybrid_reference(path: str, dtype: torch.dtype) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One process on the full sequence: logits and gradients. In float64 its recurrences are
+    hf_ring's one-process ops in float64 (transformers' run in float32 whatever the input:
+    the referee of tests/test_hf_hybrid.py)."""
+    import importlib
+
+    from test_hf_hybrid import _FLOAT64
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=dtype)
+    module = importlib.import_module(type(model).__module__)
+    swapped = {n: fn for n, fn in _FLOAT64.items() if n in vars(module)} if dtype == torch.float64 else {}
+    saved = {name: getattr(module, name) for name in swapped}
+    vars(module).update(swapped)
+    try:
+        ids, shift = _batch()
+        logits = model(input_ids=ids).logits
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), shift.flatten()).backward()
+    finally:
+        vars(module).update(saved)
+    return logits.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def _hybrid_case(rank: int, world: int, path: str) -> dict:
+    """Qwen3.5 at tp2 x cp2, float32: this rank's logits of its shard and every full gradient."""
+    import hf_ring
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    from hf_ring.sharding import shard_sequence
+
+    model = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(tp_size=2, fsdp_size=2),
+                                                 attn_implementation="ring_flash", dtype=torch.float32)
+    state = hf_ring.setup_context_parallel(cp_size=2, tp_size=2)
+
+    def shard(t: torch.Tensor) -> torch.Tensor:
+        return shard_sequence(t, 2, state.cp_rank, dim=1, layout=state.layout)
+
+    ids, shift = _batch()
+    logits = model(input_ids=shard(ids), position_ids=shard(torch.arange(SEQ)[None])).logits
+    local = torch.nn.functional.cross_entropy(logits.flatten(0, 1), shard(shift).flatten(), reduction="sum")
+    (local / (shift != -100).sum() * 2).backward()  # FSDP2 averages over the 2 CP ranks
+    return {"cp_rank": state.cp_rank, "logits": logits.detach(),
+            "grads": {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                      for n, p in model.named_parameters()}}
+
+
 def _refusal_case(rank: int, world: int, path: str) -> list[str]:
     import hf_ring
     from transformers import LlamaForCausalLM
@@ -233,6 +292,33 @@ def test_tp2_cp2_computes_what_one_process_computes(model_dir, pattern):
         assert len(r["grads"]) == 21  # every parameter of the 2-layer Llama compared
 
 
+def test_hybrid_tp2_cp2_computes_what_one_process_computes(tmp_path):
+    """Qwen3.5 (gated delta nets and attention) at tp2 x cp2: transformers' plan gathers the
+    delta nets' projections (every TP rank runs every head), hf_ring routes them to its CP
+    ops, whose states pass over the CP group of one TP coordinate. Against one process on
+    the full sequence, float32, tests/test_hf_hybrid.py's rule: logits and every gradient
+    within 1e-4 relative, or a gradient (the decay parameters': a few entries, sums that
+    nearly cancel) within twice the one-process float32 error of a float64 referee.
+    Measured: logits 3.8e-7; every gradient within 1e-4 but ``A_log``'s (1.3e-3 against
+    float32, within its float64 referee's bound)."""
+    from hf_ring.sharding import shard_sequence
+
+    path = str(tmp_path)
+    _save_hybrid(path)
+    ranks = run_world(4, _hybrid_case, path)
+    ref_logits, ref_grads = _hybrid_reference(path, torch.float32)
+    _, exact = _hybrid_reference(path, torch.float64)
+    for rank, r in enumerate(ranks):
+        want = shard_sequence(ref_logits, 2, r["cp_rank"], dim=1)
+        assert _relative(r["logits"], want) < 1e-4, (rank, _relative(r["logits"], want))
+        assert len(r["grads"]) == len(ref_grads) and any("linear_attn" in n for n in r["grads"])
+        for n, g in r["grads"].items():
+            error = _relative(g, ref_grads[n])
+            if error > 1e-4:
+                single = _relative(ref_grads[n].double(), exact[n])
+                assert _relative(g.double(), exact[n]) <= max(1e-4, 2 * single), (rank, n, error, single)
+
+
 def test_cp_groups_that_cross_tp_coordinates_are_refused(model_dir):
     for rank, (crossed, not_tp, plugin, trl) in enumerate(run_world(4, _refusal_case, model_dir)):
         assert "is tensor-parallel over ranks" in crossed and "tp_size=1" in crossed, (rank, crossed)
@@ -256,9 +342,26 @@ def test_auto_offers_hybrid_beside_tp_only_with_its_ulysses_groups_inside_a_node
     assert "hybrid" not in [c.pattern for c in pattern_candidates(**call, local_world_size=2, rank_stride=2)]
 
 
+class _Mixer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_proj, self.out_proj = torch.nn.Linear(2, 4), torch.nn.Linear(4, 2)
+
+
+class _Layers(torch.nn.Module):
+    """``layers.<i>.linear_attn.{in_proj, out_proj}`` and a TP plan of given styles for them."""
+
+    def __init__(self, n: int, in_style: str, out_style: str) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.ModuleDict({"linear_attn": _Mixer()}) for _ in range(n))
+        self.tp_plan = {"layers.*.linear_attn.in_proj": in_style, "layers.*.linear_attn.out_proj": out_style}
+
+
 def test_what_has_not_run_beside_tp_is_refused_by_name():
-    """Token mixers (TP would split their heads and states), image-text models and PEFT adapters
-    have not been checked beside TP: refused, naming them; nothing is refused at tp_size=1."""
+    """Token mixers whose TP plan splits their heads and states (each TP rank would run a part
+    of them), image-text models and PEFT adapters have not been checked beside TP: refused,
+    naming them; mixers the plan leaves whole are accepted (tests/test_tp_cp.py's Qwen3.5
+    runs them); nothing is refused at tp_size=1."""
     from types import SimpleNamespace
 
     from peft import LoraConfig, get_peft_model
@@ -267,10 +370,14 @@ def test_what_has_not_run_beside_tp_is_refused_by_name():
     from hf_ring.hf.support.tensor_parallel import check_features_beside_tp
     from hf_ring.training.trainer_checks import _check_tensor_parallel
 
-    model = torch.nn.Linear(2, 2)
     mixers = tuple(f"layers.{i}.linear_attn" for i in range(5))
-    with pytest.raises(NotImplementedError, match=r"token mixers \(layers.0.linear_attn, .* and 2 more\) beside"):
-        check_features_beside_tp(model, 2, mixers, image_text=False)
+    split = _Layers(5, "colwise", "rowwise")
+    with pytest.raises(NotImplementedError, match=r"splits them \(layers.\*.linear_attn.in_proj: colwise, "
+                                                  r"layers.\*.linear_attn.out_proj: rowwise, .* and 7 more\)"):
+        check_features_beside_tp(split, 2, mixers, image_text=False)
+    check_features_beside_tp(_Layers(5, "colwise_gather_output", "colwise_gather_output"), 2, mixers, False)
+    check_features_beside_tp(torch.nn.Linear(2, 2), 2, (), image_text=False)  # no plan, no mixer
+    model = torch.nn.Linear(2, 2)
     with pytest.raises(NotImplementedError, match="image-text models beside tensor parallelism"):
         check_features_beside_tp(model, 2, (), image_text=True)
     check_features_beside_tp(model, 1, mixers, image_text=True)

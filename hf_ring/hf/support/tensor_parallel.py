@@ -19,6 +19,7 @@ or memory layers.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Optional
 
 import torch.distributed as dist
@@ -94,6 +95,29 @@ def check_tensor_parallel_layout(model: nn.Module, state: Any) -> None:
     )
 
 
+# transformers' TP styles after which a module's output is whole on every TP rank (read in
+# 5.24.0's ``distributed/tensor_parallel.py``): a token mixer fed and run only through them
+# computes every head on every TP rank, and hf_ring's CP routing of it is the same as without TP.
+_WHOLE_OUTPUT_STYLES = frozenset({"colwise_gather_output", "colwise_rep", "rowwise_rep",
+                                  "replicated_with_grad_allreduce", "replicate"})
+
+
+def _plan_entries_inside(model: nn.Module, path: str) -> list[tuple[str, str]]:
+    """``model.tp_plan``'s ``(pattern, style)`` entries that apply to ``path`` or a module or
+    parameter under it (``*`` in a pattern: a layer index)."""
+    plan = getattr(model, "tp_plan", None) or {}
+    if not plan:
+        return []
+    names = {path, *(f"{path}.{n}" for n, _ in model.get_submodule(path).named_modules() if n),
+             *(f"{path}.{n}" for n, _ in model.get_submodule(path).named_parameters())}
+    found = []
+    for pattern, style in plan.items():
+        regex = re.compile("^" + re.escape(pattern).replace(r"\*", r"\d+") + "$")
+        if any(regex.match(name) for name in names):
+            found.append((pattern, style))
+    return found
+
+
 def check_features_beside_tp(model: nn.Module, tp_size: int, mixers: tuple[str, ...], image_text: bool) -> None:
     """Refuse, beside tensor parallelism, what has not been checked against one process there.
 
@@ -101,7 +125,10 @@ def check_features_beside_tp(model: nn.Module, tp_size: int, mixers: tuple[str, 
         model: the guarded (base) model.
         tp_size: the context-parallel state's tensor-parallel size (1: nothing to refuse).
         mixers: the paths of the token mixers hf_ring routes in ``model`` (convolutions,
-            linear recurrences), whose heads TP would split.
+            linear recurrences). Accepted where the model's TP plan leaves their outputs
+            whole (Qwen3.5's and Qwen3-Next's gated delta nets: every projection
+            ``colwise_gather_output``; mixers the plan does not name), refused where it would
+            split their heads and states.
         image_text: the forward is an image-text model's language model.
 
     Raises:
@@ -109,12 +136,15 @@ def check_features_beside_tp(model: nn.Module, tp_size: int, mixers: tuple[str, 
     """
     if tp_size == 1:
         return
-    if mixers:
-        shown = ", ".join(mixers[:3]) + (f" and {len(mixers) - 3} more" if len(mixers) > 3 else "")
+    split = [(m, pattern, style) for m in mixers for pattern, style in _plan_entries_inside(model, m)
+             if style not in _WHOLE_OUTPUT_STYLES]
+    if split:
+        shown = ", ".join(f"{p}: {s}" for _, p, s in split[:3]) + (f" and {len(split) - 3} more" if len(split) > 3
+                                                                     else "")
         raise NotImplementedError(
-            f"{type(model).__name__}'s token mixers ({shown}) beside tensor parallelism (tp_size={tp_size}) have not "
-            "been checked against one process (TP splits their heads and their states); train this model with "
-            "tp_size=1"
+            f"{type(model).__name__}'s token mixers beside tensor parallelism (tp_size={tp_size}): its TP plan splits "
+            f"them ({shown}), so each TP rank would run a part of their heads and states, which has not been checked "
+            "against one process; train this model with tp_size=1"
         )
     if image_text:
         raise NotImplementedError(
