@@ -388,3 +388,22 @@ def test_what_has_not_run_beside_tp_is_refused_by_name():
     trainer = SimpleNamespace(ring_state=SimpleNamespace(tp_size=2, cp_size=2), model=adapted)
     with pytest.raises(NotImplementedError, match=r"PEFT adapters \(LoRA\) beside tensor parallelism"):
         _check_tensor_parallel(trainer, subclass_loss=False)
+
+
+def test_pipeline_and_reserved_sequence_parallel_configs_are_refused_for_training():
+    """transformers' pipeline parallelism runs forward only, and its enable_sequence_parallel
+    is reserved and not wired: a Ring trainer refuses both by name (read from the model's
+    ``config.distributed_config``), and accepts a config with neither."""
+    from types import SimpleNamespace
+
+    from hf_ring.training.trainer_checks import _check_distributed_config
+
+    def model(**sizes):
+        return SimpleNamespace(config=SimpleNamespace(distributed_config=SimpleNamespace(**sizes)))
+
+    with pytest.raises(NotImplementedError, match=r"pp_size=2\): transformers' pipeline parallelism is inference-only"):
+        _check_distributed_config(model(pp_size=2, enable_sequence_parallel=False))
+    with pytest.raises(NotImplementedError, match="enable_sequence_parallel=True"):
+        _check_distributed_config(model(pp_size=1, enable_sequence_parallel=True))
+    _check_distributed_config(model(pp_size=1, enable_sequence_parallel=False))
+    _check_distributed_config(SimpleNamespace(config=SimpleNamespace()))
