@@ -50,6 +50,9 @@ def test_router_aux_loss_is_added_as_the_stock_model_adds_it(tmp_path):
         trainer.compute_loss(model, dict(plugin.make_collator(0)(rows)))
     with pytest.raises(NotImplementedError, match="packed rows"):
         trainer.compute_loss(model, dict(plugin.make_collator(0, packing=True)(rows)))
+    for collator in (plugin.make_collator(0), plugin.make_collator(0, packing=True)):  # refused before any step
+        with pytest.raises(ValueError, match="make_collator\\(..., packing=False, return_attention_mask=True\\)"):
+            RingTrainer(model=model, args=args, ring_plugin=plugin, data_collator=collator)
     RingTrainer(model=_model(False), args=args)  # the auxiliary loss off: nothing to add
 
 

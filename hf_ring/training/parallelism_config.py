@@ -120,5 +120,5 @@ def given_to_accelerate(training_args: Any, view: Optional[Any]) -> Iterator[Non
             os.environ[_ENV_FLAG] = saved_flag
 
 
-__all__ = ["accelerate_view", "asks_for_sizes", "check_for_hf_ring", "check_plugin_agrees", "given_to_accelerate", "plugin_sizes",
-           "requested_parallelism_config"]
+__all__ = ["accelerate_view", "asks_for_sizes", "check_for_hf_ring", "check_plugin_agrees", "given_to_accelerate",
+           "plugin_sizes", "requested_parallelism_config"]

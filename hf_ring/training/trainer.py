@@ -45,6 +45,7 @@ from hf_ring.training.loss import (
     scale_for_ddp,
     token_loss_sum,
 )
+from hf_ring.training.collator import RingCollatorConfig
 from hf_ring.training.plugin import RingAttentionPlugin
 from hf_ring.training.trainer_base import RingTrainerBase
 from hf_ring.patches import transformers as transformers_patches
@@ -130,6 +131,14 @@ class RingTrainer(RingTrainerBase, Trainer):
         self.model_accepts_loss_kwargs = True
         # The MoE load-balancing loss the model adds to its own (checked at construction), or None.
         self.router_balance = router_balance_of(self.model)
+        collator = getattr(self.data_collator, "config", None)
+        if self.router_balance is not None and isinstance(collator, RingCollatorConfig) and (
+                collator.packing or not collator.return_attention_mask):
+            # What _router_term would refuse at the first batch, refused before any step.
+            raise ValueError(
+                f"{self.router_balance.model}'s router load-balancing loss counts the tokens an attention_mask "
+                "marks (padding out, as with the stock collator) and runs on padded rows only; build the collator "
+                "with make_collator(..., packing=False, return_attention_mask=True)")
 
     def _computes_token_loss(self) -> bool:
         return type(self).compute_loss is RingTrainer.compute_loss
