@@ -231,6 +231,11 @@ def _worker(rank: int, cfg: Config, cap_bytes: int, init_file: str, out_dir: str
     result = _measure(cfg, state)
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
+    # The result is on disk; interpreter teardown can still abort a gloo process ("terminate
+    # called without an active exception", step_world.py), which mp.spawn reports as a failed run.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _available_bytes() -> int:

@@ -99,8 +99,10 @@ def test_rl_logprob_memory_tiny():
     the chunked head's online logsumexp sums in another order than the full logits'), and
     resident-set peaks (deterministic, not timings) order as the tensors they hold do."""
     script = os.path.join(ROOT, "benchmarks", "rl_logprob_memory.py")
-    out = subprocess.run([sys.executable, script, "--tiny", "--json"], check=True, cwd=ROOT, timeout=HANG_GUARD_S,
-                         capture_output=True, text=True).stdout
+    run = subprocess.run([sys.executable, script, "--tiny", "--json"], cwd=ROOT, timeout=HANG_GUARD_S,
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-4000:]
+    out = run.stdout
     rows = {(r["cp"], r["head"]): r for r in map(json.loads, out.splitlines())}
     assert set(rows) == {(cp, head) for cp in (1, 2) for head in ("chunked", "full")}
     assert not [r for r in rows.values() if "skipped" in r]
