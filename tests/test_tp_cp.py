@@ -359,28 +359,35 @@ class _Layers(torch.nn.Module):
 
 def test_what_has_not_run_beside_tp_is_refused_by_name():
     """Token mixers whose TP plan splits their heads and states (each TP rank would run a part
-    of them), image-text models and PEFT adapters have not been checked beside TP: refused,
-    naming them; mixers the plan leaves whole are accepted (tests/test_tp_cp.py's Qwen3.5
-    runs them); nothing is refused at tp_size=1."""
+    of them), image-text models whose plan splits anything outside their language model, and
+    PEFT adapters have not been checked beside TP: refused, naming them. Mixers the plan
+    leaves whole (this file's Qwen3.5) and image-text models whose plan covers only their
+    language model (this file's LLaVA and Qwen2-VL) are accepted; nothing is refused at
+    tp_size=1."""
     from types import SimpleNamespace
 
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hf_ring.hf.support.tensor_parallel import check_features_beside_tp
+    from hf_ring.hf.support.tensor_parallel import check_image_text_beside_tp, check_mixers_beside_tp
     from hf_ring.training.trainer_checks import _check_tensor_parallel
 
     mixers = tuple(f"layers.{i}.linear_attn" for i in range(5))
     split = _Layers(5, "colwise", "rowwise")
     with pytest.raises(NotImplementedError, match=r"splits them \(layers.\*.linear_attn.in_proj: colwise, "
                                                   r"layers.\*.linear_attn.out_proj: rowwise, .* and 7 more\)"):
-        check_features_beside_tp(split, 2, mixers, image_text=False)
-    check_features_beside_tp(_Layers(5, "colwise_gather_output", "colwise_gather_output"), 2, mixers, False)
-    check_features_beside_tp(torch.nn.Linear(2, 2), 2, (), image_text=False)  # no plan, no mixer
-    model = torch.nn.Linear(2, 2)
-    with pytest.raises(NotImplementedError, match="image-text models beside tensor parallelism"):
-        check_features_beside_tp(model, 2, (), image_text=True)
-    check_features_beside_tp(model, 1, mixers, image_text=True)
+        check_mixers_beside_tp(split, 2, mixers)
+    check_mixers_beside_tp(_Layers(5, "colwise_gather_output", "colwise_gather_output"), 2, mixers)
+    check_mixers_beside_tp(torch.nn.Linear(2, 2), 2, ())  # no plan, no mixer
+    check_mixers_beside_tp(split, 1, mixers)
+
+    base = torch.nn.ModuleDict({"language_model": _Layers(1, "colwise", "rowwise"), "vision_tower": _Mixer()})
+    base.tp_plan = {"language_model.layers.*.linear_attn.in_proj": "colwise", "vision_tower.in_proj": "colwise_rep"}
+    check_image_text_beside_tp(base, base["language_model"], 2)  # the tower's output whole
+    base.tp_plan["vision_tower.out_proj"] = "rowwise"
+    with pytest.raises(NotImplementedError, match=r"outside its language model \(vision_tower.out_proj: rowwise\)"):
+        check_image_text_beside_tp(base, base["language_model"], 2)
+    check_image_text_beside_tp(base, base["language_model"], 1)
 
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1)
@@ -388,6 +395,61 @@ def test_what_has_not_run_beside_tp_is_refused_by_name():
     trainer = SimpleNamespace(ring_state=SimpleNamespace(tp_size=2, cp_size=2), model=adapted)
     with pytest.raises(NotImplementedError, match=r"PEFT adapters \(LoRA\) beside tensor parallelism"):
         _check_tensor_parallel(trainer, subclass_loss=False)
+
+
+IMAGE_TEXT = ("llava", "qwen2_vl")
+
+
+def _image_text_case(rank: int, world: int, root: str) -> dict:
+    """LLaVA and Qwen2-VL (its vision tower split over the CP group, a video in the second row)
+    at tp2 x cp2: this rank's logits of its shard and every gradient (``full_tensor()``),
+    against one process on the full batch, the image-text tests' weighted loss."""
+    import hf_ring
+    import vlm_cases
+    import vlm_checks
+    from transformers import AutoModelForImageTextToText
+    from transformers.distributed import DistributedConfig
+
+    state = hf_ring.setup_context_parallel(cp_size=2, tp_size=2)
+    out = {}
+    for family in IMAGE_TEXT:
+        batch = vlm_cases.FAMILIES[family][1](3)
+        weights = torch.randn(vlm_cases.ROWS, vlm_cases.SEQ, vlm_cases.VOCAB, generator=torch.Generator().manual_seed(5))
+        reference = vlm_checks.run_full(AutoModelForImageTextToText.from_pretrained(
+            f"{root}/{family}", attn_implementation="sdpa", dtype=torch.float32).train(), batch, weights)
+        model = AutoModelForImageTextToText.from_pretrained(
+            f"{root}/{family}", attn_implementation="ring_flash", dtype=torch.float32,
+            distributed_config=DistributedConfig(tp_size=2, fsdp_size=2)).train()
+        torch.manual_seed(vlm_checks.FORWARD_SEED)
+        logits = model(**batch).logits
+        # FSDP2 averages over the 2 CP ranks: each rank's share of the loss, times 2.
+        (logits * hf_ring.shard_sequence(weights, 2, state.cp_rank) * 2).sum().backward()
+        grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                 for n, p in model.named_parameters() if p.grad is not None}
+        errors = {"logits": _relative(logits.detach(), hf_ring.shard_sequence(reference["logits"], 2, state.cp_rank))}
+        for n, want in reference["grads"].items():
+            if want.norm() < vlm_checks.ZERO:  # zero in exact arithmetic: both sides hold rounding only
+                errors[n] = 0.0 if grads[n].norm() < vlm_checks.ZERO else float("inf")
+            else:
+                errors[n] = ((grads[n] - want).norm() / want.norm()).item()
+        out[family] = errors
+    return out
+
+
+def test_image_text_tp2_cp2_computes_what_one_process_computes(tmp_path):
+    """The language model TP-split and CP-sharded at its entry, the vision tower whole on every
+    rank (Qwen2-VL's split over the CP group): logits (max relative to the largest) and every
+    gradient (norm relative) within 1e-4, the image-text tests' tolerance (measured: logits
+    <= 3.1e-7, gradients <= 1.0e-6)."""
+    import vlm_cases
+
+    for family in IMAGE_TEXT:
+        vlm_cases.build(vlm_cases.FAMILIES[family][0](), "sdpa").save_pretrained(f"{tmp_path}/{family}")
+    for rank, result in enumerate(run_world(4, _image_text_case, str(tmp_path))):
+        for family, errors in result.items():
+            worst = max(errors, key=errors.get)
+            assert errors[worst] < 1e-4, (rank, family, worst, errors[worst])
+            assert len(errors) > 40  # every parameter of the tower, projector and language model
 
 
 def test_pipeline_and_reserved_sequence_parallel_configs_are_refused_for_training():

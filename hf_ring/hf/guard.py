@@ -46,7 +46,7 @@ from hf_ring.hf.randomness.draws import OneProcessDraws, check_generators_after
 from hf_ring.hf.randomness.refusals import current_refusal, refuse_length_scaled_noise
 from hf_ring.hf.mixers import head_inputs, required_steps, route_mixers
 from hf_ring.hf.support import RING_FLASH, check_model_under_cp, handed_to_the_ring
-from hf_ring.hf.support.tensor_parallel import check_features_beside_tp, check_tensor_parallel_layout
+from hf_ring.hf.support.tensor_parallel import check_mixers_beside_tp, check_tensor_parallel_layout
 from hf_ring.patches.transformers import attn_implementation
 from hf_ring.patches.transformers.mixers import is_routed_layer, unmark_routed
 from hf_ring.patterns.state import get_context_parallel_state
@@ -186,7 +186,7 @@ def _pre_forward(model: nn.Module, args: tuple, kwargs: dict):
     refuse_length_scaled_noise(model, state.cp_size)
     check_tensor_parallel_layout(model, state)
     if state.tp_size > 1:
-        check_features_beside_tp(model, state.tp_size, tuple(_mixer_layers(model)), image_text=shards is not None)
+        check_mixers_beside_tp(model, state.tp_size, tuple(_mixer_layers(model)))
     checked = validate_cp_inputs(inputs, state, *_compute_dtype(model, inputs_device(inputs)), shards=shards)
     # After the collective check: every rank has the same lengths, so raises alike.
     check_model_under_cp(model, state.cp_size, rows_and_length(inputs)[1] * state.cp_size, doc_lens=checked.doc_lens)

@@ -33,6 +33,7 @@ from transformers import PreTrainedModel
 from hf_ring.hf.guard import bind_arguments, guard_head, guard_model, unguard
 from hf_ring.hf.multimodal.families import FAMILIES, family_refusal, language_model_of
 from hf_ring.hf.multimodal.shard import CURRENT, FullBatch, shard_language_model_inputs
+from hf_ring.hf.support.tensor_parallel import check_image_text_beside_tp
 from hf_ring.hf.multimodal.tower import split_tower
 from hf_ring.hf.support import RING_FLASH, check_model_supported
 from hf_ring.patches.transformers import attn_implementation
@@ -124,6 +125,7 @@ def _enter(base: nn.Module, args: tuple, kwargs: dict):
     refusal = family_refusal(base, where + (" with packed rows (cu_seq_lens_q)" if packed else ""), packed=packed)
     if refusal is not None:
         raise NotImplementedError(refusal)
+    check_image_text_beside_tp(base, language_model_of(base), state.tp_size)
     try:
         inputs = bind_arguments(base, args, kwargs)
     except TypeError:

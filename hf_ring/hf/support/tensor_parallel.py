@@ -118,8 +118,18 @@ def _plan_entries_inside(model: nn.Module, path: str) -> list[tuple[str, str]]:
     return found
 
 
-def check_features_beside_tp(model: nn.Module, tp_size: int, mixers: tuple[str, ...], image_text: bool) -> None:
-    """Refuse, beside tensor parallelism, what has not been checked against one process there.
+def _split_entries(entries: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The plan entries after which a module's output is not whole on every TP rank."""
+    return [(pattern, style) for pattern, style in entries if style not in _WHOLE_OUTPUT_STYLES]
+
+
+def _shown(entries: list[tuple[str, str]]) -> str:
+    return ", ".join(f"{p}: {s}" for p, s in entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3
+                                                               else "")
+
+
+def check_mixers_beside_tp(model: nn.Module, tp_size: int, mixers: tuple[str, ...]) -> None:
+    """Refuse token mixers whose TP plan splits them beside tensor parallelism.
 
     Args:
         model: the guarded (base) model.
@@ -129,26 +139,45 @@ def check_features_beside_tp(model: nn.Module, tp_size: int, mixers: tuple[str, 
             whole (Qwen3.5's and Qwen3-Next's gated delta nets: every projection
             ``colwise_gather_output``; mixers the plan does not name), refused where it would
             split their heads and states.
-        image_text: the forward is an image-text model's language model.
 
     Raises:
-        NotImplementedError: naming the feature and what to do.
+        NotImplementedError: naming the plan's entries and what to do.
     """
     if tp_size == 1:
         return
-    split = [(m, pattern, style) for m in mixers for pattern, style in _plan_entries_inside(model, m)
-             if style not in _WHOLE_OUTPUT_STYLES]
+    split = _split_entries([e for m in mixers for e in _plan_entries_inside(model, m)])
     if split:
-        shown = ", ".join(f"{p}: {s}" for _, p, s in split[:3]) + (f" and {len(split) - 3} more" if len(split) > 3
-                                                                     else "")
         raise NotImplementedError(
             f"{type(model).__name__}'s token mixers beside tensor parallelism (tp_size={tp_size}): its TP plan splits "
-            f"them ({shown}), so each TP rank would run a part of their heads and states, which has not been checked "
-            "against one process; train this model with tp_size=1"
-        )
-    if image_text:
-        raise NotImplementedError(
-            f"image-text models beside tensor parallelism (tp_size={tp_size}) have not been checked against one "
-            "process under context parallelism; train them with tp_size=1"
+            f"them ({_shown(split)}), so each TP rank would run a part of their heads and states, which has not been "
+            "checked against one process; train this model with tp_size=1"
         )
 
+
+def check_image_text_beside_tp(base: nn.Module, language_model: nn.Module, tp_size: int) -> None:
+    """Refuse an image-text model whose TP plan splits anything outside its language model.
+
+    The language model beside TP is what text models run (its heads split, its CP groups of
+    one TP coordinate); the vision tower and the projector run whole on every rank, fed the
+    full batch, as without TP (tests/test_tp_cp.py checks LLaVA and Qwen2-VL). A plan that
+    shards them has not been checked.
+
+    Args:
+        base: the image-text base model (``LlavaModel``, ``Qwen2VLModel``, ...).
+        language_model: its language model (a module inside ``base``).
+        tp_size: the context-parallel state's tensor-parallel size.
+
+    Raises:
+        NotImplementedError: naming the plan's entries outside the language model.
+    """
+    if tp_size == 1:
+        return
+    path = next((name for name, module in base.named_modules() if module is language_model), None)
+    plan = getattr(base, "tp_plan", None) or {}
+    outside = _split_entries([(p, s) for p, s in plan.items() if path is None or not p.startswith(f"{path}.")])
+    if outside:
+        raise NotImplementedError(
+            f"{type(base).__name__} beside tensor parallelism (tp_size={tp_size}): its TP plan splits modules outside "
+            f"its language model ({_shown(outside)}), which has not been checked against one process under context "
+            "parallelism; train it with tp_size=1"
+        )
