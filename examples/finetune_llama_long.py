@@ -278,13 +278,13 @@ def _load_distributed(path: str, args: argparse.Namespace, attn_implementation: 
     """The checkpoint at ``path`` loaded with transformers' ``DistributedConfig``: TP over
     ``--tp_size`` ranks (innermost), FSDP2 over the others (the dp x cp ranks), and each MoE
     layer's experts split over ``--ep_size`` ranks."""
-    import dataclasses
+    from hf_ring.patches.transformers import distributed_config_takes_sizes
 
-    from transformers.distributed import DistributedConfig
-
-    if not {"tp_size", "fsdp_size"} <= {f.name for f in dataclasses.fields(DistributedConfig)}:
+    if not distributed_config_takes_sizes():
         raise SystemExit(f"--tp_size / --ep_size need transformers' DistributedConfig(tp_size=..., fsdp_size=...) "
                          f"(transformers 5.x); transformers {transformers.__version__} has none")
+    from transformers.distributed import DistributedConfig
+
     world = int(os.environ.get("WORLD_SIZE", "1"))
     sizes = dict(ep_size=args.ep_size) if args.ep_size > 1 else {}
     config = DistributedConfig(tp_size=args.tp_size, fsdp_size=world // args.tp_size, **sizes)

@@ -125,3 +125,29 @@ def test_concat_over_group_is_every_ranks_tensor_in_rank_order(ranks, cp, index)
     for rank in GROUPS[cp][index]:
         values, flags = ranks[rank][(cp, index, "concat")]
         assert torch.equal(values, expected) and torch.equal(flags, expected > 0), rank
+
+
+def _gather_alone(rank: int, world: int) -> str:
+    """Rank 0 gathers over a group of both ranks whose other rank never comes (2 s timeout)."""
+    from datetime import timedelta
+
+    from hf_ring.distributed.rows import concat_over_group
+    from hf_ring.training.eval_loss import _DP_GROUP
+
+    group = dist.new_group([0, 1], timeout=timedelta(seconds=2))
+    message = "not called"
+    if rank == 0:
+        try:
+            concat_over_group(torch.ones(1), group, 2, _DP_GROUP)
+        except RuntimeError as e:
+            message = str(e)
+    dist.barrier()
+    return message
+
+
+def test_a_gather_whose_peer_never_comes_names_its_group():
+    """The evaluation's gather over the data-parallel ranks names that group and what its
+    ranks must all run, not the CP group's attention."""
+    message = run_world(2, _gather_alone)[0]
+    assert message.startswith("a collective of the data-parallel group did not complete"), message
+    assert "the same evaluation step" in message and "attention" not in message.split("(")[0], message

@@ -52,11 +52,18 @@ class Collectives(Protocol):
         ...
 
 
-class GroupCollectives:
-    """The collectives of ``group`` (None: the default group)."""
+# Whom a failed collective's message names, and what its ranks must all have run.
+CP_GROUP = ("the context-parallel group", "the same attention call (a rank that skipped a backward, ran an extra "
+            "forward alone, or stopped). Every rank of a CP group must run every forward and backward together")
 
-    def __init__(self, group: Optional[dist.ProcessGroup], stats: Optional[CommWaitStats] = None) -> None:
-        self.group, self.stats = group, stats
+
+class GroupCollectives:
+    """The collectives of ``group`` (None: the default group). ``names``: ``(the group, what
+    every rank of it must run)``, for the message when a peer never takes part."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup], stats: Optional[CommWaitStats] = None,
+                 names: tuple[str, str] = CP_GROUP) -> None:
+        self.group, self.stats, self.names = group, stats, names
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self._nccl = is_nccl(group)
 
@@ -71,11 +78,8 @@ class GroupCollectives:
         except RuntimeError as e:
             if not peer_failed(e):
                 raise
-            raise RuntimeError(
-                "a collective of the context-parallel group did not complete: another rank did not run "
-                "the same attention call (a rank that skipped a backward, ran an extra forward alone, or "
-                f"stopped). Every rank of a CP group must run every forward and backward together. ({e})"
-            ) from e
+            group, duty = self.names
+            raise RuntimeError(f"a collective of {group} did not complete: another rank did not run {duty}. ({e})") from e
         if self.stats is not None:
             self.stats.seconds += time.perf_counter() - start
             self.stats.waits += 1

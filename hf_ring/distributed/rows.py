@@ -24,16 +24,17 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from hf_ring.distributed.collectives import GroupCollectives
+from hf_ring.distributed.collectives import CP_GROUP, GroupCollectives
 from hf_ring.sharding import shard_packed, shard_sequence, unshard_packed, unshard_sequence
 
 
-def _every_rank(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+def _every_rank(tensor: torch.Tensor, group: Optional[dist.ProcessGroup],
+                names: tuple[str, str] = CP_GROUP) -> torch.Tensor:
     """``tensor`` (any shape, any dtype, bool included) from every rank of ``group`` ->
     ``(group size, *tensor.shape)`` in rank order, same dtype; collective, not differentiable."""
     dtype = tensor.dtype
     send = tensor.to(torch.int32) if dtype == torch.bool else tensor  # gloo has no bool all-gather
-    return GroupCollectives(group).all_gather(send).to(dtype)
+    return GroupCollectives(group, names=names).all_gather(send).to(dtype)
 
 
 def _whole_rows(local: torch.Tensor, group: Optional[dist.ProcessGroup], layout: str,
@@ -99,10 +100,13 @@ def gather_rows(local: torch.Tensor, group: Optional[dist.ProcessGroup], cp_size
     return _whole_rows(local, group, layout, cu_seqlens)
 
 
-def concat_over_group(tensor: torch.Tensor, group: Optional[dist.ProcessGroup], size: int) -> torch.Tensor:
+def concat_over_group(tensor: torch.Tensor, group: Optional[dist.ProcessGroup], size: int,
+                      names: tuple[str, str] = CP_GROUP) -> torch.Tensor:
     """Every rank's ``tensor`` ``(n, ...)`` (the same shape on every rank; any dtype, bool
     included) concatenated along dim 0 in rank order: ``(size * n, ...)``. ``group`` (None:
-    the default group) has ``size`` ranks; collective over it; not differentiable."""
+    the default group) has ``size`` ranks; collective over it; not differentiable.
+    ``names``: the group and what its ranks must all run, for the message when one does not
+    (``collectives.GroupCollectives``)."""
     if size == 1:
         return tensor
-    return _every_rank(tensor, group).flatten(0, 1)
+    return _every_rank(tensor, group, names).flatten(0, 1)

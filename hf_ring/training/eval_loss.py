@@ -45,6 +45,11 @@ def batch_token_mean(token_sum: torch.Tensor, count: torch.Tensor, group: Option
     return (totals[0] / totals[1]).float()  # 0 / 0 is NaN, as the stock model's mean
 
 
+# What a failed gather over the data-parallel ranks names (distributed.collectives.GroupCollectives).
+_DP_GROUP = ("the data-parallel group", "the same evaluation step (every data-parallel rank evaluates every "
+             "batch of its share, and the stock loop gathers each batch's losses over them)")
+
+
 def data_parallel_gather(accelerator: Any, state: ContextParallelState) -> Callable[[torch.Tensor], torch.Tensor]:
     """``accelerator.gather_for_metrics`` over the data-parallel ranks of ``state`` only.
 
@@ -62,7 +67,7 @@ def data_parallel_gather(accelerator: Any, state: ContextParallelState) -> Calla
                 f"under context parallelism RingTrainer gathers eval tensors only, got {type(tensor).__name__}; "
                 "evaluate with cp_size=1 for other outputs"
             )
-        data = concat_over_group(tensor, state.dp_group, state.dp_size)
+        data = concat_over_group(tensor, state.dp_group, state.dp_size, _DP_GROUP)
         gradient_state = accelerator.gradient_state
         if gradient_state.end_of_dataloader and gradient_state.remainder > 0:
             return data[: gradient_state.remainder]

@@ -49,6 +49,7 @@ in 4.57.6 and 5.24.0):
   ``_gradient_checkpointing_func`` (``wrap_checkpoint_function``: a recompute draws its
   random numbers as the forward did, under CP), ``Trainer.gather_function``
   (``eval_gather_replaced``: under CP the eval losses are gathered over data-parallel ranks),
+  whether ``DistributedConfig`` takes ``tp_size`` / ``fsdp_size`` (``distributed_config_takes_sizes``),
   the forward tensor parallelism installs on a module (``tensor_parallel_forward``: the
   chunked loss runs in place of the LM head's, vocabulary-sharded, and puts it back);
 - ``sources``: what is read from the modeling code itself: a causal LM's logit transform
@@ -74,6 +75,7 @@ transformers is imported only when a function runs: ``import hf_ring`` needs onl
 
 from .attributes import (
     attn_implementation,
+    distributed_config_takes_sizes,
     drop_absent_no_split_modules,
     eval_gather_replaced,
     prepare_inputs,
@@ -94,6 +96,7 @@ __all__ = [
     "apply",
     "attention_class_tables",
     "attn_implementation",
+    "distributed_config_takes_sizes",
     "drop_absent_no_split_modules",
     "eval_gather_replaced",
     "forward_passes_keyword",

@@ -4,7 +4,7 @@ first (the same in 4.57.6 and 5.24.0).
 
 Owns: ``attn_implementation``, ``train_batch_size``, ``prepare_inputs``,
 ``set_checkpoint_function``, ``wrap_checkpoint_function``, ``drop_absent_no_split_modules``, ``eval_gather_replaced``,
-``tensor_parallel_forward``. Imports nothing of transformers itself (it is handed the objects).
+``tensor_parallel_forward``, ``distributed_config_takes_sizes``. Imports nothing of transformers itself (it is handed the objects).
 """
 
 from __future__ import annotations
@@ -161,3 +161,16 @@ def tensor_parallel_forward(module: Any) -> bool:
     parallelism installed on it (and nothing else's)."""
     forward = vars(module).get("forward")
     return forward is not None and getattr(forward, "__qualname__", "") == _TP_FORWARD
+
+
+def distributed_config_takes_sizes() -> bool:
+    """Whether transformers' ``DistributedConfig`` takes ``tp_size`` and ``fsdp_size`` (5.x;
+    4.57's takes neither), i.e. whether a model can be loaded tensor-parallel beside CP."""
+    import dataclasses
+
+    try:
+        from transformers.distributed import DistributedConfig
+    except ImportError:
+        return False
+    return dataclasses.is_dataclass(DistributedConfig) and {"tp_size", "fsdp_size"} <= {
+        f.name for f in dataclasses.fields(DistributedConfig)}
