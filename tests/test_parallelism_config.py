@@ -46,6 +46,8 @@ def test_the_config_is_read_from_training_arguments_then_from_accelerate_launch(
     no_launch_env.setenv("PARALLELISM_CONFIG_TP_SIZE", "2")
     launched = pc.requested_parallelism_config(None)
     assert pc.plugin_sizes(launched) == (4, 2)
+    no_launch_env.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "1")  # Accelerate reads "true" only
+    assert pc.requested_parallelism_config(None) is None
 
 
 def test_what_hf_ring_does_not_take_over_is_refused(no_launch_env):
@@ -85,6 +87,20 @@ def test_accelerate_sees_cp_folded_into_dp_shard_with_every_rank_in_place(no_lau
         assert coords.get("dp_shard", 0) == dims.coord("fsdp", rank), (rank, coords)
         assert coords.get("tp", 0) == dims.coord("tp", rank)
         assert coords.get("dp_replicate", 0) == dims.coord("dp_replicate", rank)
+
+
+def test_sizes_must_fill_the_world_and_a_model_sharded_at_load_gets_its_replicas_folded(no_launch_env):
+    """A config whose axes do not fill the world is refused (folded into no config it would
+    run other data-parallel sizes than it says); for a model transformers sharded at load,
+    the Trainer sets dp_shard to the model's data-parallel size, replicas included, so the
+    view folds the replicas into dp_shard too."""
+    pc.check_fills_world(ParallelismConfig(cp_size=2, dp_shard_size=2), 4)
+    with pytest.raises(ValueError, match=r"dp_replicate 1 x dp_shard 3 x cp 2 x tp 1 = 6 processes but the world has 4"):
+        pc.check_fills_world(ParallelismConfig(cp_size=2, dp_shard_size=3), 4)
+    hsdp = ParallelismConfig(dp_replicate_size=2, dp_shard_size=2, cp_size=2, tp_size=2)
+    view = pc.accelerate_view(hsdp, fsdp=True, sharded_at_load=True)
+    assert (view.dp_replicate_size, view.dp_shard_size, view.tp_size, view.total_size) == (1, 8, 2, 16)
+    assert pc.accelerate_view(hsdp, fsdp=True).dp_replicate_size == 2
 
 
 def test_without_fsdp_tp_or_replicas_accelerate_gets_no_config(no_launch_env):

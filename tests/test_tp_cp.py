@@ -350,52 +350,62 @@ def test_auto_offers_hybrid_beside_tp_only_with_its_ulysses_groups_inside_a_node
     assert "hybrid" not in [c.pattern for c in pattern_candidates(**call, local_world_size=2, rank_stride=2)]
 
 
-class _Mixer(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.in_proj, self.out_proj = torch.nn.Linear(2, 4), torch.nn.Linear(4, 2)
+def _split_by_override_case(rank: int, world: int, root: str) -> list[str]:
+    """Models whose TP plan is overridden at load (``DistributedConfig(tp_plan=...)``, which
+    reaches only the top model's plan) so that TP splits a delta net's projection or a vision
+    tower's MLP: each forward under tp2 x cp2 must be refused, naming the split module."""
+    import hf_ring
+    import vlm_cases
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.distributed import DistributedConfig
+
+    from hf_ring.sharding import shard_sequence
+
+    state = hf_ring.setup_context_parallel(cp_size=2, tp_size=2)
+    messages = []
+    hybrid = AutoModelForCausalLM.from_pretrained(
+        f"{root}/qwen3_5_text", attn_implementation="ring_flash", dtype=torch.float32,
+        distributed_config=DistributedConfig(tp_size=2, fsdp_size=2,
+                                             tp_plan={"model.layers.*.linear_attn.in_proj_qkv": "colwise"}))
+    ids, _ = _batch()
+    image_text = AutoModelForImageTextToText.from_pretrained(
+        f"{root}/llava", attn_implementation="ring_flash", dtype=torch.float32,
+        distributed_config=DistributedConfig(tp_size=2, fsdp_size=2,
+                                             tp_plan={"model.vision_tower.encoder.layers.*.mlp.fc1": "colwise"}))
+    for run in (lambda: hybrid(input_ids=shard_sequence(ids, 2, state.cp_rank, dim=1),
+                               position_ids=shard_sequence(torch.arange(SEQ)[None], 2, state.cp_rank, dim=1)),
+                lambda: image_text(**vlm_cases.FAMILIES["llava"][1](3))):
+        try:
+            run()
+            messages.append("ran")
+        except NotImplementedError as e:
+            messages.append(str(e))
+    return messages
 
 
-class _Layers(torch.nn.Module):
-    """``layers.<i>.linear_attn.{in_proj, out_proj}`` and a TP plan of given styles for them."""
+def test_what_tp_splits_by_a_plan_override_is_refused(tmp_path):
+    """The checks read what TP applied (installed forwards, sharded weights), not the model's
+    default plan: an override that splits a delta net or a vision tower is refused by name."""
+    import vlm_cases
 
-    def __init__(self, n: int, in_style: str, out_style: str) -> None:
-        super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.ModuleDict({"linear_attn": _Mixer()}) for _ in range(n))
-        self.tp_plan = {"layers.*.linear_attn.in_proj": in_style, "layers.*.linear_attn.out_proj": out_style}
+    _save_hybrid(f"{tmp_path}/qwen3_5_text", "qwen3_5_text")
+    vlm_cases.build(vlm_cases.FAMILIES["llava"][0](), "sdpa").save_pretrained(f"{tmp_path}/llava")
+    for rank, (hybrid, image_text) in enumerate(run_world(4, _split_by_override_case, str(tmp_path))):
+        assert "token mixers beside tensor parallelism (tp_size=2): TP splits them (" in hybrid, (rank, hybrid)
+        assert "linear_attn.in_proj_qkv: a TP forward that splits it" in hybrid, (rank, hybrid)
+        assert "TP splits modules outside its language model (" in image_text, (rank, image_text)
+        assert "vision_tower.encoder.layers.0.mlp.fc1: a TP forward that splits it" in image_text, (rank, image_text)
 
 
 def test_what_has_not_run_beside_tp_is_refused_by_name():
-    """Token mixers whose TP plan splits their heads and states (each TP rank would run a part
-    of them), image-text models whose plan splits anything outside their language model, and
-    PEFT adapters have not been checked beside TP: refused, naming them. Mixers the plan
-    leaves whole (this file's Qwen3.5) and image-text models whose plan covers only their
-    language model (this file's LLaVA and Qwen2-VL) are accepted; nothing is refused at
-    tp_size=1."""
+    """PEFT adapters have not been checked beside TP: refused, naming them (token mixers and
+    image-text towers that TP splits: test_what_tp_splits_by_a_plan_override_is_refused)."""
     from types import SimpleNamespace
 
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hf_ring.hf.support.tensor_parallel import check_image_text_beside_tp, check_mixers_beside_tp
     from hf_ring.training.trainer_checks import _check_tensor_parallel
-
-    mixers = tuple(f"layers.{i}.linear_attn" for i in range(5))
-    split = _Layers(5, "colwise", "rowwise")
-    with pytest.raises(NotImplementedError, match=r"splits them \(layers.\*.linear_attn.in_proj: colwise, "
-                                                  r"layers.\*.linear_attn.out_proj: rowwise, .* and 7 more\)"):
-        check_mixers_beside_tp(split, 2, mixers)
-    check_mixers_beside_tp(_Layers(5, "colwise_gather_output", "colwise_gather_output"), 2, mixers)
-    check_mixers_beside_tp(torch.nn.Linear(2, 2), 2, ())  # no plan, no mixer
-    check_mixers_beside_tp(split, 1, mixers)
-
-    base = torch.nn.ModuleDict({"language_model": _Layers(1, "colwise", "rowwise"), "vision_tower": _Mixer()})
-    base.tp_plan = {"language_model.layers.*.linear_attn.in_proj": "colwise", "vision_tower.in_proj": "colwise_rep"}
-    check_image_text_beside_tp(base, base["language_model"], 2)  # the tower's output whole
-    base.tp_plan["vision_tower.out_proj"] = "rowwise"
-    with pytest.raises(NotImplementedError, match=r"outside its language model \(vision_tower.out_proj: rowwise\)"):
-        check_image_text_beside_tp(base, base["language_model"], 2)
-    check_image_text_beside_tp(base, base["language_model"], 1)
 
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1)
@@ -458,6 +468,19 @@ def test_image_text_tp2_cp2_computes_what_one_process_computes(tmp_path):
             worst = max(errors, key=errors.get)
             assert errors[worst] < 1e-4, (rank, family, worst, errors[worst])
             assert len(errors) > 40  # every parameter of the tower, projector and language model
+
+
+def test_per_rank_token_means_with_several_data_parallel_ranks_are_refused():
+    """RingTrainer's loss is the stock one under average_tokens_across_devices=True; False with
+    dp > 1 makes the stock loss a mean of per-rank means: refused by name, accepted at dp 1."""
+    from types import SimpleNamespace
+
+    from hf_ring.training.trainer_checks import _check_token_averaging
+
+    with pytest.raises(NotImplementedError, match="average_tokens_across_devices=False with several"):
+        _check_token_averaging(SimpleNamespace(average_tokens_across_devices=False), 2)
+    _check_token_averaging(SimpleNamespace(average_tokens_across_devices=False), 1)
+    _check_token_averaging(SimpleNamespace(average_tokens_across_devices=True), 4)
 
 
 def test_pipeline_and_reserved_sequence_parallel_configs_are_refused_for_training():

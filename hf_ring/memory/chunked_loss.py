@@ -255,6 +255,8 @@ def chunked_token_loss_sum(
         raise ValueError(f"chunk_tokens must be >= 1, not {chunk_tokens}")
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     labels = shift_labels.reshape(-1).to(hidden.device)
+    if shard is not None and bool((labels >= shard.vocab).any()):  # one host sync; the full head's CE raises too
+        raise ValueError(f"a label is {int(labels.max())}, outside the vocabulary of {shard.vocab} ids")
     state = _autocast_state(hidden.device.type)
     return ChunkedLinearCrossEntropy.apply(flat_hidden, weight, bias, labels, chunk_tokens, transform, state, shard)
 

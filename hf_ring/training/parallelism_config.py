@@ -36,7 +36,7 @@ def requested_parallelism_config(training_args: Optional[Any]) -> Optional[Any]:
     config = getattr(training_args, "parallelism_config", None)
     if config is not None:
         return config
-    if os.environ.get(_ENV_FLAG, "").lower() not in ("1", "true", "yes"):
+    if os.environ.get(_ENV_FLAG, "").lower() != "true":  # what the Accelerator itself reads
         return None
     from accelerate.parallelism_config import ParallelismConfig
 
@@ -77,6 +77,17 @@ def plugin_sizes(config: Any) -> tuple[int, int]:
     return int(config.cp_size or 1), int(config.tp_size or 1)
 
 
+def check_fills_world(config: Any, world: int) -> None:
+    """Refuse a config whose axes do not fill the world (the Accelerator refuses it too; folded
+    into no config at all, it would run with other data-parallel sizes than it says)."""
+    sizes = {a: int(getattr(config, f"{a}_size") or 1) for a in ("dp_replicate", "dp_shard", "cp", "tp")}
+    total = sizes["dp_replicate"] * sizes["dp_shard"] * sizes["cp"] * sizes["tp"]
+    if total != world:
+        shown = " x ".join(f"{a} {n}" for a, n in sizes.items())
+        raise ValueError(f"parallelism_config lays out {shown} = {total} processes but the world has {world}; "
+                         "the sizes must fill it (dp_shard_size: the data-parallel ranks left over)")
+
+
 def check_plugin_agrees(config: Any, cp_size: int, tp_size: int) -> None:
     """Refuse a ``RingAttentionPlugin`` whose sizes are not those of ``config``."""
     want = plugin_sizes(config)
@@ -87,11 +98,14 @@ def check_plugin_agrees(config: Any, cp_size: int, tp_size: int) -> None:
             "RingAttentionPlugin.from_parallelism_config), or make them agree")
 
 
-def accelerate_view(config: Optional[Any], fsdp: bool) -> Optional[Any]:
+def accelerate_view(config: Optional[Any], fsdp: bool, sharded_at_load: bool = False) -> Optional[Any]:
     """The config Accelerate gets under hf_ring's CP: ``config`` with ``cp`` folded into
     ``dp_shard`` (the same ranks, see the module docstring), never torch's CP; None where
     nothing is left for Accelerate to lay out (no FSDP, no TP, no replicas): DDP over the
-    world. ``config`` itself is not changed."""
+    world. For a model transformers sharded at load (``sharded_at_load``: its own
+    ``DistributedConfig``), the replicas are folded in too: the Trainer then sets
+    ``dp_shard_size`` to the model's data-parallel size, replicas included, and a separate
+    ``dp_replicate`` would count them twice. ``config`` itself is not changed."""
     if config is None:
         return None
     cp = int(config.cp_size or 1)
@@ -102,8 +116,11 @@ def accelerate_view(config: Optional[Any], fsdp: bool) -> Optional[Any]:
         return None
     from accelerate.parallelism_config import ParallelismConfig
 
-    return ParallelismConfig(dp_replicate_size=replicas, dp_shard_size=int(config.dp_shard_size or 1) * cp,
-                             tp_size=tp, cp_size=1, sp_size=1, tp_handler=config.tp_handler)
+    shard = int(config.dp_shard_size or 1) * cp
+    if sharded_at_load:
+        shard, replicas = shard * replicas, 1
+    return ParallelismConfig(dp_replicate_size=replicas, dp_shard_size=shard, tp_size=tp, cp_size=1, sp_size=1,
+                             tp_handler=config.tp_handler)
 
 
 @contextlib.contextmanager
@@ -120,5 +137,6 @@ def given_to_accelerate(training_args: Any, view: Optional[Any]) -> Iterator[Non
             os.environ[_ENV_FLAG] = saved_flag
 
 
-__all__ = ["accelerate_view", "asks_for_sizes", "check_for_hf_ring", "check_plugin_agrees", "given_to_accelerate",
+__all__ = ["accelerate_view", "asks_for_sizes", "check_fills_world", "check_for_hf_ring", "check_plugin_agrees",
+           "given_to_accelerate",
            "plugin_sizes", "requested_parallelism_config"]

@@ -31,6 +31,7 @@ import math
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from transformers import Trainer
 from transformers.utils import logging as hf_logging
 
@@ -72,6 +73,8 @@ def _plugin_for(ring_plugin: Optional[RingAttentionPlugin], config: Optional[Any
     plugin that config describes (or ``cp_size=1``). A config of data axes only sizes nothing."""
     if not parallelism_config.asks_for_sizes(config):
         return ring_plugin if ring_plugin is not None else RingAttentionPlugin(cp_size=1)
+    if dist.is_available() and dist.is_initialized():  # TrainingArguments initialise it
+        parallelism_config.check_fills_world(config, dist.get_world_size())
     if ring_plugin is None:
         return RingAttentionPlugin.from_parallelism_config(config)
     parallelism_config.check_plugin_agrees(config, ring_plugin.cp_size, ring_plugin.tp_size)
@@ -129,8 +132,9 @@ class RingTrainerBase:
         environment)."""
         if self._parallelism_config is None:
             return super().create_accelerator_and_postprocess()
-        view = parallelism_config.accelerate_view(self._parallelism_config,
-                                                  fsdp=weight_sharding.fsdp_requested(self.args, None))
+        view = parallelism_config.accelerate_view(
+            self._parallelism_config, fsdp=weight_sharding.fsdp_requested(self.args, None),
+            sharded_at_load=getattr(self.model, "is_distributed_loading_by_transformers", False))
         with parallelism_config.given_to_accelerate(self.args, view):
             return super().create_accelerator_and_postprocess()
 

@@ -98,6 +98,17 @@ def check_reference_attention(ref_model: Any, cp_size: int, how: str) -> None:
         )
 
 
+def _check_token_averaging(args: Any, dp_size: int) -> None:
+    """RingTrainer's loss is the stock Trainer's under ``average_tokens_across_devices=True``
+    (the default); with False and several data-parallel ranks the stock one is another number."""
+    if not getattr(args, "average_tokens_across_devices", True) and dp_size > 1:
+        raise NotImplementedError(
+            "average_tokens_across_devices=False with several data-parallel ranks: the stock Trainer then trains on "
+            "the mean of each rank's own token mean, while RingTrainer computes the token mean over every dp x cp "
+            "rank (and a model's router loss summed over the ranks); set average_tokens_across_devices=True "
+            "(the default)")
+
+
 def _check_distributed_config(model: Any) -> None:
     """What of transformers' ``DistributedConfig`` a Ring trainer cannot train with: pipeline
     parallelism (transformers' runs forward only: no backward communication between
@@ -181,6 +192,8 @@ def check_trainer_supported(trainer: Any, subclass_loss: bool) -> None:
         raise ValueError("RingTrainer computes the loss itself (token mean over dp x cp); drop compute_loss_func")
     if not subclass_loss:  # a subclass's own loss handles them (or refuses)
         _refuse_loss_terms(trainer.model, trainer.ring_state.tp_size)
+    if not subclass_loss:
+        _check_token_averaging(args, trainer.ring_state.dp_size)
     if args.label_smoothing_factor != 0:
         raise NotImplementedError("label smoothing is not supported by RingTrainer; set label_smoothing_factor=0")
     if getattr(args, "use_legacy_prediction_loop", False):

@@ -131,7 +131,7 @@ def _fsdp2_reduction(model: torch.nn.Module, world: int, world_ranks: list[int],
 
     from hf_ring.patches.torch import fsdp2_gradient_divide_factors
 
-    factors = fsdp2_gradient_divide_factors(model)
+    factors: Optional[dict] = None  # read (a private internal of torch) only for an expert-parallel model
     holder = {f"{prefix}.{n}" if prefix else n: (id(m), n)
               for prefix, m in model.named_modules() for n, _ in m.named_parameters(recurse=False)}
     meshes: dict[tuple[tuple[int, ...], tuple[int, ...]], str] = {}
@@ -144,6 +144,7 @@ def _fsdp2_reduction(model: torch.nn.Module, world: int, world_ranks: list[int],
                 "reduced across processes; shard every trainable parameter (no ignored_params)"
             )
         if _EP_DIM in (param.device_mesh.mesh_dim_names or ()):
+            factors = fsdp2_gradient_divide_factors(model) if factors is None else factors
             _check_expert_param(name, param, factors.get(holder.get(name)), world, world_ranks, tp_size)
             continue
         shape, ranks, mesh_tp = _data_submesh(param.device_mesh)

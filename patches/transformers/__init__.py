@@ -51,7 +51,9 @@ in 4.57.6 and 5.24.0):
   (``eval_gather_replaced``: under CP the eval losses are gathered over data-parallel ranks),
   whether ``DistributedConfig`` takes ``tp_size`` / ``fsdp_size`` (``distributed_config_takes_sizes``),
   the forward tensor parallelism installs on a module (``tensor_parallel_forward``: the
-  chunked loss runs in place of the LM head's, vocabulary-sharded, and puts it back);
+  chunked loss runs in place of the LM head's, vocabulary-sharded, and puts it back), and
+  whether that forward leaves a module's input and output whole (``tensor_parallel_output_whole``:
+  which token mixers and vision towers TP leaves whole, read from what was applied);
 - ``sources``: what is read from the modeling code itself: a causal LM's logit transform
   (``logit_transform``, for the chunked loss), whether a forward passes a keyword
   (``forward_passes_keyword``), a modeling module's attention-class tables and whether it
@@ -81,6 +83,7 @@ from .attributes import (
     prepare_inputs,
     set_checkpoint_function,
     tensor_parallel_forward,
+    tensor_parallel_output_whole,
     train_batch_size,
     wrap_checkpoint_function,
 )
@@ -111,6 +114,7 @@ __all__ = [
     "set_max_position",
     "temperature_scale",
     "tensor_parallel_forward",
+    "tensor_parallel_output_whole",
     "train_batch_size",
     "uses_attention_interface",
     "wrap_checkpoint_function",

@@ -4,7 +4,7 @@ first (the same in 4.57.6 and 5.24.0).
 
 Owns: ``attn_implementation``, ``train_batch_size``, ``prepare_inputs``,
 ``set_checkpoint_function``, ``wrap_checkpoint_function``, ``drop_absent_no_split_modules``, ``eval_gather_replaced``,
-``tensor_parallel_forward``, ``distributed_config_takes_sizes``. Imports nothing of transformers itself (it is handed the objects).
+``tensor_parallel_forward``, ``tensor_parallel_output_whole``, ``distributed_config_takes_sizes``. Imports nothing of transformers itself (it is handed the objects).
 """
 
 from __future__ import annotations
@@ -174,3 +174,33 @@ def distributed_config_takes_sizes() -> bool:
         return False
     return dataclasses.is_dataclass(DistributedConfig) and {"tp_size", "fsdp_size"} <= {
         f.name for f in dataclasses.fields(DistributedConfig)}
+
+
+def tensor_parallel_output_whole(module: Any) -> "bool | None":
+    """Whether the forward transformers' tensor parallelism installed on ``module`` leaves
+    both its input and its output whole on every TP rank (None: no such forward).
+
+    Reads the style object the installed forward closes over (``self`` of
+    ``TensorParallelLayer.install_forward``, 5.24.0): a ``ColwiseParallel`` or
+    ``RowwiseParallel`` whose ``input_layouts`` and ``output_layouts`` are both
+    ``Replicate`` (``colwise_gather_output``, ``colwise_rep``, ``rowwise_rep``,
+    ``rowwise_split_input``), or the plain ``TensorParallelLayer`` of ``replicate``. Any
+    other style splits what it computes (``ReplicatedWithGradAllReduce`` too: it sits on
+    norms that see one rank's heads).
+    """
+    if not tensor_parallel_forward(module):
+        return None
+    forward = vars(module)["forward"]
+    cells = dict(zip(forward.__code__.co_freevars, forward.__closure__ or ()))
+    if "self" not in cells:
+        raise fail("TensorParallelLayer.install_forward's tp_forward no longer closes over its style (self)",
+                   installed_version())
+    style = cells["self"].cell_contents
+    name = type(style).__name__
+    if name == "TensorParallelLayer":
+        return True
+    layouts = [getattr(style, a, None) for a in ("input_layouts", "output_layouts")]
+    if name in ("ColwiseParallel", "RowwiseParallel") and all(
+            layout is not None and layout.is_replicate() for layout in layouts):
+        return True
+    return False

@@ -19,11 +19,12 @@ or memory layers.
 
 from __future__ import annotations
 
-import re
 from typing import Any, Optional
 
 import torch.distributed as dist
 import torch.nn as nn
+
+from hf_ring.patches import transformers as transformers_patches
 
 _TP_RANKS = "_hf_ring_tp_ranks"
 _TP_AXIS = "tp"
@@ -95,72 +96,88 @@ def check_tensor_parallel_layout(model: nn.Module, state: Any) -> None:
     )
 
 
-# transformers' TP styles after which a module's output is whole on every TP rank (read in
-# 5.24.0's ``distributed/tensor_parallel.py``): a token mixer fed and run only through them
-# computes every head on every TP rank, and hf_ring's CP routing of it is the same as without TP.
-_WHOLE_OUTPUT_STYLES = frozenset({"colwise_gather_output", "colwise_rep", "rowwise_rep",
-                                  "replicated_with_grad_allreduce", "replicate"})
+def _splits(module: nn.Module) -> Optional[str]:
+    """What of transformers' tensor parallelism splits ``module``'s own computation, or None:
+    a TP forward that does not keep its input and output whole, or, without one, a weight
+    sharded over a ``tp`` mesh dimension."""
+    whole = transformers_patches.tensor_parallel_output_whole(module)
+    if whole is not None:
+        return None if whole else "a TP forward that splits it"
+    dtensor = _dtensor_type()
+    for name, param in module.named_parameters(recurse=False):
+        if dtensor is not None and isinstance(param, dtensor):
+            names = tuple(param.device_mesh.mesh_dim_names or ())
+            if any(not p.is_replicate() and names[i:i + 1] == (_TP_AXIS,) for i, p in enumerate(param.placements)):
+                return f"its {name} sharded over TP"
+    return None
 
 
-def _plan_entries_inside(model: nn.Module, path: str) -> list[tuple[str, str]]:
-    """``model.tp_plan``'s ``(pattern, style)`` entries that apply to ``path`` or a module or
-    parameter under it (``*`` in a pattern: a layer index)."""
-    plan = getattr(model, "tp_plan", None) or {}
-    if not plan:
-        return []
-    names = {path, *(f"{path}.{n}" for n, _ in model.get_submodule(path).named_modules() if n),
-             *(f"{path}.{n}" for n, _ in model.get_submodule(path).named_parameters())}
+def _split_inside(root: nn.Module, paths: tuple[str, ...], skip: Optional[nn.Module] = None) -> list[str]:
+    """``"<module path>: <what splits it>"`` for every module under ``paths`` of ``root`` (``""``:
+    all of it) that tensor parallelism split, leaving out ``skip`` and what is inside it.
+    Read from what was applied (installed forwards, sharded weights), not from a plan: a
+    ``DistributedConfig(tp_plan=...)`` override reaches only the top model's plan."""
     found = []
-    for pattern, style in plan.items():
-        regex = re.compile("^" + re.escape(pattern).replace(r"\*", r"\d+") + "$")
-        if any(regex.match(name) for name in names):
-            found.append((pattern, style))
+    for path in paths:
+        top = root.get_submodule(path) if path else root
+        inside_skip = {id(m) for m in skip.modules()} if skip is not None else set()
+        for name, module in top.named_modules():
+            if id(module) in inside_skip:
+                continue
+            why = _splits(module)
+            if why is not None:
+                found.append(f"{'.'.join(p for p in (path, name) if p)}: {why}")
     return found
 
 
-def _split_entries(entries: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    """The plan entries after which a module's output is not whole on every TP rank."""
-    return [(pattern, style) for pattern, style in entries if style not in _WHOLE_OUTPUT_STYLES]
+def _shown(entries: list[str]) -> str:
+    return ", ".join(entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
 
 
-def _shown(entries: list[tuple[str, str]]) -> str:
-    return ", ".join(f"{p}: {s}" for p, s in entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3
-                                                               else "")
+# Per model: the parts TP split, read once (the placement is fixed at load).
+_SPLIT = "_hf_ring_tp_split"
+
+
+def _split_once(model: nn.Module, key: tuple, read) -> list[str]:
+    cache = model.__dict__.setdefault(_SPLIT, {})
+    if key not in cache:
+        cache[key] = read()
+    return cache[key]
 
 
 def check_mixers_beside_tp(model: nn.Module, tp_size: int, mixers: tuple[str, ...]) -> None:
-    """Refuse token mixers whose TP plan splits them beside tensor parallelism.
+    """Refuse token mixers that tensor parallelism splits.
 
     Args:
         model: the guarded (base) model.
         tp_size: the context-parallel state's tensor-parallel size (1: nothing to refuse).
         mixers: the paths of the token mixers hf_ring routes in ``model`` (convolutions,
-            linear recurrences). Accepted where the model's TP plan leaves their outputs
-            whole (Qwen3.5's and Qwen3-Next's gated delta nets: every projection
-            ``colwise_gather_output``; mixers the plan does not name), refused where it would
-            split their heads and states.
+            linear recurrences). Accepted where TP left every module inside them whole
+            (Qwen3.5's and Qwen3-Next's gated delta nets: every projection
+            ``colwise_gather_output``; mixers no plan names), refused where it splits their
+            heads and states: read from what was applied (:func:`_split_inside`).
 
     Raises:
-        NotImplementedError: naming the plan's entries and what to do.
+        NotImplementedError: naming the split modules and what to do.
     """
     if tp_size == 1:
         return
-    split = _split_entries([e for m in mixers for e in _plan_entries_inside(model, m)])
+    split = _split_once(model, ("mixers", mixers), lambda: _split_inside(model, mixers))
     if split:
         raise NotImplementedError(
-            f"{type(model).__name__}'s token mixers beside tensor parallelism (tp_size={tp_size}): its TP plan splits "
-            f"them ({_shown(split)}), so each TP rank would run a part of their heads and states, which has not been "
+            f"{type(model).__name__}'s token mixers beside tensor parallelism (tp_size={tp_size}): TP splits them "
+            f"({_shown(split)}), so each TP rank would run a part of their heads and states, which has not been "
             "checked against one process; train this model with tp_size=1"
         )
 
 
 def check_image_text_beside_tp(base: nn.Module, language_model: nn.Module, tp_size: int) -> None:
-    """Refuse an image-text model whose TP plan splits anything outside its language model.
+    """Refuse an image-text model that tensor parallelism splits outside its language model.
 
     The language model beside TP is what text models run (its heads split, its CP groups of
     one TP coordinate); the vision tower and the projector run whole on every rank, fed the
-    full batch, as without TP (tests/test_tp_cp.py checks LLaVA and Qwen2-VL). A plan that
-    shards them has not been checked.
+    full batch, as without TP (tests/test_tp_cp.py checks LLaVA and Qwen2-VL). Split ones
+    have not been checked.
 
     Args:
         base: the image-text base model (``LlavaModel``, ``Qwen2VLModel``, ...).
@@ -168,16 +185,14 @@ def check_image_text_beside_tp(base: nn.Module, language_model: nn.Module, tp_si
         tp_size: the context-parallel state's tensor-parallel size.
 
     Raises:
-        NotImplementedError: naming the plan's entries outside the language model.
+        NotImplementedError: naming the split modules outside the language model.
     """
     if tp_size == 1:
         return
-    path = next((name for name, module in base.named_modules() if module is language_model), None)
-    plan = getattr(base, "tp_plan", None) or {}
-    outside = _split_entries([(p, s) for p, s in plan.items() if path is None or not p.startswith(f"{path}.")])
+    outside = _split_once(base, ("outside", id(language_model)), lambda: _split_inside(base, ("",), language_model))
     if outside:
         raise NotImplementedError(
-            f"{type(base).__name__} beside tensor parallelism (tp_size={tp_size}): its TP plan splits modules outside "
-            f"its language model ({_shown(outside)}), which has not been checked against one process under context "
+            f"{type(base).__name__} beside tensor parallelism (tp_size={tp_size}): TP splits modules outside its "
+            f"language model ({_shown(outside)}), which has not been checked against one process under context "
             "parallelism; train it with tp_size=1"
         )
