@@ -124,6 +124,10 @@ def runs(tmp_path_factory):
     moe = ["--moe_experts", "4", "--router_aux_loss_coef", "0.5", "--per_device_train_batch_size", "2"]
     configs.update({"moe_cp1": (1, moe), "moe_stock": (1, [*moe, "--stock_trainer"]),
                     "moe_ep2_cp2": (2, [*moe, "--cp_size", "2", "--ep_size", "2"])})
+    # Packed rows: the router loss is refused there (each document's padding would count), so off.
+    packed_moe = ["--moe_experts", "4", "--router_aux_loss_coef", "0", "--packing", "--per_device_train_batch_size", "2"]
+    configs.update({"moe_packed_cp1": (1, packed_moe),
+                    "moe_packed_ep2_cp2": (2, [*packed_moe, "--cp_size", "2", "--ep_size", "2"])})
     # The sizes the Accelerate way: accelerate launch's parallelism config (it asks for FSDP2 with
     # one), no --cp_size; hf_ring runs the CP, torch's is not engaged.
     configs["launch_cp2"] = (2, ["--per_device_train_batch_size", "2"])
@@ -190,6 +194,14 @@ def test_moe_with_experts_split_beside_cp_logs_what_one_process_logs(runs):
         _assert_same(_losses(run), _losses(reference), f"{name} training loss")
         _assert_same(_grad_norms(run), _grad_norms(reference), f"{name} gradient norm")
         _assert_same(_eval_losses(run), _eval_losses(reference), f"{name} eval loss")
+
+
+@NEEDS_TP
+def test_packed_moe_with_experts_split_beside_cp_logs_what_one_process_logs(runs):
+    ref, got = runs("moe_packed_cp1"), runs("moe_packed_ep2_cp2")
+    _assert_same(_losses(got), _losses(ref), "moe_packed_ep2_cp2 training loss")
+    _assert_same(_grad_norms(got), _grad_norms(ref), "moe_packed_ep2_cp2 gradient norm")
+    _assert_same(_eval_losses(got), _eval_losses(ref), "moe_packed_ep2_cp2 eval loss")
 
 
 @pytest.mark.parametrize("name", ["packed_cp2", pytest.param("packed_tp2_cp2", marks=NEEDS_TP)])
