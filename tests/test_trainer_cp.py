@@ -102,6 +102,14 @@ def _assert_same(got: dict[int, float], ref: dict[int, float], what: str, tol: f
         assert abs(got[step] - value) <= tol * abs(value), f"{what} at step {step}: {got[step]} vs {value}"
 
 
+def _assert_same_logs(got: dict, ref: dict, name: str) -> None:
+    """The training loss, the norm of the (all-reduced) gradient (the gradients themselves
+    match) and the eval loss of every step logged, ``got`` against ``ref``."""
+    _assert_same(_losses(got), _losses(ref), f"{name} training loss")
+    _assert_same(_grad_norms(got), _grad_norms(ref), f"{name} gradient norm")
+    _assert_same(_eval_losses(got), _eval_losses(ref), f"{name} eval loss")
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Launch each configuration once (on demand) and keep its trainer_state.json."""
@@ -166,10 +174,7 @@ def test_reference_trains_and_is_finite(runs):
                                   pytest.param("launch_cp2", marks=NEEDS_FSDP2)])
 def test_same_losses_as_without_cp(runs, name):
     ref, got = runs("cp1"), runs(name)
-    _assert_same(_losses(got), _losses(ref), f"{name} training loss")
-    # The norm of the (all-reduced) gradient: the gradients themselves match.
-    _assert_same(_grad_norms(got), _grad_norms(ref), f"{name} gradient norm")
-    _assert_same(_eval_losses(got), _eval_losses(ref), f"{name} eval loss")
+    _assert_same_logs(got, ref, name)
     assert got["global_step"] == STEPS
     # Epoch bookkeeping counts data-parallel ranks only (CP ranks share their batches).
     assert _epochs(got) == pytest.approx(_epochs(ref))
@@ -179,9 +184,7 @@ def test_same_losses_as_without_cp(runs, name):
 def test_tp2_cp2_logs_what_the_stock_trainer_logs(runs):
     """The stock transformers Trainer on one process (the model's own loss, SDPA) as the reference."""
     ref, got = runs("stock"), runs("tp2_cp2")
-    _assert_same(_losses(got), _losses(ref), "tp2_cp2 training loss vs stock")
-    _assert_same(_grad_norms(got), _grad_norms(ref), "tp2_cp2 gradient norm vs stock")
-    _assert_same(_eval_losses(got), _eval_losses(ref), "tp2_cp2 eval loss vs stock")
+    _assert_same_logs(got, ref, "tp2_cp2 vs stock")
 
 
 @NEEDS_TP
@@ -189,27 +192,20 @@ def test_moe_with_experts_split_beside_cp_logs_what_one_process_logs(runs):
     """ep2 x cp2 on 2 processes against the same MoE at cp1 on one process, and that against the
     stock Trainer (the model's own loss: cross-entropy + 0.5 x its load-balancing loss)."""
     ref, stock, got = runs("moe_cp1"), runs("moe_stock"), runs("moe_ep2_cp2")
-    for name, reference in (("moe_ep2_cp2", ref), ("moe_cp1 vs stock", stock)):
-        run = got if name == "moe_ep2_cp2" else ref
-        _assert_same(_losses(run), _losses(reference), f"{name} training loss")
-        _assert_same(_grad_norms(run), _grad_norms(reference), f"{name} gradient norm")
-        _assert_same(_eval_losses(run), _eval_losses(reference), f"{name} eval loss")
+    _assert_same_logs(got, ref, "moe_ep2_cp2")
+    _assert_same_logs(ref, stock, "moe_cp1 vs stock")
 
 
 @NEEDS_TP
 def test_packed_moe_with_experts_split_beside_cp_logs_what_one_process_logs(runs):
     ref, got = runs("moe_packed_cp1"), runs("moe_packed_ep2_cp2")
-    _assert_same(_losses(got), _losses(ref), "moe_packed_ep2_cp2 training loss")
-    _assert_same(_grad_norms(got), _grad_norms(ref), "moe_packed_ep2_cp2 gradient norm")
-    _assert_same(_eval_losses(got), _eval_losses(ref), "moe_packed_ep2_cp2 eval loss")
+    _assert_same_logs(got, ref, "moe_packed_ep2_cp2")
 
 
 @pytest.mark.parametrize("name", ["packed_cp2", pytest.param("packed_tp2_cp2", marks=NEEDS_TP)])
 def test_packed_same_losses_as_without_cp(runs, name):
     ref, got = runs("packed_cp1"), runs(name)
-    _assert_same(_losses(got), _losses(ref), f"{name} training loss")
-    _assert_same(_grad_norms(got), _grad_norms(ref), f"{name} gradient norm")
-    _assert_same(_eval_losses(got), _eval_losses(ref), f"{name} eval loss")
+    _assert_same_logs(got, ref, name)
 
 
 @pytest.mark.skipif(

@@ -41,6 +41,7 @@ from hf_ring.patches import peft as peft_patches
 _FUNCTION = "load_balancing_loss_func"
 _SIZES = ("num_experts", "num_experts_per_tok", "router_aux_loss_coef")
 _CHECK_TOLERANCE = 1e-5  # relative; float32 sums of 24 rows in two orders differ by ~1e-7
+_CHECKED = "_hf_ring_router_balance_checked"
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,10 @@ def router_balance_of(model: Any) -> Optional[RouterBalance]:
         lacks = f"no {', '.join(missing)} attribute" if missing else f"no {_FUNCTION} in its module"
         raise _refuse(name, f"{name} has {lacks}")
     balance = RouterBalance(int(inner.num_experts), int(inner.num_experts_per_tok), float(coef), name)
-    _check_against(family, balance)
+    # Checked once per model and sizes (the trainer's refusals and its loss both ask).
+    if inner.__dict__.get(_CHECKED) != balance:
+        _check_against(family, balance)
+        inner.__dict__[_CHECKED] = balance
     return balance
 
 
