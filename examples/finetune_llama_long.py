@@ -66,6 +66,9 @@ def build_parser(description: Optional[str] = __doc__) -> argparse.ArgumentParse
                         "--parallelism_config_cp_size, else 1)")
     p.add_argument("--tp_size", type=int, default=None,
                    help="tensor-parallel ranks (transformers' DistributedConfig; FSDP2 over the other ranks)")
+    p.add_argument("--sequence_parallel", action="store_true",
+                   help="with --tp_size > 1: each TP rank keeps 1/tp_size of its tokens between the attention and "
+                        "MLP blocks (DistributedConfig(enable_sequence_parallel=True), run by hf_ring)")
     p.add_argument("--layout", default="zigzag", choices=["zigzag", "stripe", "contiguous"],
                    help="how each sequence is split over a CP group (packing needs zigzag)")
     p.add_argument("--cp_pattern", default="ring", choices=["ring", "allgather", "ulysses", "hybrid", "auto"],
@@ -163,6 +166,8 @@ def parse_args(
             parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
     if args.moe_experts < 0 or (args.moe_experts and args.moe_experts < 2):
         parser.error(f"--moe_experts must be 0 (a dense model) or >= 2, got {args.moe_experts}")
+    if args.sequence_parallel and args.tp_size < 2:
+        parser.error("--sequence_parallel splits each TP group's tokens: it needs --tp_size 2 or more")
     if args.ep_size > 1 and args.tp_size > 1:
         parser.error("--ep_size with --tp_size: expert parallelism beside tensor parallelism has not been checked "
                      "against one process (docs/parallelism.md); use one of them")
@@ -287,6 +292,8 @@ def _load_distributed(path: str, args: argparse.Namespace, attn_implementation: 
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     sizes = dict(ep_size=args.ep_size) if args.ep_size > 1 else {}
+    if args.sequence_parallel:
+        sizes["enable_sequence_parallel"] = True
     config = DistributedConfig(tp_size=args.tp_size, fsdp_size=world // args.tp_size, **sizes)
     return AutoModelForCausalLM.from_pretrained(path, distributed_config=config,
                                                 attn_implementation=attn_implementation, dtype=_dtype(args))

@@ -56,10 +56,12 @@ from hf_ring.training.vision.collator import RingVisionCollatorConfig, RingVisio
 __all__ += ["RingCollatorConfig", "RingDataCollator", "RingAttentionPlugin", "RingVisionCollatorConfig",
             "RingVisionDataCollator"]
 
-_NEEDS_RING_FLASH = ["ChunkedLossConfig", "RingTrainer", "enable_offloaded_checkpointing", "tile_mlps"]
+_NEEDS_RING_FLASH = ["ChunkedLossConfig", "RingTrainer", "enable_offloaded_checkpointing", "enable_sequence_parallel",
+                     "tile_mlps"]
 if _ring_flash.registered():
     from hf_ring.memory.chunked_loss import ChunkedLossConfig
     from hf_ring.memory.offload import enable_offloaded_checkpointing
+    from hf_ring.memory.sequence_parallel import enable_sequence_parallel
     from hf_ring.memory.tiled_mlp import tile_mlps
     from hf_ring.training.trainer import RingTrainer
 

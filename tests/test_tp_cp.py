@@ -104,6 +104,9 @@ def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 PATTERNS = ("ring", "allgather", "ulysses", "auto", "ring_packed", "ring_chunked")
+# The same with sequence parallelism inside TP (enable_sequence_parallel), run after the above.
+# "_ckpt": with gradient checkpointing, which keeps each layer's input: a piece under SP.
+SP_PATTERNS = ("ring_sp", "ulysses_sp", "ring_packed_sp", "ring_chunked_sp", "ring_ckpt_sp")
 
 
 def _tp_cp_case(rank: int, world: int, path: str) -> dict:
@@ -113,16 +116,22 @@ def _tp_cp_case(rank: int, world: int, path: str) -> dict:
     from transformers.distributed import DistributedConfig
 
     from hf_ring.memory.chunked_loss import ChunkedLossConfig, model_token_loss_sum
+    from hf_ring.memory.sequence_parallel import enable_sequence_parallel
     from hf_ring.sharding import shard_packed, shard_sequence
 
     dense_reference = _reference(path)
     model = LlamaForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(tp_size=2, fsdp_size=2),
                                              attn_implementation="ring_flash", dtype=torch.float32)
     results = {}
-    for pattern in PATTERNS:
+    for pattern in PATTERNS + SP_PATTERNS:
         state = hf_ring.setup_context_parallel(cp_size=2, tp_size=2, pattern=pattern.split("_")[0])
+        if pattern.endswith("_sp"):
+            enable_sequence_parallel(model)
+        if "_ckpt" in pattern:  # checkpointing runs in training mode only
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.train()
         ref_logits, ref_loss, ref_grads = dense_reference
-        if pattern.endswith("_packed"):
+        if "_packed" in pattern:
             ids, positions, shift, cu = _packed_batch()
             ref_logits, ref_loss, ref_grads = _packed_reference(path)
             extra = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(DOCS), max_length_k=max(DOCS))
@@ -139,7 +148,7 @@ def _tp_cp_case(rank: int, world: int, path: str) -> dict:
         model.zero_grad(set_to_none=True)
         inputs = dict(input_ids=shard(ids), position_ids=shard(positions), **extra)
         try:
-            if pattern.endswith("_chunked"):  # the loss on each TP rank's vocabulary rows, 5 tokens at a time
+            if "_chunked" in pattern:  # the loss on each TP rank's vocabulary rows, 5 tokens at a time
                 local, out = model_token_loss_sum(model, model, inputs, shard(shift), ChunkedLossConfig(True, 5))
                 logits = torch.empty(0)
             else:
@@ -160,6 +169,14 @@ def _tp_cp_case(rank: int, world: int, path: str) -> dict:
             "loss": abs(loss.item() / count.item() - ref_loss) / ref_loss,
             "grads": {n: _relative(g, ref_grads[n]) for n, g in grads.items()},
         }
+    # 30 tokens in the contiguous layout: 15 on each CP rank, which 2 TP ranks cannot halve.
+    state = hf_ring.setup_context_parallel(cp_size=2, tp_size=2, layout="contiguous")
+    try:
+        odd = dict(input_ids=_batch()[0][:, :30], position_ids=torch.arange(30)[None])
+        model(**{k: shard_sequence(v, 2, state.cp_rank, dim=1, layout=state.layout) for k, v in odd.items()})
+        results["sp_odd_length"] = "ran"
+    except NotImplementedError as e:
+        results["sp_odd_length"] = str(e)
     return results
 
 
@@ -251,6 +268,13 @@ def _refusal_case(rank: int, world: int, path: str) -> list[str]:
             messages.append("ran")
         except ValueError as e:
             messages.append(str(e))
+    from hf_ring.memory.sequence_parallel import enable_sequence_parallel
+
+    try:
+        enable_sequence_parallel(plain)
+        messages.append("sequence parallel")
+    except ValueError as e:
+        messages.append(str(e))
     # RingTrainer's construction check, with the real model and states: the plugin's tp_size must be
     # the model's, and only RingTrainer's own loss has run beside TP.
     from types import SimpleNamespace
@@ -285,7 +309,7 @@ def _tp_cp_results(path: str) -> list[dict]:
     return _RESULTS[path]
 
 
-@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("pattern", PATTERNS + SP_PATTERNS)
 def test_tp2_cp2_computes_what_one_process_computes(model_dir, pattern):
     results = _tp_cp_results(model_dir)
     assert isinstance(results[0][pattern], dict), results[0][pattern]
@@ -296,6 +320,12 @@ def test_tp2_cp2_computes_what_one_process_computes(model_dir, pattern):
         worst = max(r["grads"], key=r["grads"].get)
         assert r["grads"][worst] < TOL, (rank, worst, r["grads"][worst])
         assert len(r["grads"]) == 21  # every parameter of the 2-layer Llama compared
+
+
+def test_sequence_parallel_refuses_a_length_tp_cannot_halve(model_dir):
+    for r in _tp_cp_results(model_dir):
+        assert "sequence of 15 tokens does not divide into 2 equal pieces" in r["sp_odd_length"], r["sp_odd_length"]
+        assert "pad_to_multiple_of" in r["sp_odd_length"]
 
 
 @pytest.mark.parametrize("family", HYBRIDS)
@@ -328,7 +358,8 @@ def test_hybrid_tp2_cp2_computes_what_one_process_computes(tmp_path, family):
 
 
 def test_cp_groups_that_cross_tp_coordinates_are_refused(model_dir):
-    for rank, (crossed, not_tp, plugin, trl) in enumerate(run_world(4, _refusal_case, model_dir)):
+    for rank, (crossed, not_tp, sp_not_tp, plugin, trl) in enumerate(run_world(4, _refusal_case, model_dir)):
+        assert "sequence parallelism inside TP: LlamaForCausalLM is not tensor-parallel" in sp_not_tp, sp_not_tp
         assert "is tensor-parallel over ranks" in crossed and "tp_size=1" in crossed, (rank, crossed)
         assert "setup_context_parallel(cp_size=2, tp_size=2)" in crossed, (rank, crossed)
         assert "is not tensor-parallel" in not_tp, (rank, not_tp)
@@ -380,6 +411,14 @@ def _split_by_override_case(rank: int, world: int, root: str) -> list[str]:
             messages.append("ran")
         except NotImplementedError as e:
             messages.append(str(e))
+    from hf_ring.memory.sequence_parallel import enable_sequence_parallel
+
+    for model in (hybrid, image_text):  # what sequence parallelism has not been checked with
+        try:
+            enable_sequence_parallel(model)
+            messages.append("sequence parallel")
+        except NotImplementedError as e:
+            messages.append(str(e))
     return messages
 
 
@@ -390,7 +429,10 @@ def test_what_tp_splits_by_a_plan_override_is_refused(tmp_path):
 
     _save_hybrid(f"{tmp_path}/qwen3_5_text", "qwen3_5_text")
     vlm_cases.build(vlm_cases.FAMILIES["llava"][0](), "sdpa").save_pretrained(f"{tmp_path}/llava")
-    for rank, (hybrid, image_text) in enumerate(run_world(4, _split_by_override_case, str(tmp_path))):
+    for rank, (hybrid, image_text, sp_hybrid, sp_image_text) in enumerate(
+            run_world(4, _split_by_override_case, str(tmp_path))):
+        assert "layers.0.linear_attn (Qwen3_5GatedDeltaNet) is neither a TP block" in sp_hybrid, (rank, sp_hybrid)
+        assert "LlavaForConditionalGeneration's decoder is not its base model" in sp_image_text, (rank, sp_image_text)
         assert "token mixers beside tensor parallelism (tp_size=2): TP splits them (" in hybrid, (rank, hybrid)
         assert "linear_attn.in_proj_qkv: a TP forward that splits it" in hybrid, (rank, hybrid)
         assert "TP splits modules outside its language model (" in image_text, (rank, image_text)
@@ -483,10 +525,10 @@ def test_per_rank_token_means_with_several_data_parallel_ranks_are_refused():
     _check_token_averaging(SimpleNamespace(average_tokens_across_devices=True), 4)
 
 
-def test_pipeline_and_reserved_sequence_parallel_configs_are_refused_for_training():
-    """transformers' pipeline parallelism runs forward only, and its enable_sequence_parallel
-    is reserved and not wired: a Ring trainer refuses both by name (read from the model's
-    ``config.distributed_config``), and accepts a config with neither."""
+def test_pipeline_parallel_configs_are_refused_for_training():
+    """transformers' pipeline parallelism runs forward only: a Ring trainer refuses it by name
+    (read from the model's ``config.distributed_config``), and accepts a config without it,
+    with ``enable_sequence_parallel`` (hf_ring's, tested above) or without."""
     from types import SimpleNamespace
 
     from hf_ring.training.trainer_checks import _check_distributed_config
@@ -496,7 +538,6 @@ def test_pipeline_and_reserved_sequence_parallel_configs_are_refused_for_trainin
 
     with pytest.raises(NotImplementedError, match=r"pp_size=2\): transformers' pipeline parallelism is inference-only"):
         _check_distributed_config(model(pp_size=2, enable_sequence_parallel=False))
-    with pytest.raises(NotImplementedError, match="enable_sequence_parallel=True"):
-        _check_distributed_config(model(pp_size=1, enable_sequence_parallel=True))
+    _check_distributed_config(model(pp_size=1, enable_sequence_parallel=True))
     _check_distributed_config(model(pp_size=1, enable_sequence_parallel=False))
     _check_distributed_config(SimpleNamespace(config=SimpleNamespace()))

@@ -28,19 +28,23 @@ _TILED = "_hf_ring_tiled_mlp"
 _MIXING_WORDS = ("moe", "expert", "router", "sparse", "conv")
 
 
-def _check_dense(name: str, mlp: nn.Module) -> None:
+def check_dense_mlp(name: str, mlp: nn.Module, feature: str = "tiled MLP",
+                    remedy: str = "drop the tiled-MLP option") -> None:
+    """Refuse an ``mlp`` that is not made of per-token linear maps and activations, for
+    ``feature`` (which computes such an MLP on any subset of the tokens), naming ``name``
+    and ``remedy``."""
     for sub_name, sub in mlp.named_modules():
         label = f"{name}.{sub_name}" if sub_name else name
         lowered = f"{type(sub).__name__} {sub_name}".lower()
         if any(word in lowered for word in _MIXING_WORDS) or isinstance(sub, (nn.ModuleList, nn.ModuleDict)):
             raise NotImplementedError(
-                f"tiled MLP: {label} ({type(sub).__name__}) looks like a mixture of experts or a module that "
-                "mixes tokens, which cannot be tiled over tokens exactly; drop the tiled-MLP option"
+                f"{feature}: {label} ({type(sub).__name__}) looks like a mixture of experts or a module that "
+                f"mixes tokens, which cannot be computed on a part of the tokens exactly; {remedy}"
             )
         if not isinstance(sub, nn.Linear) and any(True for _ in sub.parameters(recurse=False)):
             raise NotImplementedError(
-                f"tiled MLP: {label} ({type(sub).__name__}) has parameters but is not an nn.Linear; hf_ring "
-                "tiles only MLPs made of linear maps and activations; drop the tiled-MLP option"
+                f"{feature}: {label} ({type(sub).__name__}) has parameters but is not an nn.Linear; hf_ring "
+                f"takes only MLPs made of linear maps and activations; {remedy}"
             )
 
 
@@ -88,7 +92,7 @@ def tile_mlps(model: nn.Module, tile_tokens: int = 2048) -> int:
             f"tiled MLP: {type(model).__name__} has no decoder layers with an 'mlp' module; drop the tiled-MLP option"
         )
     for name, mlp in mlps:
-        _check_dense(name, mlp)
+        check_dense_mlp(name, mlp)
     for _, mlp in mlps:
         # A tiled MLP's forward is ours: replaced again (never wrapped), so a second call
         # tiles by its own size, once.

@@ -189,7 +189,14 @@ class RingDataCollator:
     @classmethod
     def for_state(cls, state: ContextParallelState, pad_token_id: int, **kwargs: Any) -> "RingDataCollator":
         """A collator that shards exactly as ``state`` says (its CP size, rank and layout):
-        the state is the one owner of those, so nothing has to be reconciled later."""
+        the state is the one owner of those, so nothing has to be reconciled later. Beside
+        tensor parallelism rows (or documents) are padded to ``tp_size`` times the layout's
+        multiple unless ``pad_to_multiple_of`` is given, so that sequence parallelism inside
+        TP can halve each rank's tokens (padding adds no token to the loss)."""
+        if state.tp_size > 1 and kwargs.get("pad_to_multiple_of") is None:
+            base = RingCollatorConfig(pad_token_id, cp_size=state.cp_size, layout=state.layout,
+                                      packing=kwargs.get("packing", False)).base_multiple
+            kwargs = {**kwargs, "pad_to_multiple_of": base * state.tp_size}
         return cls(pad_token_id, cp_size=state.cp_size, cp_rank=state.cp_rank, layout=state.layout, **kwargs)
 
     def matches(self, state: ContextParallelState) -> bool:

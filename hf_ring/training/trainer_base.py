@@ -36,7 +36,9 @@ from transformers import Trainer
 from transformers.utils import logging as hf_logging
 
 from hf_ring.distributed.errors import raise_together
+from hf_ring.memory.sequence_parallel import enable_sequence_parallel
 from hf_ring.patches import accelerate as accelerate_patches
+from hf_ring.patches import peft as peft_patches
 from hf_ring.patches import transformers as transformers_patches
 from hf_ring.training import adapter_saving, deepspeed_support, parallelism_config, weight_sharding
 from hf_ring.training.eval_loss import batch_token_mean, data_parallel_gather
@@ -124,6 +126,18 @@ class RingTrainerBase:
         # A set-up refused on some ranks only (a collator built for another CP rank) is raised on every
         # rank, instead of leaving the others to die in their next collective with nothing named.
         raise_together(self._check_supported)
+        raise_together(self._prepare_sequence_parallel)
+
+    def _prepare_sequence_parallel(self) -> None:
+        """A model loaded with ``DistributedConfig(enable_sequence_parallel=True)``, which
+        transformers reserves and does not wire, gets hf_ring's sequence parallelism inside TP
+        (``memory/sequence_parallel.py``): each TP rank keeps 1/tp of its tokens between blocks."""
+        base = peft_patches.base_model(self.model)
+        config = getattr(getattr(base, "config", None), "distributed_config", None)
+        if getattr(config, "enable_sequence_parallel", False):
+            plan = enable_sequence_parallel(base)
+            logger.info(f"[hf_ring] sequence parallelism inside TP: {plan.layers} decoder layers keep 1/{plan.tp_size} "
+                        "of each rank's tokens between their attention and MLP")
 
     def create_accelerator_and_postprocess(self) -> None:
         """The stock Accelerator, given the run's ``ParallelismConfig`` with its CP axis folded

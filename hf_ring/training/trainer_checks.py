@@ -112,8 +112,8 @@ def _check_token_averaging(args: Any, dp_size: int) -> None:
 def _check_distributed_config(model: Any) -> None:
     """What of transformers' ``DistributedConfig`` a Ring trainer cannot train with: pipeline
     parallelism (transformers' runs forward only: no backward communication between
-    stages) and ``enable_sequence_parallel`` (reserved there, not wired; hf_ring has no
-    sequence parallelism inside TP yet), refused by name rather than ignored."""
+    stages), refused by name rather than ignored. (``enable_sequence_parallel``, which
+    transformers reserves and does not wire, is hf_ring's sequence parallelism inside TP.)"""
     config = getattr(getattr(peft_patches.base_model(model), "config", None), "distributed_config", None)
     if config is None:
         return
@@ -122,11 +122,6 @@ def _check_distributed_config(model: Any) -> None:
             f"the model was loaded with DistributedConfig(pp_size={config.pp_size}): transformers' pipeline "
             "parallelism is inference-only (no backward between stages), so it cannot be trained; load it without "
             "pp_size (docs/parallelism.md says how pipeline stages would compose with CP)")
-    if getattr(config, "enable_sequence_parallel", False):
-        raise NotImplementedError(
-            "the model was loaded with DistributedConfig(enable_sequence_parallel=True), which transformers reserves "
-            "and does not wire, and hf_ring has no sequence parallelism inside TP yet: each TP rank would hold its "
-            "whole shard's activations between blocks, not the 1/tp_size the flag promises. Load it without the flag")
 
 
 def _check_tensor_parallel(trainer: Any, subclass_loss: bool) -> None:

@@ -43,14 +43,20 @@ def model_tp_ranks(model: nn.Module) -> Optional[tuple[int, ...]]:
     when no parameter is a DTensor on a mesh with a ``"tp"`` dimension; read once per model."""
     if _TP_RANKS in model.__dict__:
         return model.__dict__[_TP_RANKS]
-    dtensor = _dtensor_type()
-    ranks = None
-    for param in model.parameters() if dtensor is not None else ():
-        if isinstance(param, dtensor) and _TP_AXIS in (param.device_mesh.mesh_dim_names or ()):
-            ranks = tuple(dist.get_process_group_ranks(param.device_mesh.get_group(_TP_AXIS)))
-            break
+    group = model_tp_group(model)
+    ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else None
     model.__dict__[_TP_RANKS] = ranks
     return ranks
+
+
+def model_tp_group(model: nn.Module) -> Optional[dist.ProcessGroup]:
+    """This rank's tensor-parallel process group of ``model`` (the ``"tp"`` mesh dimension of
+    its DTensor weights), or None when no weight is on one."""
+    dtensor = _dtensor_type()
+    for param in model.parameters() if dtensor is not None else ():
+        if isinstance(param, dtensor) and _TP_AXIS in (param.device_mesh.mesh_dim_names or ()):
+            return param.device_mesh.get_group(_TP_AXIS)
+    return None
 
 
 def _state_tp_ranks(state: Any) -> tuple[int, ...]:
