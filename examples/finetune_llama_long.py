@@ -137,6 +137,11 @@ def build_parser(description: Optional[str] = __doc__) -> argparse.ArgumentParse
                    help="train a LoRA adapter of this rank (PEFT) instead of every weight (0: off); it is saved "
                         "in --output_dir at the end and loads into the plain model with PeftModel.from_pretrained")
     p.add_argument("--lora_modules", default="q_proj,v_proj", help="--lora_r: the modules it adapts")
+    p.add_argument("--lora_init_seed", type=int, default=None,
+                   help="--lora_r: draw each adapter's A from a generator seeded by this and the weight's name, the "
+                        "whole matrix on every rank (each keeps its part; B stays 0), so that the adapter starts the "
+                        "same at any tp / cp size. PEFT's own draw depends on how the model was loaded and, beside "
+                        "tensor parallelism, on each rank's part of the layer")
     p.add_argument("--pad_to_multiple_of", type=int, default=None,
                    help="pad rows (or packed documents) to a multiple of this (default: what the layout needs, "
                         "2 x cp_size for zigzag); with dropout, runs at other cp sizes compare step for step only "
@@ -175,7 +180,8 @@ def parse_args(
         parser.error("--ep_size needs a mixture-of-experts model: --moe_experts N (or an MoE checkpoint)")
     if args.tp_size > 1 or args.ep_size > 1:
         beside = [flag for flag, given in (("--fsdp", args.fsdp), ("--deepspeed", args.deepspeed),
-                                           ("--lora_r", args.lora_r), ("--offload_checkpoints", args.offload_checkpoints),
+                                           ("--lora_r", args.lora_r and args.ep_size > 1),
+                                           ("--offload_checkpoints", args.offload_checkpoints),
                                            ("--tiled_mlp", args.tiled_mlp))
                   if given]
         if beside:
@@ -294,7 +300,9 @@ def _load_distributed(path: str, args: argparse.Namespace, attn_implementation: 
     sizes = dict(ep_size=args.ep_size) if args.ep_size > 1 else {}
     if args.sequence_parallel:
         sizes["enable_sequence_parallel"] = True
-    config = DistributedConfig(tp_size=args.tp_size, fsdp_size=world // args.tp_size, **sizes)
+    # A LoRA's frozen base weights replicated over the dp x cp ranks: PEFT sizes adapters from an FSDP2 shard.
+    sizes["dp_replicate_size" if args.lora_r else "fsdp_size"] = world // args.tp_size
+    config = DistributedConfig(tp_size=args.tp_size, **sizes)
     return AutoModelForCausalLM.from_pretrained(path, distributed_config=config,
                                                 attn_implementation=attn_implementation, dtype=_dtype(args))
 
@@ -418,7 +426,30 @@ def with_lora(model: torch.nn.Module, args: argparse.Namespace) -> torch.nn.Modu
     """``model`` with a LoRA adapter of rank ``--lora_r`` on ``--lora_modules`` (PEFT)."""
     from peft import get_peft_model
 
-    return get_peft_model(model, lora_config(args))
+    model = get_peft_model(model, lora_config(args))
+    if args.lora_init_seed is not None:
+        _seed_lora_a(model, args.lora_init_seed)
+    return model
+
+
+def _seed_lora_a(model: torch.nn.Module, seed: int) -> None:
+    """Every ``lora_A`` weight drawn as PEFT draws it on one process (uniform, bound
+    ``1 / sqrt(in_features)``), from a generator seeded by ``seed`` and the weight's name; a
+    split one (a DTensor beside TP) keeps its part of the whole draw."""
+    import zlib
+
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_A" not in name:
+                continue
+            generator = torch.Generator().manual_seed(seed * 2**32 + zlib.crc32(name.encode()))
+            bound = param.shape[1] ** -0.5
+            whole = (torch.rand(param.shape, generator=generator) * 2 - 1) * bound
+            whole = whole.to(param.dtype)
+            param.copy_(distribute_tensor(whole, param.device_mesh, param.placements)
+                        if isinstance(param, DTensor) else whole)
 
 
 def _stock_trainer(model, training_args, train_set, eval_set, plugin, pad_id, args) -> transformers.Trainer:

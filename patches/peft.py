@@ -13,7 +13,15 @@ that needs two things PEFT does not say in one public call:
   ``original_module``), as its ``forward`` reads them (peft 0.21.2, ``peft/utils/other.py``).
 
 A wrapper without those attributes (another PEFT release changed them) is refused with an
-error naming what is missing, never guessed at. PEFT is imported only when installed and
+error naming what is missing, never guessed at.
+
+Beside transformers' tensor parallelism, PEFT 0.21.2 splits a LoRA adapter as its base layer
+is split (``lora_B`` column-wise under a column-parallel layer, ``lora_A`` row-wise under a
+row-parallel one) and installs transformers' forward on it, but builds the split module
+with its *local* width in ``in_features`` / ``out_features``, where transformers 5.24's
+forwards read the *global* width there (``_from_local_last_dim_shard``): a row-parallel
+adapter then fails on its first call. :func:`mend_tensor_parallel_widths` sets the global
+widths, read from the base layer. PEFT is imported only when installed and
 only when a function runs: ``import hf_ring`` does not need it.
 
 Must not import hf_ring's other layers.
@@ -84,3 +92,62 @@ def module_run_by(module: nn.Module) -> Optional[nn.Module]:
             "loss computes the head of one; activate one adapter, or turn the chunked loss off"
         )
     return module.modules_to_save[active[0]]
+
+
+def _holds_its_part(weight, dim: int, width: int) -> bool:
+    """Whether ``weight`` (a plain tensor, or a DTensor split along ``dim`` by one placement)
+    is ``width`` wide along ``dim`` and, split, holds this rank's ``torch.chunk`` part of it."""
+    if weight.shape[dim] != width:
+        return False
+    if not hasattr(weight, "to_local"):
+        return True
+    size, rank = weight.device_mesh.size(), weight.device_mesh.get_local_rank()
+    per = -(-width // size)
+    split = any(not p.is_replicate() for p in weight.placements)
+    return weight.to_local().shape[dim] == (max(0, min(per, width - rank * per)) if split else width)
+
+
+def mend_tensor_parallel_widths(model: nn.Module) -> int:
+    """Give every LoRA ``lora_A`` / ``lora_B`` of a tensor-parallel ``model`` the global
+    ``in_features`` / ``out_features`` of its base layer (see the module docstring).
+
+    Returns:
+        How many LoRA layers were mended (0 for a model without adapters).
+
+    Raises:
+        NotImplementedError: adapters PEFT sized from an FSDP2 shard of their base layer
+            (PEFT reads the local weight's shape of a model sharded over ``fsdp_size`` at load).
+        UnsupportedPEFTVersion: a LoRA layer without ``get_base_layer``, ``lora_A`` or ``lora_B``.
+    """
+    peft = _peft()
+    if peft is None:
+        return 0
+    from peft.tuners.lora import LoraLayer
+
+    mended, wrong = 0, []
+    for name, module in model.named_modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        missing = [a for a in ("get_base_layer", "lora_A", "lora_B") if not hasattr(module, a)]
+        if missing:
+            raise UnsupportedPEFTVersion(f"PEFT {peft.__version__}'s {type(module).__name__} has no {', '.join(missing)} "
+                                         f"(written for PEFT {versions.TESTED['peft'].tested_text()}); report it")
+        base = module.get_base_layer()
+        if not isinstance(base, nn.Linear):  # embeddings and convolutions: not split by transformers' TP styles
+            continue
+        for adapter in module.lora_A.values():
+            adapter.in_features = base.in_features
+            if not _holds_its_part(adapter.weight, 1, base.in_features):
+                wrong.append(f"{name}.lora_A")
+        for adapter in module.lora_B.values():
+            adapter.out_features = base.out_features
+            if not _holds_its_part(adapter.weight, 0, base.out_features):
+                wrong.append(f"{name}.lora_B")
+        mended += 1
+    if wrong:
+        raise NotImplementedError(
+            f"PEFT {peft.__version__} sized {len(wrong)} LoRA weights from their base layer's local FSDP2 shard, not "
+            f"its whole width ({', '.join(wrong[:2])}{' ...' if len(wrong) > 2 else ''}): transformers had sharded the "
+            "model over fsdp_size ranks as it loaded it. Load it with DistributedConfig(tp_size=T, "
+            "dp_replicate_size=<dp x cp>) instead (the frozen base weights replicated, only TP splitting them)")
+    return mended

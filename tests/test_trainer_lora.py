@@ -23,7 +23,7 @@ against SDPA's one pass and the chunked loss's chunks; measured <= 1e-6, FSDP2 <
 adapter each cp 2 run saves loads into the plain model with ``PeftModel.from_pretrained``,
 and its weights are the reference run's within 1e-4 (8 Adam steps amplify float32 rounding
 a little). Under FSDP2 the stock ``save_model`` writes nothing (sharded state dict):
-RingTrainer gathers the adapter and writes it (``hf_ring.training.adapter_saving``).
+RingTrainer gathers the adapter and writes it (``hf_ring.training.adapters``).
 """
 
 from __future__ import annotations
@@ -38,11 +38,17 @@ peft = pytest.importorskip("peft")
 from test_trainer_cp import _assert_same, _eval_losses, _grad_norms, _launch, _losses, fresh_process_state  # noqa: E402,F401
 from test_trainer_fsdp import TRANSFORMERS_5, needs_transformers_5  # noqa: E402
 
+import tensor_parallel_loading  # noqa: E402
+
 TOL = 1e-5
 # Every run pads its rows to a multiple of 4 (cp 2's zigzag): one process's dropout mask of a
 # row depends on the batch's padded length, so runs padded otherwise draw other masks.
 LORA = ["--lora_r", "4", "--lora_dropout", "0.1", "--pad_to_multiple_of", "4"]
 FSDP = pytest.param("fsdp_cp2", marks=needs_transformers_5)
+TP_LORA = ["--lora_dropout", "0", "--lora_modules", "q_proj,v_proj,o_proj,down_proj", "--lora_init_seed", "5",
+           "--per_device_train_batch_size", "2"]
+TP = pytest.param("tp2_cp2", marks=pytest.mark.skipif(not tensor_parallel_loading.AVAILABLE,
+                                                      reason="DistributedConfig(tp_size) is transformers 5.x"))
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +60,14 @@ def runs(tmp_path_factory):
         ("cp2", 2, ["--cp_size", "2"]),
         ("fsdp_cp2", 2, ["--cp_size", "2", "--fsdp", "full_shard"]),
         ("offload_cp2", 2, ["--cp_size", "2", "--offload_checkpoints"]),
+        # Beside tensor parallelism: adapters on column- and row-parallel layers, no dropout
+        # (a draw on a head-split input is refused beside TP), against the stock run alike.
+        ("stock_tp_modules", 1, ["--cp_size", "1", "--stock_trainer", *TP_LORA]),
+        ("tp2_cp2", 4, ["--tp_size", "2", "--cp_size", "2", *TP_LORA]),
     ):
         if name == "fsdp_cp2" and not TRANSFORMERS_5:  # the example's --fsdp needs transformers 5
+            continue
+        if name.endswith(("tp2_cp2", "tp_modules")) and not tensor_parallel_loading.AVAILABLE:
             continue
         path = str(tmp_path_factory.mktemp(name))
         # Under FSDP2 the chunked loss runs inside the sharded head's call (issue 23).
@@ -65,16 +77,16 @@ def runs(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("name", ["cp1", "cp2", FSDP, "offload_cp2"])
+@pytest.mark.parametrize("name", ["cp1", "cp2", FSDP, "offload_cp2", TP])
 def test_lora_logs_what_the_stock_trainer_logs(runs, name):
-    ref, got = runs["stock"][1], runs[name][1]
+    ref, got = runs["stock_tp_modules" if name == "tp2_cp2" else "stock"][1], runs[name][1]
     assert len(_losses(ref)) == 8 and len(_eval_losses(ref)) >= 2
     _assert_same(_losses(got), _losses(ref), f"{name} loss", TOL)
     _assert_same(_grad_norms(got), _grad_norms(ref), f"{name} grad norm", TOL)
     _assert_same(_eval_losses(got), _eval_losses(ref), f"{name} eval loss", TOL)
 
 
-@pytest.mark.parametrize("name", ["cp2", FSDP])
+@pytest.mark.parametrize("name", ["cp2", FSDP, TP])
 def test_adapter_saved_at_cp2_loads_into_the_plain_model(runs, name):
     from safetensors.torch import load_file
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -84,9 +96,11 @@ def test_adapter_saved_at_cp2_loads_into_the_plain_model(runs, name):
                          num_attention_heads=4, num_key_value_heads=2)
     model = peft.PeftModel.from_pretrained(LlamaForCausalLM(config), path)
     saved = load_file(os.path.join(path, "adapter_model.safetensors"))
-    reference = load_file(os.path.join(runs["stock"][0], "adapter_model.safetensors"))
+    reference = load_file(os.path.join(runs["stock_tp_modules" if name == "tp2_cp2" else "stock"][0],
+                                       "adapter_model.safetensors"))
     loaded = {n: p for n, p in model.named_parameters() if "lora_" in n}
-    assert len(saved) == len(loaded) == 8  # A and B of q_proj and v_proj in 2 layers
+    # A and B of q_proj and v_proj (and o_proj and down_proj beside TP) in 2 layers
+    assert len(saved) == len(loaded) == (16 if name == "tp2_cp2" else 8)
     for name, tensor in saved.items():
         match = [p for n, p in loaded.items() if n.replace(".default", "").endswith(name.split("base_model.model.")[-1])]
         assert len(match) == 1 and torch.equal(match[0].detach(), tensor), name

@@ -13,7 +13,8 @@ naming a class. The base owns:
 - bookkeeping: the total train batch size counts data-parallel ranks only;
 - the gradient multiplier: how many processes the wrapped model averages gradients over
   (DDP, FSDP2, ZeRO), which a rank's loss share is multiplied by;
-- saving: a PEFT adapter whose weights FSDP2 shards (:mod:`hf_ring.training.adapter_saving`);
+- PEFT adapters on a model sharded at load, and saving one whose weights are sharded
+  (:mod:`hf_ring.training.adapters`);
 - evaluation: the stock loop with its losses gathered over data-parallel ranks only
   (:mod:`hf_ring.training.eval_loss`), and the token mean over the set beside it.
 
@@ -40,7 +41,7 @@ from hf_ring.memory.sequence_parallel import enable_sequence_parallel
 from hf_ring.patches import accelerate as accelerate_patches
 from hf_ring.patches import peft as peft_patches
 from hf_ring.patches import transformers as transformers_patches
-from hf_ring.training import adapter_saving, deepspeed_support, parallelism_config, weight_sharding
+from hf_ring.training import adapters, deepspeed_support, parallelism_config, weight_sharding
 from hf_ring.training.eval_loss import batch_token_mean, data_parallel_gather
 from hf_ring.training.loss import LossTotals
 from hf_ring.training.plugin import RingAttentionPlugin
@@ -127,6 +128,7 @@ class RingTrainerBase:
         # rank, instead of leaving the others to die in their next collective with nothing named.
         raise_together(self._check_supported)
         raise_together(self._prepare_sequence_parallel)
+        raise_together(lambda: adapters.prepare_adapters(self.model, self.ring_state))
 
     def _prepare_sequence_parallel(self) -> None:
         """A model loaded with ``DistributedConfig(enable_sequence_parallel=True)``, which
@@ -200,8 +202,8 @@ class RingTrainerBase:
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
         """The stock ``save_model``, except that a PEFT adapter under FSDP2 with a sharded state
         dict is gathered and written (call on every rank, as the Trainer does)."""
-        if adapter_saving.saves_sharded_adapter(self):
-            adapter_saving.save_sharded_adapter(self, output_dir if output_dir is not None else self.args.output_dir)
+        if adapters.saves_sharded_adapter(self):
+            adapters.save_sharded_adapter(self, output_dir if output_dir is not None else self.args.output_dir)
             return
         super().save_model(output_dir, _internal_call)
 

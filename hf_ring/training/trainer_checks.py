@@ -129,11 +129,6 @@ def _check_tensor_parallel(trainer: Any, subclass_loss: bool) -> None:
     ``tp_size`` to be its own; only ``RingTrainer``'s loss has been checked beside TP."""
     _check_distributed_config(trainer.model)
     state = trainer.ring_state
-    if state.tp_size > 1 and peft_patches.base_model(trainer.model) is not trainer.model:
-        raise NotImplementedError(
-            f"PEFT adapters (LoRA) beside tensor parallelism (tp_size={state.tp_size}) have not been checked against "
-            "one process; train the adapter with tp_size=1, or the whole TP model without one"
-        )
     ranks = model_tp_ranks(peft_patches.base_model(trainer.model))
     model_tp = len(ranks) if ranks else 1
     if model_tp != state.tp_size:

@@ -35,6 +35,8 @@ import torch
 import torch.distributed as dist
 from packaging.version import Version
 
+from hf_ring.distributed.grad_average import averaged_over
+
 NONE, DDP, FSDP2, HSDP, ZERO = "none", "ddp", "fsdp2", "hsdp", "zero"
 
 
@@ -136,8 +138,8 @@ def _fsdp2_reduction(model: torch.nn.Module, world: int, world_ranks: list[int],
               for prefix, m in model.named_modules() for n, _ in m.named_parameters(recurse=False)}
     meshes: dict[tuple[tuple[int, ...], tuple[int, ...]], str] = {}
     for name, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
+        if not param.requires_grad or averaged_over(param) == world // tp_size:
+            continue  # frozen, or an adapter added after the load-time FSDP2 (training/adapters.py)
         if not isinstance(param, DTensor):
             raise ValueError(
                 f"parameter {name!r} of the FSDP2 model is not sharded (not a DTensor): its gradient is not "
@@ -154,6 +156,10 @@ def _fsdp2_reduction(model: torch.nn.Module, world: int, world_ranks: list[int],
                 f"context-parallel state has tp_size={tp_size}; give RingAttentionPlugin the model's tp_size"
             )
         meshes[(shape, ranks)] = name
+    expected = world // tp_size
+    if not meshes and any(averaged_over(p) == expected for p in model.parameters() if p.requires_grad):
+        # Only adapters train (the base frozen): each gradient averaged over the dp x cp ranks as it arrives.
+        return GradientReduction(DDP, expected)
     if len(meshes) != 1:
         shapes = sorted(shape for shape, _ in meshes)
         raise ValueError(
@@ -161,7 +167,6 @@ def _fsdp2_reduction(model: torch.nn.Module, world: int, world_ranks: list[int],
             f"{shapes}; hf_ring needs one, over every data-parallel x context-parallel rank, for all of them"
         )
     ((shape, ranks),) = meshes
-    expected = world // tp_size
     if len(ranks) != expected or (tp_size == 1 and list(ranks) != world_ranks):
         raise ValueError(
             f"the FSDP2 device mesh {shape} averages gradients over ranks {list(ranks)} but the world has {world} "
