@@ -4,9 +4,10 @@ saved when their weights are sharded.
 Beside ``DistributedConfig`` (tensor parallelism, FSDP2 over the dp x cp ranks, applied by
 ``from_pretrained``), an adapter added afterwards is outside every FSDP2 group:
 :func:`prepare_adapters` mends PEFT's tensor-parallel adapters
-(``patches.peft.mend_tensor_parallel_widths``), refuses adapters whose replicas differ,
-and averages their gradients over the dp x cp ranks in the backward
-(``distributed/grad_average.py``), as FSDP2 averages the base weights.
+(``patches.peft.mend_tensor_parallel_widths``), refuses split adapters whose replicas differ
+(the stock Trainer broadcasts only the whole ones from rank 0, and then averages their
+gradients over the world), and averages every adapter's gradients over the dp x cp ranks in
+the backward (``distributed/grad_average.py``), as FSDP2 averages the base weights.
 
 The stock ``Trainer.save_model`` under FSDP writes the model only with a
 ``FULL_STATE_DICT``; with ``SHARDED_STATE_DICT`` (what
@@ -48,16 +49,16 @@ def prepare_adapters(model: Any, state: Any) -> int:
         How many adapter weights get their gradients averaged.
 
     Raises:
-        ValueError: adapter weights that differ between the ranks that must hold them alike.
+        ValueError: split adapter weights that differ between the dp x cp ranks.
     """
     if peft_patches.base_model(model) is model or not _sharded_at_load(model):
         return 0
     if state.tp_size > 1:
         peft_patches.mend_tensor_parallel_widths(model)
     trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
-    check_alike_over(trainable, state.loss_group, "the data-parallel x context-parallel group")
-    replicated = {name: p for name, p in trainable.items() if not hasattr(p, "to_local")}
-    check_alike_over(replicated, state.tp_group, "the tensor-parallel group")
+    # The Trainer broadcasts the plain ones from rank 0 as training starts; the split ones nobody does.
+    split = {name: p for name, p in trainable.items() if hasattr(p, "to_local")}
+    check_alike_over(split, state.loss_group, "the data-parallel x context-parallel group")
     if state.loss_size == 1:
         return 0
     return average_gradients_over(trainable.values(), state.loss_group)
