@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -87,6 +87,9 @@ def _check_layer(path: str, layer: nn.Module) -> list[tuple[str, nn.Module]]:
     anything else than them, a TP-split attention and a dense MLP."""
     if any(True for _ in layer.parameters(recurse=False)):
         raise _refuse(f"{path} ({type(layer).__name__}) has weights of its own, which hf_ring cannot tell run per token")
+    missing = [name for name in _BLOCKS if not isinstance(getattr(layer, name, None), nn.Module)]
+    if missing:
+        raise _refuse(f"{path} ({type(layer).__name__}) has no {' or '.join(missing)}")
     weighted = []
     for name, child in layer.named_children():
         label = f"{path}.{name}"
@@ -234,10 +237,4 @@ def enable_sequence_parallel(model: nn.Module) -> SequenceParallelPlan:
     return plan
 
 
-def sequence_parallel_plan(model: nn.Module) -> Optional[SequenceParallelPlan]:
-    """The plan :func:`enable_sequence_parallel` installed on ``model``, or None."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
-    return decoder.__dict__.get(_PLAN)
-
-
-__all__ = ["SequenceParallelPlan", "enable_sequence_parallel", "sequence_parallel_plan"]
+__all__ = ["SequenceParallelPlan", "enable_sequence_parallel"]

@@ -53,8 +53,7 @@ def prepare_adapters(model: Any, state: Any) -> int:
     """
     if peft_patches.base_model(model) is model or not _sharded_at_load(model):
         return 0
-    if state.tp_size > 1:
-        peft_patches.mend_tensor_parallel_widths(model)
+    peft_patches.mend_tensor_parallel_widths(model)  # and refuses adapters sized from an FSDP2 shard
     trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
     # The Trainer broadcasts the plain ones from rank 0 as training starts; the split ones nobody does.
     split = {name: p for name, p in trainable.items() if hasattr(p, "to_local")}
