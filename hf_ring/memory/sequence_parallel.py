@@ -87,9 +87,6 @@ def _check_layer(path: str, layer: nn.Module) -> list[tuple[str, nn.Module]]:
     anything else than them, a TP-split attention and a dense MLP."""
     if any(True for _ in layer.parameters(recurse=False)):
         raise _refuse(f"{path} ({type(layer).__name__}) has weights of its own, which hf_ring cannot tell run per token")
-    missing = [name for name in _BLOCKS if not isinstance(getattr(layer, name, None), nn.Module)]
-    if missing:
-        raise _refuse(f"{path} ({type(layer).__name__}) has no {' or '.join(missing)}")
     weighted = []
     for name, child in layer.named_children():
         label = f"{path}.{name}"
@@ -110,6 +107,9 @@ def _check_layer(path: str, layer: nn.Module) -> list[tuple[str, nn.Module]]:
                           "hf_ring does not place; set it to 0")
         if any(True for _ in child.parameters(recurse=False)):
             weighted.append((label, child))
+    missing = [name for name in _BLOCKS if not isinstance(getattr(layer, name, None), nn.Module)]
+    if missing:
+        raise _refuse(f"{path} ({type(layer).__name__}) has no {' or '.join(missing)}")
     return weighted
 
 
