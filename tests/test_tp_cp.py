@@ -517,24 +517,6 @@ def test_what_tp_splits_by_a_plan_override_is_refused(tmp_path):
         assert "vision_tower.encoder.layers.0.mlp.fc1: a TP forward that splits it" in image_text, (rank, image_text)
 
 
-def test_what_has_not_run_beside_tp_is_refused_by_name():
-    """PEFT adapters have not been checked beside TP: refused, naming them (token mixers and
-    image-text towers that TP splits: test_what_tp_splits_by_a_plan_override_is_refused)."""
-    from types import SimpleNamespace
-
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from hf_ring.training.trainer_checks import _check_tensor_parallel
-
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1)
-    adapted = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=2, target_modules=["q_proj"]))
-    trainer = SimpleNamespace(ring_state=SimpleNamespace(tp_size=2, cp_size=2), model=adapted)
-    with pytest.raises(NotImplementedError, match=r"PEFT adapters \(LoRA\) beside tensor parallelism"):
-        _check_tensor_parallel(trainer, subclass_loss=False)
-
-
 IMAGE_TEXT = ("llava", "qwen2_vl")
 
 
