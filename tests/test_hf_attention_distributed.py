@@ -8,8 +8,8 @@ softmax sums), and every parameter's gradient, summed over the ranks, must match
 full-sequence gradient within 1e-4. The loss is a fixed random weighting of the logits,
 so that its sum over ranks is the full-sequence loss. Covered: tiny Llama, Qwen2 and
 Mistral (GQA), Mistral with a 4-token sliding window (computed inside the ring: 16 tokens
-at cp=2, 32 at cp=4), with and without a right-padding mask, packed rows (varlen ring; Llama,
-and Mistral's window inside documents of 4 to 16 tokens),
+at cp=2, 32 at cp=4), with and without a right-padding mask, packed rows (the varlen ring and
+the all-gather pattern; Llama, and Mistral's window inside documents of 4 to 16 tokens),
 and gradient checkpointing (the ring recomputed in the backward). The world of 2 also
 checks that what the ring cannot serve is refused on every rank.
 One spawn per world size.
@@ -161,6 +161,9 @@ def _rank_main(rank: int, world: int, cases: dict, packed: dict) -> dict:
     hf_ring.setup_context_parallel(world)
     result = {family: _dense_on_rank(case, rank, world) for family, case in cases.items()}
     result["packed"] = {family: _packed_on_rank(case, rank, world) for family, case in packed.items()}
+    hf_ring.setup_context_parallel(world, pattern="allgather")
+    result["packed_allgather"] = {family: _packed_on_rank(case, rank, world) for family, case in packed.items()}
+    hf_ring.setup_context_parallel(world)
     if world == 2:
         result["checkpointed"] = _dense_on_rank(cases["llama"], rank, world, checkpointing=True)
         result["refusals"] = _refusals(rank, world)
@@ -233,13 +236,15 @@ def test_gradient_checkpointing_recomputes_the_ring():
     assert max(errors.values()) <= TOL, errors
 
 
+@pytest.mark.parametrize("pattern", ["ring", "allgather"])
 @pytest.mark.parametrize("family", PACKED_CASES)
-def test_packed_rows_match_each_document_alone(world_run, family):
+def test_packed_rows_match_each_document_alone(world_run, family, pattern):
     world, _, packed, ranks = world_run
     reference = _packed_reference(packed[family])
-    logits = hf_ring.sharding.unshard_packed([r["packed"][family]["logits"] for r in ranks], packed[family]["cu"])
+    key = "packed" if pattern == "ring" else f"packed_{pattern}"
+    logits = hf_ring.sharding.unshard_packed([r[key][family]["logits"] for r in ranks], packed[family]["cu"])
     assert rel_err(logits, reference["logits"]) <= TOL
-    errors = _summed_grad_errors([r["packed"][family] for r in ranks], reference)
+    errors = _summed_grad_errors([r[key][family] for r in ranks], reference)
     assert max(errors.values()) <= TOL, errors
 
 

@@ -1,5 +1,5 @@
-"""Packed rows under the ring: documents of uneven lengths, each zigzag-sharded on its own,
-against float64 attention computed document by document.
+"""Packed rows under the ring and the all-gather pattern: documents of uneven lengths, each
+zigzag-sharded on its own, against float64 attention computed document by document.
 
 Each document is padded at its end to a multiple of 2 * cp_size (as the collator does).
 Padding sits after the document's real tokens, so under the causal mask no real query
@@ -52,12 +52,12 @@ def _inputs(world: int, lens=REAL_LENS):
     return cu, real, q, k, v, dout
 
 
-def _rank_results(rank: int, world: int, lens=REAL_LENS, backend: str = "auto") -> dict:
+def _rank_results(rank: int, world: int, lens=REAL_LENS, backend: str = "auto", pattern: str = "ring") -> dict:
     cu, _, q, k, v, dout = _inputs(world, lens)
     shard = lambda t: shard_packed(t, cu, world, rank, dim=0)
     dtype = torch.float64 if backend == "reference" else torch.float32
     ql, kl, vl = (shard(t).to(dtype).requires_grad_() for t in (q, k, v))
-    out, lse = hf_ring.ring_flash_attn_varlen_func(ql, kl, vl, cu, return_lse=True, backend=backend)
+    out, lse = hf_ring.ring_flash_attn_varlen_func(ql, kl, vl, cu, return_lse=True, backend=backend, pattern=pattern)
     out.backward(shard(dout).to(dtype))
     return {"out": out, "lse": lse, "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}
 
@@ -78,18 +78,21 @@ def _per_document_reference(q, k, v, dout, cu, lens):
     return {"out": out, "lse": lse, "dq": grads[0], "dk": grads[1], "dv": grads[2]}
 
 
-@pytest.mark.parametrize("world, lens, backend", [
+@pytest.mark.parametrize("world, lens, backend, pattern", [
     # RUN_LENS has documents of uneven lengths too: cp 4 runs on it alone.
-    (1, REAL_LENS, "auto"), (2, REAL_LENS, "auto"),
-    (1, RUN_LENS, "auto"), (4, RUN_LENS, "auto"), (1, RUN_LENS, "reference"),
+    (1, REAL_LENS, "auto", "ring"), (2, REAL_LENS, "auto", "ring"),
+    (1, RUN_LENS, "auto", "ring"), (4, RUN_LENS, "auto", "ring"), (1, RUN_LENS, "reference", "ring"),
+    # The all-gather pattern: every rank's K/V gathered, the same per-document blocks.
+    (2, REAL_LENS, "auto", "allgather"), (3, REAL_LENS, "reference", "allgather"),
+    (4, RUN_LENS, "auto", "allgather"), (4, RUN_LENS, "reference", "allgather"),
 ])
-def test_packed_ring_matches_per_document_attention(world, lens, backend):
+def test_packed_ring_matches_per_document_attention(world, lens, backend, pattern):
     cu, real, q, k, v, dout = _inputs(world, lens)
     ref = _per_document_reference(q, k, v, dout, cu, lens)
     if world == 1:
-        per_rank = [_rank_results(0, 1, lens, backend)]
+        per_rank = [_rank_results(0, 1, lens, backend, pattern)]
     else:
-        per_rank = run_world(world, _rank_results, lens, backend)
+        per_rank = run_world(world, _rank_results, lens, backend, pattern)
     tol = 1e-12 if backend == "reference" else 1e-5
     for name in ref:
         dim = 1 if name == "lse" else 0

@@ -256,6 +256,7 @@ def ring_flash_attn_varlen_func(
     sinks: Optional[torch.Tensor] = None,
     spans: SpansArg = None,
     window: Optional[int] = None,
+    pattern: str = "ring",
 ) -> Output:
     """Ring attention over a packed row: documents never attend to each other.
 
@@ -277,6 +278,9 @@ def ring_flash_attn_varlen_func(
         window: sliding window in tokens inside each document (key j visible to query i
             iff ``0 <= i - j < window``, both of one document), on top of causal; needs a
             backend with a masked kernel (``"auto"`` picks one). None: no window.
+        pattern: ``"ring"`` (K/V passed around the group) or ``"allgather"`` (K/V gathered
+            once, Llama 3's; the same per-document blocks, every one present); ``"auto"``
+            picks the ring.
 
     Returns:
         ``out`` ``(total_local, n_heads, head_dim)``; with ``return_lse`` also ``lse``
@@ -288,9 +292,9 @@ def ring_flash_attn_varlen_func(
     if world > 1 and check_ranks:
         # Agreement first: a rank whose boundaries are invalid must not raise alone.
         check_across_ranks(group, q, k, v, "zigzag", causal, scale,
-                           [*documents_fields(bounds), *agreement_fields("ring", window, None, sinks, None, backend),
+                           [*documents_fields(bounds), *agreement_fields(pattern, window, None, sinks, None, backend),
                             *spans_fields(spans)])
-    check_settings("ring", causal, window, None, None, world)
+    check_settings(pattern, causal, window, None, None, world)
     doc_lens = check_cu_seqlens(torch.as_tensor(cu_seqlens), world)
     if q.dim() != 3:
         raise ValueError(f"varlen q must be (total_local, n_heads, head_dim), got shape {tuple(q.shape)}")
@@ -303,7 +307,7 @@ def ring_flash_attn_varlen_func(
     q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
     check_local(q, k, v, "zigzag", causal)
     _check_sinks(sinks, q.shape[2])
-    plan = build_plan(pattern="ring", group=group, rank=rank, world=world, layout="zigzag", causal=causal,
+    plan = build_plan(pattern=pattern, group=group, rank=rank, world=world, layout="zigzag", causal=causal,
                       scale=scale, backend=backend, device=q.device, dtype=q.dtype, n_heads=q.shape[2],
                       n_kv_heads=k.shape[2], head_dim=q.shape[3], value_head_dim=v.shape[3], seq=sum(doc_lens),
                       window=window, local_doc_lens=local_doc_lens, comm_stats=comm_stats,

@@ -112,7 +112,7 @@ def build_plan(
         value_head_dim: the v heads' size when it differs (multi-head latent attention):
             every kernel then runs on zero-padded heads (``kernels.value_heads``), exactly.
         seq: the full sequence's length in tokens (packed: the row's).
-        local_doc_lens: packed rows, each document's local length; ring only.
+        local_doc_lens: packed rows, each document's local length; ring and all-gather.
         local_world_size, first_rank, rank_stride: ``auto`` only, processes per node
             (default: the group is inside one node), the CP group's first global rank and
             how far apart its global ranks are (the TP size).
@@ -135,10 +135,12 @@ def build_plan(
     if world == 1:
         return _build("ring", None, **common)  # one process: the ring's single step, local attention
     if local_doc_lens is not None:
-        if pattern not in ("ring", "auto"):
+        if pattern not in ("ring", "allgather", "auto"):
             raise NotImplementedError(
-                f"packed rows run the ring pattern only (its per-document schedule), not pattern={pattern!r}; "
-                "use pattern='ring' or 'auto' with packing")
+                f"packed rows run the ring and all-gather patterns (their per-document schedule), not "
+                f"pattern={pattern!r}; use pattern='ring', 'allgather' or 'auto' with packing")
+        if pattern == "allgather":
+            return _build("allgather", None, **common)
         plan = _build("ring", None, **common)
         choice = PatternChoice("ring", None, f"packed rows ({len(local_doc_lens)} documents): the ring's "
                                              "per-document schedule, the one pattern that runs them")
@@ -176,6 +178,7 @@ def _build(pattern: str, ulysses_size: Optional[int], *, group, rank, world, lay
                              transport=transport, **settings)
     if pattern == "allgather":
         return AttentionPlan(group, rank, world, layout, causal, scale, kernel, pattern=pattern,
+                             local_doc_lens=local_doc_lens,
                              collectives=collectives or GroupCollectives(group, comm_stats), **settings)
     if pattern == "ulysses":
         # Every rank attends the whole sequence (in its global order) for its heads: one process's plan.
