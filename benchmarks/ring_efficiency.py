@@ -15,7 +15,9 @@ per-block merge and gradient accumulation all show up as a loss. Communication d
 
 Layouts: zigzag, stripe, contiguous (reference: one causal call over the sequence), and
 packed (a row of documents of mixed lengths, each zigzag-sharded on its own; reference:
-one causal call per document, same kernel).
+one causal call per document, same kernel), under the ring; ``packed_allgather`` is the same
+row under the all-gather pattern (every rank's K/V gathered, each local chunk against its
+document's prefix: ``hf_ring/patterns/ring/prefix.py``), timed in the same process.
 
 Defaults: float32 on CPU (the dtype a CPU user trains in; PyTorch's CPU flash kernel is
 faster in float32 than in bfloat16), 8 query heads, 2 KV heads, head_dim 128, batch 1,
@@ -41,13 +43,14 @@ import torch
 import torch.nn.functional as F
 
 import hf_ring
+from hf_ring.distributed.collectives import VirtualCollectives
 from hf_ring.kernels import AttentionBackend, get_backend
 from hf_ring.patterns import AttentionPlan, VirtualRing, run_plan
 from hf_ring.patterns.ring.block_runs import group_runs, key_rows, query_rows
 from hf_ring.patterns.ring.schedule import Block
 from hf_ring.sharding import shard_packed, unshard_packed
 
-LAYOUTS = ("zigzag", "stripe", "contiguous", "packed")
+LAYOUTS = ("zigzag", "stripe", "contiguous", "packed", "packed_allgather")
 DOC_FRACTIONS = (0.4, 0.25, 0.2, 0.1, 0.05)  # packed row: mixed document lengths
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 # "process" counts only the CPU time this process got, so other load on the machine does not
@@ -153,7 +156,7 @@ def make_problem(layout: str, cp: int, seq_per_rank: int, cfg: BenchConfig, seed
         return torch.randn(1, total, heads, cfg.head_dim, generator=g, device=cfg.device).to(cfg.torch_dtype)
 
     q, k, v, dout = rand(cfg.heads), rand(cfg.kv_heads), rand(cfg.kv_heads), rand(cfg.heads)
-    doc_lens = packed_doc_lens(total, cp, cfg.docs) if layout == "packed" else None
+    doc_lens = packed_doc_lens(total, cp, cfg.docs) if _packed(layout) else None
     if doc_lens:
         shard = lambda t, r: shard_packed(t, cu_seqlens(doc_lens), cp, r)  # noqa: E731
     else:
@@ -199,9 +202,18 @@ class Clock:
         return replace(kernel, **timed)
 
 
+def _packed(layout: str) -> bool:
+    return layout.startswith("packed")
+
+
 def _plan(pb: Problem, rank: int, kernel: AttentionBackend, scale: float) -> AttentionPlan:
-    """Rank ``rank``'s ring plan over a :class:`VirtualRing` transport."""
+    """Rank ``rank``'s ring plan over a :class:`VirtualRing` transport (``packed_allgather``:
+    the all-gather pattern's, over :class:`VirtualCollectives`)."""
     local_docs = tuple(n // pb.cp for n in pb.doc_lens) if pb.doc_lens else None
+    if pb.layout == "packed_allgather" and pb.cp > 1:
+        return AttentionPlan(group=None, rank=rank, world=pb.cp, layout="zigzag", causal=True, scale=scale,
+                             backend=kernel, local_doc_lens=local_docs, pattern="allgather",
+                             collectives=VirtualCollectives(rank, pb.kv_by_rank))
     return AttentionPlan(
         group=None, rank=rank, world=pb.cp, layout="zigzag" if local_docs else pb.layout, causal=True,
         scale=scale, backend=kernel, local_doc_lens=local_docs,
@@ -361,8 +373,8 @@ def run_interleaved(units: list[Unit], cfg: BenchConfig, tick: Callable[[], None
 
 def group_units(cp: int, layouts: list[str], kernel: AttentionBackend) -> int:
     """How many units :func:`measure_group` times for these layouts (for progress bars)."""
-    dense = any(lay != "packed" for lay in layouts)
-    packed = (2 + (kernel.varlen_forward is not None)) if "packed" in layouts else 0
+    dense = any(not _packed(lay) for lay in layouts)
+    packed = (2 + (kernel.varlen_forward is not None)) if any(map(_packed, layouts)) else 0
     return int(dense) + packed + cp * len(layouts)
 
 
@@ -374,17 +386,18 @@ def measure_group(cp: int, seq_per_rank: int, layouts: list[str], cfg: BenchConf
     scale = 1 / math.sqrt(cfg.head_dim)
     problems = {lay: make_problem(lay, cp, seq_per_rank, cfg) for lay in layouts}
     refs: dict[str, list[Unit]] = {}
-    dense = [lay for lay in layouts if lay != "packed"]
+    dense = [lay for lay in layouts if not _packed(lay)]
+    packed = [lay for lay in layouts if _packed(lay)]
     if dense:
         refs["dense"] = full_units(problems[dense[0]], kernel, scale)
-    if "packed" in layouts:
-        refs["packed"] = full_units(problems["packed"], kernel, scale)
+    if packed:  # the packed layouts share one row
+        refs["packed"] = full_units(problems[packed[0]], kernel, scale)
     ranks = {lay: [rank_unit(problems[lay], r, kernel, scale, cfg) for r in range(cp)]
              for lay in layouts}
     run_interleaved([*(u for us in refs.values() for u in us), *(u for us in ranks.values() for u in us)], cfg, tick)
     rows = []
     for lay in layouts:
-        ref = refs["packed" if lay == "packed" else "dense"]
+        ref = refs["packed" if _packed(lay) else "dense"]
         rows += efficiency_rows(lay, cp, seq_per_rank, ref, ranks[lay], cfg, kernel.name, problems[lay].doc_lens)
     return rows
 
@@ -439,7 +452,9 @@ def _spawn_worker(rank: int, cp: int, layout: str, spr: int, cfg: BenchConfig, t
 
     def fwd():
         if pb.doc_lens:
-            out = hf_ring.ring_flash_attn_varlen_func(q[0], k[0], v[0], pb.cu_seqlens, backend=cfg.backend)
+            pattern = "allgather" if layout == "packed_allgather" else "ring"
+            out = hf_ring.ring_flash_attn_varlen_func(q[0], k[0], v[0], pb.cu_seqlens, backend=cfg.backend,
+                                                      pattern=pattern)
             return out.unsqueeze(0)
         return hf_ring.ring_flash_attn_func(q, k, v, layout=layout, backend=cfg.backend)
 
@@ -468,7 +483,7 @@ def measure_spawn(layout: str, cp: int, seq_per_rank: int, cfg: BenchConfig, thr
         results = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(cp)]
     ranks = [Unit(f"rank {r}", fwd_s=res[0], fb_s=res[1]) for r, res in enumerate(results)]
     refs = [Unit(name, fwd_s=fwd_s, fb_s=fb_s) for name, fwd_s, fb_s in results[0][2]]
-    doc_lens = packed_doc_lens(cp * seq_per_rank, cp, cfg.docs) if layout == "packed" else None
+    doc_lens = packed_doc_lens(cp * seq_per_rank, cp, cfg.docs) if _packed(layout) else None
     rows = efficiency_rows(layout, cp, seq_per_rank, refs, ranks, cfg, cfg.kernel().name, doc_lens, mode="spawn")
     return [r | {"threads": threads} for r in rows]
 
@@ -477,11 +492,11 @@ def measure_spawn(layout: str, cp: int, seq_per_rank: int, cfg: BenchConfig, thr
 
 
 def _print_table(rows: list[dict]) -> None:
-    print(f"{'mode':8} {'layout':11} {'cp':>3} {'seq/rank':>8} {'pass':17} {'eff':>6} {'kernel-only':>11} "
+    print(f"{'mode':8} {'layout':16} {'cp':>3} {'seq/rank':>8} {'pass':17} {'eff':>6} {'kernel-only':>11} "
           f"{'t_full s':>9} {'slowest rank s':>14}")
     for r in rows:
         ko = r.get("kernel_only_efficiency")
-        print(f"{r['mode']:8} {r['layout']:11} {r['cp']:>3} {r['seq_per_rank']:>8} {r['pass']:17} "
+        print(f"{r['mode']:8} {r['layout']:16} {r['cp']:>3} {r['seq_per_rank']:>8} {r['pass']:17} "
               f"{r['efficiency']:6.3f} {(f'{ko:.3f}' if ko else '-'):>11} {r['t_full_s']:9.4f} "
               f"{r['t_slowest_rank_s']:14.4f}")
 

@@ -38,7 +38,8 @@ def test_ring_efficiency_tiny_json():
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
     assert {(r["layout"], r["pass"]) for r in rows} == {
-        (lay, p) for lay in ("zigzag", "stripe", "contiguous", "packed") for p in ("forward", "forward+backward")
+        (lay, p) for lay in ("zigzag", "stripe", "contiguous", "packed", "packed_allgather")
+        for p in ("forward", "forward+backward")
     }
     for r in rows:
         assert REQUIRED <= set(r), r
@@ -61,7 +62,8 @@ def _load_benchmark():
     return module
 
 
-@pytest.mark.parametrize("layout,cp", [("zigzag", 4), ("stripe", 3), ("contiguous", 2), ("packed", 2)])
+@pytest.mark.parametrize("layout,cp", [("zigzag", 4), ("stripe", 3), ("contiguous", 2), ("packed", 2),
+                                       ("packed_allgather", 3)])
 def test_virtual_ring_computes_attention(layout, cp):
     """The ring the benchmark times is exact: reassembled over all ranks, its out, lse and
     dq are full attention's (float64, within 1e-10 of the plain-math reference)."""

@@ -125,3 +125,42 @@ def test_varlen_input_errors():
         hf_ring.ring_flash_attn_varlen_func(q.unsqueeze(0), q.unsqueeze(0), q.unsqueeze(0), torch.tensor([0, 8]))
     with pytest.raises(ValueError, match="q holds 8 local tokens"):
         hf_ring.ring_flash_attn_varlen_func(q, q, q, torch.tensor([0, 6]))
+
+
+def test_allgather_on_packed_rows_runs_a_few_large_calls_per_run_of_documents():
+    """After the all-gather each local chunk of each document sees its document's prefix
+    (ring/prefix.py): per run of equal documents one call for the diagonals and one per
+    chunk's prefix (none for rank 0's first chunk), whatever the number of documents; the
+    forward, counted through the kernel, equals per-document attention (float64, 1e-12)."""
+    import dataclasses
+
+    from hf_ring.distributed.collectives import VirtualCollectives
+    from hf_ring.kernels import get_backend
+    from hf_ring.patterns.plan import AttentionPlan
+    from hf_ring.patterns.ring.prefix import prefix_forward
+
+    world, lens = 4, RUN_LENS  # padded at cp 4: 16, 8, 8, 8, 8, 24, 24, 8: four runs
+    cu, real, q, k, v, _ = _inputs(world, lens)
+    reference = _per_document_reference(q, k, v, torch.zeros_like(q), cu, lens)
+    local = tuple(int(n) // world for n in (cu[1:] - cu[:-1]))
+    calls = []
+    kernel = get_backend("reference", torch.device("cpu"), torch.float64)
+
+    def counted(*args, **kwargs):
+        calls.append(args[3])  # the causal flag
+        return kernel.forward(*args, **kwargs)
+
+    counting = dataclasses.replace(kernel, forward=counted)
+    shard = lambda t, r: shard_packed(t, cu, world, r, dim=0)[None]  # noqa: E731
+    every = [torch.stack([shard(k, r), shard(v, r)]) for r in range(world)]
+    outs = []
+    for rank in range(world):
+        calls.clear()
+        plan = AttentionPlan(None, rank, world, "zigzag", True, D ** -0.5, counting, local_doc_lens=local,
+                             pattern="allgather")
+        out, _ = prefix_forward(plan, VirtualCollectives(rank, every), shard(q, rank), every[rank])
+        outs.append(out[0])
+        runs = 4
+        assert calls.count(True) == runs and calls.count(False) == (runs if rank == 0 else 2 * runs), (rank, calls)
+    got = unshard_packed(outs, cu, dim=0).index_select(0, real)
+    assert rel_err(got, reference["out"].index_select(0, real)) <= 1e-12

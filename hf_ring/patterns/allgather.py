@@ -12,6 +12,10 @@ layer would undo the activation memory context parallelism saves), each rank com
 dq and every rank's share of dK/dV from its own rows, and one reduce-scatter sums the
 shares onto the ranks that own the K/V. Windows, softcapping and sinks are computed as
 in the ring (the plan's kernel settings, ``apply_sinks`` / ``sinks_grad``).
+
+Packed rows (causal, without a window, spans or chunks, on a kernel without a varlen call)
+take the prefix schedule instead (``ring/prefix.py``): each local chunk of each document
+against its document's prefix, a few large calls per run of equal documents.
 """
 
 from __future__ import annotations
@@ -27,11 +31,23 @@ from hf_ring.patterns.plan import AttentionPlan
 from hf_ring.patterns.ring.attention import (
     KVAttentionFunction, KVPasses, accum_dtype, add_block_dkv, backward_blocks, forward_blocks, unpack_kv,
 )
+from hf_ring.patterns.ring.prefix import prefix_backward, prefix_forward, prefix_runs_here
 
 
 def _sources(plan: AttentionPlan):
     """``(step, src)`` pairs: the ring step whose schedule covers rank ``src``'s K/V."""
     return [(step, (plan.rank - step) % plan.world) for step in range(plan.world)]
+
+
+def _blocks_forward(plan: AttentionPlan, coll: Collectives, q: torch.Tensor, kv: torch.Tensor):
+    """The ring's blocks of every step, every rank's K/V present: accumulated out and lse."""
+    s = q.shape[1]
+    every_kv = coll.all_gather(kv)  # (world, *kv.shape)
+    acc = None
+    for step, src in _sources(plan):
+        acc = forward_blocks(plan, plan.blocks(step, s), q, *unpack_kv(every_kv[src], q.shape[-1]), acc,
+                             plan.span_blocks(step, s))
+    return acc
 
 
 def allgather_forward(
@@ -40,13 +56,7 @@ def allgather_forward(
     """q ``(b, s, hq, d)``, this rank's K/V stacked ``kv`` ``(2, b, s, hk, d)``, optionally
     ``sinks`` ``(hq,)`` -> out ``(b, s, hq, d)`` in q's dtype and lse ``(b, hq, s)`` float32
     (float64 for float64 inputs)."""
-    s = q.shape[1]
-    every_kv = coll.all_gather(kv)  # (world, *kv.shape)
-    acc = None
-    for step, src in _sources(plan):
-        acc = forward_blocks(plan, plan.blocks(step, s), q, *unpack_kv(every_kv[src], q.shape[-1]), acc,
-                             plan.span_blocks(step, s))
-    out, lse = acc
+    out, lse = (prefix_forward if prefix_runs_here(plan) else _blocks_forward)(plan, coll, q, kv)
     if sinks is not None:
         out, lse = apply_sinks(out, lse, sinks.detach())
     return out.to(q.dtype), lse
@@ -59,6 +69,8 @@ def allgather_backward(
     """dq ``(b, s, hq, d)``, dk and dv ``(b, s, hk, d)`` (the input dtype) of this rank's
     shard, from ``dout`` ``(b, s, hq, d)``, its ``kv`` ``(2, b, s, hk, d)`` and the
     forward's final ``out`` and ``lse``."""
+    if prefix_runs_here(plan):
+        return prefix_backward(plan, coll, dout, q, kv, out, lse)
     s = q.shape[1]
     every_kv = coll.all_gather(kv)  # (world, *kv.shape)
     # Row src: this rank's contribution to the gradient of rank src's K/V.

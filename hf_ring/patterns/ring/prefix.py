@@ -1,0 +1,209 @@
+"""Packed rows after an all-gather: each local chunk of each document against its prefix.
+
+Why: a packed row's documents are zigzag-sharded one by one (rank ``r`` of ``N`` holds
+chunks ``r`` and ``2N-1-r`` of every document, each ``c`` tokens of a document of ``2Nc``).
+The ring computes them as one block per document per step, ``N`` steps of small blocks;
+with every rank's K/V gathered (Llama 3's context parallelism) each local chunk ``j`` of a
+document simply sees its document's keys ``[start, start + (j+1)c)``: the keys of the
+chunks before it, all visible, and its own, causal. So a rank computes, per run of
+consecutive documents of one length (one kernel call each, the run as the batch):
+
+- the diagonals: every local chunk against its own keys, which are this rank's own K/V
+  rows (causal, ``c x c``), both chunks of every document of the run in one call;
+- the prefix of the first chunk (``j = r``): ``c x rc`` keys, all visible (none on rank 0);
+- the prefix of the second chunk (``j = 2N-1-r``): ``c x (2N-1-r)c`` keys, all visible.
+
+Three calls per run (two on rank 0) where the ring makes ``N`` steps of per-document
+blocks, and large ones: 64 documents of 128 tokens at ``N = 4`` are 3 calls per layer per
+rank. The prefixes read the gathered K/V in the row's global order (one copy, made once
+per layer: ``global_kv``); the diagonals read the local K/V.
+
+Backward: the K/V gathered again (never kept from the forward), dq local, the prefixes'
+dK/dV in global order put back as every rank's share and reduce-scattered, the
+diagonals' added to this rank's own rows.
+
+Exact: each query row sees the keys one process shows it, split into two blocks merged by
+their log-sum-exp. Windows, spans and chunked attention are not scheduled here (the
+all-gather pattern runs the ring's blocks for them).
+
+Must not import transformers, accelerate, or hf_ring's integration or training layers.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from hf_ring.distributed.collectives import Collectives
+from hf_ring.patterns.merge import merge_block_
+from hf_ring.patterns.plan import AttentionPlan
+from hf_ring.patterns.ring.attention import accum_dtype, unpack_kv
+
+
+@dataclass(frozen=True)
+class Rows:
+    """``count`` ranges of ``length`` rows, the first at ``start``, each ``stride`` further."""
+
+    start: int
+    length: int
+    count: int
+    stride: int
+
+    def of(self, t: torch.Tensor, seq_dim: int = 1) -> torch.Tensor:
+        """These rows of ``t`` (a batch of one row, the sequence along ``seq_dim``) as one
+        view with the ranges as its batch: ``(1, s, h, d)`` -> ``(count, length, h, d)``,
+        lse ``(1, h, s)`` -> ``(count, h, length)``."""
+        row = t[0]
+        dim = seq_dim - 1
+        size = list(row.shape)
+        size[dim] = self.length
+        step = row.stride(dim)
+        return row.as_strided((self.count, *size), (self.stride * step, *row.stride()),
+                              row.storage_offset() + self.start * step)
+
+
+@dataclass(frozen=True)
+class PrefixCall:
+    """One kernel call: local query rows against key rows, of the local K/V (``local``) or of
+    the gathered K/V in global order; causal on a diagonal."""
+
+    q: Rows
+    k: Rows
+    causal: bool
+    local: bool
+
+
+@dataclass(frozen=True)
+class PrefixSchedule:
+    """A rank's calls for one packed row, and where the row's global rows are gathered from.
+
+    Attributes:
+        calls: the diagonals first (together they cover every local row once), then the prefixes.
+        source_rank, source_row: for each global row, the rank that holds it and its row there.
+    """
+
+    calls: tuple[PrefixCall, ...]
+    source_rank: torch.Tensor
+    source_row: torch.Tensor
+
+
+def _runs(local_doc_lens: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """``(first document, count, local length)`` of each run of consecutive equal documents."""
+    runs: list[list[int]] = []
+    for i, n in enumerate(local_doc_lens):
+        if runs and local_doc_lens[runs[-1][0]] == n:
+            runs[-1][1] += 1
+        else:
+            runs.append([i, 1])
+    return [(first, count, local_doc_lens[first]) for first, count in runs]
+
+
+@functools.lru_cache(maxsize=64)
+def prefix_schedule(local_doc_lens: tuple[int, ...], rank: int, world: int) -> PrefixSchedule:
+    """The calls of rank ``rank`` of ``world`` for documents of these local lengths (each
+    ``2c``, zigzag-sharded per document), and the global row order."""
+    local_starts = [0]
+    for n in local_doc_lens:
+        local_starts.append(local_starts[-1] + n)
+    diagonals, prefixes = [], []
+    for first, count, n in _runs(local_doc_lens):
+        c, o, g = n // 2, local_starts[first], local_starts[first] * world
+        diagonals.append(PrefixCall(Rows(o, c, 2 * count, c), Rows(o, c, 2 * count, c), True, True))
+        for chunk, q_start in ((rank, o), (2 * world - 1 - rank, o + c)):
+            if chunk:
+                prefixes.append(PrefixCall(Rows(q_start, c, count, n), Rows(g, chunk * c, count, n * world),
+                                           False, False))
+    ranks, rows = [], []
+    for o, n in zip(local_starts, local_doc_lens):
+        c = n // 2
+        for chunk in range(2 * world):
+            src, second = (chunk, 0) if chunk < world else (2 * world - 1 - chunk, 1)
+            ranks.append(torch.full((c,), src))
+            rows.append(torch.arange(o + second * c, o + (second + 1) * c))
+    return PrefixSchedule(tuple(diagonals + prefixes), torch.cat(ranks), torch.cat(rows))
+
+
+def global_kv(every: torch.Tensor, schedule: PrefixSchedule) -> torch.Tensor:
+    """Every rank's K/V ``every`` ``(world, *kv)`` (a stacked ``(2, b, s, hk, d)`` or side by
+    side ``(b, s, hk, dk + dv)`` buffer per rank) -> the row in global order, ``kv`` with
+    ``world * s`` rows (one copy)."""
+    seq_dim = every.dim() - 4  # the sequence's dim in one rank's buffer
+    index = (schedule.source_rank.to(every.device),) + (slice(None),) * seq_dim + (schedule.source_row.to(every.device),)
+    return every[index].movedim(0, seq_dim)
+
+
+def _kv_rows(call: PrefixCall, k: torch.Tensor, v: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor):
+    return (call.k.of(k), call.k.of(v)) if call.local else (call.k.of(kg), call.k.of(vg))
+
+
+def prefix_forward(
+    plan: AttentionPlan, coll: Collectives, q: torch.Tensor, kv: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q ``(1, s, hq, d)``, this rank's K/V buffer ``kv`` -> out ``(1, s, hq, dv)`` and lse
+    ``(1, hq, s)``, both float32 (float64 for float64 inputs), before any sink."""
+    schedule = prefix_schedule(plan.local_doc_lens, plan.rank, plan.world)
+    k, v = unpack_kv(kv, q.shape[-1])
+    kg, vg = unpack_kv(global_kv(coll.all_gather(kv), schedule), q.shape[-1])
+    dtype = accum_dtype(q.dtype)
+    out = torch.empty(*q.shape[:3], v.shape[-1], dtype=dtype, device=q.device)
+    lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=dtype, device=q.device)
+    for call in schedule.calls:
+        keys, values = _kv_rows(call, k, v, kg, vg)
+        block_out, block_lse = plan.backend.forward(call.q.of(q), keys, values, call.causal, plan.scale,
+                                                    **plan.kernel_kwargs)
+        if call.local:  # the diagonals come first and cover every row once
+            call.q.of(out).copy_(block_out)
+            call.q.of(lse, seq_dim=2).copy_(block_lse)
+        else:
+            merge_block_(call.q.of(out), call.q.of(lse, seq_dim=2), block_out, block_lse)
+    return out, lse
+
+
+def prefix_backward(
+    plan: AttentionPlan, coll: Collectives, dout: torch.Tensor, q: torch.Tensor, kv: torch.Tensor,
+    out: torch.Tensor, lse: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq ``(1, s, hq, d)``, dk and dv ``(1, s, hk, d)`` (the input dtype) of this rank's
+    rows, from ``dout``, ``q``, its ``kv`` buffer and the forward's final ``out`` and ``lse``."""
+    schedule = prefix_schedule(plan.local_doc_lens, plan.rank, plan.world)
+    every = coll.all_gather(kv)  # (world, *kv.shape)
+    k, v = unpack_kv(kv, q.shape[-1])
+    glob = global_kv(every, schedule)
+    kg, vg = unpack_kv(glob, q.shape[-1])
+    dtype = accum_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
+    d_local = torch.zeros(kv.shape, dtype=dtype, device=q.device)
+    d_glob = torch.zeros(glob.shape, dtype=dtype, device=q.device)
+    dk_local, dv_local = unpack_kv(d_local, q.shape[-1])
+    dk_glob, dv_glob = unpack_kv(d_glob, q.shape[-1])
+    for call in schedule.calls:
+        keys, values = _kv_rows(call, k, v, kg, vg)
+        dq_c, dk_c, dv_c = plan.backend.backward(call.q.of(dout), call.q.of(q), keys, values, call.q.of(out),
+                                                 call.q.of(lse, seq_dim=2), call.causal, plan.scale,
+                                                 **plan.kernel_kwargs)
+        call.q.of(dq).add_(dq_c)
+        dk_to, dv_to = (dk_local, dv_local) if call.local else (dk_glob, dv_glob)
+        call.k.of(dk_to).add_(dk_c)
+        call.k.of(dv_to).add_(dv_c)
+    # Every rank's share of the prefixes' dK/dV, back in the rows the ranks hold, summed onto them.
+    shares = torch.empty((plan.world, *kv.shape), dtype=dtype, device=q.device)
+    seq_dim = kv.dim() - 3
+    index = (schedule.source_rank.to(q.device),) + (slice(None),) * seq_dim + (schedule.source_row.to(q.device),)
+    shares[index] = d_glob.movedim(seq_dim, 0)
+    mine = coll.reduce_scatter(shares).add_(d_local)
+    dk, dv = unpack_kv(mine, q.shape[-1])
+    return dq.to(q.dtype), dk.to(kv.dtype), dv.to(kv.dtype)
+
+
+def prefix_runs_here(plan: AttentionPlan) -> bool:
+    """Whether ``plan`` (all-gather) runs the prefix schedule: causal packed rows of one
+    batch row, without a window, spans or chunks (the ring's blocks compute those), on a
+    kernel without a varlen call (which batches the ring's per-step blocks instead)."""
+    return (plan.local_doc_lens is not None and plan.causal and plan.window is None and plan.spans is None
+            and plan.chunk is None and not plan.varlen)
+
+
+__all__ = ["PrefixCall", "PrefixSchedule", "Rows", "global_kv", "prefix_backward", "prefix_forward",
+           "prefix_runs_here", "prefix_schedule"]
