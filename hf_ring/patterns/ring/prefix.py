@@ -125,13 +125,34 @@ def prefix_schedule(local_doc_lens: tuple[int, ...], rank: int, world: int) -> P
     return PrefixSchedule(tuple(diagonals + prefixes), torch.cat(ranks), torch.cat(rows))
 
 
+def _rows_of(buffers: torch.Tensor) -> torch.Tensor:
+    """Buffers of one batch row, ``(n, *kv)`` -> ``(n * parts * s, hk * d)``: every token row
+    of every part (K and V when stacked) as one matrix (a view)."""
+    return buffers.reshape(-1, buffers.shape[-2] * buffers.shape[-1])
+
+
+def _flat_sources(schedule: PrefixSchedule, kv: torch.Tensor) -> list[torch.Tensor]:
+    """Per part of a rank's buffer ``kv`` (K and V when stacked, else the one side-by-side
+    buffer): each global row's row in :func:`_rows_of` of the gathered ``(world, *kv)``."""
+    parts, s = (2, kv.shape[2]) if kv.dim() == 5 else (1, kv.shape[1])
+    base = schedule.source_rank.to(kv.device) * (parts * s) + schedule.source_row.to(kv.device)
+    return [base + p * s for p in range(parts)]
+
+
 def global_kv(every: torch.Tensor, schedule: PrefixSchedule) -> torch.Tensor:
-    """Every rank's K/V ``every`` ``(world, *kv)`` (a stacked ``(2, b, s, hk, d)`` or side by
-    side ``(b, s, hk, dk + dv)`` buffer per rank) -> the row in global order, ``kv`` with
-    ``world * s`` rows (one copy)."""
-    seq_dim = every.dim() - 4  # the sequence's dim in one rank's buffer
-    index = (schedule.source_rank.to(every.device),) + (slice(None),) * seq_dim + (schedule.source_row.to(every.device),)
-    return every[index].movedim(0, seq_dim)
+    """Every rank's K/V ``every`` ``(world, *kv)`` (a stacked ``(2, 1, s, hk, d)`` or side by
+    side ``(1, s, hk, dk + dv)`` buffer per rank) -> the row in global order, shaped like
+    ``kv`` with ``world * s`` rows (one row gather per part)."""
+    world, kv = every.shape[0], every[0]
+    shape = list(kv.shape)
+    shape[-3] *= world
+    glob = every.new_empty(shape)
+    rows, glob_rows = _rows_of(every), _rows_of(glob[None])
+    index = _flat_sources(schedule, kv)
+    n = index[0].numel()
+    for part, src in enumerate(index):
+        torch.index_select(rows, 0, src, out=glob_rows[part * n:(part + 1) * n])
+    return glob
 
 
 def _kv_rows(call: PrefixCall, k: torch.Tensor, v: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor):
@@ -173,8 +194,9 @@ def prefix_backward(
     glob = global_kv(every, schedule)
     kg, vg = unpack_kv(glob, q.shape[-1])
     dtype = accum_dtype(q.dtype)
-    dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
-    d_local = torch.zeros(kv.shape, dtype=dtype, device=q.device)
+    # The diagonals come first and write every local row once: no zeros for dq and the local dK/dV.
+    dq = torch.empty(q.shape, dtype=dtype, device=q.device)
+    d_local = torch.empty(kv.shape, dtype=dtype, device=q.device)
     d_glob = torch.zeros(glob.shape, dtype=dtype, device=q.device)
     dk_local, dv_local = unpack_kv(d_local, q.shape[-1])
     dk_glob, dv_glob = unpack_kv(d_glob, q.shape[-1])
@@ -183,15 +205,21 @@ def prefix_backward(
         dq_c, dk_c, dv_c = plan.backend.backward(call.q.of(dout), call.q.of(q), keys, values, call.q.of(out),
                                                  call.q.of(lse, seq_dim=2), call.causal, plan.scale,
                                                  **plan.kernel_kwargs)
-        call.q.of(dq).add_(dq_c)
-        dk_to, dv_to = (dk_local, dv_local) if call.local else (dk_glob, dv_glob)
-        call.k.of(dk_to).add_(dk_c)
-        call.k.of(dv_to).add_(dv_c)
+        if call.local:
+            call.q.of(dq).copy_(dq_c)
+            call.k.of(dk_local).copy_(dk_c)
+            call.k.of(dv_local).copy_(dv_c)
+        else:
+            call.q.of(dq).add_(dq_c)
+            call.k.of(dk_glob).add_(dk_c)
+            call.k.of(dv_glob).add_(dv_c)
     # Every rank's share of the prefixes' dK/dV, back in the rows the ranks hold, summed onto them.
     shares = torch.empty((plan.world, *kv.shape), dtype=dtype, device=q.device)
-    seq_dim = kv.dim() - 3
-    index = (schedule.source_rank.to(q.device),) + (slice(None),) * seq_dim + (schedule.source_row.to(q.device),)
-    shares[index] = d_glob.movedim(seq_dim, 0)
+    rows, glob_rows = _rows_of(shares), _rows_of(d_glob[None])
+    index = _flat_sources(schedule, kv)
+    n = index[0].numel()
+    for part, dst in enumerate(index):
+        rows.index_copy_(0, dst, glob_rows[part * n:(part + 1) * n])
     mine = coll.reduce_scatter(shares).add_(d_local)
     dk, dv = unpack_kv(mine, q.shape[-1])
     return dq.to(q.dtype), dk.to(kv.dtype), dv.to(kv.dtype)
