@@ -151,3 +151,14 @@ def mend_tensor_parallel_widths(model: nn.Module) -> int:
             "model over fsdp_size ranks as it loaded it. Load it with DistributedConfig(tp_size=T, "
             "dp_replicate_size=<dp x cp>) instead (the frozen base weights replicated, only TP splitting them)")
     return mended
+
+
+def modules_to_save_copies(model: nn.Module) -> list[str]:
+    """The paths of PEFT's ``ModulesToSaveWrapper`` modules in ``model`` (trained copies of
+    whole modules, ``modules_to_save``); empty without PEFT."""
+    peft = _peft()
+    if peft is None:
+        return []
+    from peft.utils import ModulesToSaveWrapper
+
+    return [name for name, module in model.named_modules() if isinstance(module, ModulesToSaveWrapper)]

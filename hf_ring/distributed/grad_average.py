@@ -43,7 +43,7 @@ def average_gradients_over(params: Iterable[torch.nn.Parameter], group: Optional
             continue
 
         def averaged(grad: torch.Tensor) -> torch.Tensor:
-            grad = grad.clone()
+            grad = grad.clone(memory_format=torch.contiguous_format)
             local = _local(grad)
             dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)  # gloo has no AVG
             local.div_(size)

@@ -98,11 +98,11 @@ def _check_layer(path: str, layer: nn.Module) -> list[tuple[str, nn.Module]]:
                                 "load the model without enable_sequence_parallel")
             continue
         kind = type(child).__name__
-        if any(True for _ in child.children()) or not kind.endswith(_PER_TOKEN_LEAVES):
+        if any(True for _ in child.children()) or not kind.endswith(_PER_TOKEN_LEAVES) or "BatchNorm" in kind:
             raise _refuse(f"{label} ({kind}) is neither a TP block ({', '.join(_BLOCKS)}) nor a per-token norm, so "
                           "hf_ring cannot tell it may run on a piece of the sequence (a token mixer, a mixture of "
                           "experts, ...)")
-        if isinstance(child, nn.Dropout) and child.p > 0:
+        if kind.endswith("Dropout") and getattr(child, "p", 0) > 0:
             raise _refuse(f"{label} is a dropout with p={child.p} on the residual stream, whose draws on a piece "
                           "hf_ring does not place; set it to 0")
         if any(True for _ in child.parameters(recurse=False)):
@@ -168,7 +168,8 @@ def _cut_output(coll: GroupCollectives, block: nn.Module, args: tuple, output: A
 
 
 def _gather_output(coll: GroupCollectives, base: nn.Module, args: tuple, kwargs: dict, output: Any):
-    if getattr(output, "hidden_states", None) is not None:
+    asked = kwargs.get("output_hidden_states", getattr(getattr(base, "config", None), "output_hidden_states", False))
+    if getattr(output, "hidden_states", None) is not None or (isinstance(output, tuple) and asked):
         raise _refuse("output_hidden_states=True: the decoder layers' outputs are pieces of the sequence; call the "
                       "model without it")
     if isinstance(output, tuple):

@@ -50,9 +50,17 @@ def prepare_adapters(model: Any, state: Any) -> int:
 
     Raises:
         ValueError: split adapter weights that differ between the dp x cp ranks.
+        NotImplementedError: ``modules_to_save`` copies (they would run the originals' weights).
     """
     if peft_patches.base_model(model) is model or not _sharded_at_load(model):
         return 0
+    copies = peft_patches.modules_to_save_copies(model)
+    if copies:
+        # PEFT deep-copies the module, and the copy keeps the forward transformers' TP installed on the
+        # original (a closure over it): the copy would run the original's weights and train nothing.
+        raise NotImplementedError(
+            f"modules_to_save ({', '.join(copies[:3])}) on a model transformers sharded as it loaded it: the "
+            "trained copies would run the original modules' weights; adapt those modules with LoRA instead")
     peft_patches.mend_tensor_parallel_widths(model)  # and refuses adapters sized from an FSDP2 shard
     trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
     # The Trainer broadcasts the plain ones from rank 0 as training starts; the split ones nobody does.

@@ -189,9 +189,8 @@ def prefix_backward(
     """dq ``(1, s, hq, d)``, dk and dv ``(1, s, hk, d)`` (the input dtype) of this rank's
     rows, from ``dout``, ``q``, its ``kv`` buffer and the forward's final ``out`` and ``lse``."""
     schedule = prefix_schedule(plan.local_doc_lens, plan.rank, plan.world)
-    every = coll.all_gather(kv)  # (world, *kv.shape)
     k, v = unpack_kv(kv, q.shape[-1])
-    glob = global_kv(every, schedule)
+    glob = global_kv(coll.all_gather(kv), schedule)  # the gathered buffers are dropped once reordered
     kg, vg = unpack_kv(glob, q.shape[-1])
     dtype = accum_dtype(q.dtype)
     # The diagonals come first and write every local row once: no zeros for dq and the local dK/dV.
@@ -228,9 +227,10 @@ def prefix_backward(
 def prefix_runs_here(plan: AttentionPlan) -> bool:
     """Whether ``plan`` (all-gather) runs the prefix schedule: causal packed rows of one
     batch row, without a window, spans or chunks (the ring's blocks compute those), on a
-    kernel without a varlen call (which batches the ring's per-step blocks instead)."""
+    kernel without a varlen call (which batches the ring's per-step blocks instead) that
+    takes strided batch views (``batched_views``: the prefix calls batch a run's documents)."""
     return (plan.local_doc_lens is not None and plan.causal and plan.window is None and plan.spans is None
-            and plan.chunk is None and not plan.varlen)
+            and plan.chunk is None and not plan.varlen and plan.backend.batched_views)
 
 
 __all__ = ["PrefixCall", "PrefixSchedule", "Rows", "global_kv", "prefix_backward", "prefix_forward",
