@@ -128,10 +128,9 @@ def runs(tmp_path_factory):
                                      "--per_device_train_batch_size", "2"]),
         # Tensor parallelism beside CP: transformers' DistributedConfig(tp_size=2, fsdp_size=2), 4 processes.
         "tp2_cp2": (4, ["--tp_size", "2", "--cp_size", "2", "--per_device_train_batch_size", "2"]),
-        "packed_tp2_cp2": (4, ["--packing", "--tp_size", "2", "--cp_size", "2", "--per_device_train_batch_size", "2"]),
-        # Sequence parallelism inside TP: each TP rank keeps half of its CP shard between blocks.
-        "tp2_cp2_sp": (4, ["--tp_size", "2", "--cp_size", "2", "--sequence_parallel",
-                           "--per_device_train_batch_size", "2"]),
+        # Packed, with sequence parallelism inside TP: each TP rank keeps half of its CP shard between blocks.
+        "packed_tp2_cp2": (4, ["--packing", "--tp_size", "2", "--cp_size", "2", "--sequence_parallel",
+                               "--per_device_train_batch_size", "2"]),
     }
     # A Qwen3-MoE with its router load-balancing loss (weight 0.5, so it moves the gradients), its
     # experts split over 2 expert-parallel ranks beside CP: DistributedConfig(ep_size=2, fsdp_size=2).
@@ -151,8 +150,8 @@ def runs(tmp_path_factory):
     # Beside TP the loss is chunked on each TP rank's vocabulary rows (memory/vocab_parallel.py).
     expect = {name: ("gradients: fsdp2 mesh (2,) over 2 processes", "cp_rank 1/2, tp_rank 1/2",
                      "chunked loss on (weights sharded by: fsdp2, the vocabulary's rows over tp 2)")
-              for name in ("tp2_cp2", "packed_tp2_cp2", "tp2_cp2_sp")}
-    expect["tp2_cp2_sp"] += ("sequence parallelism inside TP: 2 decoder layers keep 1/2 of each rank's tokens",)
+              for name in ("tp2_cp2", "packed_tp2_cp2")}
+    expect["packed_tp2_cp2"] += ("sequence parallelism inside TP: 2 decoder layers keep 1/2 of each rank's tokens",)
     expect["moe_ep2_cp2"] = ("experts over ep_size 2", "gradients: fsdp2 mesh (2,) over 2 processes")
     expect["packed_cp2_allgather"] = ("cp_rank 1/2, layout zigzag, pattern allgather",)
     expect["launch_cp2"] = ("gradients: fsdp2 mesh (2,) over 2 processes", "cp_rank 1/2, layout zigzag")
@@ -179,7 +178,6 @@ def test_reference_trains_and_is_finite(runs):
 
 
 @pytest.mark.parametrize("name", ["cp2", "cp2_stripe", "dp2", "dp2_cp2", pytest.param("tp2_cp2", marks=NEEDS_TP),
-                                  pytest.param("tp2_cp2_sp", marks=NEEDS_TP),
                                   pytest.param("launch_cp2", marks=NEEDS_FSDP2)])
 def test_same_losses_as_without_cp(runs, name):
     ref, got = runs("cp1"), runs(name)
