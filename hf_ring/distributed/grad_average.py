@@ -10,9 +10,9 @@ weights it holds, so the loss multiplier that makes FSDP2's gradients exact make
 exact too. Each incoming gradient is averaged, not the accumulated ``.grad``, so gradient
 accumulation stays exact.
 
-Their values must agree over the group before training (nothing broadcasts them): PEFT
-initialises an adapter from each process's generator. :func:`check_alike_over` refuses
-replicas that differ.
+Their values must agree over the group before training, and nothing here broadcasts them
+(PEFT initialises an adapter from each process's generator): :func:`check_alike_over`
+refuses replicas that differ.
 
 Must not import transformers or accelerate.
 """
