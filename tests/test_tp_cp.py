@@ -236,9 +236,19 @@ def _lora_case(path: str) -> dict:
     loss = torch.nn.functional.cross_entropy(local.flatten(0, 1), shard(shift).flatten(), reduction="sum")
     (loss / (shift != -100).sum() * 2).backward()  # the adapters' gradients are averaged over the 2 CP ranks
     want = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
-    return {"averaged": averaged, "sharded": sharded, "logits": _relative(local.detach(), shard(logits.detach())),
-            "grads": {n: _relative(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad, want[n])
-                      for n, p in model.named_parameters() if p.requires_grad}}
+    grads = {n: _relative(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad, want[n])
+             for n, p in model.named_parameters() if p.requires_grad}
+    # PEFT's default recipes keep lora_dropout > 0: beside TP its draw on a head-split input is refused.
+    for module in model.modules():
+        if hasattr(module, "lora_dropout"):  # PEFT puts an Identity there for lora_dropout=0
+            module.lora_dropout["default"] = torch.nn.Dropout(0.1)
+    try:
+        model.train()(input_ids=shard(ids), position_ids=shard(torch.arange(SEQ)[None]))
+        dropout = "ran"
+    except NotImplementedError as e:
+        dropout = str(e)
+    return {"averaged": averaged, "sharded": sharded, "dropout": dropout,
+            "logits": _relative(local.detach(), shard(logits.detach())), "grads": grads}
 
 
 # Hybrid families beside TP: Qwen3.5 (gated delta nets, every projection gathered by its TP
@@ -389,12 +399,13 @@ def test_lora_on_a_tp_model_tp2_cp2_computes_what_one_process_computes(model_dir
     which transformers' load-time FSDP2 does not hold. Tolerance as above (measured: logits
     2.9e-7, gradients <= 2.4e-6); without the averaging each CP rank keeps its own tokens'
     gradient: off by 0.55 to 3.5. Loaded with fsdp_size=2 instead, PEFT sizes the adapters from
-    the FSDP2 shards of their base layers: refused by name."""
+    the FSDP2 shards of their base layers: refused by name. So is LoRA dropout beside TP."""
     for rank, r in enumerate(r["lora"] for r in _tp_cp_results(model_dir)):
         # every lora_B (the output width); the lora_A PEFT happens to size right
         assert "sized 10 LoRA weights from their base layer's local FSDP2 shard" in r["sharded"], r["sharded"]
         assert "dp_replicate_size=<dp x cp>" in r["sharded"]
         assert r["averaged"] == 20 and len(r["grads"]) == 20, r  # 2 layers x 5 targets x (A, B)
+        assert "beside tensor parallelism (tp_size=2)" in r["dropout"] and "lora_dropout" in r["dropout"], r["dropout"]
         assert r["logits"] < TOL, (rank, r["logits"])
         worst = max(r["grads"], key=r["grads"].get)
         assert r["grads"][worst] < TOL, (rank, worst, r["grads"][worst])

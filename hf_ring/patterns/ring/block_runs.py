@@ -29,6 +29,30 @@ from hf_ring.patterns.ring.schedule import Block
 
 
 @dataclass(frozen=True)
+class Rows:
+    """``count`` ranges of ``length`` rows, the first at ``start``, each ``stride`` further."""
+
+    start: int
+    length: int
+    count: int
+    stride: int
+
+    def of(self, t: torch.Tensor, seq_dim: int = 1) -> torch.Tensor:
+        """These rows of ``t`` (a batch of one row, the sequence along ``seq_dim``) as one
+        view with the ranges as its batch: ``(1, s, h, d)`` -> ``(count, length, h, d)``,
+        lse ``(1, h, s)`` -> ``(count, h, length)``."""
+        if t.shape[0] != 1:
+            raise ValueError(f"runs of blocks batch the documents of one packed row (batch 1), got batch {t.shape[0]}")
+        row = t[0]
+        dim = seq_dim - 1
+        size = list(row.shape)
+        size[dim] = self.length
+        step = row.stride(dim)
+        return row.as_strided((self.count, *size), (self.stride * step, *row.stride()),
+                              row.storage_offset() + self.start * step)
+
+
+@dataclass(frozen=True)
 class BlockRun:
     """``count`` blocks shaped like ``first``, block ``i`` ``stride * i`` rows further down
     in both queries and keys (a run of documents of one local length, ``stride``)."""
@@ -51,16 +75,8 @@ class BlockRun:
         """The run's query rows (``keys``: key rows) of ``t``, a batch of one row with the
         sequence along ``seq_dim``, as one view with the run as its batch: ``(1, s, h, d)``
         -> ``(count, len, h, d)``, lse ``(1, h, s)`` -> ``(count, h, len)``."""
-        if t.shape[0] != 1:
-            raise ValueError(f"runs of blocks batch the documents of one packed row (batch 1), got batch {t.shape[0]}")
         start, end = (self.first.k_start, self.first.k_end) if keys else (self.first.q_start, self.first.q_end)
-        row = t[0]
-        dim = seq_dim - 1
-        size = list(row.shape)
-        size[dim] = end - start
-        step = row.stride(dim)
-        return row.as_strided((self.count, *size), (self.stride * step, *row.stride()),
-                              row.storage_offset() + start * step)
+        return Rows(start, end - start, self.count, self.stride).of(t, seq_dim)
 
 
 Call = Union[Block, BlockRun]
@@ -115,4 +131,4 @@ def key_ranges(index: Union[slice, BlockRun]) -> list[tuple[int, int]]:
     return [(index.start, index.stop)]
 
 
-__all__ = ["BlockRun", "Call", "group_runs", "key_ranges", "key_rows", "query_rows"]
+__all__ = ["BlockRun", "Call", "Rows", "group_runs", "key_ranges", "key_rows", "query_rows"]

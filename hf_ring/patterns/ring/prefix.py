@@ -40,28 +40,7 @@ from hf_ring.distributed.collectives import Collectives
 from hf_ring.patterns.merge import merge_block_
 from hf_ring.patterns.plan import AttentionPlan
 from hf_ring.patterns.ring.attention import accum_dtype, unpack_kv
-
-
-@dataclass(frozen=True)
-class Rows:
-    """``count`` ranges of ``length`` rows, the first at ``start``, each ``stride`` further."""
-
-    start: int
-    length: int
-    count: int
-    stride: int
-
-    def of(self, t: torch.Tensor, seq_dim: int = 1) -> torch.Tensor:
-        """These rows of ``t`` (a batch of one row, the sequence along ``seq_dim``) as one
-        view with the ranges as its batch: ``(1, s, h, d)`` -> ``(count, length, h, d)``,
-        lse ``(1, h, s)`` -> ``(count, h, length)``."""
-        row = t[0]
-        dim = seq_dim - 1
-        size = list(row.shape)
-        size[dim] = self.length
-        step = row.stride(dim)
-        return row.as_strided((self.count, *size), (self.stride * step, *row.stride()),
-                              row.storage_offset() + self.start * step)
+from hf_ring.patterns.ring.block_runs import Rows
 
 
 @dataclass(frozen=True)
@@ -233,5 +212,5 @@ def prefix_runs_here(plan: AttentionPlan) -> bool:
             and plan.chunk is None and not plan.varlen and plan.backend.batched_views)
 
 
-__all__ = ["PrefixCall", "PrefixSchedule", "Rows", "global_kv", "prefix_backward", "prefix_forward",
+__all__ = ["PrefixCall", "PrefixSchedule", "global_kv", "prefix_backward", "prefix_forward",
            "prefix_runs_here", "prefix_schedule"]
