@@ -49,6 +49,7 @@ from hf_ring.hf.attention_refusals import (
     refuse_under_ring, refuse_without_context,
 )
 from hf_ring.hf.forward_context import CONTEXT_KWARG, ForwardContext
+from hf_ring.hf.generation.attention import decode_attention, forget_outside_window
 from hf_ring.hf.guard import RING_FLASH
 from hf_ring.hf.multimodal import guard_model
 from hf_ring.hf.local_eager import eager_attention
@@ -133,6 +134,8 @@ def _ring_attention(
             f"{seq} tokens{', ' + features if features else ''}): {e}"
         ) from e
     out, _ = run_plan(q, k, v, plan, kwargs.get("s_aux"))
+    if context.generation is not None:
+        forget_outside_window(module, context, sliding_window)  # a prefill's cache keeps what decoding sees
     context.ran_ring.add(id(module))
     return out, None
 
@@ -251,6 +254,10 @@ def ring_flash_attention_forward(
     chunk = None
     if context is None:
         refuse_without_context(module)
+    elif context.generation is not None and context.generation.cache.step.decoding:
+        # A decode step under CP: the new tokens' queries against every rank's cached share.
+        window, chunk = layer_window_and_chunk(module, sliding_window, context)
+        return decode_attention(module, query, key, value, dropout, scaling, window, chunk, softcap, context, kwargs)
     ring_runs = kwargs.get("cu_seq_lens_q") is not None or (context is not None and context.state is not None)
     if ring_runs:
         refuse_dropout(module, dropout)  # without the ring, SDPA (or eager) draws it as transformers does

@@ -31,6 +31,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
+from hf_ring.hf.generation.cache import Generation
 from hf_ring.hf.randomness.draws import generator_digest
 from hf_ring.patterns.api import documents_fields
 from hf_ring.distributed.comm import peer_failed
@@ -58,11 +59,15 @@ class FullBatchShards:
     None: what every attention layer's plan computes on top of causal; ``causal_by_mask``:
     the language model's layers are flagged non-causal, and the mask the model built
     (causal plus the spans) is what they compute (PaliGemma). Without CP (a packed row on
-    the varlen ring) only ``spans`` is given, and ``digest`` is None."""
+    the varlen ring) only ``spans`` is given, and ``digest`` is None. ``generation``: the
+    shards of a prompt ``generate()`` prefills (hf_ring.hf.generation), whose K/V the
+    forward keeps in that cache; the digest covers the prompt."""
 
     digest: Optional[torch.Tensor]
     spans: Optional[BidirectionalSpans] = None
     causal_by_mask: bool = False
+    generation: Optional[Generation] = None
+
 
 _HINT = (
     "every rank of a CP group must run the same forward on its shard of the same batch: "
@@ -120,21 +125,28 @@ def packed_document_lengths(inputs: dict[str, Any], cp_size: int) -> Optional[tu
     return tuple(check_cu_seqlens(torch.tensor(bounds), cp_size))
 
 
-def _refuse_local(inputs: dict[str, Any], state: ContextParallelState, own_positions: bool) -> Optional[tuple[int, ...]]:
-    """What a rank can refuse from its own inputs; returns the packed document lengths."""
+def _refuse_cache(inputs: dict[str, Any], state: ContextParallelState) -> None:
+    """A cache hf_ring did not prepare: text models generate under CP through
+    ``hf_ring.hf.generation``, which shards the prompt into a ``ShardedCache`` before this
+    check; what reaches it otherwise (an image-text model's language model, a model guarded
+    by hand without those hooks) would keep this rank's shard of K/V in a cache that does
+    not know it."""
     # cache_position too: Llama 4's 4.57 layers number tokens from it (sequence_features.py).
-    if _cache_argument(inputs) is not None or inputs.get("cache_position") is not None:
+    if _cache_argument(inputs) is not None or inputs.get("cache_position") is not None or inputs.get("use_cache") is True:
         raise NotImplementedError(
-            "KV cache / generate() is not supported under context parallelism "
-            f"(cp_size={state.cp_size}): each rank holds only a shard of the sequence, so a cache "
-            "would hold a shard of K/V (pass no cache and no cache_position). Generate without CP "
-            "on the full sequence: with hf_ring.context_parallel_suspended(): model.generate(...)"
+            f"a KV cache (use_cache=True, a cache or cache_position) reached this model's layers under context "
+            f"parallelism (cp_size={state.cp_size}) without hf_ring's generation hooks, so it would hold this "
+            "rank's shard of K/V as if it were the sequence's. Text models loaded with ring_flash generate under "
+            "CP (model.generate on every rank of the group); for this one pass use_cache=False, or generate "
+            "without CP: with hf_ring.context_parallel_suspended(): model.generate(...)"
         )
-    if inputs.get("use_cache") is True:
-        raise NotImplementedError(
-            f"use_cache=True is not supported under context parallelism (cp_size={state.cp_size}): "
-            "a cache would hold only this rank's shard of K/V; pass use_cache=False or leave it unset"
-        )
+
+
+def _refuse_local(inputs: dict[str, Any], state: ContextParallelState, shards: Optional[FullBatchShards]) -> Optional[tuple[int, ...]]:
+    """What a rank can refuse from its own inputs; returns the packed document lengths."""
+    own_positions = shards is not None
+    if shards is None or shards.generation is None:
+        _refuse_cache(inputs, state)
     doc_lens = packed_document_lengths(inputs, state.cp_size)
     mask = inputs.get("attention_mask")
     if mask is not None and mask.dim() != 2:
@@ -265,7 +277,8 @@ def validate_cp_inputs(
         The documents, largest position and this rank's token indices (:class:`CheckedInputs`).
 
     Raises (on every rank of the CP group):
-        NotImplementedError: a KV cache, ``cache_position`` or ``use_cache=True``.
+        NotImplementedError: a KV cache, ``cache_position`` or ``use_cache=True`` not prepared by
+            hf_ring's generation hooks.
         ValueError: inputs that differ across the ranks, missing or non-global
             ``position_ids``, a mask other than right padding, packed rows with batch size > 1
             or a padding mask.
@@ -276,7 +289,7 @@ def validate_cp_inputs(
     device = inputs_device(inputs)
     wrong = top = None
     try:
-        doc_lens = _refuse_local(inputs, state, own_positions=shards is not None)
+        doc_lens = _refuse_local(inputs, state, shards)
         index = _global_indices(seq_local, doc_lens, state)
         # The model's own positions (M-RoPE) are not arange's: the digest vouches for them.
         wrong = _positions_wrong(inputs, index, doc_lens) if shards is None else torch.zeros((), dtype=torch.int64)

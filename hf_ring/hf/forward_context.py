@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from hf_ring.distributed.comm import CommWaitStats
+from hf_ring.hf.generation.cache import Generation
 from hf_ring.hf.randomness.draws import OneProcessDraws
 from hf_ring.hf.support.detectors import Handed
 from hf_ring.patterns.state import ContextParallelState
@@ -81,6 +82,7 @@ class ForwardContext:
     spans: Optional[BidirectionalSpans] = None
     causal_by_mask: bool = False
     draws: Optional[OneProcessDraws] = None
+    generation: Optional[Generation] = None
     _plans: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:

@@ -197,7 +197,8 @@ def _pre_forward(model: nn.Module, args: tuple, kwargs: dict):
     context = ForwardContext(state, checked.doc_lens, comm_stats, made_by_guard=True,
                              token_index=checked.token_index, handed=handed_to_the_ring(model),
                              spans=shards.spans if shards is not None else None,
-                             causal_by_mask=shards is not None and shards.causal_by_mask, draws=draws)
+                             causal_by_mask=shards is not None and shards.causal_by_mask, draws=draws,
+                             generation=shards.generation if shards is not None else None)
     kwargs = {**kwargs, CONTEXT_KWARG: context}
     if inputs.get("use_cache") is None and "use_cache" in signature.parameters:
         # A cache filled under CP holds only this rank's shard of K/V: useless to continue
@@ -256,8 +257,8 @@ def _check_head_under_cp(model: nn.Module, args: tuple, kwargs: dict) -> None:
 
 def _post_forward(model: nn.Module, args: tuple, kwargs: dict, output: Any):
     context: Optional[ForwardContext] = kwargs.get(CONTEXT_KWARG)
-    if context is None or context.state is None:
-        return None
+    if context is None or (context.state is None and context.generation is None):
+        return None  # without CP, or a decode step's layers under CP (which must all run it)
     missing = [name for name, m in _attention_layers(model).items() if id(m) not in context.ran_ring]
     if missing:
         raise RuntimeError(

@@ -30,6 +30,25 @@ from hf_ring.sharding.layouts import LAYOUTS, check_layout
 _DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def inputs_digest(tensors: Sequence[Optional[torch.Tensor]], device: torch.device) -> torch.Tensor:
+    """0-d int64 on ``device``: a position-weighted sum of ``tensors`` (None entries skipped,
+    floating ones read by their bits), equal on every rank that holds the same inputs; no
+    host sync. Ranks feeding one forward the same full batch (a multimodal model's, a prompt
+    to generate from) compare it with :func:`check_agreement`."""
+    total = torch.zeros((), dtype=torch.int64, device=device)
+    for i, t in enumerate(tensors):
+        if isinstance(t, torch.Tensor):
+            if t.is_floating_point():
+                t = t.contiguous().view(_BITS[t.element_size()])
+            flat = t.reshape(-1).to(device=device, dtype=torch.int64)
+            weights = torch.arange(flat.numel(), device=device) % 65521 + 2 * i + 1
+            total = total * 1000003 + (flat * weights).sum() + flat.numel()
+    return total
+
+
 def check_local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, causal: bool) -> None:
     """Shapes, dtypes and layout of this rank's q ``(b, s, hq, d)``, k ``(b, s, hk, d)`` and
     v ``(b, s, hk, dv)`` (``dv`` may differ from ``d``: multi-head latent attention)."""

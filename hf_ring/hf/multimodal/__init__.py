@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from hf_ring.hf import guard as _guard
+from hf_ring.hf.generation.entry import install_generation
 from hf_ring.hf.multimodal.setup import guard_multimodal
 from hf_ring.hf.support import RING_FLASH, check_model_supported
 from hf_ring.patches.transformers import attn_implementation
@@ -33,9 +34,11 @@ __all__ = ["guard_if_requested", "guard_model", "guard_multimodal"]
 
 def guard_model(model: nn.Module) -> None:
     """Guard ``model`` for ``ring_flash`` (idempotent): an image-text model as above, a text
-    model with :func:`hf_ring.hf.guard.guard_model`."""
+    model with :func:`hf_ring.hf.guard.guard_model` and the hooks with which it generates under
+    CP (:mod:`hf_ring.hf.generation.entry`)."""
     if not guard_multimodal(model):
         _guard.guard_model(model)
+        install_generation(model)
 
 
 def guard_if_requested(model: nn.Module) -> None:

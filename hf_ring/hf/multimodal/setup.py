@@ -38,6 +38,7 @@ from hf_ring.hf.multimodal.tower import split_tower
 from hf_ring.hf.support import RING_FLASH, check_model_supported
 from hf_ring.patches.transformers import attn_implementation
 from hf_ring.patterns.state import get_context_parallel_state
+from hf_ring.patterns.validation import inputs_digest
 
 # Flags in the modules' own __dict__ (copies of the model carry them, as the guard's do).
 _ENTRY = "_hf_ring_multimodal_entry"
@@ -47,7 +48,6 @@ _SHARDING = "_hf_ring_multimodal_sharding"
 # mixture of both without a word).
 _DIGESTED = ("input_ids", "mm_token_type_ids", "image_grid_thw", "video_grid_thw", "position_ids", "image_sizes",
              "pixel_values", "pixel_values_videos", "token_type_ids")
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def guard_multimodal(model: nn.Module) -> bool:
@@ -100,18 +100,9 @@ def _refuse(inputs: dict[str, Any], where: str) -> None:
 
 
 def _digest(inputs: dict[str, Any], device: torch.device) -> torch.Tensor:
-    """0-d int64: a position-weighted sum of the full batch's inputs (token ids, grids, the
-    bits of the pixel values), equal on every rank that holds the same batch; no host sync."""
-    total = torch.zeros((), dtype=torch.int64, device=device)
-    for i, name in enumerate(_DIGESTED):
-        t = inputs.get(name)
-        if isinstance(t, torch.Tensor):
-            if t.is_floating_point():
-                t = t.contiguous().view(_BITS[t.element_size()])
-            flat = t.reshape(-1).to(device=device, dtype=torch.int64)
-            weights = torch.arange(flat.numel(), device=device) % 65521 + 2 * i + 1
-            total = total * 1000003 + (flat * weights).sum() + flat.numel()
-    return total
+    """0-d int64: the digest of the full batch's inputs (token ids, grids, the bits of the
+    pixel values), equal on every rank that holds the same batch; no host sync."""
+    return inputs_digest([inputs.get(name) for name in _DIGESTED], device)
 
 
 def _enter(base: nn.Module, args: tuple, kwargs: dict):
