@@ -44,4 +44,5 @@ cd "${ROOT}"
 "${VENV}/bin/python" -m pytest -q tests/test_hf_attention.py tests/test_hf_attention_distributed.py \
     tests/test_collator.py tests/test_patches.py tests/test_trainer_cp.py tests/test_hot_path.py \
     tests/test_hf_sinks.py tests/test_model_support.py tests/test_model_sweep.py tests/test_hf_patterns.py \
-    tests/test_trainer_patterns.py tests/test_long_context_memory.py tests/test_dropout_under_cp.py "$@"
+    tests/test_trainer_patterns.py tests/test_long_context_memory.py tests/test_dropout_under_cp.py \
+    tests/test_generate.py "$@"

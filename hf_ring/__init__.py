@@ -56,9 +56,10 @@ from hf_ring.training.vision.collator import RingVisionCollatorConfig, RingVisio
 __all__ += ["RingCollatorConfig", "RingDataCollator", "RingAttentionPlugin", "RingVisionCollatorConfig",
             "RingVisionDataCollator"]
 
-_NEEDS_RING_FLASH = ["ChunkedLossConfig", "RingTrainer", "enable_offloaded_checkpointing", "enable_sequence_parallel",
-                     "tile_mlps"]
+_NEEDS_RING_FLASH = ["ChunkedLossConfig", "RingTrainer", "ShardedCache", "enable_offloaded_checkpointing",
+                     "enable_sequence_parallel", "tile_mlps"]
 if _ring_flash.registered():
+    from hf_ring.hf.generation import ShardedCache
     from hf_ring.memory.chunked_loss import ChunkedLossConfig
     from hf_ring.memory.offload import enable_offloaded_checkpointing
     from hf_ring.memory.sequence_parallel import enable_sequence_parallel

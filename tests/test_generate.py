@@ -1,63 +1,171 @@
-"""Generation with a model trained under context parallelism (issue 22).
+"""Generation under context parallelism (issue 35): ``model.generate(<the full prompt>)``
+called alike on every rank of a CP group, against one process generating with SDPA.
 
-On a gloo world of 2 (one CP group), a tiny Llama with ``ring_flash``: ``generate()`` under CP
-is refused on every rank with an error naming generate() and the way out;
-inside ``hf_ring.context_parallel_suspended()`` it returns, on every rank, exactly the tokens
-one process generates with SDPA (greedy decoding, float32: the same local attention, so
-the same argmax; compared for equality), and on one rank alone it returns without waiting
-for the other (nothing inside is collective); the state is active again after the block,
-also when the block raised.
+On gloo worlds of 2 and 4 (zigzag), float32, sweep-sized models: the prompt (13 tokens at
+cp 2, 29 at cp 4: neither a multiple of the layout's 2 x cp) is prefilled by the ring into
+a ``ShardedCache`` and decoded against every rank's share. Checked:
+
+- greedy tokens equal one process's, every rank, and the logits of every step within 1e-5
+  (absolute; float32 attention over a few dozen keys is ~1e-7 off by summation order) for
+  Llama (GQA, 200 new tokens at cp 2), Qwen3 with a sliding window of 6 on its second layer
+  (the window crosses the shards and the cache forgets what it will not see again: each
+  rank ends holding at most a window's entries of that layer), Qwen3-MoE and DeepSeek-V3
+  (multi-head latent attention, value heads narrower than the keys);
+- sampling (temperature 0.7, top-k 20) at the same seed gives one process's tokens;
+- ``ShardedCache(decode="gathered")`` gives the same tokens and logits, and a prefill's
+  cache put in order equals one process's ``DynamicCache``, keys and values, every layer;
+- refused on every rank, by name: left padding, a hybrid model's token mixers, a cache
+  filled without hf_ring.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+import transformers
+from packaging.version import Version
 
 import hf_ring
 from distributed import run_world
+from model_sweep_configs import build_config
+
+CACHE = "cache" if Version(transformers.__version__) >= Version("5") else "past_key_values"
+PROMPT_LEN = {2: 13, 4: 29}
+NEW_TOKENS = {"llama": 200, "qwen3_window": 40, "qwen3_moe": 24, "deepseek_v3": 24}
+TOL = 1e-5
 
 
-def _model(attn: str) -> LlamaForCausalLM:
+def _config(name: str):
+    config = build_config("qwen3" if name == "qwen3_window" else name)
+    config.use_cache = True  # the sweep's configs turn it off, for training
+    if name != "qwen3_window":
+        return config
+    config.use_sliding_window, config.sliding_window, config.max_window_layers = True, 6, 1
+    config.layer_types = ["full_attention", "sliding_attention"]  # layer 1 a window of 6 tokens
+    return config
+
+
+def _model(name: str, attn: str):
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=64)
-    model = LlamaForCausalLM(config).float().eval()
+    model = transformers.AutoModelForCausalLM.from_config(_config(name)).float().eval()
     model.set_attn_implementation(attn)
     return model
 
 
-PROMPT = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+def _prompt(world: int, vocab: int) -> torch.Tensor:
+    return torch.randint(3, vocab, (2, PROMPT_LEN[world]), generator=torch.Generator().manual_seed(world))
 
 
-def _rank_main(rank: int, world: int) -> dict:
+def _generate(model, prompt, new_tokens: int, **kwargs):
+    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                         min_new_tokens=new_tokens, return_dict_in_generate=True, output_logits=True, **kwargs)
+    return out.sequences, torch.stack(out.logits)
+
+
+def _sampled(model, prompt, cache=None):
+    torch.manual_seed(123)
+    kwargs = {CACHE: cache} if cache is not None else {}
+    return _generate(model, prompt, 16, do_sample=True, temperature=0.7, top_k=20, **kwargs)[0]
+
+
+def _greedy_on_rank(rank: int, world: int, names: list[str]) -> dict:
     state = hf_ring.setup_context_parallel(world)
-    model = _model("ring_flash")
-    try:
-        model.generate(PROMPT, max_new_tokens=4, do_sample=False)
-        refused = "no error"
-    except NotImplementedError as e:
-        refused = str(e)
-    with hf_ring.context_parallel_suspended():
-        everywhere = model.generate(PROMPT, max_new_tokens=4, do_sample=False)
-    alone = None
-    if rank == 0:
-        with hf_ring.context_parallel_suspended():
-            alone = model.generate(PROMPT, max_new_tokens=4, do_sample=False)
-    try:
-        with hf_ring.context_parallel_suspended():
-            raise KeyError("inside")
-    except KeyError:
-        pass
-    return {"refused": refused, "everywhere": everywhere, "alone": alone,
-            "restored": hf_ring.get_context_parallel_state() is state}
+    out = {}
+    for name in names:
+        model = _model(name, "ring_flash")
+        out[name] = _generate(model, _prompt(world, model.config.vocab_size), NEW_TOKENS[name])
+        if name == "qwen3_window":
+            cache = hf_ring.ShardedCache()
+            _generate(model, _prompt(world, model.config.vocab_size), 12, **{CACHE: cache})
+            out["window_entries"] = [layer.positions.numel() for layer in cache.layers]
+    model = _model("llama", "ring_flash")
+    prompt = _prompt(world, model.config.vocab_size)
+    out["gathered"] = _generate(model, prompt, 24, **{CACHE: hf_ring.ShardedCache(decode="gathered")})
+    out["sampled"] = _sampled(model, prompt)
+    with torch.no_grad():
+        cache = model(prompt, use_cache=True)[CACHE]
+    out["in_order"] = [cache.layer_in_order(i, state.cp_group) for i in range(len(cache.layers))]
+    out["refusals"] = _refusals(model, prompt)
+    return out
 
 
-def test_generate_suspended_is_one_process_generate():
-    ranks = run_world(2, _rank_main)
-    reference = _model("sdpa").generate(PROMPT, max_new_tokens=4, do_sample=False)
+def _refusals(model, prompt) -> dict:
+    found = {}
+    padded = torch.ones_like(prompt)
+    padded[0, :3] = 0
+    cases = {
+        "left padding": lambda: model.generate(prompt, attention_mask=padded, max_new_tokens=2),
+        "filled cache": lambda: _next_step(model, prompt, _filled_cache(model, prompt)),
+    }
+    for what, call in cases.items():
+        try:
+            call()
+            found[what] = "no error"
+        except (NotImplementedError, ValueError) as e:
+            found[what] = str(e)
+    return found
+
+
+def _next_step(model, prompt, cache):
+    with torch.no_grad():
+        return model(prompt[:, -1:], use_cache=True, **{CACHE: cache})
+
+
+def _filled_cache(model, prompt):
+    with hf_ring.context_parallel_suspended(), torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        try:
+            return model(prompt, use_cache=True)[CACHE]
+        finally:
+            model.set_attn_implementation("ring_flash")
+
+
+@pytest.mark.parametrize("world,names", [(2, ["llama", "qwen3_window", "qwen3_moe", "deepseek_v3"]),
+                                         (4, ["llama", "qwen3_window"])])
+def test_generate_under_cp_is_one_process_generate(world, names):
+    ranks = run_world(world, _greedy_on_rank, names)
+    for name in names:
+        reference = _model(name, "sdpa")
+        tokens, logits = _generate(reference, _prompt(world, reference.config.vocab_size), NEW_TOKENS[name])
+        for rank, r in enumerate(ranks):
+            got_tokens, got_logits = r[name]
+            assert torch.equal(got_tokens, tokens), f"{name} rank {rank}: tokens differ"
+            err = (got_logits - logits).abs().max().item()
+            assert err <= TOL, f"{name} rank {rank}: logits {err:.2e} off"
+    if "qwen3_window" in names:
+        for r in ranks:
+            full, window = r["window_entries"]
+            assert full > 0 and window <= 6, r["window_entries"]  # each rank's share of a 6-token window
+        assert sum(r["window_entries"][1] for r in ranks) == 5, "the group holds the 5 entries the next token sees"
+    reference = _model("llama", "sdpa")
+    prompt = _prompt(world, reference.config.vocab_size)
+    tokens, logits = _generate(reference, prompt, 24)
+    sampled = _sampled(reference, prompt)
+    with torch.no_grad():
+        one_cache = reference(prompt, use_cache=True)[CACHE]
     for r in ranks:
-        assert "generate()" in r["refused"] and "context_parallel_suspended" in r["refused"], r["refused"]
-        assert torch.equal(r["everywhere"], reference)
-        assert r["restored"]
-    assert torch.equal(ranks[0]["alone"], reference)
+        assert torch.equal(r["gathered"][0], tokens) and (r["gathered"][1] - logits).abs().max() <= TOL
+        assert torch.equal(r["sampled"], sampled)
+        for i, (keys, values) in enumerate(r["in_order"]):
+            layer = one_cache.layers[i]
+            assert torch.allclose(keys, layer.keys, atol=1e-6, rtol=0), f"layer {i} keys"
+            assert torch.allclose(values, layer.values, atol=1e-6, rtol=0), f"layer {i} values"
+        assert "left-padded" in r["refusals"]["left padding"], r["refusals"]
+        assert "already holds tokens" in r["refusals"]["filled cache"], r["refusals"]
+
+
+def _hybrid_on_rank(rank: int, world: int) -> str:
+    hf_ring.setup_context_parallel(world)
+    model = _model("lfm2", "ring_flash")
+    try:
+        model.generate(_prompt(world, model.config.vocab_size), max_new_tokens=2)
+    except NotImplementedError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.skipif(Version(transformers.__version__) < Version("5"),
+                    reason="hf_ring's CP token mixers need transformers 5.24; 4.57 refuses such models under CP")
+def test_generate_refuses_token_mixers_by_name():
+    for message in run_world(2, _hybrid_on_rank):
+        assert "token mixers" in message and "context_parallel_suspended" in message, message

@@ -250,7 +250,8 @@ def _check_head_under_cp(model: nn.Module, args: tuple, kwargs: dict) -> None:
         raise ValueError(
             f"{type(model).__name__} got logits_to_keep={keep!r} under context parallelism (cp_size="
             f"{state.cp_size}): it would keep the last tokens of this rank's shard, which in the "
-            f"{state.layout!r} layout are not the sequence's last; leave it 0 (every token's logits)"
+            f"{state.layout!r} layout are not the sequence's last; leave it 0 (every token's logits). generate() "
+            "under CP runs with a cache: pass use_cache=True (the config or generation config turns it off)"
         )
     return None
 

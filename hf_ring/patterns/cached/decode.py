@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 
 from hf_ring.distributed.collectives import GroupCollectives
-from hf_ring.kernels.reference import reference_forward
+from hf_ring.kernels.reference import REFERENCE
+from hf_ring.kernels.value_heads import with_value_head_dim
 from hf_ring.patterns.merge import apply_sinks
 
 
@@ -51,13 +52,18 @@ def visible_entries(
 
 def _partial(q, k, v, visible, scale, softcap):
     """This rank's attention over its entries: out ``(b, q_len, h, dv)`` and lse ``(b, h,
-    q_len)`` in the accumulation dtype; a rank holding no visible entry gives out 0, lse -inf."""
+    q_len)`` in the accumulation dtype; a rank holding no visible entry gives out 0, lse -inf.
+    ``v_dim`` may differ from ``head_dim`` (multi-head latent attention)."""
     acc = torch.promote_types(q.dtype, torch.float32)
     b, sq, h, _ = q.shape
     if k.shape[1] == 0:
         return (q.new_zeros((b, sq, h, v.shape[-1]), dtype=acc),
                 torch.full((b, h, sq), float("-inf"), dtype=acc, device=q.device))
-    return reference_forward(q.to(acc), k, v, False, scale, visible, softcap=softcap)
+    backend = REFERENCE
+    if v.shape[-1] != q.shape[-1]:  # multi-head latent attention's narrower value heads
+        backend = with_value_head_dim(REFERENCE, q.shape[-1], v.shape[-1])
+    kwargs = {"softcap": softcap} if softcap is not None else {}
+    return backend.forward(q.to(acc), k, v, False, scale, visible, **kwargs)
 
 
 def _merged(out: torch.Tensor, lse: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
