@@ -29,7 +29,7 @@ from test_hf_attention import VOCAB, tiny_config, tiny_model
 
 SEQ = 16
 LAYERS = (2, 8)
-TIMEOUT_S = 20  # also bounds the groups' creation: leave room for a slow start on a busy machine
+TIMEOUT_S = 10  # also bounds the groups' creation: leave room for a slow start on a busy machine
 
 
 def _step(model, ids, positions, weights) -> None:
@@ -105,7 +105,7 @@ def test_divergent_inputs_fail_on_every_rank():
     for r in (r0, r1):
         assert "differ across the ranks" in r["batch"] and "batch: rank 0 2, rank 1 3" in r["batch"], r
         assert r["after"] == "no error", r
-    assert "use_cache=True is not supported" in r1["one_rank_refused"], r1
+    assert "without gradients: a cache is for inference" in r1["one_rank_refused"], r1
     assert "CP rank(s) [1] refused" in r0["one_rank_refused"], r0
     for r in (r0, r1):
         assert "ValueError" in r["labels"] and "mean over this rank's shard" in r["labels"], r

@@ -26,49 +26,21 @@ inputs come marked (:class:`FullBatchShards`): their positions are the model's, 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional
 
 import torch
 
-from hf_ring.hf.generation.cache import Generation
+from hf_ring.hf.forward_context import FullBatchShards
 from hf_ring.hf.randomness.draws import generator_digest
 from hf_ring.patterns.api import documents_fields
 from hf_ring.distributed.comm import peer_failed
 from hf_ring.patterns.state import ContextParallelState
 from hf_ring.patterns.plan import PATTERNS
-from hf_ring.patterns.ring.spans import BidirectionalSpans
 from hf_ring.patterns.validation import check_agreement, dtype_code, layout_code, name_code
 from hf_ring.sharding.layouts import shard_indices
 from hf_ring.sharding.packed import check_cu_seqlens, packed_shard_indices
 
 _PATTERN_CODES = (*PATTERNS, "auto")
-# The keyword under which hf_ring's own sharding of a full batch marks a forward's inputs.
-SHARDED_KWARG = "hf_ring_sharded"
-
-
-@dataclass(frozen=True, eq=False)
-class FullBatchShards:
-    """Marks inputs that hf_ring sharded itself, from one full batch every rank of the CP
-    group holds (a multimodal model's merged embeddings and its own positions, sharded at
-    its language model's entry): their ``position_ids`` are the model's own (M-RoPE's
-    ``(3, batch, seq_local)`` ones included), so they are not checked against ``arange``;
-    ``digest``, 0-d int64 on the inputs' device, summarises the full batch (token ids,
-    grids, token types) and must agree across the ranks; ``spans``, the full batch's
-    bidirectional spans (Gemma 3's images, read from the token types the digest covers), or
-    None: what every attention layer's plan computes on top of causal; ``causal_by_mask``:
-    the language model's layers are flagged non-causal, and the mask the model built
-    (causal plus the spans) is what they compute (PaliGemma). Without CP (a packed row on
-    the varlen ring) only ``spans`` is given, and ``digest`` is None. ``generation``: the
-    shards of a prompt ``generate()`` prefills (hf_ring.hf.generation), whose K/V the
-    forward keeps in that cache; the digest covers the prompt."""
-
-    digest: Optional[torch.Tensor]
-    spans: Optional[BidirectionalSpans] = None
-    causal_by_mask: bool = False
-    generation: Optional[Generation] = None
-
-
 _HINT = (
     "every rank of a CP group must run the same forward on its shard of the same batch: "
     "build batches with RingDataCollator and feed them through RingAttentionPlugin (or "
@@ -254,7 +226,7 @@ class CheckedInputs(NamedTuple):
 
 def validate_cp_inputs(
     inputs: dict[str, Any], state: ContextParallelState, compute_dtype: Optional[torch.dtype] = None,
-    autocast: bool = False, shards: Optional[FullBatchShards] = None,
+    autocast: bool = False, shards: Optional[FullBatchShards] = None, refused: Optional[Exception] = None,
 ) -> CheckedInputs:
     """Validate one forward's inputs under CP (``state.cp_size > 1``); collective over
     ``state.cp_group``: one all-gather of a fixed-length header, plus one of a ``(batch, 2)``
@@ -272,6 +244,7 @@ def validate_cp_inputs(
         autocast: whether the forward runs under autocast.
         shards: set when hf_ring sharded these inputs itself from a full batch (a multimodal
             model): the positions are the model's own, and the full batch's digest must agree.
+        refused: what a hook before the guard refused in these inputs, raised here.
 
     Returns:
         The documents, largest position and this rank's token indices (:class:`CheckedInputs`).
@@ -289,6 +262,8 @@ def validate_cp_inputs(
     device = inputs_device(inputs)
     wrong = top = None
     try:
+        if refused is not None:
+            raise refused
         doc_lens = _refuse_local(inputs, state, shards)
         index = _global_indices(seq_local, doc_lens, state)
         # The model's own positions (M-RoPE) are not arange's: the digest vouches for them.

@@ -35,6 +35,33 @@ from hf_ring.patterns.ring.spans import BidirectionalSpans
 CONTEXT_KWARG = "hf_ring_context"
 # The keyword a caller passes to the model's forward to collect the ring's transfer waits.
 COMM_STATS_KWARG = "hf_ring_comm_stats"
+# The keyword under which hf_ring's own sharding of a full batch marks a forward's inputs.
+SHARDED_KWARG = "hf_ring_sharded"
+# The keyword under which a hook before the guard hands down what it refused, raised after
+# the header went round so that every rank raises (hf_ring.hf.generation.entry).
+REFUSED_KWARG = "hf_ring_refused"
+
+
+@dataclass(frozen=True, eq=False)
+class FullBatchShards:
+    """Marks inputs that hf_ring sharded itself, from one full batch every rank of the CP
+    group holds (a multimodal model's merged embeddings and its own positions, sharded at
+    its language model's entry): their ``position_ids`` are the model's own (M-RoPE's
+    ``(3, batch, seq_local)`` ones included), so they are not checked against ``arange``;
+    ``digest``, 0-d int64 on the inputs' device, summarises the full batch (token ids,
+    grids, token types) and must agree across the ranks; ``spans``, the full batch's
+    bidirectional spans (Gemma 3's images, read from the token types the digest covers), or
+    None: what every attention layer's plan computes on top of causal; ``causal_by_mask``:
+    the language model's layers are flagged non-causal, and the mask the model built
+    (causal plus the spans) is what they compute (PaliGemma). Without CP (a packed row on
+    the varlen ring) only ``spans`` is given, and ``digest`` is None. ``generation``: the
+    shards of a prompt ``generate()`` prefills (hf_ring.hf.generation), whose K/V the
+    forward keeps in that cache; the digest covers the prompt."""
+
+    digest: Optional[torch.Tensor]
+    spans: Optional[BidirectionalSpans] = None
+    causal_by_mask: bool = False
+    generation: Optional[Generation] = None
 
 
 @dataclass(eq=False)

@@ -38,10 +38,10 @@ import torch.nn as nn
 
 from hf_ring.hf import sequence_features
 from hf_ring.hf.cp_inputs import (
-    SHARDED_KWARG, inputs_device, packed_document_lengths, rows_and_length, validate_cp_inputs,
+    inputs_device, packed_document_lengths, rows_and_length, validate_cp_inputs,
 )
 from hf_ring.hf.randomness.scope import install_draw_scopes, install_head_scope
-from hf_ring.hf.forward_context import COMM_STATS_KWARG, CONTEXT_KWARG, ForwardContext
+from hf_ring.hf.forward_context import COMM_STATS_KWARG, CONTEXT_KWARG, REFUSED_KWARG, SHARDED_KWARG, ForwardContext
 from hf_ring.hf.randomness.draws import OneProcessDraws, check_generators_after
 from hf_ring.hf.randomness.refusals import current_refusal, refuse_length_scaled_noise
 from hf_ring.hf.mixers import head_inputs, required_steps, route_mixers
@@ -162,6 +162,7 @@ def _pre_forward(model: nn.Module, args: tuple, kwargs: dict):
     signature, takes_kwargs = _forward_signature(type(model))
     comm_stats = kwargs.pop(COMM_STATS_KWARG, None)
     shards = kwargs.pop(SHARDED_KWARG, None)
+    refused = kwargs.pop(REFUSED_KWARG, None)
     try:
         # A head that drops its keyword arguments (pure Mamba models) left them readable.
         inputs = {**head_inputs(), **bind_arguments(model, args, kwargs)}
@@ -187,7 +188,8 @@ def _pre_forward(model: nn.Module, args: tuple, kwargs: dict):
     check_tensor_parallel_layout(model, state)
     if state.tp_size > 1:
         check_mixers_beside_tp(model, state.tp_size, tuple(_mixer_layers(model)))
-    checked = validate_cp_inputs(inputs, state, *_compute_dtype(model, inputs_device(inputs)), shards=shards)
+    checked = validate_cp_inputs(inputs, state, *_compute_dtype(model, inputs_device(inputs)), shards=shards,
+                                 refused=refused)
     # After the collective check: every rank has the same lengths, so raises alike.
     check_model_under_cp(model, state.cp_size, rows_and_length(inputs)[1] * state.cp_size, doc_lens=checked.doc_lens)
     sequence_features.hand_max_position(model, checked.max_position)

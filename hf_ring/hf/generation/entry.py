@@ -41,8 +41,7 @@ import torch.nn as nn
 from transformers.cache_utils import Cache
 
 from hf_ring.hf import sequence_features
-from hf_ring.hf.cp_inputs import SHARDED_KWARG, FullBatchShards, inputs_device
-from hf_ring.hf.forward_context import CONTEXT_KWARG, ForwardContext
+from hf_ring.hf.forward_context import CONTEXT_KWARG, REFUSED_KWARG, SHARDED_KWARG, ForwardContext, FullBatchShards
 from hf_ring.hf.generation.cache import CacheStep, Generation, ShardedCache
 from hf_ring.hf.guard import bind_arguments
 from hf_ring.hf.support import handed_to_the_ring
@@ -153,18 +152,30 @@ def _prefill(base: nn.Module, inputs: dict[str, Any], cache: ShardedCache, state
 
 
 def _decode(base: nn.Module, inputs: dict[str, Any], cache: ShardedCache, state: ContextParallelState,
-            cache_name: str) -> tuple[tuple, dict]:
-    where = _where(state)
-    tokens = next(inputs[n] for n in _TOKENS if inputs.get(n) is not None)
-    rows, count = tokens.shape[:2]
-    device = tokens.device
+            cache_name: str, refused: Optional[Exception] = None) -> tuple[tuple, dict]:
+    tokens = next((inputs[n] for n in _TOKENS if inputs.get(n) is not None), None)
+    rows, count = tokens.shape[:2] if tokens is not None else (0, 0)
+    device = tokens.device if tokens is not None else torch.device("cpu")
     positions = torch.arange(cache.length, cache.length + count, device=device)
-    _positions_given(inputs, positions, where)
-    fields = [("batch", rows), ("new_tokens", count), ("cache_length", cache.length),
-              ("gathered", int(cache.gathered)), ("tokens", 0)]
+    problem = refused
+    if problem is None:
+        try:
+            _positions_given(inputs, positions, _where(state))
+        except ValueError as e:
+            problem = e
+    # One all-gather, whatever this rank found: a rank that refused makes every rank raise.
+    fields = [("refused", int(problem is not None)), ("batch", rows), ("new_tokens", count),
+              ("cache_length", cache.length), ("gathered", int(cache.gathered)), ("tokens", 0)]
     values = torch.tensor([v for _, v in fields], dtype=torch.int64, device=device)
-    values[-1] = inputs_digest([tokens], device)
-    check_agreement(state.cp_group, fields, device, "a decode step's tokens and cache", _HINT, values=values)
+    if tokens is not None:
+        values[-1] = inputs_digest([tokens], device)
+    found = check_agreement(state.cp_group, fields, device, "a decode step's tokens and cache", _HINT,
+                            ignore=("refused",), values=values)
+    if problem is not None:
+        raise problem
+    if any(row[0] for row in found):
+        raise ValueError(f"CP rank(s) {[r for r, row in enumerate(found) if row[0]]} refused this decode step "
+                         f"(see the error there); {_HINT}")
     keep = torch.ones_like(positions, dtype=torch.bool) if cache.gathered else positions % state.cp_size == state.cp_rank
     cache.begin(CacheStep(positions, keep, decoding=True, length_after=cache.length + count))
     sequence_features.hand_max_position(base, None)  # the forward holds whole rows
@@ -176,6 +187,18 @@ def _decode(base: nn.Module, inputs: dict[str, Any], cache: ShardedCache, state:
     if "cache_position" in inputs:
         out["cache_position"] = positions
     return (), out
+
+
+def _empty_sharded(cache: Any, state: ContextParallelState) -> ShardedCache:
+    """The cache a prefill fills: the one given, or one replacing the empty cache generate() made."""
+    if isinstance(cache, ShardedCache):
+        return cache
+    if cache is not None and not (isinstance(cache, Cache) and cache.get_seq_length() == 0):
+        raise NotImplementedError(
+            f"{_where(state)} got a {type(cache).__name__} that already holds tokens; under CP the cache is "
+            "hf_ring's ShardedCache, filled by a prefill on every rank: start from an empty cache"
+        )
+    return ShardedCache()
 
 
 def _enter(base: nn.Module, args: tuple, kwargs: dict):
@@ -191,16 +214,16 @@ def _enter(base: nn.Module, args: tuple, kwargs: dict):
     cache = inputs.get(name)
     if cache is None and inputs.get("use_cache") is not True:
         return args, kwargs  # a training forward: shards, no cache
-    _refuse(base, inputs, state)
-    if not isinstance(cache, ShardedCache):
-        if cache is not None and not (isinstance(cache, Cache) and cache.get_seq_length() == 0):
-            raise NotImplementedError(
-                f"{_where(state)} got a {type(cache).__name__} that already holds tokens; under CP the cache is "
-                "hf_ring's ShardedCache, filled by a prefill on every rank: start from an empty cache"
-            )
-        cache = ShardedCache()
-    if cache.length == 0:
-        return _prefill(base, inputs, cache, state, keep, name)
+    decoding = isinstance(cache, ShardedCache) and cache.length > 0
+    try:
+        _refuse(base, inputs, state)
+        if not decoding:
+            return _prefill(base, inputs, _empty_sharded(cache, state), state, keep, name)
+    except (NotImplementedError, ValueError) as e:
+        if decoding:
+            return _decode(base, inputs, cache, state, name, refused=e)
+        # Raised by the guard once its header went round, so that every rank of the group raises.
+        return args, {**kwargs, REFUSED_KWARG: e}
     return _decode(base, inputs, cache, state, name)
 
 

@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn as nn
 
-from hf_ring.hf.cp_inputs import SHARDED_KWARG, FullBatchShards
+from hf_ring.hf.forward_context import SHARDED_KWARG, FullBatchShards
 from hf_ring.hf.guard import bind_arguments
 from hf_ring.hf.multimodal.families import SEQUENCE_INPUTS, Family
 from hf_ring.patterns.ring.spans import BidirectionalSpans
