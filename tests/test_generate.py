@@ -14,7 +14,9 @@ a ``ShardedCache`` and decoded against every rank's share. Checked:
 - sampling (temperature 0.7, top-k 20) at the same seed gives one process's tokens;
 - ``ShardedCache(decode="gathered")`` gives the same tokens and logits, and a prefill's
   cache put in order equals one process's ``DynamicCache``, keys and values, every layer;
-- refused on every rank, by name: left padding, a hybrid model's token mixers, a cache
+- a left-padded batch (the second row 4 tokens shorter) gives one process's tokens and
+  logits (Llama, Qwen3 with the window);
+- refused on every rank, by name: a mask with holes, a hybrid model's token mixers, a cache
   filled without hf_ring.
 """
 
@@ -33,6 +35,8 @@ CACHE = "cache" if Version(transformers.__version__) >= Version("5") else "past_
 PROMPT_LEN = {2: 13, 4: 29}
 NEW_TOKENS = {"llama": 200, "qwen3_window": 40, "qwen3_moe": 24, "deepseek_v3": 24}
 TOL = 1e-5
+# Also generated from a left-padded batch (the second row 4 tokens shorter).
+PADDED = ("llama", "qwen3_window")
 
 
 def _config(name: str):
@@ -56,9 +60,17 @@ def _prompt(world: int, vocab: int) -> torch.Tensor:
     return torch.randint(3, vocab, (2, PROMPT_LEN[world]), generator=torch.Generator().manual_seed(world))
 
 
-def _generate(model, prompt, new_tokens: int, **kwargs):
-    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
-                         min_new_tokens=new_tokens, return_dict_in_generate=True, output_logits=True, **kwargs)
+def _left_padded(prompt: torch.Tensor) -> torch.Tensor:
+    """The prompt's mask with its second row's first 4 tokens padding (a shorter prompt)."""
+    mask = torch.ones_like(prompt)
+    mask[1, :4] = 0
+    return mask
+
+
+def _generate(model, prompt, new_tokens: int, mask=None, **kwargs):
+    out = model.generate(prompt, attention_mask=torch.ones_like(prompt) if mask is None else mask,
+                         max_new_tokens=new_tokens, min_new_tokens=new_tokens, return_dict_in_generate=True,
+                         output_logits=True, **kwargs)
     return out.sequences, torch.stack(out.logits)
 
 
@@ -73,11 +85,14 @@ def _greedy_on_rank(rank: int, world: int, names: list[str]) -> dict:
     out = {}
     for name in names:
         model = _model(name, "ring_flash")
-        out[name] = _generate(model, _prompt(world, model.config.vocab_size), NEW_TOKENS[name])
+        prompt = _prompt(world, model.config.vocab_size)
+        out[name] = _generate(model, prompt, NEW_TOKENS[name])
+        if name in PADDED:
+            out[name + "_padded"] = _generate(model, prompt, 24, _left_padded(prompt))
         if name == "qwen3_window":
             cache = hf_ring.ShardedCache()
             _generate(model, _prompt(world, model.config.vocab_size), 12, **{CACHE: cache})
-            out["window_entries"] = [layer.positions.numel() for layer in cache.layers]
+            out["window_entries"] = [layer.columns.numel() for layer in cache.layers]
     model = _model("llama", "ring_flash")
     prompt = _prompt(world, model.config.vocab_size)
     out["gathered"] = _generate(model, prompt, 24, **{CACHE: hf_ring.ShardedCache(decode="gathered")})
@@ -91,10 +106,10 @@ def _greedy_on_rank(rank: int, world: int, names: list[str]) -> dict:
 
 def _refusals(model, prompt) -> dict:
     found = {}
-    padded = torch.ones_like(prompt)
-    padded[0, :3] = 0
+    holes = torch.ones_like(prompt)
+    holes[0, 3] = 0
     cases = {
-        "left padding": lambda: model.generate(prompt, attention_mask=padded, max_new_tokens=2),
+        "holes": lambda: model.generate(prompt, attention_mask=holes, max_new_tokens=2),
         "filled cache": lambda: _next_step(model, prompt, _filled_cache(model, prompt)),
     }
     for what, call in cases.items():
@@ -132,6 +147,14 @@ def test_generate_under_cp_is_one_process_generate(world, names):
             assert torch.equal(got_tokens, tokens), f"{name} rank {rank}: tokens differ"
             err = (got_logits - logits).abs().max().item()
             assert err <= TOL, f"{name} rank {rank}: logits {err:.2e} off"
+        if name in PADDED:
+            prompt = _prompt(world, reference.config.vocab_size)
+            tokens, logits = _generate(reference, prompt, 24, _left_padded(prompt))
+            for rank, r in enumerate(ranks):
+                got_tokens, got_logits = r[name + "_padded"]
+                assert torch.equal(got_tokens, tokens), f"{name} left-padded, rank {rank}: tokens differ"
+                err = (got_logits - logits).abs().max().item()
+                assert err <= TOL, f"{name} left-padded, rank {rank}: logits {err:.2e} off"
     if "qwen3_window" in names:
         for r in ranks:
             full, window = r["window_entries"]
@@ -150,7 +173,7 @@ def test_generate_under_cp_is_one_process_generate(world, names):
             layer = one_cache.layers[i]
             assert torch.allclose(keys, layer.keys, atol=1e-6, rtol=0), f"layer {i} keys"
             assert torch.allclose(values, layer.values, atol=1e-6, rtol=0), f"layer {i} values"
-        assert "left-padded" in r["refusals"]["left padding"], r["refusals"]
+        assert "padding after a real token" in r["refusals"]["holes"], r["refusals"]
         assert "already holds tokens" in r["refusals"]["filled cache"], r["refusals"]
 
 

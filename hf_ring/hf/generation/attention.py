@@ -38,12 +38,11 @@ def _layer(module: nn.Module, context: ForwardContext, keys: torch.Tensor) -> Sh
 
 def forget_outside_window(module: nn.Module, context: ForwardContext, window: Optional[int]) -> None:
     """After layer ``module`` ran, drop the entries of its cache that no later token's window
-    reaches: the next token, at the cache's length after this forward, sees keys from
-    ``length + 1 - window`` on."""
+    reaches: each row's next token, at position ``p``, sees keys from ``p + 1 - window`` on."""
     if window is None:
         return
-    layer = context.generation.cache.layers[module.layer_idx]
-    layer.forget_before(context.generation.cache.step.length_after + 1 - window)
+    cache = context.generation.cache
+    cache.layers[module.layer_idx].forget_before(cache.step.next_positions + 1 - window)
 
 
 def decode_attention(
@@ -82,7 +81,7 @@ def decode_attention(
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     generation = context.generation
     out = cached_attention(
-        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), layer.positions,
+        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), layer.positions, layer.valid,
         generation.cache.step.positions, scale, window=window, softcap=softcap, sinks=kwargs.get("s_aux"),
         group=generation.group,
     )

@@ -38,19 +38,31 @@ DECODE_MODES = ("sharded", "gathered")
 class CacheStep:
     """What one forward brings to a :class:`ShardedCache`.
 
+    The incoming tokens are *columns* of the group's padded batch: a prompt's columns with
+    each row's real tokens first (left padding moved behind them: ``hf_ring.hf.generation.entry``),
+    then one column per decode step, numbered on from the prompt's length.
+
     Attributes:
-        positions: int64 ``(n_in,)``: the global position of each incoming token this rank
-            computes K/V for (its shard of a prompt, or the new tokens of a decode step).
-        keep: bool ``(n_in,)``: which of them this rank stores (a prompt's real tokens, not
-            its padding; a new token on the rank whose turn it is).
+        columns: int64 ``(n_in,)``: the column of each incoming token this rank computes K/V
+            for (its shard of a prompt, or the new tokens of a decode step).
+        positions: int64 ``(rows, n_in)``: each incoming token's position in its row (the
+            model's ``position_ids``: rows of other lengths number alike from their own start).
+        valid: bool ``(rows, n_in)``: which are real tokens of their row (not padding).
+        keep: bool ``(n_in,)``: which columns this rank stores (the prompt's, but padding no
+            row reads; a decode step's on the rank whose turn it is).
+        next_positions: int64 ``(rows,)``: the position of each row's next token, once this
+            forward has run (what a sliding window measures from).
         decoding: True: ``update`` returns every entry this rank holds, which the new
             queries attend; False (a prefill): it returns the incoming K/V, which the ring
             attends.
-        length_after: the group's number of tokens once this forward has run.
+        length_after: the group's number of columns once this forward has run.
     """
 
+    columns: torch.Tensor
     positions: torch.Tensor
+    valid: torch.Tensor
     keep: torch.Tensor
+    next_positions: torch.Tensor
     decoding: bool
     length_after: int
 
@@ -60,49 +72,72 @@ class Generation:
     """One forward of generation under context parallelism, handed down to its attention
     layers: the cache (whose :class:`CacheStep` says whether it is a prefill or a decode
     step), the group whose ranks hold the other shares (None once gathered: each rank
-    then holds every entry) and, for a prefill, the global rows of the prompt whose hidden
-    states the head reads (put together on every rank after the forward)."""
+    then holds every entry) and, for a prefill, the columns whose hidden states the head
+    reads: ``head_count`` of them from each row's ``head_start`` (int64 ``(rows,)``), put
+    together on every rank after the forward."""
 
     cache: "ShardedCache"
     group: Optional[dist.ProcessGroup]
-    head_rows: Optional[range] = None
+    head_start: Optional[torch.Tensor] = None
+    head_count: int = 0
 
 
 class ShardedLayer(DynamicLayer):
     """One attention layer's share: ``keys`` ``(batch, n_kv_heads, n_entries, head_dim)``,
-    ``values`` ``(batch, n_kv_heads, n_entries, v_dim)``, ``positions`` int64
-    ``(n_entries,)`` on the keys' device, in the order they came (not sorted)."""
+    ``values`` ``(batch, n_kv_heads, n_entries, v_dim)``, and per entry its ``columns``
+    int64 ``(n_entries,)``, ``positions`` int64 ``(batch, n_entries)`` and ``valid`` bool
+    ``(batch, n_entries)``, on the keys' device, in the order they came (not sorted)."""
 
     is_sliding = False  # a layer's window is applied by ring_flash, from the layer's own
 
     def __init__(self, cache: "ShardedCache") -> None:
         super().__init__()
         self._cache = cache
+        self.columns: Optional[torch.Tensor] = None
         self.positions: Optional[torch.Tensor] = None
+        self.valid: Optional[torch.Tensor] = None
+
+    def _entries(self) -> list[torch.Tensor]:
+        return [self.keys, self.values, self.columns, self.positions, self.valid]
+
+    def _set_entries(self, entries: list[torch.Tensor]) -> None:
+        self.keys, self.values, self.columns, self.positions, self.valid = entries
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         step = self._cache.step
+        device = key_states.device
         if not self.is_initialized:
-            self.keys = key_states[..., :0, :]
-            self.values = value_states[..., :0, :]
-            self.positions = step.positions[:0].to(key_states.device)
-            self.device, self.is_initialized = key_states.device, True
-        keep = step.keep.to(key_states.device)
+            self.keys, self.values = key_states[..., :0, :], value_states[..., :0, :]
+            self.columns = step.columns[:0].to(device)
+            self.positions, self.valid = step.positions[:, :0].to(device), step.valid[:, :0].to(device)
+            self.device, self.is_initialized = device, True
+        keep = step.keep.to(device)
         if bool(keep.any()):
-            self.keys = torch.cat([self.keys, key_states[..., keep, :]], dim=-2)
-            self.values = torch.cat([self.values, value_states[..., keep, :]], dim=-2)
-            self.positions = torch.cat([self.positions, step.positions.to(key_states.device)[keep]])
+            incoming = [key_states[..., keep, :], value_states[..., keep, :], step.columns.to(device)[keep],
+                        step.positions.to(device)[:, keep], step.valid.to(device)[:, keep]]
+            self._set_entries([torch.cat([old, new], dim=-2 if old.dim() == 4 else -1)
+                               for old, new in zip(self._entries(), incoming)])
         if step.decoding:
             return self.keys, self.values
         return key_states, value_states
 
-    def forget_before(self, position: int) -> None:
-        """Drop the entries before ``position``: what a sliding window will not see again."""
-        if self.positions is not None and bool((self.positions < position).any()):
-            kept = self.positions >= position
-            self.keys, self.values = self.keys[..., kept, :], self.values[..., kept, :]
-            self.positions = self.positions[kept]
+    def forget_before(self, first_positions: torch.Tensor) -> None:
+        """Drop the entries no row will see again: row ``b`` sees positions from
+        ``first_positions[b]`` on (int64 ``(batch,)``; a sliding window's reach)."""
+        if self.positions is None:
+            return
+        needed = (self.valid & (self.positions >= first_positions.to(self.positions.device).view(-1, 1))).any(0)
+        if not bool(needed.all()):
+            self._set_entries([t[..., needed, :] if t.dim() == 4 else t[..., needed] for t in self._entries()])
+
+    def gather(self, group: Optional[dist.ProcessGroup]) -> list[torch.Tensor]:
+        """Every rank's entries of this layer in column order: ``[keys, values, columns,
+        positions, valid]`` (collective)."""
+        (keys, values), columns = gathered_in_order([self.keys, self.values], self.columns, 2, group)
+        # gloo gathers no bool: the validity travels as bytes.
+        (positions, valid), _ = gathered_in_order([self.positions, self.valid.to(torch.uint8)], self.columns, 1, group)
+        return [keys, values, columns, positions, valid.bool()]
 
     def get_seq_length(self) -> int:
         return self._cache.length
@@ -115,6 +150,23 @@ class ShardedLayer(DynamicLayer):
             "cropping a ShardedCache (assisted or contrastive decoding) is not supported: the tokens to "
             "drop are spread over the ranks of the context-parallel group; decode greedily or by sampling"
         )
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        if self.positions is not None and self.positions.numel():
+            self.positions = self.positions.repeat_interleave(repeats, dim=0)
+            self.valid = self.valid.repeat_interleave(repeats, dim=0)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        if self.positions is not None and self.positions.numel():
+            self.positions, self.valid = self.positions[indices], self.valid[indices]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        if self.positions is not None and self.positions.numel():
+            index = beam_idx.to(self.positions.device)
+            self.positions, self.valid = self.positions.index_select(0, index), self.valid.index_select(0, index)
 
 
 class ShardedCache(Cache):
@@ -138,6 +190,7 @@ class ShardedCache(Cache):
         super().__init__(layers=[])
         self.decode = decode
         self.length = 0
+        self.next_positions: Optional[torch.Tensor] = None  # (rows,): each row's next token's position
         self.gathered = False
         self._step: Optional[CacheStep] = None
 
@@ -157,7 +210,7 @@ class ShardedCache(Cache):
 
     def end(self) -> None:
         """The forward ran: its tokens count."""
-        self.length, self._step = self.step.length_after, None
+        self.length, self.next_positions, self._step = self.step.length_after, self.step.next_positions, None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,17 +229,16 @@ class ShardedCache(Cache):
         return self.length + (query if isinstance(query, int) else int(query.shape[0])), 0
 
     def gather(self, group: Optional[dist.ProcessGroup]) -> None:
-        """Gather every layer's shares onto every rank, in global order (collective)."""
+        """Gather every layer's shares onto every rank, in column order (collective)."""
         for layer in self.layers:
-            (layer.keys, layer.values), layer.positions = gathered_in_order(
-                [layer.keys, layer.values], layer.positions, 2, group)
+            layer._set_entries(layer.gather(group))
         self.gathered = True
 
     def layer_in_order(self, layer_idx: int, group: Optional[dist.ProcessGroup]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``layer_idx``'s keys and values over the whole group, in global order: what
-        one process's cache holds (collective unless gathered already)."""
+        """Layer ``layer_idx``'s keys and values over the whole group, in column order: for
+        rows without padding, what one process's cache holds (collective unless gathered)."""
         layer = self.layers[layer_idx]
         if self.gathered:
             return layer.keys, layer.values
-        (keys, values), _ = gathered_in_order([layer.keys, layer.values], layer.positions, 2, group)
+        keys, values = layer.gather(group)[:2]
         return keys, values

@@ -48,7 +48,7 @@ from hf_ring.hf.support import handed_to_the_ring
 from hf_ring.patches.transformers.mixers import is_routed_layer
 from hf_ring.patterns.state import ContextParallelState, get_context_parallel_state
 from hf_ring.patterns.validation import check_agreement, inputs_digest
-from hf_ring.sharding.layouts import required_multiple, shard_indices, shard_sequence
+from hf_ring.sharding.layouts import required_multiple, shard_indices
 
 # The head hands its logits_to_keep down to the base model under this keyword.
 KEEP_KWARG = "hf_ring_logits_to_keep"
@@ -93,11 +93,8 @@ def _refuse(base: nn.Module, inputs: dict[str, Any], state: ContextParallelState
         if inputs.get(name):
             raise NotImplementedError(f"{where}: {name}=True is not supported (each rank holds a shard of them)")
     mask = inputs.get("attention_mask")
-    if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 2 and bool(mask.all())):
-        raise NotImplementedError(
-            f"{where} takes rows without padding (an attention_mask of ones, or none): prompts of different "
-            "lengths, left-padded, are not supported; generate them one at a time, or with the same length"
-        )
+    if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 2):
+        raise NotImplementedError(f"{where} takes a 2-D attention_mask (left padding), or none")
     tokens = next((inputs[n] for n in _TOKENS if inputs.get(n) is not None), None)
     if tokens is None:
         raise ValueError(f"{where} needs input_ids or inputs_embeds")
@@ -108,14 +105,36 @@ def _refuse(base: nn.Module, inputs: dict[str, Any], state: ContextParallelState
         raise NotImplementedError(f"{where}: per-token inputs {extra} are not cut along the sequence; not supported")
 
 
-def _positions_given(inputs: dict[str, Any], expected: torch.Tensor, where: str) -> None:
-    """Refuse ``position_ids`` other than ``expected`` (int64 ``(q_len,)``) on every row."""
+def _positions_given(inputs: dict[str, Any], expected: torch.Tensor, real: Optional[torch.Tensor], where: str) -> None:
+    """Refuse ``position_ids`` other than ``expected`` (int64 ``(rows, q_len)``) where ``real``
+    (bool, same shape; None: everywhere): each row numbered from its own first token, as
+    generate() numbers left-padded rows."""
     given = inputs.get("position_ids")
-    if given is not None and not bool((given.to(expected.device) == expected).all()):
+    if given is None:
+        return
+    wrong = given.cpu() != expected
+    if real is not None:
+        wrong &= real
+    if bool(wrong.any()):
         raise ValueError(
-            f"{where}: position_ids must number the tokens from the cache's length ({int(expected[0])}) on, as "
-            "generate() does for rows without padding; got others"
+            f"{where}: position_ids must number each row's tokens from its first real token on, as generate() "
+            "does; got others"
         )
+
+
+def _row_lengths(inputs: dict[str, Any], rows: int, length: int, where: str) -> torch.Tensor:
+    """int64 ``(rows,)``: each row's real tokens, from a left-padding mask (ones: none)."""
+    mask = inputs.get("attention_mask")
+    if mask is None:
+        return torch.full((rows,), length, dtype=torch.int64)
+    mask = mask.to(torch.bool).cpu()
+    lengths = mask.sum(1)
+    if not torch.equal(mask, torch.arange(length)[None] >= (length - lengths)[:, None]) or not bool(lengths.all()):
+        raise NotImplementedError(
+            f"{where} takes rows left-padded as generate() pads them (padding first, then the prompt): this "
+            "attention_mask has padding after a real token, or an empty row"
+        )
+    return lengths
 
 
 def _prefill(base: nn.Module, inputs: dict[str, Any], cache: ShardedCache, state: ContextParallelState,
@@ -125,30 +144,47 @@ def _prefill(base: nn.Module, inputs: dict[str, Any], cache: ShardedCache, state
     tokens = inputs[tokens_name]
     rows, length = tokens.shape[:2]
     device = tokens.device
-    _positions_given(inputs, torch.arange(length, device=device), where)
+    lengths = _row_lengths(inputs, rows, length, where)  # (rows,) on the CPU
+    pads = length - lengths
+    columns = torch.arange(length)
+    _positions_given(inputs, columns[None] - pads[:, None], columns[None] >= pads[:, None], where)
+    # Each row's left padding moves behind its prompt (right padding: invisible to the real
+    # tokens under causal attention, so the ring needs no mask), and the batch is padded on
+    # the right to the layout's multiple; padding takes its row's last real position.
     multiple = required_multiple(state.cp_size, state.layout)
     padded = math.ceil(length / multiple) * multiple
-    # Padding repeats the last token at the last real position: invisible to the real tokens.
-    filler = tokens[:, -1:].expand(rows, padded - length, *tokens.shape[2:])
-    full = torch.cat([tokens, filler], dim=1)
-    positions = torch.arange(padded, device=device).clamp(max=length - 1)[None].expand(rows, -1)
-    index = shard_indices(padded, state.cp_size, state.cp_rank, state.layout)  # (local,) global rows
-    cache.begin(CacheStep(index, index < length, decoding=False, length_after=length))
+    source = torch.arange(padded)[None] + pads[:, None]  # (rows, padded)
+    source = torch.where(source < length, source, torch.full_like(source, length - 1)).to(device)
+    moved = tokens.gather(1, source.view(rows, padded, *([1] * (tokens.dim() - 2))).expand(rows, padded, *tokens.shape[2:]))
+    wide = torch.arange(padded)[None].expand(rows, -1)
+    positions = torch.minimum(wide, (lengths - 1)[:, None])  # (rows, padded)
+    index = shard_indices(padded, state.cp_size, state.cp_rank, state.layout)  # (local,) columns
+    local = positions[:, index]
+    cache.begin(CacheStep(columns=index, positions=local, valid=index[None] < lengths[:, None],
+                          keep=index < int(lengths.max()), next_positions=lengths, decoding=False,
+                          length_after=length))
     out = {n: v for n, v in inputs.items() if n not in _PER_TOKEN and n not in _CACHE_NAMES}
-    local_positions = shard_sequence(positions, state.cp_size, state.cp_rank, dim=1, layout=state.layout)
-    out.update({
-        tokens_name: shard_sequence(full, state.cp_size, state.cp_rank, dim=1, layout=state.layout),
-        "position_ids": local_positions,
-        cache_name: cache,
-        "use_cache": True,
-    })
+    out.update({tokens_name: moved.index_select(1, index.to(device)), "position_ids": local.to(device),
+                cache_name: cache, "use_cache": True})
     if "cache_position" in inputs:
-        out["cache_position"] = local_positions[0]  # 4.57's layers pass it to the cache, which reads its step
-    # The head's rows: logits_to_keep's last ones (an int), else all of them.
-    head_rows = range(length - keep if isinstance(keep, int) and 0 < keep < length else 0, length)
-    generation = Generation(cache, state.cp_group, head_rows)
-    out[SHARDED_KWARG] = FullBatchShards(inputs_digest([tokens], device), generation=generation)
+        out["cache_position"] = index.to(device)  # 4.57's layers hand it to the cache, which reads its step
+    generation = Generation(cache, state.cp_group, *_head_columns(keep, lengths, length, where))
+    out[SHARDED_KWARG] = FullBatchShards(inputs_digest([tokens, inputs.get("attention_mask")], device),
+                                         generation=generation)
     return (), out
+
+
+def _head_columns(keep: Any, lengths: torch.Tensor, length: int, where: str) -> tuple[torch.Tensor, int]:
+    """The columns of the moved batch whose hidden states the head reads: each row's last
+    ``logits_to_keep`` (``(rows,)`` first columns, and their count), or every column."""
+    if isinstance(keep, int) and 0 < keep <= int(lengths.min()):
+        return lengths - keep, keep
+    if bool((lengths == length).all()):
+        return torch.zeros_like(lengths), length
+    raise NotImplementedError(
+        f"{where} with left padding computes the logits of each row's last tokens only (logits_to_keep, "
+        f"1 in generate()), at most its shortest prompt's {int(lengths.min())}; got logits_to_keep={keep!r}"
+    )
 
 
 def _decode(base: nn.Module, inputs: dict[str, Any], cache: ShardedCache, state: ContextParallelState,
@@ -156,12 +192,13 @@ def _decode(base: nn.Module, inputs: dict[str, Any], cache: ShardedCache, state:
     tokens = next((inputs[n] for n in _TOKENS if inputs.get(n) is not None), None)
     rows, count = tokens.shape[:2] if tokens is not None else (0, 0)
     device = tokens.device if tokens is not None else torch.device("cpu")
-    positions = torch.arange(cache.length, cache.length + count, device=device)
+    columns = torch.arange(cache.length, cache.length + count)
+    positions = cache.next_positions[:, None] + torch.arange(count)[None]  # (rows, count), each row's own
     problem = refused
     if problem is None:
         try:
-            _positions_given(inputs, positions, _where(state))
-        except ValueError as e:
+            _decode_inputs(inputs, rows, cache, positions, _where(state))
+        except (NotImplementedError, ValueError) as e:
             problem = e
     # One all-gather, whatever this rank found: a rank that refused makes every rank raise.
     fields = [("refused", int(problem is not None)), ("batch", rows), ("new_tokens", count),
@@ -176,17 +213,29 @@ def _decode(base: nn.Module, inputs: dict[str, Any], cache: ShardedCache, state:
     if any(row[0] for row in found):
         raise ValueError(f"CP rank(s) {[r for r, row in enumerate(found) if row[0]]} refused this decode step "
                          f"(see the error there); {_HINT}")
-    keep = torch.ones_like(positions, dtype=torch.bool) if cache.gathered else positions % state.cp_size == state.cp_rank
-    cache.begin(CacheStep(positions, keep, decoding=True, length_after=cache.length + count))
+    keep = torch.ones_like(columns, dtype=torch.bool) if cache.gathered else columns % state.cp_size == state.cp_rank
+    cache.begin(CacheStep(columns=columns, positions=positions, valid=torch.ones_like(positions, dtype=torch.bool),
+                          keep=keep, next_positions=positions[:, -1] + 1, decoding=True,
+                          length_after=cache.length + count))
     sequence_features.hand_max_position(base, None)  # the forward holds whole rows
     context = ForwardContext(None, made_by_guard=True, handed=handed_to_the_ring(base),
                              generation=Generation(cache, None if cache.gathered else state.cp_group))
     out = {n: v for n, v in inputs.items() if n not in ("attention_mask", *_CACHE_NAMES)}
-    out.update({"position_ids": positions[None].expand(rows, -1), cache_name: cache, "use_cache": True,
-                CONTEXT_KWARG: context})
+    out.update({"position_ids": positions.to(device), cache_name: cache, "use_cache": True, CONTEXT_KWARG: context})
     if "cache_position" in inputs:
-        out["cache_position"] = positions
+        out["cache_position"] = columns.to(device)
     return (), out
+
+
+def _decode_inputs(inputs: dict[str, Any], rows: int, cache: ShardedCache, positions: torch.Tensor, where: str) -> None:
+    """Refuse a decode step that does not continue the prefilled rows: other rows, new tokens
+    masked as padding, positions other than each row's next."""
+    if rows != cache.next_positions.shape[0]:
+        raise ValueError(f"{where}: a decode step of {rows} rows onto a cache of {cache.next_positions.shape[0]}")
+    mask = inputs.get("attention_mask")
+    if mask is not None and not bool(mask[:, -positions.shape[1]:].all()):
+        raise NotImplementedError(f"{where}: a decode step's new tokens are masked as padding; not supported")
+    _positions_given(inputs, positions, None, where)
 
 
 def _empty_sharded(cache: Any, state: ContextParallelState) -> ShardedCache:
@@ -232,15 +281,15 @@ def _exit(base: nn.Module, args: tuple, kwargs: dict, output: Any):
     if context is None or context.generation is None:
         return None
     generation = context.generation
-    index = generation.cache.step.positions  # (local,) this rank's global rows
+    index = generation.cache.step.columns  # (local,) this rank's columns
     generation.cache.end()
-    rows = generation.head_rows
-    if rows is None:
+    if generation.head_start is None:
         return None  # a decode step: every rank holds the same rows
-    hidden = output.last_hidden_state  # (batch, local, hidden)
-    mine = (index >= rows.start) & (index < rows.stop)
-    picked = hidden.new_zeros((hidden.shape[0], len(rows), *hidden.shape[2:]))
-    picked[:, index[mine] - rows.start] = hidden[:, mine.to(hidden.device)]
+    hidden = output.last_hidden_state  # (rows, local, hidden)
+    picked = hidden.new_zeros((hidden.shape[0], generation.head_count, *hidden.shape[2:]))
+    for row, start in enumerate(generation.head_start.tolist()):
+        mine = (index >= start) & (index < start + generation.head_count)
+        picked[row, index[mine] - start] = hidden[row, mine.to(hidden.device)]
     # Each row is held by one rank and is zero on the others: the sum is exact.
     dist.all_reduce(picked, op=dist.ReduceOp.SUM, group=generation.group)
     output.last_hidden_state = picked

@@ -11,9 +11,10 @@ for Scalable Million-Token Inference", 2024). Every rank merges the same gathere
 rank order, so every rank continues with bit-identical hidden states, and the result is one
 softmax over all the entries (exact up to the order of float32 additions).
 
-Which entries a query sees is decided from global positions, so the entries' order on a
-rank does not matter: causal (a key at or before the query's position) and, for a sliding
-window ``w``, ``query - key < w`` as transformers counts it.
+Which entries a query sees is decided from each entry's position in its row and whether it
+is a real token of that row (rows of a batch may start at other columns: left padding), so
+the entries' order on a rank does not matter: causal (a key at or before the query's
+position) and, for a sliding window ``w``, ``query - key < w`` as transformers counts it.
 
 The partial attention is plain math in float32 (float64 for float64 inputs), the kernels'
 reference: a decode step reads every cached entry once, so it is bound by that read, not by
@@ -38,13 +39,14 @@ from hf_ring.patterns.merge import apply_sinks
 
 
 def visible_entries(
-    key_positions: torch.Tensor, query_positions: torch.Tensor, window: Optional[int]
+    key_positions: torch.Tensor, valid: torch.Tensor, query_positions: torch.Tensor, window: Optional[int]
 ) -> torch.Tensor:
-    """bool ``(q_len, n_entries)``, True where the query may attend the entry: causal over
-    the global positions (int64 ``(n_entries,)`` and ``(q_len,)``) and, with a ``window``,
+    """bool ``(batch, q_len, n_entries)``, True where the query may attend the entry: a real
+    entry of its row (``valid``, bool ``(batch, n_entries)``), causal over the positions in
+    the row (int64 ``(batch, n_entries)`` and ``(batch, q_len)``) and, with a ``window``,
     ``query - key < window``."""
-    distance = query_positions.view(-1, 1) - key_positions.view(1, -1)
-    visible = distance >= 0
+    distance = query_positions.unsqueeze(-1) - key_positions.unsqueeze(1)  # (batch, q_len, n_entries)
+    visible = (distance >= 0) & valid.unsqueeze(1)
     if window is not None:
         visible &= distance < window
     return visible
@@ -63,7 +65,8 @@ def _partial(q, k, v, visible, scale, softcap):
     if v.shape[-1] != q.shape[-1]:  # multi-head latent attention's narrower value heads
         backend = with_value_head_dim(REFERENCE, q.shape[-1], v.shape[-1])
     kwargs = {"softcap": softcap} if softcap is not None else {}
-    return backend.forward(q.to(acc), k, v, False, scale, visible, **kwargs)
+    # (batch, 1, 1, q_len, n_entries): broadcast over the reference's (kv head, group) axes.
+    return backend.forward(q.to(acc), k, v, False, scale, visible[:, None, None], **kwargs)
 
 
 def _merged(out: torch.Tensor, lse: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,6 +86,7 @@ def cached_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     key_positions: torch.Tensor,
+    valid: torch.Tensor,
     query_positions: torch.Tensor,
     scale: float,
     *,
@@ -102,8 +106,9 @@ def cached_attention(
             tokens' own among them where this rank keeps them); ``n_entries`` may differ by
             rank, and be 0.
         v: ``(batch, n_entries, n_kv_heads, v_dim)``, their values.
-        key_positions: int64 ``(n_entries,)``, each entry's global position.
-        query_positions: int64 ``(q_len,)``, each query's global position.
+        key_positions: int64 ``(batch, n_entries)``, each entry's position in its row.
+        valid: bool ``(batch, n_entries)``, which entries are real tokens of their row.
+        query_positions: int64 ``(batch, q_len)``, each query's position in its row.
         scale: the softmax scale.
         window: sliding window in tokens (transformers' count), or None.
         softcap: logit softcapping, or None.
@@ -113,7 +118,8 @@ def cached_attention(
     Returns:
         ``(batch, q_len, n_heads, v_dim)`` in q's dtype.
     """
-    visible = visible_entries(key_positions.to(q.device), query_positions.to(q.device), window)
+    device = q.device
+    visible = visible_entries(key_positions.to(device), valid.to(device), query_positions.to(device), window)
     out, lse = _partial(q, k, v, visible, scale, softcap)
     if group is not None and dist.get_world_size(group) > 1:
         out, lse = _merged(out, lse, group)
