@@ -23,6 +23,8 @@ the same --seed sample the same completions, so their logs compare step by step.
 --lora_r trains a LoRA adapter through TRL's peft_config (its reference: the adapter disabled).
 --packing passes padding_free=True: each step's prompt + completion rows run as one packed row of
 documents (each padded to 2 x cp_size only, not to the longest rollout).
+--generate_under_cp: the group's ranks generate together under CP instead (the prompt's cache
+sharded over the group; the same completions).
 --fsdp full_shard shards the weights with FSDP2 (at cp 2 too: every process unshards the policy
 for the group's first rank to generate, then reshards).
 The fine-tune example's flags apply (see finetune_llama_long.py), plus those below.
@@ -68,6 +70,9 @@ def parse_args(argv: Optional[Sequence[str]] = None):
     p.add_argument("--num_iterations", type=int, default=1,
                    help="updates per generation (> 1: old-policy log-probs, clipping)")
     p.add_argument("--gradient_checkpointing", action="store_true")
+    p.add_argument("--generate_under_cp", action="store_true",
+                   help="each CP group's ranks generate its rollouts together under CP (a sharded prefill) instead "
+                        "of its first rank alone without CP")
     args = parse_shared_args(argv, p)
     refuse_memory_options(p, args, "TRL's fused LM head computes the per-token log-probabilities by chunks; "
                                    "offloaded checkpoints and the tiled MLP are not wired into this example")
@@ -148,7 +153,8 @@ def build_trainer(args, config: GRPOConfig | RLOOConfig, plugin=None):
     if args.stock_trainer:
         return (GRPOTrainer if args.algorithm == "grpo" else RLOOTrainer)(**common)
     return (RingGRPOTrainer if args.algorithm == "grpo" else RingRLOOTrainer)(**common, ring_plugin=plugin,
-                                                                           padding_free=args.packing)
+                                                                           padding_free=args.packing,
+                                                                           generate_under_cp=args.generate_under_cp)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:

@@ -20,7 +20,10 @@ trainer, every method at cp 1 is TRL's own) cp 1 against TRL's own trainer in th
 12 rollouts per step (3 prompts x 4 completions), so each CP rank's slice of 6 cuts a prompt's
 group in two: the group-wise advantages are computed across the two ranks' rollouts.
 At cp 2 the group's first rank generates all 12 completions as one process does (same seed,
-same batch), so the runs sample the same completions and their logs compare step by step.
+same batch), so the runs sample the same completions and their logs compare step by step; in
+the dapo case the group's two ranks generate them together under CP instead (the prompts
+prefilled by the ring into a sharded cache, each rank sampling from its own generator), with
+the same completions.
 
 Compared: loss, grad_norm and every figure TRL logs (rewards, reward std, KL, entropy, clip
 ratios, completion lengths, token counts), at every step. Equal figures after 8 AdamW steps
@@ -63,7 +66,8 @@ PACKED = {"grpo": ("--packing",), "dapo": ("--packing",), "rloo": ("--packing", 
 AGAINST_TRL = ("grpo", "rloo")
 WITH_KL = ("grpo", "rloo", "lora_bnpo")
 # Gradient checkpointing (TRL's GRPOConfig default) in the CP run only: it recomputes the ring in the backward.
-CP_ONLY = {"grpo": ["--gradient_checkpointing"]}
+# dapo: the group's ranks generate its rollouts together under CP (a sharded prefill, left-padded prompts).
+CP_ONLY = {"grpo": ["--gradient_checkpointing"], "dapo": ["--generate_under_cp"]}
 # What each case must have logged (and compared), beyond loss and grad_norm.
 EXPECTED = {"reward", "reward_std", "rewards/copy_reward/mean", "rewards/copy_reward/std", "entropy",
             "completions/mean_length", "num_tokens", "clip_ratio/region_mean", "frac_reward_zero_std"}

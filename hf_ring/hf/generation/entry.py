@@ -105,21 +105,15 @@ def _refuse(base: nn.Module, inputs: dict[str, Any], state: ContextParallelState
         raise NotImplementedError(f"{where}: per-token inputs {extra} are not cut along the sequence; not supported")
 
 
-def _positions_given(inputs: dict[str, Any], expected: torch.Tensor, real: Optional[torch.Tensor], where: str) -> None:
-    """Refuse ``position_ids`` other than ``expected`` (int64 ``(rows, q_len)``) where ``real``
-    (bool, same shape; None: everywhere): each row numbered from its own first token, as
-    generate() numbers left-padded rows."""
+def _prompt_positions(inputs: dict[str, Any], rows: int, length: int, where: str) -> torch.Tensor:
+    """int64 ``(rows, length)`` on the CPU: the prompt's ``position_ids``, or the model's
+    default (the columns, padding counted)."""
     given = inputs.get("position_ids")
     if given is None:
-        return
-    wrong = given.cpu() != expected
-    if real is not None:
-        wrong &= real
-    if bool(wrong.any()):
-        raise ValueError(
-            f"{where}: position_ids must number each row's tokens from its first real token on, as generate() "
-            "does; got others"
-        )
+        return torch.arange(length)[None].expand(rows, -1)
+    if given.dim() != 2 or given.shape[-1] != length:
+        raise NotImplementedError(f"{where} takes position_ids of shape (rows, {length}); got {tuple(given.shape)}")
+    return given.cpu().expand(rows, -1)
 
 
 def _row_lengths(inputs: dict[str, Any], rows: int, length: int, where: str) -> torch.Tensor:
@@ -146,22 +140,24 @@ def _prefill(base: nn.Module, inputs: dict[str, Any], cache: ShardedCache, state
     device = tokens.device
     lengths = _row_lengths(inputs, rows, length, where)  # (rows,) on the CPU
     pads = length - lengths
-    columns = torch.arange(length)
-    _positions_given(inputs, columns[None] - pads[:, None], columns[None] >= pads[:, None], where)
     # Each row's left padding moves behind its prompt (right padding: invisible to the real
     # tokens under causal attention, so the ring needs no mask), and the batch is padded on
-    # the right to the layout's multiple; padding takes its row's last real position.
+    # the right to the layout's multiple. Source column of each moved column, (rows, padded):
+    # padding repeats the row's last token at its last position.
     multiple = required_multiple(state.cp_size, state.layout)
     padded = math.ceil(length / multiple) * multiple
-    source = torch.arange(padded)[None] + pads[:, None]  # (rows, padded)
-    source = torch.where(source < length, source, torch.full_like(source, length - 1)).to(device)
-    moved = tokens.gather(1, source.view(rows, padded, *([1] * (tokens.dim() - 2))).expand(rows, padded, *tokens.shape[2:]))
-    wide = torch.arange(padded)[None].expand(rows, -1)
-    positions = torch.minimum(wide, (lengths - 1)[:, None])  # (rows, padded)
+    source = (torch.arange(padded)[None] + pads[:, None]).clamp(max=length - 1)
+    moved = tokens.gather(1, source.to(device).view(rows, padded, *([1] * (tokens.dim() - 2)))
+                          .expand(rows, padded, *tokens.shape[2:]))
+    positions = _prompt_positions(inputs, rows, length, where).gather(1, source)  # (rows, padded)
+    steps = positions[:, 1:] - positions[:, :-1]
+    if bool(((steps != 1) & (torch.arange(1, padded)[None] < lengths[:, None])).any()):
+        raise NotImplementedError(f"{where} takes consecutive position_ids along each row's prompt (got others)")
+    next_positions = positions.gather(1, (lengths - 1)[:, None]).view(-1) + 1
     index = shard_indices(padded, state.cp_size, state.cp_rank, state.layout)  # (local,) columns
     local = positions[:, index]
     cache.begin(CacheStep(columns=index, positions=local, valid=index[None] < lengths[:, None],
-                          keep=index < int(lengths.max()), next_positions=lengths, decoding=False,
+                          keep=index < int(lengths.max()), next_positions=next_positions, decoding=False,
                           length_after=length))
     out = {n: v for n, v in inputs.items() if n not in _PER_TOKEN and n not in _CACHE_NAMES}
     out.update({tokens_name: moved.index_select(1, index.to(device)), "position_ids": local.to(device),
@@ -235,7 +231,10 @@ def _decode_inputs(inputs: dict[str, Any], rows: int, cache: ShardedCache, posit
     mask = inputs.get("attention_mask")
     if mask is not None and not bool(mask[:, -positions.shape[1]:].all()):
         raise NotImplementedError(f"{where}: a decode step's new tokens are masked as padding; not supported")
-    _positions_given(inputs, positions, None, where)
+    given = inputs.get("position_ids")
+    if given is not None and not torch.equal(given.cpu().expand_as(positions), positions):
+        raise ValueError(f"{where}: a decode step's position_ids must continue each row's positions "
+                         f"({positions[:, 0].tolist()} next); got {given[:, 0].tolist()}")
 
 
 def _empty_sharded(cache: Any, state: ContextParallelState) -> ShardedCache:

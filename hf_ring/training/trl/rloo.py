@@ -30,6 +30,9 @@ class RingRLOOTrainer(RingRolloutTrainer, RLOOTrainer):
         padding_free: hf_ring's option (TRL's config has none): run each forward's prompt +
             completion rows as one packed row of documents, each padded to ``2 * cp_size``
             only, instead of every row to the longest; needs ``ring_flash`` (at cp 1 too).
+        generate_under_cp: hf_ring's option: under CP the group's ranks generate its rollouts
+            together, the prompts prefilled by the ring into a sharded cache (docs/generation.md),
+            instead of its first rank alone without CP; the same completions either way.
 
     Refused under CP (:func:`~hf_ring.training.trl.rollout_checks.check_rloo_config`): vLLM
     and continuous-batching generation, tools / environments / ``rollout_func``,

@@ -86,10 +86,12 @@ class RingRolloutTrainer(RingTrainerBase):
     _generation_returns_logprobs: bool
 
     def __init__(self, model: Any, reward_funcs: Any = None, args: Any = None, *rest: Any,
-                 ring_plugin: Optional[RingAttentionPlugin] = None, padding_free: bool = False, **kwargs: Any):
+                 ring_plugin: Optional[RingAttentionPlugin] = None, padding_free: bool = False,
+                 generate_under_cp: bool = False, **kwargs: Any):
         trl_patches.check_version()
         # TRL's GRPOConfig / RLOOConfig have no padding_free: hf_ring's option, named as SFTConfig's.
         self.padding_free = bool(padding_free)
+        self.generate_under_cp = bool(generate_under_cp)
         trl_patches.check_rollout_hooks(self._trl_trainer)
         plugin = ring_plugin if ring_plugin is not None else RingAttentionPlugin(cp_size=1)
         if plugin.cp_size > 1:
@@ -157,7 +159,8 @@ class RingRolloutTrainer(RingTrainerBase):
     def _generate_single_turn(self, prompt_ids: list, images: Any, multimodal_fields: Any, *rest: Any) -> Any:
         """TRL's generation (``rest``: GRPO's ``num_generations``, ...), returning what TRL's
         does (GRPO: completion ids and sampling log-probs; RLOO: the ids); under CP once per CP
-        group, on its first rank, without CP."""
+        group: on its first rank without CP, or with ``generate_under_cp`` by the group's ranks
+        together, the prompts prefilled by the ring."""
         generate_one = super()._generate_single_turn
         if self.ring_state.cp_size == 1:
             return generate_one(prompt_ids, images, multimodal_fields, *rest)
@@ -169,9 +172,10 @@ class RingRolloutTrainer(RingTrainerBase):
                 out = generate_one(group_prompt_ids, None, {}, *rest)
             return out if self._generation_returns_logprobs else (out, None)
 
-        # FSDP2: every process gathers the whole weights together, the first ranks generate from them alone.
+        # FSDP2: every process gathers the whole weights together, then generates from them without a
+        # collective of FSDP's per decoding step (the first ranks alone, or each group's ranks in step).
         with torch_patches.fsdp2_unsharded(self.model):
-            completions, logprobs = generate_for_group(self.ring_state, prompt_ids, generate)
+            completions, logprobs = generate_for_group(self.ring_state, prompt_ids, generate, self.generate_under_cp)
         return (completions, logprobs) if self._generation_returns_logprobs else completions
 
     # ---- log-probabilities and loss ----
