@@ -111,6 +111,8 @@ def _launch_cp2(case: str, out_dir: str, extra: tuple[str, ...] = ()) -> dict:
     log = _run(2, [os.path.join(EXAMPLES, "grpo_long.py"), "--output_dir", out_dir, "--cp_size", "2",
                    *COMMON, *CASES[case], *CP_ONLY.get(case, []), *extra])
     assert "[hf_ring] rank 1/2 (dist_backend" in log, log[-3000:]
+    if "--generate_under_cp" in CP_ONLY.get(case, []):  # the group's ranks really generated together
+        assert "[hf_ring] rollouts generated under CP by the 2 ranks" in log, log[-3000:]
     if "--fsdp" in extra:  # the weights really were sharded
         assert "gradients: fsdp2 mesh (2,) over 2 processes" in log, log[-3000:]
     with open(os.path.join(out_dir, "trainer_state.json")) as f:

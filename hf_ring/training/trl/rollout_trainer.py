@@ -42,6 +42,7 @@ Must not import a TRL trainer class (the subclass derives from it and names it a
 from __future__ import annotations
 
 import functools
+import logging
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional
 
@@ -61,12 +62,14 @@ from hf_ring.training.trl.rollouts import generate_for_group, group_shuffle
 
 
 @contextmanager
-def _generating_alone(model: torch.nn.Module) -> Iterator[None]:
+def _generating_alone(model: torch.nn.Module, under_cp: bool) -> Iterator[None]:
     """``model.generate`` with ``synced_gpus=False``: transformers turns it on by itself for an
     FSDP-managed model (every process then runs each decoding step together), but here one
-    rank generates alone, from weights every process unsharded beforehand."""
+    rank generates alone, or a CP group's ranks in step, from weights every process unsharded
+    beforehand. ``under_cp``: with ``use_cache=True`` too, which generation under CP runs with
+    (the policy's config may turn the cache off for training)."""
     own = vars(model).get("generate")  # FSDP2 registers generate as an instance method of its own
-    model.generate = functools.partial(model.generate, synced_gpus=False)
+    model.generate = functools.partial(model.generate, synced_gpus=False, **({"use_cache": True} if under_cp else {}))
     try:
         yield
     finally:
@@ -168,10 +171,15 @@ class RingRolloutTrainer(RingTrainerBase):
             raise NotImplementedError("image-text rollouts are not supported under context parallelism")
 
         def generate(group_prompt_ids: list) -> tuple[list, Optional[list]]:
-            with _generating_alone(self.model):
+            with _generating_alone(self.model, self.generate_under_cp):
                 out = generate_one(group_prompt_ids, None, {}, *rest)
             return out if self._generation_returns_logprobs else (out, None)
 
+        if self.generate_under_cp and not getattr(self, "_said_under_cp", False):
+            logging.getLogger("hf_ring").info(
+                f"[hf_ring] rollouts generated under CP by the {self.ring_state.cp_size} ranks of each CP group "
+                "(the prompts prefilled by the ring into a sharded cache)")
+            self._said_under_cp = True
         # FSDP2: every process gathers the whole weights together, then generates from them without a
         # collective of FSDP's per decoding step (the first ranks alone, or each group's ranks in step).
         with torch_patches.fsdp2_unsharded(self.model):
