@@ -109,7 +109,8 @@ def _point(world: int, args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_worker, args=(world, args, os.path.join(tmp, "rdzv"), tmp), nprocs=world, join=True)
         ranks = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(world)]
-    return {**ranks[0], **{k: max(r[k] for r in ranks) for k in ("prefill_s", "prefill_peak_mb", "decode_ms_per_token")}}
+    figures = ("prefill_s", "prefill_peak_mb", "decode_ms_per_token")
+    return {**ranks[0], **{k: max(r[k] for r in ranks) for k in figures}}
 
 
 def main(argv=None) -> list[dict]:

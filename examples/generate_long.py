@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompt_tokens", type=int, default=2048, help="the prompt's length at most (default 2048)")
     ap.add_argument("--max_new_tokens", type=int, default=8)
     ap.add_argument("--decode", choices=hf_ring.hf.generation.DECODE_MODES, default="sharded",
-                    help="sharded: attend every rank's share per token; gathered: gather the cache once, decode locally")
+                    help="sharded: attend every rank's share per token; gathered: gather the cache once, "
+                         "decode locally")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no_check", action="store_true", help="skip the comparison with one process on the first rank")
     return ap

@@ -17,7 +17,9 @@ a ``ShardedCache`` and decoded against every rank's share. Checked:
 - a left-padded batch (the second row 4 tokens shorter) gives one process's tokens and
   logits (Llama, Qwen3 with the window);
 - refused on every rank, by name: a mask with holes, a hybrid model's token mixers, a cache
-  filled without hf_ring.
+  filled without hf_ring; and on every rank when one rank alone differs (its prompt, its
+  ``logits_to_keep``), none left waiting in a collective;
+- a forward that raised midway leaves no entry behind in the cache it was filling.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from packaging.version import Version
 
 import hf_ring
 from distributed import run_world
+from hf_ring.hf.generation import CacheStep
 from model_sweep_configs import build_config
 
 CACHE = "cache" if Version(transformers.__version__) >= Version("5") else "past_key_values"
@@ -100,16 +103,19 @@ def _greedy_on_rank(rank: int, world: int, names: list[str]) -> dict:
     with torch.no_grad():
         cache = model(prompt, use_cache=True)[CACHE]
     out["in_order"] = [cache.layer_in_order(i, state.cp_group) for i in range(len(cache.layers))]
-    out["refusals"] = _refusals(model, prompt)
+    out["refusals"] = _refusals(model, prompt, rank)
     return out
 
 
-def _refusals(model, prompt) -> dict:
+def _refusals(model, prompt, rank: int) -> dict:
     found = {}
     holes = torch.ones_like(prompt)
     holes[0, 3] = 0
     cases = {
         "holes": lambda: model.generate(prompt, attention_mask=holes, max_new_tokens=2),
+        # One rank alone differs: every rank must raise, none may wait in a collective.
+        "other prompt on rank 1": lambda: model.generate(prompt.flip(1) if rank == 1 else prompt, max_new_tokens=2),
+        "other logits_to_keep on rank 1": lambda: _prefill_keeping(model, prompt, 1 + rank),
         "filled cache": lambda: _next_step(model, prompt, _filled_cache(model, prompt)),
     }
     for what, call in cases.items():
@@ -119,6 +125,11 @@ def _refusals(model, prompt) -> dict:
         except (NotImplementedError, ValueError) as e:
             found[what] = str(e)
     return found
+
+
+def _prefill_keeping(model, prompt, keep: int):
+    with torch.no_grad():
+        return model(prompt, use_cache=True, logits_to_keep=keep)
 
 
 def _next_step(model, prompt, cache):
@@ -174,6 +185,9 @@ def test_generate_under_cp_is_one_process_generate(world, names):
             assert torch.allclose(keys, layer.keys, atol=1e-6, rtol=0), f"layer {i} keys"
             assert torch.allclose(values, layer.values, atol=1e-6, rtol=0), f"layer {i} values"
         assert "padding after a real token" in r["refusals"]["holes"], r["refusals"]
+        for what in ("other prompt on rank 1", "other logits_to_keep on rank 1"):
+            assert "differ across the ranks" in r["refusals"][what] and "full_batch_digest" in r["refusals"][what], \
+                (what, r["refusals"][what])
         assert "already holds tokens" in r["refusals"]["filled cache"], r["refusals"]
 
 
@@ -192,3 +206,30 @@ def _hybrid_on_rank(rank: int, world: int) -> str:
 def test_generate_refuses_token_mixers_by_name():
     for message in run_world(2, _hybrid_on_rank):
         assert "token mixers" in message and "context_parallel_suspended" in message, message
+
+
+def test_a_forward_that_failed_midway_is_undone():
+    """The layers that stored their K/V before a forward raised give them back when the next
+    forward begins (one process: the cache's bookkeeping alone)."""
+    cache = hf_ring.ShardedCache()
+    keys = torch.randn(1, 2, 4, 8)
+
+    def step(columns: list[int]):
+        n = len(columns)
+        return CacheStep(columns=torch.tensor(columns), positions=torch.tensor([columns]),
+                         valid=torch.ones(1, n, dtype=torch.bool), keep=torch.ones(n, dtype=torch.bool),
+                         next_positions=torch.tensor([columns[-1] + 1]), decoding=False, length_after=columns[-1] + 1)
+
+    cache.begin(step([0, 1, 2, 3]))
+    for layer in range(2):
+        cache.update(keys, keys, layer)
+    cache.end()
+    cache.begin(step([4, 5, 6, 7]))
+    cache.update(keys, keys, 0)  # layer 0 stored, then the forward raised before layer 1
+    assert cache.pending and cache.layers[0].entry_count() == 8
+    cache.begin(step([4, 5, 6, 7]))  # the retry
+    assert [layer.entry_count() for layer in cache.layers] == [4, 4]
+    for layer in range(2):
+        cache.update(keys, keys, layer)
+    cache.end()
+    assert [layer.columns.tolist() for layer in cache.layers] == [list(range(8))] * 2

@@ -15,8 +15,12 @@ down through the forward's keyword arguments; what this function does depends on
   for the layer's features), to ``hf_ring.patterns.run.run_plan``, the entry point every
   pattern runs through, with no collective but the pattern's own transfers and no host
   sync. Inputs were validated by the guard: global position_ids, right
-  padding only (which a causal mask makes harmless, so the mask is dropped), no cache.
-  Without a context under CP (an unguarded model, or one that does not hand its keyword
+  padding only (which a causal mask makes harmless, so the mask is dropped), and a cache
+  only in generation (a prefill's layers keep their shard's K/V in it as the ring runs).
+- Generation under CP, a decode step (``hf_ring.hf.generation``): the new tokens' queries,
+  the same on every rank, against this rank's share of the layer's cache, merged across the
+  group (``generation/attention.py``).
+- Without a context under CP (an unguarded model, or one that does not hand its keyword
   arguments to its attention layers) it refuses rather than attend within the shard.
 - Packed rows (``cu_seq_lens_q`` among the kwargs, see the collator contract), with or
   without CP: the varlen ring, documents never attending to each other; batch size 1.
@@ -31,7 +35,7 @@ On packed rows, with or without CP, the varlen ring computes sinks and sliding w
 (inside each document) and refuses chunks and softcapping. What ``ring_flash`` cannot
 compute is refused, naming the model feature (attention_refusals.py): attention dropout,
 keywords such as a sparse indexer's ``indices`` or a ``position_bias``, non-causal
-attention and KV caches under CP; what is read from the model's config and structure once
+attention; what is read from the model's config and structure once
 per forward (token mixers, chunks on packed rows, ...) is refused by ``hf_ring.hf.support``.
 """
 
@@ -234,7 +238,8 @@ def ring_flash_attention_forward(
         module: the calling attention layer (``is_causal``, ``layer_idx`` are read).
         query: ``(batch, n_heads, seq_local, head_dim)``, float16 / bfloat16 / float32.
         key, value: ``(batch, n_kv_heads, kv_len, head_dim)``, same dtype; ``kv_len`` equals
-            ``seq_local`` unless a KV cache is in use (refused under CP).
+            ``seq_local`` unless a KV cache is in use (under CP: a decode step's, whose keys are this
+            rank's share of the cache, hf_ring.hf.generation).
         attention_mask: the mask built by ``hf_ring.hf.mask.ring_flash_mask``: a 4-D SDPA mask
             or None without CP; None under CP.
         dropout: attention dropout probability (must be 0).

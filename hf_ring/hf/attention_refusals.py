@@ -1,6 +1,7 @@
 """What ``ring_flash`` refuses in one attention call, naming the layer and what to do: the
 features of the call it does not compute (dropout, keywords such as a sparse indexer's
-``indices``, non-causal attention, a KV cache under the ring, softcapping on packed rows), and a call under context parallelism without the validated
+``indices``, non-causal attention, a KV cache hf_ring did not prepare under the ring,
+softcapping on packed rows), and a call under context parallelism without the validated
 context the guard hands down.
 
 Owns the refusals; the attention function (attention.py) calls them. Must not import the
@@ -83,9 +84,9 @@ def refuse_under_ring(
         )
     if key.shape[-2] != query.shape[-2]:
         raise NotImplementedError(
-            f"{layer_name(module)} got {key.shape[-2]} keys for {query.shape[-2]} queries: a KV cache "
-            f"(generation) is not supported by {what}; pass use_cache=False, and generate without "
-            "context parallelism"
+            f"{layer_name(module)} got {key.shape[-2]} keys for {query.shape[-2]} queries: a KV cache that "
+            f"hf_ring's generation hooks did not prepare is not supported by {what}; pass use_cache=False, "
+            "or generate as docs/generation.md says"
         )
 
 

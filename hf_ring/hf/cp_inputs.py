@@ -104,7 +104,8 @@ def _refuse_cache(inputs: dict[str, Any], state: ContextParallelState) -> None:
     by hand without those hooks) would keep this rank's shard of K/V in a cache that does
     not know it."""
     # cache_position too: Llama 4's 4.57 layers number tokens from it (sequence_features.py).
-    if _cache_argument(inputs) is not None or inputs.get("cache_position") is not None or inputs.get("use_cache") is True:
+    if (_cache_argument(inputs) is not None or inputs.get("cache_position") is not None
+            or inputs.get("use_cache") is True):
         raise NotImplementedError(
             f"a KV cache (use_cache=True, a cache or cache_position) reached this model's layers under context "
             f"parallelism (cp_size={state.cp_size}) without hf_ring's generation hooks, so it would hold this "
@@ -114,7 +115,9 @@ def _refuse_cache(inputs: dict[str, Any], state: ContextParallelState) -> None:
         )
 
 
-def _refuse_local(inputs: dict[str, Any], state: ContextParallelState, shards: Optional[FullBatchShards]) -> Optional[tuple[int, ...]]:
+def _refuse_local(
+    inputs: dict[str, Any], state: ContextParallelState, shards: Optional[FullBatchShards]
+) -> Optional[tuple[int, ...]]:
     """What a rank can refuse from its own inputs; returns the packed document lengths."""
     own_positions = shards is not None
     if shards is None or shards.generation is None:

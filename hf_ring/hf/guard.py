@@ -195,7 +195,9 @@ def _pre_forward(model: nn.Module, args: tuple, kwargs: dict):
     sequence_features.hand_max_position(model, checked.max_position)
     rows, seq_local = rows_and_length(inputs)
     draws = OneProcessDraws(rows, seq_local, state.cp_size, checked.token_index, checked.generator_digests,
-                            device=inputs_device(inputs), tp_size=state.tp_size, refusal=current_refusal())
+                            device=inputs_device(inputs), tp_size=state.tp_size,
+                            refusal=current_refusal() or (shards.generation.draws_refusal
+                                                          if shards is not None and shards.generation else None))
     context = ForwardContext(state, checked.doc_lens, comm_stats, made_by_guard=True,
                              token_index=checked.token_index, handed=handed_to_the_ring(model),
                              spans=shards.spans if shards is not None else None,
@@ -203,8 +205,8 @@ def _pre_forward(model: nn.Module, args: tuple, kwargs: dict):
                              generation=shards.generation if shards is not None else None)
     kwargs = {**kwargs, CONTEXT_KWARG: context}
     if inputs.get("use_cache") is None and "use_cache" in signature.parameters:
-        # A cache filled under CP holds only this rank's shard of K/V: useless to continue
-        # from, so none is built unless asked for (and asking is refused above).
+        # A training forward under CP builds no cache (a forward asking for one is generation,
+        # hf_ring.hf.generation, which hands down its own).
         kwargs["use_cache"] = False
     return args, kwargs
 
@@ -246,7 +248,7 @@ def _check_head_under_cp(model: nn.Module, args: tuple, kwargs: dict) -> None:
             "train with RingTrainer, which does"
         )
     keep = inputs.get("logits_to_keep")
-    # generate() keeps 1 with a cache: the base model refuses the cache, naming generate().
+    # generate() keeps 1 with a cache: generation under CP hands it down (hf_ring.hf.generation).
     caching = inputs.get("use_cache") is True or any(inputs.get(n) is not None for n in ("cache", "past_key_values"))
     if keep is not None and not (isinstance(keep, int) and keep == 0) and not caching:
         raise ValueError(

@@ -1,12 +1,13 @@
 """``ShardedCache``: a transformers ``Cache`` whose layers hold one rank's share of a
-context-parallel group's keys and values, each entry with its global position.
+context-parallel group's keys and values, each entry with its column, and its position and
+validity in each row.
 
 Why: a prompt prefilled under context parallelism is cut over the ranks, and each rank's
 attention layers see only their shard's K/V; kept as they are, the shards together are the
-cache one process would hold, and no rank ever holds all of it. A decode step attends every
-rank's share and merges the results (``hf_ring.patterns.cached``); the new token's K/V is
-kept by one rank, in turn by position (round robin), so the shares stay balanced over long
-outputs. With ``decode="gathered"`` the shares are gathered onto every rank once, after the
+cache one process would hold (without its rows' padding), and no rank ever holds all of it.
+A decode step attends every rank's share and merges the results (``hf_ring.patterns.cached``);
+the new token's K/V is kept by one rank, in turn by column (round robin), so the shares stay
+balanced over long outputs. With ``decode="gathered"`` the shares are gathered onto every rank once, after the
 prefill, and each rank then decodes locally, holding what one process's cache holds.
 
 What a forward brings is told to the cache before it runs (:meth:`ShardedCache.begin`, by
@@ -14,8 +15,10 @@ What a forward brings is told to the cache before it runs (:meth:`ShardedCache.b
 from the attention layer but the layer's keys and values, whatever the transformers
 release passes beside them.
 
-The cache's length (``get_seq_length``) is the group's: the number of tokens of the whole
-sequence so far, which is what ``generate()`` and the model number new positions from.
+The cache's length (``get_seq_length``) is the group's: the number of columns of the whole
+batch so far (padding included, as one process's cache counts them), which is what
+``generate()`` cuts the next step's tokens by. A forward that raised midway is undone when
+the next one begins, so a retry does not store its K/V twice.
 
 Must not import: the Trainer, TRL, hf_ring's training or memory layers.
 """
@@ -74,12 +77,14 @@ class Generation:
     step), the group whose ranks hold the other shares (None once gathered: each rank
     then holds every entry) and, for a prefill, the columns whose hidden states the head
     reads: ``head_count`` of them from each row's ``head_start`` (int64 ``(rows,)``), put
-    together on every rank after the forward."""
+    together on every rank after the forward; ``draws_refusal``: why a random draw on the
+    prefill's shards would not be one process's (its columns moved or padded), or None."""
 
     cache: "ShardedCache"
     group: Optional[dist.ProcessGroup]
     head_start: Optional[torch.Tensor] = None
     head_count: int = 0
+    draws_refusal: Optional[str] = None
 
 
 class ShardedLayer(DynamicLayer):
@@ -88,7 +93,10 @@ class ShardedLayer(DynamicLayer):
     int64 ``(n_entries,)``, ``positions`` int64 ``(batch, n_entries)`` and ``valid`` bool
     ``(batch, n_entries)``, on the keys' device, in the order they came (not sorted)."""
 
-    is_sliding = False  # a layer's window is applied by ring_flash, from the layer's own
+    # ring_flash applies a layer's window itself, from the layer's own (attention.py).
+    is_sliding = False
+    # Assisted and contrastive decoding crop the cache: refused (crop below) before they start.
+    is_croppable = False
 
     def __init__(self, cache: "ShardedCache") -> None:
         super().__init__()
@@ -151,32 +159,38 @@ class ShardedLayer(DynamicLayer):
             "drop are spread over the ranks of the context-parallel group; decode greedily or by sampling"
         )
 
+    def entry_count(self) -> int:
+        return 0 if self.columns is None else self.columns.numel()
+
+    def keep_first(self, count: int) -> None:
+        """Drop every entry after the first ``count`` (a forward that failed midway)."""
+        if self.columns is not None:
+            self._set_entries([t[..., :count, :] if t.dim() == 4 else t[..., :count] for t in self._entries()])
+
+    # The batch operations act on the rows, whatever this rank's share (possibly no entry).
     def batch_repeat_interleave(self, repeats: int) -> None:
-        super().batch_repeat_interleave(repeats)
-        if self.positions is not None and self.positions.numel():
-            self.positions = self.positions.repeat_interleave(repeats, dim=0)
-            self.valid = self.valid.repeat_interleave(repeats, dim=0)
+        if self.is_initialized:
+            self._set_entries([t if t.dim() == 1 else t.repeat_interleave(repeats, dim=0) for t in self._entries()])
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        super().batch_select_indices(indices)
-        if self.positions is not None and self.positions.numel():
-            self.positions, self.valid = self.positions[indices], self.valid[indices]
+        if self.is_initialized:
+            self._set_entries([t if t.dim() == 1 else t[indices] for t in self._entries()])
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        super().reorder_cache(beam_idx)
-        if self.positions is not None and self.positions.numel():
-            index = beam_idx.to(self.positions.device)
-            self.positions, self.valid = self.positions.index_select(0, index), self.valid.index_select(0, index)
+        if self.is_initialized:
+            index = beam_idx.to(self.device)
+            self._set_entries([t if t.dim() == 1 else t.index_select(0, index) for t in self._entries()])
 
 
 class ShardedCache(Cache):
     """A key/value cache for generation under context parallelism: each rank of the CP group
     holds its share of every attention layer's entries (see the module docstring).
 
-    ``generate()`` under an active context-parallel state makes one when it would have made a
-    ``DynamicCache``; pass ``cache=ShardedCache(decode="gathered")`` (``past_key_values=`` on
-    transformers 4.57) to gather the shares onto every rank after the prefill and decode
-    locally, or ``ShardedCache()`` to keep a reference to it.
+    A forward under an active context-parallel state makes one in place of the empty cache
+    ``generate()`` made (any empty, non-static ``Cache``); pass
+    ``cache=ShardedCache(decode="gathered")`` (``past_key_values=`` on transformers 4.57) to
+    gather the shares onto every rank after the prefill and decode locally, or
+    ``ShardedCache()`` to keep a reference to it.
 
     Args:
         decode: ``"sharded"`` (each new token's queries attend every rank's share, one
@@ -193,6 +207,7 @@ class ShardedCache(Cache):
         self.next_positions: Optional[torch.Tensor] = None  # (rows,): each row's next token's position
         self.gathered = False
         self._step: Optional[CacheStep] = None
+        self._counts: list[int] = []  # each layer's entries when the current forward began
 
     @property
     def step(self) -> CacheStep:
@@ -205,12 +220,37 @@ class ShardedCache(Cache):
         return self._step
 
     def begin(self, step: CacheStep) -> None:
-        """Tell the cache what the forward about to run brings."""
-        self._step = step
+        """Tell the cache what the forward about to run brings. A forward that began and never
+        ended (it raised midway, some layers having stored their K/V) is undone first."""
+        if self._step is not None:
+            del self.layers[len(self._counts):]
+            for layer, count in zip(self.layers, self._counts):
+                layer.keep_first(count)
+        self._step, self._counts = step, [layer.entry_count() for layer in self.layers]
 
     def end(self) -> None:
         """The forward ran: its tokens count."""
         self.length, self.next_positions, self._step = self.step.length_after, self.step.next_positions, None
+
+    @property
+    def pending(self) -> bool:
+        """Whether a forward began on this cache and did not end."""
+        return self._step is not None
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        if self.next_positions is not None:
+            self.next_positions = self.next_positions.repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        if self.next_positions is not None:
+            self.next_positions = self.next_positions[indices.cpu()]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        if self.next_positions is not None:
+            self.next_positions = self.next_positions.index_select(0, beam_idx.cpu())
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
