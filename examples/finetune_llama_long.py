@@ -56,6 +56,7 @@ from hf_ring.training.weight_sharding import FSDP_MODES, fsdp_training_arguments
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from long_context_data import ByteTokenizer, passkey_dataset  # noqa: E402
+from passkey_eval import PasskeyGenerationEval  # noqa: E402
 
 
 def build_parser(description: Optional[str] = __doc__) -> argparse.ArgumentParser:
@@ -122,6 +123,9 @@ def build_parser(description: Optional[str] = __doc__) -> argparse.ArgumentParse
     p.add_argument("--num_train_examples", type=int, default=256)
     p.add_argument("--num_eval_examples", type=int, default=8)
     p.add_argument("--eval_steps", type=int, default=30, help="evaluate every N steps (0: only at the end)")
+    p.add_argument("--generate_eval", type=int, default=0, metavar="N",
+                   help="at every evaluation, answer N eval prompts by generation (under CP: prefilled by the ring) "
+                        "and log eval_passkey_accuracy and eval_passkey_token_accuracy")
     p.add_argument("--save_steps", type=int, default=0, help="checkpoint every N steps (0: no checkpoints)")
     p.add_argument("--logging_steps", type=int, default=1)
     p.add_argument("--resume_from_checkpoint", default=None)
@@ -171,6 +175,9 @@ def parse_args(
             parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
     if args.moe_experts < 0 or (args.moe_experts and args.moe_experts < 2):
         parser.error(f"--moe_experts must be 0 (a dense model) or >= 2, got {args.moe_experts}")
+    if not 0 <= args.generate_eval <= args.num_eval_examples:
+        parser.error(f"--generate_eval {args.generate_eval} answers that many of the --num_eval_examples "
+                     f"{args.num_eval_examples} eval prompts: 0 to {args.num_eval_examples}")
     if args.sequence_parallel and args.tp_size < 2:
         parser.error("--sequence_parallel splits each TP group's tokens: it needs --tp_size 2 or more")
     if args.ep_size > 1 and args.tp_size > 1:
@@ -383,6 +390,8 @@ def main(argv: Optional[Sequence[str]] = None, callbacks: Optional[list] = None)
         pad_id = tokenizer.pad_token_id
     train_set = passkey_dataset(tokenizer, args.num_train_examples, args.seq_len, seed=args.seed)
     eval_set = passkey_dataset(tokenizer, args.num_eval_examples, args.seq_len, seed=args.seed + 1)
+    if args.generate_eval:
+        callbacks = [*(callbacks or []), PasskeyGenerationEval([eval_set[i] for i in range(args.generate_eval)])]
 
     attn = args.attn_implementation or ("ring_flash" if args.cp_size > 1 else "sdpa")
     transformers.set_seed(args.seed)  # the same initial weights on every rank and in every run
@@ -394,7 +403,8 @@ def main(argv: Optional[Sequence[str]] = None, callbacks: Optional[list] = None)
     if args.lora_r:
         model = with_lora(model, args)
     if args.stock_trainer:
-        return train_and_report(_stock_trainer(model, training_args, train_set, eval_set, plugin, pad_id, args), args)
+        return train_and_report(_stock_trainer(model, training_args, train_set, eval_set, plugin, pad_id, args,
+                                               callbacks), args)
 
     trainer = hf_ring.RingTrainer(
         model=model,
@@ -452,7 +462,8 @@ def _seed_lora_a(model: torch.nn.Module, seed: int) -> None:
                         if isinstance(param, DTensor) else whole)
 
 
-def _stock_trainer(model, training_args, train_set, eval_set, plugin, pad_id, args) -> transformers.Trainer:
+def _stock_trainer(model, training_args, train_set, eval_set, plugin, pad_id, args,
+                   callbacks: Optional[list] = None) -> transformers.Trainer:
     """Plain transformers: the stock Trainer, the model computing its own loss from ``labels``
     (padded with -100) and a right-padding ``attention_mask``; the rows padded as hf_ring's
     collator pads them, so that both see the same batches."""
@@ -464,7 +475,7 @@ def _stock_trainer(model, training_args, train_set, eval_set, plugin, pad_id, ar
 
     return transformers.Trainer(model=model, args=training_args, train_dataset=train_set,
                                 eval_dataset=eval_set if args.num_eval_examples > 0 else None,
-                                data_collator=collate)
+                                data_collator=collate, callbacks=callbacks)
 
 
 def train_and_report(trainer: transformers.Trainer, args: argparse.Namespace) -> dict:

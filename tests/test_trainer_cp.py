@@ -102,12 +102,19 @@ def _assert_same(got: dict[int, float], ref: dict[int, float], what: str, tol: f
         assert abs(got[step] - value) <= tol * abs(value), f"{what} at step {step}: {got[step]} vs {value}"
 
 
+def _generation_evals(state: dict) -> dict[tuple[int, str], float]:
+    return {(e["step"], k): v for e in state["log_history"] for k, v in e.items() if k.startswith("eval_passkey")}
+
+
 def _assert_same_logs(got: dict, ref: dict, name: str) -> None:
     """The training loss, the norm of the (all-reduced) gradient (the gradients themselves
-    match) and the eval loss of every step logged, ``got`` against ``ref``."""
+    match) and the eval loss of every step logged, ``got`` against ``ref``; and, where ``got``
+    answered eval prompts by generation (``--generate_eval``), the same answers' figures."""
     _assert_same(_losses(got), _losses(ref), f"{name} training loss")
     _assert_same(_grad_norms(got), _grad_norms(ref), f"{name} gradient norm")
     _assert_same(_eval_losses(got), _eval_losses(ref), f"{name} eval loss")
+    if _generation_evals(got):
+        assert _generation_evals(got) == _generation_evals(ref), (name, _generation_evals(got), _generation_evals(ref))
 
 
 @pytest.fixture(scope="module")
@@ -115,9 +122,11 @@ def runs(tmp_path_factory):
     """Launch each configuration once (on demand) and keep its trainer_state.json."""
     cache: dict[str, dict] = {}
     configs = {
-        "cp1": (1, ["--per_device_train_batch_size", "2"]),
+        # --generate_eval: at every evaluation two eval prompts answered by generation (at cp 2 under CP).
+        "cp1": (1, ["--per_device_train_batch_size", "2", "--generate_eval", "2"]),
         "stock": (1, ["--stock_trainer", "--per_device_train_batch_size", "2"]),
-        "cp2": (2, ["--cp_size", "2", "--per_device_train_batch_size", "2", "--save_steps", "4"]),
+        "cp2": (2, ["--cp_size", "2", "--per_device_train_batch_size", "2", "--save_steps", "4",
+                    "--generate_eval", "2"]),
         "cp2_stripe": (2, ["--cp_size", "2", "--layout", "stripe", "--per_device_train_batch_size", "2"]),
         "dp2": (2, ["--per_device_train_batch_size", "1"]),
         "dp2_cp2": (4, ["--cp_size", "2", "--per_device_train_batch_size", "1"]),
@@ -175,6 +184,8 @@ def test_reference_trains_and_is_finite(runs):
     assert losses[STEPS] < losses[1]  # it learns
     assert ref["global_step"] == STEPS
     assert ref["train_batch_size"] == 2
+    # Two prompts answered at each evaluation (steps 4 and 8); cp2 must answer them alike.
+    assert {step for step, _ in _generation_evals(ref)} == {4, STEPS}
 
 
 @pytest.mark.parametrize("name", ["cp2", "cp2_stripe", "dp2", "dp2_cp2", pytest.param("tp2_cp2", marks=NEEDS_TP),
