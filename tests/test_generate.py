@@ -1,5 +1,6 @@
 """Generation under context parallelism (issue 35): ``model.generate(<the full prompt>)``
-called alike on every rank of a CP group, against one process generating with SDPA.
+called alike on every rank of a CP group, against one process generating with SDPA (eager
+where only eager computes the model's attention).
 
 On gloo worlds of 2 and 4 (zigzag), float32, sweep-sized models: the prompt (13 tokens at
 cp 2, 29 at cp 4: neither a multiple of the layout's 2 x cp) is prefilled by the ring into
@@ -10,7 +11,9 @@ a ``ShardedCache`` and decoded against every rank's share. Checked:
   Llama (GQA, 200 new tokens at cp 2), Qwen3 with a sliding window of 6 on its second layer
   (the window crosses the shards and the cache forgets what it will not see again: each
   rank ends holding at most a window's entries of that layer), Qwen3-MoE and DeepSeek-V3
-  (multi-head latent attention, value heads narrower than the keys);
+  (multi-head latent attention, value heads narrower than the keys), Gemma 2 (logit
+  softcapping, a window of 8 on alternate layers) and GPT-OSS (attention sinks, a window, MoE),
+  those two against transformers' eager attention (at cp 4: Llama and the windowed Qwen3);
 - sampling (temperature 0.7, top-k 20) at the same seed gives one process's tokens;
 - ``ShardedCache(decode="gathered")`` gives the same tokens and logits, and a prefill's
   cache put in order equals one process's ``DynamicCache``, keys and values, every layer;
@@ -36,7 +39,7 @@ from model_sweep_configs import build_config
 
 CACHE = "cache" if Version(transformers.__version__) >= Version("5") else "past_key_values"
 PROMPT_LEN = {2: 13, 4: 29}
-NEW_TOKENS = {"llama": 200, "qwen3_window": 40, "qwen3_moe": 24, "deepseek_v3": 24}
+NEW_TOKENS = {"llama": 200, "qwen3_window": 40, "qwen3_moe": 24, "deepseek_v3": 24, "gemma2": 24, "gpt_oss": 24}
 TOL = 1e-5
 # Also generated from a left-padded batch (the second row 4 tokens shorter).
 PADDED = ("llama", "qwen3_window")
@@ -52,7 +55,13 @@ def _config(name: str):
     return config
 
 
+# Softcapping (Gemma 2) and sinks (GPT-OSS) are computed by transformers' eager attention only.
+EAGER = ("gemma2", "gpt_oss")
+
+
 def _model(name: str, attn: str):
+    if attn == "sdpa" and name in EAGER:
+        attn = "eager"
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(_config(name)).float().eval()
     model.set_attn_implementation(attn)
@@ -146,7 +155,8 @@ def _filled_cache(model, prompt):
             model.set_attn_implementation("ring_flash")
 
 
-@pytest.mark.parametrize("world,names", [(2, ["llama", "qwen3_window", "qwen3_moe", "deepseek_v3"]),
+@pytest.mark.parametrize("world,names", [(2, ["llama", "qwen3_window", "qwen3_moe", "deepseek_v3", "gemma2",
+                                              "gpt_oss"]),
                                          (4, ["llama", "qwen3_window"])])
 def test_generate_under_cp_is_one_process_generate(world, names):
     ranks = run_world(world, _greedy_on_rank, names)
