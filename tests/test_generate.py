@@ -14,7 +14,8 @@ a ``ShardedCache`` and decoded against every rank's share. Checked:
   (multi-head latent attention, value heads narrower than the keys), Gemma 2 (logit
   softcapping, a window of 8 on alternate layers) and GPT-OSS (attention sinks, a window, MoE),
   those two against transformers' eager attention (at cp 4: Llama and the windowed Qwen3);
-- sampling (temperature 0.7, top-k 20) at the same seed gives one process's tokens;
+- sampling (temperature 0.7, top-k 20) at the same seed gives one process's tokens, and so do
+  beam search (3 beams: the cache's rows reordered every step) and two samples per prompt;
 - ``ShardedCache(decode="gathered")`` gives the same tokens and logits, and a prefill's
   cache put in order equals one process's ``DynamicCache``, keys and values, every layer;
 - a left-padded batch (the second row 4 tokens shorter) gives one process's tokens and
@@ -86,6 +87,16 @@ def _generate(model, prompt, new_tokens: int, mask=None, **kwargs):
     return out.sequences, torch.stack(out.logits)
 
 
+def _beams_and_copies(model, prompt) -> tuple[torch.Tensor, torch.Tensor]:
+    """Beam search (the cache's rows reordered every step) and two samples per prompt (its
+    rows repeated)."""
+    ones = torch.ones_like(prompt)
+    beams = model.generate(prompt, attention_mask=ones, max_new_tokens=12, do_sample=False, num_beams=3)
+    torch.manual_seed(5)
+    copies = model.generate(prompt, attention_mask=ones, max_new_tokens=12, do_sample=True, num_return_sequences=2)
+    return beams, copies
+
+
 def _sampled(model, prompt, cache=None):
     torch.manual_seed(123)
     kwargs = {CACHE: cache} if cache is not None else {}
@@ -109,6 +120,7 @@ def _greedy_on_rank(rank: int, world: int, names: list[str]) -> dict:
     prompt = _prompt(world, model.config.vocab_size)
     out["gathered"] = _generate(model, prompt, 24, **{CACHE: hf_ring.ShardedCache(decode="gathered")})
     out["sampled"] = _sampled(model, prompt)
+    out["beams_and_copies"] = _beams_and_copies(model, prompt)
     with torch.no_grad():
         cache = model(prompt, use_cache=True)[CACHE]
     out["in_order"] = [cache.layer_in_order(i, state.cp_group) for i in range(len(cache.layers))]
@@ -185,11 +197,13 @@ def test_generate_under_cp_is_one_process_generate(world, names):
     prompt = _prompt(world, reference.config.vocab_size)
     tokens, logits = _generate(reference, prompt, 24)
     sampled = _sampled(reference, prompt)
+    beams_and_copies = _beams_and_copies(reference, prompt)
     with torch.no_grad():
         one_cache = reference(prompt, use_cache=True)[CACHE]
     for r in ranks:
         assert torch.equal(r["gathered"][0], tokens) and (r["gathered"][1] - logits).abs().max() <= TOL
         assert torch.equal(r["sampled"], sampled)
+        assert all(torch.equal(got, want) for got, want in zip(r["beams_and_copies"], beams_and_copies))
         for i, (keys, values) in enumerate(r["in_order"]):
             layer = one_cache.layers[i]
             assert torch.allclose(keys, layer.keys, atol=1e-6, rtol=0), f"layer {i} keys"
