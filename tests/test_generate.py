@@ -18,10 +18,12 @@ a ``ShardedCache`` and decoded against every rank's share. Checked:
   beam search (3 beams: the cache's rows reordered every step) and two samples per prompt;
 - ``ShardedCache(decode="gathered")`` gives the same tokens and logits, and a prefill's
   cache put in order equals one process's ``DynamicCache``, keys and values, every layer;
+- Qwen3.5 (gated delta nets beside attention; transformers 5.24): the prefill's convolution
+  and recurrent states over the whole rows handed to decoding, at cp 2 and 4;
 - a left-padded batch (the second row 4 tokens shorter) gives one process's tokens and
-  logits (Llama, Qwen3 with the window);
-- refused on every rank, by name: a mask with holes, a hybrid model's token mixers, a cache
-  filled without hf_ring; and on every rank when one rank alone differs (its prompt, its
+  logits (Llama, Qwen3 with the window, Qwen3.5: each row's padding leaves its state as it is);
+- refused on every rank, by name: a mask with holes, a short convolution's state (LFM2), a
+  cache filled without hf_ring; and on every rank when one rank alone differs (its prompt, its
   ``logits_to_keep``), none left waiting in a collective;
 - a forward that raised midway leaves no entry behind in the cache it was filling.
 """
@@ -40,10 +42,13 @@ from model_sweep_configs import build_config
 
 CACHE = "cache" if Version(transformers.__version__) >= Version("5") else "past_key_values"
 PROMPT_LEN = {2: 13, 4: 29}
-NEW_TOKENS = {"llama": 200, "qwen3_window": 40, "qwen3_moe": 24, "deepseek_v3": 24, "gemma2": 24, "gpt_oss": 24}
+NEW_TOKENS = {"llama": 200, "qwen3_window": 40, "qwen3_moe": 24, "deepseek_v3": 24, "gemma2": 24, "gpt_oss": 24,
+              "qwen3_5_text": 24}
+# Hybrid models generate under CP on transformers 5.24 (4.57 refuses their token mixers under CP).
+HYBRID = ["qwen3_5_text"] if Version(transformers.__version__) >= Version("5.24") else []
 TOL = 1e-5
 # Also generated from a left-padded batch (the second row 4 tokens shorter).
-PADDED = ("llama", "qwen3_window")
+PADDED = ("llama", "qwen3_window", "qwen3_5_text")
 
 
 def _config(name: str):
@@ -168,8 +173,8 @@ def _filled_cache(model, prompt):
 
 
 @pytest.mark.parametrize("world,names", [(2, ["llama", "qwen3_window", "qwen3_moe", "deepseek_v3", "gemma2",
-                                              "gpt_oss"]),
-                                         (4, ["llama", "qwen3_window"])])
+                                              "gpt_oss", *HYBRID]),
+                                         (4, ["llama", "qwen3_window", *HYBRID])])
 def test_generate_under_cp_is_one_process_generate(world, names):
     ranks = run_world(world, _greedy_on_rank, names)
     for name in names:
@@ -227,8 +232,8 @@ def _hybrid_on_rank(rank: int, world: int) -> str:
 
 @pytest.mark.skipif(Version(transformers.__version__) < Version("5"),
                     reason="hf_ring's CP token mixers need transformers 5.24; 4.57 refuses such models under CP")
-def test_generate_refuses_token_mixers_by_name():
-    for message in run_world(2, _hybrid_on_rank):
+def test_generate_refuses_mixers_whose_states_are_not_handed_over():
+    for message in run_world(2, _hybrid_on_rank):  # LFM2: short convolutions, no gated delta net
         assert "token mixers" in message and "context_parallel_suspended" in message, message
 
 

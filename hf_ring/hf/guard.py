@@ -276,8 +276,9 @@ def _post_forward(model: nn.Module, args: tuple, kwargs: dict, output: Any):
         )
     if context.draws is not None and context.draws.unplaced:
         check_generators_after(context.state.cp_group, context.draws.device)
-    mixers = [name for name, m in _mixer_layers(model).items()
-              if any((id(m), step) not in context.ran_mixers for step in required_steps(m))]
+    # A decode step's mixers run transformers' own recurrent step on the whole rows, as one process.
+    mixers = [name for name, m in _mixer_layers(model).items() if context.state is not None
+              and any((id(m), step) not in context.ran_mixers for step in required_steps(m))]
     if mixers:
         raise RuntimeError(
             f"a token mixer was bypassed: under context parallelism these layers of {type(model).__name__} "

@@ -13,7 +13,11 @@ layout from the context's state; packed rows: each document zigzag-sharded on it
 per document; otherwise the original, unchanged. The fused whole-layer GPU shortcuts are
 declined (they return None, as without a kernel), so the layer takes its split path.
 Each layer notes in the context every function that ran its CP path, so that the guard
-can check, after the forward, that none was bypassed.
+can check, after the forward, that none was bypassed. In a generation prefill under CP
+(``hf_ring.hf.generation``) a gated delta net's layer takes its cache: the delta rule returns
+each row's state after the row (its padding columns made to leave it as it is) and the
+convolution puts each row's last inputs together, which the generation's exit gives the
+cache; decode steps run the originals on whole rows.
 
 Owns: the runners, ``route_mixers``, ``required_steps``, ``head_inputs``. Must not import: Trainer, TRL,
 hf_ring's training or memory layers.
@@ -105,12 +109,14 @@ def head_inputs() -> dict:
 
 def run_layer(original, module: nn.Module, *args, **kwargs):
     """The mixer layer's forward; refuses a cache under CP or on packed rows (each rank's
-    cache would hold its shard's states only), and makes its context the active one."""
+    cache would hold its shard's states only), but a generation prefill's (its states over
+    the whole rows are handed to it: :func:`run_conv`, the delta rule's runner), and makes its
+    context the active one."""
     context = _routing(kwargs) or _CARRIED.get()
     if context is None:
         return original(module, *args, **kwargs)
     cache = kwargs.get("cache", kwargs.get("cache_params", args[1] if len(args) > 1 else None))
-    if cache is not None:
+    if cache is not None and context.generation is None:
         raise NotImplementedError(
             f"{type(module).__name__} got a cache {_where(context)}: a conv / recurrent state cache "
             "filled there holds only this rank's shard (or mixes documents). Pass use_cache=False"
@@ -164,11 +170,28 @@ def run_conv(original, hidden_states: torch.Tensor, weight: torch.Tensor, bias=N
     context, layer = active
     if context.state is not None:
         out = context_parallel_causal_conv1d(hidden_states, weight, bias, activation=activation, **_cp_args(context))
+        if context.generation is not None:
+            context.generation.conv_tails[layer] = _rows_tail(context, hidden_states, weight.shape[-1])
     else:
         out = _per_document(context, lambda s, e: original(hidden_states[..., s:e], weight, bias,
                                                            activation=activation), -1)
     context.ran_mixers.add((layer, "causal_conv1d_fn"))
     return out
+
+
+def _rows_tail(context: ForwardContext, x: torch.Tensor, width: int) -> torch.Tensor:
+    """A generation prefill's convolution state: each row's last ``width`` inputs, ``(batch,
+    channels, width)``, put together on every rank (one all-reduce: each column is held by
+    one rank, zero elsewhere; before a row's start, zero, as the model pads a short row). ``x``:
+    this rank's inputs ``(batch, channels, local_seq)``, whose columns the cache's step names."""
+    step = context.generation.cache.step
+    columns = step.columns.to(x.device)
+    tail = x.new_zeros((*x.shape[:2], width))
+    for row, length in enumerate(step.row_lengths.tolist()):
+        mine = (columns >= length - width) & (columns < length)
+        tail[row, :, columns[mine] - (length - width)] = x[row, :, mine]
+    torch.distributed.all_reduce(tail, group=context.state.cp_group)
+    return tail
 
 
 def _delta_rule_runner(name: str, what: str, cp_op: Callable) -> Callable:
@@ -186,7 +209,14 @@ def _delta_rule_runner(name: str, what: str, cp_op: Callable) -> Callable:
                             output_final_state=output_final_state,
                             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
         context, layer = active
-        _refuse_state(context, what, initial_state is not None or output_final_state)
+        prefill = context.generation is not None and name == "torch_chunk_gated_delta_rule"
+        _refuse_state(context, what, initial_state is not None or (output_final_state and not prefill))
+        if prefill:
+            # A generation prefill: each row's padding columns (behind its prompt) leave the state
+            # as it is (no decay, no write), so the state after the row is its prompt's.
+            valid = context.generation.cache.step.valid.to(g.device)  # (batch, local_seq)
+            g = g * valid.view(*valid.shape, *([1] * (g.dim() - 2)))
+            beta = beta * valid.view(*valid.shape, *([1] * (beta.dim() - 2)))
         if kwargs.get("cu_seqlens") is not None and context.doc_lens is None:
             raise NotImplementedError(
                 f"{what} got cu_seqlens {_where(context)} on a row hf_ring's guard did not validate as "
@@ -194,8 +224,12 @@ def _delta_rule_runner(name: str, what: str, cp_op: Callable) -> Callable:
                 "max_length_q/k and per-document position_ids)"
             )
         if context.state is not None:
-            out, _ = cp_op(query, key, value, g, beta, chunk_size=chunk_size,
-                           use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **_cp_args(context))
+            out, final = cp_op(query, key, value, g, beta, chunk_size=chunk_size,
+                               use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, output_final_state=prefill,
+                               **_cp_args(context))
+            if prefill:
+                context.ran_mixers.add((layer, name))
+                return out, final  # float32, as transformers' own chunked rule returns it
         else:
             out = _per_document(context, lambda s, e: original(
                 query[:, s:e], key[:, s:e], value[:, s:e], g=g[:, s:e], beta=beta[:, s:e], chunk_size=chunk_size,

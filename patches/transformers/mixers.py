@@ -64,7 +64,7 @@ class Route:
     head: Optional[str] = None
 
 
-_GDN = ("causal_conv1d_fn", "torch_chunk_gated_delta_rule")
+_GDN = GATED_DELTA_NET = ("causal_conv1d_fn", "torch_chunk_gated_delta_rule")
 _MAMBA2 = ("causal_conv1d_fn", "mamba2_chunk_scan")
 _MAMBA1 = ("causal_conv1d_fn", "mamba_selective_scan")
 _KDA = ("causal_conv1d_fn", "chunk_kimi_delta_attention")

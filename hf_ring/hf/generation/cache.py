@@ -25,12 +25,12 @@ Must not import: the Trainer, TRL, hf_ring's training or memory layers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 import torch
 import torch.distributed as dist
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 from hf_ring.patterns.cached import gathered_in_order
 
@@ -59,6 +59,8 @@ class CacheStep:
             queries attend; False (a prefill): it returns the incoming K/V, which the ring
             attends.
         length_after: the group's number of columns once this forward has run.
+        row_lengths: a prefill's real tokens per row, int64 ``(rows,)`` (they are its first
+            columns); None for a decode step.
     """
 
     columns: torch.Tensor
@@ -68,6 +70,7 @@ class CacheStep:
     next_positions: torch.Tensor
     decoding: bool
     length_after: int
+    row_lengths: Optional[torch.Tensor] = None
 
 
 @dataclass(frozen=True)
@@ -78,13 +81,16 @@ class Generation:
     then holds every entry) and, for a prefill, the columns whose hidden states the head
     reads: ``head_count`` of them from each row's ``head_start`` (int64 ``(rows,)``), put
     together on every rank after the forward; ``draws_refusal``: why a random draw on the
-    prefill's shards would not be one process's (its columns moved or padded), or None."""
+    prefill's shards would not be one process's (its columns moved or padded), or None;
+    ``conv_tails``: a hybrid model's prefill, each token mixer's convolution state over the
+    whole rows by the layer's id (``hf_ring.hf.mixers``), which the cache takes after it."""
 
     cache: "ShardedCache"
     group: Optional[dist.ProcessGroup]
     head_start: Optional[torch.Tensor] = None
     head_count: int = 0
     draws_refusal: Optional[str] = None
+    conv_tails: dict = field(default_factory=dict)
 
 
 class ShardedLayer(DynamicLayer):
@@ -219,14 +225,32 @@ class ShardedCache(Cache):
             )
         return self._step
 
+    def adopt_mixer_layers(self, template: Cache) -> None:
+        """A hybrid model's cache: ``template``'s layers (transformers' own, built from the
+        model's config), its token mixers' state layers kept as they are (every rank holds the
+        whole rows' states) and its attention layers sharded."""
+        self.layers = [ShardedLayer(self) if isinstance(layer, CacheLayerMixin) else layer for layer in template.layers]
+
+    def _sharded_layers(self) -> list["ShardedLayer"]:
+        return [layer for layer in self.layers if isinstance(layer, ShardedLayer)]
+
     def begin(self, step: CacheStep) -> None:
         """Tell the cache what the forward about to run brings. A forward that began and never
-        ended (it raised midway, some layers having stored their K/V) is undone first."""
+        ended (it raised midway, some layers having stored their K/V) is undone first; a token
+        mixer's state, updated in place, is undone only for a prefill (it starts from none)."""
         if self._step is not None:
-            del self.layers[len(self._counts):]
-            for layer, count in zip(self.layers, self._counts):
-                layer.keep_first(count)
-        self._step, self._counts = step, [layer.entry_count() for layer in self.layers]
+            mixers = [layer for layer in self.layers if not isinstance(layer, ShardedLayer)]
+            if mixers and self._step.decoding:
+                raise RuntimeError(
+                    "a decode step failed midway on a ShardedCache holding token-mixer states, which it "
+                    "updated in place and cannot take back; start the generation again from the prompt"
+                )
+            for layer in mixers:
+                layer.reset()
+            sharded = self._sharded_layers()
+            for layer, count in zip(sharded, self._counts + [0] * (len(sharded) - len(self._counts))):
+                layer.keep_first(count)  # a layer made during the failed forward keeps none
+        self._step, self._counts = step, [layer.entry_count() for layer in self._sharded_layers()]
 
     def end(self) -> None:
         """The forward ran: its tokens count."""
@@ -256,7 +280,7 @@ class ShardedCache(Cache):
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Store layer ``layer_idx``'s K/V ``(batch, n_kv_heads, n_in, head_dim)`` as this
         forward's :class:`CacheStep` says; returns what the layer's attention attends."""
-        while len(self.layers) <= layer_idx:
+        while len(self.layers) <= layer_idx:  # a model without token mixers: built on the way
             self.layers.append(ShardedLayer(self))
         return self.layers[layer_idx].update(key_states, value_states)
 
@@ -270,7 +294,7 @@ class ShardedCache(Cache):
 
     def gather(self, group: Optional[dist.ProcessGroup]) -> None:
         """Gather every layer's shares onto every rank, in column order (collective)."""
-        for layer in self.layers:
+        for layer in self._sharded_layers():
             layer._set_entries(layer.gather(group))
         self.gathered = True
 

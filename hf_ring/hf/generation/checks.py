@@ -21,7 +21,7 @@ from transformers.cache_utils import Cache
 
 from hf_ring.hf.generation.cache import ShardedCache
 from hf_ring.hf.support import handed_to_the_ring
-from hf_ring.patches.transformers.mixers import is_routed_layer
+from hf_ring.patches.transformers.mixers import GATED_DELTA_NET, is_routed_layer, route_of
 from hf_ring.patterns.state import ContextParallelState
 
 CACHE_NAMES = ("cache", "past_key_values")
@@ -47,7 +47,7 @@ def generation_under(state: ContextParallelState) -> str:
 
 def refuse_inputs(base: nn.Module, inputs: dict[str, Any], state: ContextParallelState) -> None:
     """Refuse what generation under CP does not compute exactly, naming it: gradients, attention
-    chunks, token mixers, packed rows, per-shard outputs, masks other than 2-D, per-token
+    chunks, token mixers other than gated delta nets, packed rows, per-shard outputs, masks other than 2-D, per-token
     inputs it does not know how to cut."""
     where = generation_under(state)
     if torch.is_grad_enabled() and any(p.requires_grad for p in base.parameters()):
@@ -61,13 +61,15 @@ def refuse_inputs(base: nn.Module, inputs: dict[str, Any], state: ContextParalle
             f"{where}: layers {sorted(chunks)} attend in chunks (Llama 4's attention_chunk_size), which decoding "
             "under CP does not compute; generate without CP: with hf_ring.context_parallel_suspended()"
         )
-    mixers = [name for name, m in base.named_modules() if is_routed_layer(m)]
+    # A gated delta net's states after a CP prefill are handed to decoding; other mixers' not yet.
+    mixers = [name for name, m in base.named_modules()
+              if is_routed_layer(m) and route_of(type(m)).runs != GATED_DELTA_NET]
     if mixers:
         raise NotImplementedError(
             f"{where}: {type(base).__name__} has token mixers ({', '.join(mixers[:3])}"
-            f"{', ...' if len(mixers) > 3 else ''}) "
-            "whose convolution and recurrent states after a CP prefill are not yet handed to decoding; generate "
-            "without CP: with hf_ring.context_parallel_suspended(): model.generate(...)"
+            f"{', ...' if len(mixers) > 3 else ''}: Mamba, short convolutions or Kimi delta attention) "
+            "whose convolution and recurrent states after a CP prefill are not yet handed to decoding (gated "
+            "delta nets' are); generate without CP: with hf_ring.context_parallel_suspended(): model.generate(...)"
         )
     if inputs.get("cu_seq_lens_q") is not None:
         raise NotImplementedError(

@@ -18,6 +18,10 @@ batch on every rank, not a shard (a training forward holds shards, and takes no 
   together from the ranks that hold them with one all-reduce, so every rank gets the logits
   one process gets. The ranks' random generators must agree (every rank samples the next
   token from its own).
+- **Hybrid models** (gated delta nets): the cache takes transformers' own state layers for
+  the mixers; the prefill's mixers (``hf_ring.hf.mixers``) hand over each row's recurrent
+  state and convolution inputs over the whole rows, which the exit writes into them; decode
+  steps run transformers' own recurrent step on every rank.
 - **Decode** (the cache holds the prompt): every rank holds the same new tokens and runs
   every layer on them; only attention spans the group, each rank attending its share of the
   cache (``hf_ring.hf.generation.attention``). The new tokens' K/V are kept in turn by
@@ -26,8 +30,8 @@ batch on every rank, not a shard (a training forward holds shards, and takes no 
   sampled apart would otherwise continue from different sequences.
 
 Refused by name, on every rank: a cache not made here or a static one, padding after a real
-token, packed rows, gradients, token mixers (their states after a CP prefill are not handed
-to decode yet), Llama 4's attention chunks, a random draw in a prefill whose columns were
+token, packed rows, gradients, token mixers other than gated delta nets (their states after
+a CP prefill are not handed to decode yet), Llama 4's attention chunks, a random draw in a prefill whose columns were
 moved or padded (training mode with dropout: they would not be one process's draws).
 
 Must not import: the Trainer, TRL, hf_ring's training or memory layers.
@@ -41,6 +45,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from transformers.cache_utils import DynamicCache
 
 from hf_ring.hf import sequence_features
 from hf_ring.hf.forward_context import CONTEXT_KWARG, REFUSED_KWARG, SHARDED_KWARG, ForwardContext, FullBatchShards
@@ -51,6 +56,7 @@ from hf_ring.hf.generation.checks import (
 )
 from hf_ring.hf.guard import bind_arguments
 from hf_ring.hf.support import handed_to_the_ring
+from hf_ring.patches.transformers.mixers import is_routed_layer
 from hf_ring.patterns.state import ContextParallelState, get_context_parallel_state
 from hf_ring.patterns.validation import check_agreement, inputs_digest
 from hf_ring.sharding.layouts import required_multiple, shard_indices
@@ -90,9 +96,12 @@ def _prefill(base: nn.Module, inputs: dict[str, Any], cache: ShardedCache, state
     next_positions = positions.gather(1, (lengths - 1)[:, None]).view(-1) + 1
     index = shard_indices(padded, state.cp_size, state.cp_rank, state.layout)  # (local,) columns
     local = positions[:, index]
+    if not cache.layers and any(is_routed_layer(m) for m in base.modules()):
+        # A hybrid model: its mixers' state layers as transformers builds them, beside sharded attention.
+        cache.adopt_mixer_layers(DynamicCache(config=base.config.get_text_config(decoder=True)))
     cache.begin(CacheStep(columns=index, positions=local, valid=index[None] < lengths[:, None],
                           keep=index < int(lengths.max()), next_positions=next_positions, decoding=False,
-                          length_after=length))
+                          length_after=length, row_lengths=lengths))
     out = {n: v for n, v in inputs.items() if n not in PER_TOKEN and n not in CACHE_NAMES}
     out.update({tokens_name: moved.index_select(1, index.to(device)), "position_ids": local.to(device),
                 cache_name: cache, "use_cache": True})
@@ -180,6 +189,10 @@ def _exit(base: nn.Module, args: tuple, kwargs: dict, output: Any):
         return None
     generation = context.generation
     index = generation.cache.step.columns  # (local,) this rank's columns
+    if generation.conv_tails:  # a hybrid model's prefill: its mixers' convolution states over the whole rows
+        for module in base.modules():
+            if id(module) in generation.conv_tails:
+                generation.cache.layers[module.layer_idx].conv_states[0].copy_(generation.conv_tails[id(module)])
     generation.cache.end()
     if generation.head_start is None:
         return None  # a decode step: every rank holds the same rows
