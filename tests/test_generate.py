@@ -8,7 +8,7 @@ a ``ShardedCache`` and decoded against every rank's share. Checked:
 
 - greedy tokens equal one process's, every rank, and the logits of every step within 1e-5
   (absolute; float32 attention over a few dozen keys is ~1e-7 off by summation order) for
-  Llama (GQA, 200 new tokens at cp 2), Qwen3 with a sliding window of 6 on its second layer
+  Llama (GQA, 300 new tokens at cp 2), Qwen3 with a sliding window of 6 on its second layer
   (the window crosses the shards and the cache forgets what it will not see again: each
   rank ends holding at most a window's entries of that layer), Qwen3-MoE and DeepSeek-V3
   (multi-head latent attention, value heads narrower than the keys), Gemma 2 (logit
@@ -19,12 +19,15 @@ a ``ShardedCache`` and decoded against every rank's share. Checked:
 - ``ShardedCache(decode="gathered")`` gives the same tokens and logits, and a prefill's
   cache put in order equals one process's ``DynamicCache``, keys and values, every layer;
 - Qwen3.5 (gated delta nets beside attention; transformers 5.24): the prefill's convolution
-  and recurrent states over the whole rows handed to decoding, at cp 2 and 4;
+  and recurrent states over the whole rows handed to decoding, at cp 2 and 4; LFM2 (short
+  convolutions) at cp 2;
 - a left-padded batch (the second row 4 tokens shorter) gives one process's tokens and
-  logits (Llama, Qwen3 with the window, Qwen3.5: each row's padding leaves its state as it is);
-- refused on every rank, by name: a mask with holes, a short convolution's state (LFM2), a
-  cache filled without hf_ring; and on every rank when one rank alone differs (its prompt, its
-  ``logits_to_keep``), none left waiting in a collective;
+  logits (Llama, Qwen3 with the window, Qwen3.5 and LFM2: each row's padding leaves its state
+  as it is);
+- refused on every rank, by name: a mask with holes, Mamba-2's states (Granite 4), left
+  padding beside mixers whose projections add a bias, a cache filled without hf_ring; and on
+  every rank when one rank alone differs (its prompt, its ``logits_to_keep``), none left
+  waiting in a collective;
 - a forward that raised midway leaves no entry behind in the cache it was filling.
 """
 
@@ -42,13 +45,21 @@ from model_sweep_configs import build_config
 
 CACHE = "cache" if Version(transformers.__version__) >= Version("5") else "past_key_values"
 PROMPT_LEN = {2: 13, 4: 29}
-NEW_TOKENS = {"llama": 200, "qwen3_window": 40, "qwen3_moe": 24, "deepseek_v3": 24, "gemma2": 24, "gpt_oss": 24,
-              "qwen3_5_text": 24}
-# Hybrid models generate under CP on transformers 5.24 (4.57 refuses their token mixers under CP).
-HYBRID = ["qwen3_5_text"] if Version(transformers.__version__) >= Version("5.24") else []
+NEW_TOKENS = {"llama": 300, "qwen3_window": 40, "qwen3_moe": 24, "deepseek_v3": 24, "gemma2": 24, "gpt_oss": 24,
+              "qwen3_5_text": 24, "lfm2": 24}
 TOL = 1e-5
+# Hybrid models generate under CP on transformers 5.24 (4.57 refuses their token mixers under CP).
+NEW = Version(transformers.__version__) >= Version("5.24")
+HYBRID = ["qwen3_5_text"] if NEW else []
 # Also generated from a left-padded batch (the second row 4 tokens shorter).
-PADDED = ("llama", "qwen3_window", "qwen3_5_text")
+PADDED = ("llama", "qwen3_window", "qwen3_5_text", "lfm2")
+# Softcapping (Gemma 2) and sinks (GPT-OSS) are computed by transformers' eager attention only.
+EAGER = ("gemma2", "gpt_oss")
+
+
+def _new_tokens(name: str, world: int) -> int:
+    """Llama decodes 300 tokens at cp 2; the world of 4 (4 processes on 2 cores) runs shorter."""
+    return min(NEW_TOKENS[name], 48) if world == 4 else NEW_TOKENS[name]
 
 
 def _config(name: str):
@@ -59,10 +70,6 @@ def _config(name: str):
     config.use_sliding_window, config.sliding_window, config.max_window_layers = True, 6, 1
     config.layer_types = ["full_attention", "sliding_attention"]  # layer 1 a window of 6 tokens
     return config
-
-
-# Softcapping (Gemma 2) and sinks (GPT-OSS) are computed by transformers' eager attention only.
-EAGER = ("gemma2", "gpt_oss")
 
 
 def _model(name: str, attn: str):
@@ -114,7 +121,7 @@ def _greedy_on_rank(rank: int, world: int, names: list[str]) -> dict:
     for name in names:
         model = _model(name, "ring_flash")
         prompt = _prompt(world, model.config.vocab_size)
-        out[name] = _generate(model, prompt, NEW_TOKENS[name])
+        out[name] = _generate(model, prompt, _new_tokens(name, world))
         if name in PADDED:
             out[name + "_padded"] = _generate(model, prompt, 24, _left_padded(prompt))
         if name == "qwen3_window":
@@ -173,13 +180,13 @@ def _filled_cache(model, prompt):
 
 
 @pytest.mark.parametrize("world,names", [(2, ["llama", "qwen3_window", "qwen3_moe", "deepseek_v3", "gemma2",
-                                              "gpt_oss", *HYBRID]),
-                                         (4, ["llama", "qwen3_window", *HYBRID])])
+                                              "gpt_oss", *HYBRID, *(["lfm2"] if NEW else [])]),
+                                         (4, ["llama", "qwen3_window", "qwen3_moe", "deepseek_v3", *HYBRID])])
 def test_generate_under_cp_is_one_process_generate(world, names):
     ranks = run_world(world, _greedy_on_rank, names)
     for name in names:
         reference = _model(name, "sdpa")
-        tokens, logits = _generate(reference, _prompt(world, reference.config.vocab_size), NEW_TOKENS[name])
+        tokens, logits = _generate(reference, _prompt(world, reference.config.vocab_size), _new_tokens(name, world))
         for rank, r in enumerate(ranks):
             got_tokens, got_logits = r[name]
             assert torch.equal(got_tokens, tokens), f"{name} rank {rank}: tokens differ"
@@ -220,21 +227,34 @@ def test_generate_under_cp_is_one_process_generate(world, names):
         assert "already holds tokens" in r["refusals"]["filled cache"], r["refusals"]
 
 
-def _hybrid_on_rank(rank: int, world: int) -> str:
+def _mixers_refused_on_rank(rank: int, world: int) -> dict:
     hf_ring.setup_context_parallel(world)
-    model = _model("lfm2", "ring_flash")
-    try:
-        model.generate(_prompt(world, model.config.vocab_size), max_new_tokens=2)
-    except NotImplementedError as e:
-        return str(e)
-    return "no error"
+    found = {}
+    granite = _model("granitemoehybrid", "ring_flash")
+    config = _config("lfm2")
+    config.conv_bias = True  # its projections add a bias, which one process feeds its left padding
+    torch.manual_seed(0)
+    biased = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    biased.set_attn_implementation("ring_flash")
+    prompt = _prompt(world, biased.config.vocab_size)
+    cases = {"mamba2": lambda: granite.generate(_prompt(world, granite.config.vocab_size), max_new_tokens=2),
+             "biased left padding": lambda: biased.generate(prompt, attention_mask=_left_padded(prompt),
+                                                            max_new_tokens=2)}
+    for what, call in cases.items():
+        try:
+            call()
+            found[what] = "no error"
+        except NotImplementedError as e:
+            found[what] = str(e)
+    return found
 
 
-@pytest.mark.skipif(Version(transformers.__version__) < Version("5"),
-                    reason="hf_ring's CP token mixers need transformers 5.24; 4.57 refuses such models under CP")
-def test_generate_refuses_mixers_whose_states_are_not_handed_over():
-    for message in run_world(2, _hybrid_on_rank):  # LFM2: short convolutions, no gated delta net
-        assert "token mixers" in message and "context_parallel_suspended" in message, message
+@pytest.mark.skipif(not NEW, reason="hf_ring's CP token mixers need transformers 5.24; 4.57 refuses them under CP")
+def test_generate_refuses_mixers_it_cannot_hand_over():
+    for found in run_world(2, _mixers_refused_on_rank):
+        assert "not yet handed to decoding" in found["mamba2"] and "context_parallel_suspended" in found["mamba2"], \
+            found
+        assert "add a bias" in found["biased left padding"], found
 
 
 def test_a_forward_that_failed_midway_is_undone():

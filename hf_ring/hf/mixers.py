@@ -14,10 +14,10 @@ per document; otherwise the original, unchanged. The fused whole-layer GPU short
 declined (they return None, as without a kernel), so the layer takes its split path.
 Each layer notes in the context every function that ran its CP path, so that the guard
 can check, after the forward, that none was bypassed. In a generation prefill under CP
-(``hf_ring.hf.generation``) a gated delta net's layer takes its cache: the delta rule returns
-each row's state after the row (its padding columns made to leave it as it is) and the
-convolution puts each row's last inputs together, which the generation's exit gives the
-cache; decode steps run the originals on whole rows.
+(``hf_ring.hf.generation``) a gated delta net's or a short convolution's layer takes its
+cache: the delta rule returns each row's state after the row (its padding columns made to
+leave it as it is) and the convolution puts each row's last inputs together, which the
+generation's exit gives the cache; decode steps run the originals on whole rows.
 
 Owns: the runners, ``route_mixers``, ``required_steps``, ``head_inputs``. Must not import: Trainer, TRL,
 hf_ring's training or memory layers.

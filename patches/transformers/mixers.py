@@ -68,6 +68,7 @@ _GDN = GATED_DELTA_NET = ("causal_conv1d_fn", "torch_chunk_gated_delta_rule")
 _MAMBA2 = ("causal_conv1d_fn", "mamba2_chunk_scan")
 _MAMBA1 = ("causal_conv1d_fn", "mamba_selective_scan")
 _KDA = ("causal_conv1d_fn", "chunk_kimi_delta_attention")
+SHORT_CONV = ("causal_conv1d_fn",)
 _M = "transformers.models."
 # Modeling module -> its token-mixer layer (transformers 5.24.0).
 ROUTES: dict[str, Route] = {
@@ -92,9 +93,9 @@ ROUTES: dict[str, Route] = {
         "FalconMambaMixer", _MAMBA1, ("mamba_inner_fn",), carrier="FalconMambaModel", head="FalconMambaForCausalLM"),
     _M + "jamba.modeling_jamba": Route("JambaMambaMixer", _MAMBA1, carrier="JambaMambaDecoderLayer"),
     _M + "zamba.modeling_zamba": Route("ZambaMambaMixer", _MAMBA1),
-    _M + "lfm2.modeling_lfm2": Route("Lfm2ShortConv", ("causal_conv1d_fn",)),
-    _M + "lfm2_moe.modeling_lfm2_moe": Route("Lfm2MoeShortConv", ("causal_conv1d_fn",)),
-    _M + "lfm3.modeling_lfm3": Route("Lfm3ShortConv", ("causal_conv1d_fn",)),
+    _M + "lfm2.modeling_lfm2": Route("Lfm2ShortConv", SHORT_CONV),
+    _M + "lfm2_moe.modeling_lfm2_moe": Route("Lfm2MoeShortConv", SHORT_CONV),
+    _M + "lfm3.modeling_lfm3": Route("Lfm3ShortConv", SHORT_CONV),
     _M + "kimi_linear.modeling_kimi_linear": Route("KimiLinearDeltaAttention", _KDA),
     _M + "bailing_hybrid.modeling_bailing_hybrid": Route("BailingHybridDeltaAttention", _KDA),
     _M + "glm5_next.modeling_glm5_next": Route("Glm5NextTextLinearAttention", _KDA),

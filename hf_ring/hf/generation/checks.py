@@ -21,10 +21,12 @@ from transformers.cache_utils import Cache
 
 from hf_ring.hf.generation.cache import ShardedCache
 from hf_ring.hf.support import handed_to_the_ring
-from hf_ring.patches.transformers.mixers import GATED_DELTA_NET, is_routed_layer, route_of
+from hf_ring.patches.transformers.mixers import GATED_DELTA_NET, SHORT_CONV, is_routed_layer, route_of
 from hf_ring.patterns.state import ContextParallelState
 
 CACHE_NAMES = ("cache", "past_key_values")
+# The token mixers whose states after a CP prefill are handed to decoding (hf_ring.hf.mixers).
+STATES_HANDED_OVER = (GATED_DELTA_NET, SHORT_CONV)
 TOKENS = ("input_ids", "inputs_embeds")
 # Inputs a prefill cuts along the sequence, or rebuilds; cache_position (4.57) is left out, and
 # the model numbers the shard from 0 as in a training forward (the ring and Llama 4's
@@ -47,8 +49,8 @@ def generation_under(state: ContextParallelState) -> str:
 
 def refuse_inputs(base: nn.Module, inputs: dict[str, Any], state: ContextParallelState) -> None:
     """Refuse what generation under CP does not compute exactly, naming it: gradients, attention
-    chunks, token mixers other than gated delta nets, packed rows, per-shard outputs, masks other than 2-D, per-token
-    inputs it does not know how to cut."""
+    chunks, token mixers whose states are not handed over (Mamba, Kimi delta attention), packed
+    rows, per-shard outputs, masks other than 2-D, per-token inputs it does not know how to cut."""
     where = generation_under(state)
     if torch.is_grad_enabled() and any(p.requires_grad for p in base.parameters()):
         raise NotImplementedError(
@@ -61,9 +63,8 @@ def refuse_inputs(base: nn.Module, inputs: dict[str, Any], state: ContextParalle
             f"{where}: layers {sorted(chunks)} attend in chunks (Llama 4's attention_chunk_size), which decoding "
             "under CP does not compute; generate without CP: with hf_ring.context_parallel_suspended()"
         )
-    # A gated delta net's states after a CP prefill are handed to decoding; other mixers' not yet.
     mixers = [name for name, m in base.named_modules()
-              if is_routed_layer(m) and route_of(type(m)).runs != GATED_DELTA_NET]
+              if is_routed_layer(m) and route_of(type(m)).runs not in STATES_HANDED_OVER]
     if mixers:
         raise NotImplementedError(
             f"{where}: {type(base).__name__} has token mixers ({', '.join(mixers[:3])}"
@@ -88,6 +89,21 @@ def refuse_inputs(base: nn.Module, inputs: dict[str, Any], state: ContextParalle
              and tuple(v.shape[:2]) == tuple(tokens.shape[:2])]
     if extra:
         raise NotImplementedError(f"{where}: per-token inputs {extra} are not cut along the sequence; not supported")
+
+
+def refuse_left_padding_into_mixers(base: nn.Module, where: str) -> None:
+    """Left padding beside token mixers is exact where a padding token feeds them zeros (the
+    model zeroes its hidden states, and no projection adds a bias): one process's mixers then
+    start each row from the state they start it from alone, which is what hf_ring's prefill
+    computes. A bias inside a mixer layer would feed them something else: refused."""
+    biased = [name for name, m in base.named_modules() if is_routed_layer(m)
+              and any(isinstance(sub, nn.Linear) and sub.bias is not None for sub in m.modules())]
+    if biased:
+        raise NotImplementedError(
+            f"{where}: left-padded rows beside token mixers whose projections add a bias ({biased[0]}, ...): one "
+            "process feeds their padding the bias, which hf_ring's prefill does not reproduce; generate prompts of "
+            "one length"
+        )
 
 
 def prompt_positions(inputs: dict[str, Any], rows: int, length: int, where: str) -> torch.Tensor:

@@ -18,7 +18,7 @@ batch on every rank, not a shard (a training forward holds shards, and takes no 
   together from the ranks that hold them with one all-reduce, so every rank gets the logits
   one process gets. The ranks' random generators must agree (every rank samples the next
   token from its own).
-- **Hybrid models** (gated delta nets): the cache takes transformers' own state layers for
+- **Hybrid models** (gated delta nets, short convolutions): the cache takes transformers' own state layers for
   the mixers; the prefill's mixers (``hf_ring.hf.mixers``) hand over each row's recurrent
   state and convolution inputs over the whole rows, which the exit writes into them; decode
   steps run transformers' own recurrent step on every rank.
@@ -30,9 +30,10 @@ batch on every rank, not a shard (a training forward holds shards, and takes no 
   sampled apart would otherwise continue from different sequences.
 
 Refused by name, on every rank: a cache not made here or a static one, padding after a real
-token, packed rows, gradients, token mixers other than gated delta nets (their states after
-a CP prefill are not handed to decode yet), Llama 4's attention chunks, a random draw in a prefill whose columns were
-moved or padded (training mode with dropout: they would not be one process's draws).
+token, packed rows, gradients, Mamba and Kimi delta attention mixers (their states after a
+CP prefill are not handed to decode yet), left padding beside mixers with biased
+projections, Llama 4's attention chunks, a random draw in a prefill whose columns were moved
+or padded (training mode with dropout: they would not be one process's draws).
 
 Must not import: the Trainer, TRL, hf_ring's training or memory layers.
 """
@@ -52,7 +53,7 @@ from hf_ring.hf.forward_context import CONTEXT_KWARG, REFUSED_KWARG, SHARDED_KWA
 from hf_ring.hf.generation.cache import DECODE_MODES, CacheStep, Generation, ShardedCache
 from hf_ring.hf.generation.checks import (
     CACHE_NAMES, PER_TOKEN, TOKENS, cache_name, check_decode_inputs, empty_sharded, generation_under, head_columns,
-    prompt_positions, refuse_inputs, row_lengths,
+    prompt_positions, refuse_inputs, refuse_left_padding_into_mixers, row_lengths,
 )
 from hf_ring.hf.guard import bind_arguments
 from hf_ring.hf.support import handed_to_the_ring
@@ -80,6 +81,8 @@ def _prefill(base: nn.Module, inputs: dict[str, Any], cache: ShardedCache, state
     device = tokens.device
     lengths = row_lengths(inputs, rows, length, where)  # (rows,) on the CPU
     pads = length - lengths
+    if bool(pads.any()):
+        refuse_left_padding_into_mixers(base, where)
     # Each row's left padding moves behind its prompt (right padding: invisible to the real
     # tokens under causal attention, so the ring needs no mask), and the batch is padded on
     # the right to the layout's multiple. Source column of each moved column, (rows, padded):
