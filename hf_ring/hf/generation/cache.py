@@ -30,11 +30,14 @@ from typing import Any, Literal, Optional
 
 import torch
 import torch.distributed as dist
+from transformers import cache_utils
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 from hf_ring.patterns.cached import gathered_in_order
 
 DECODE_MODES = ("sharded", "gathered")
+# Token-mixer state layers (transformers 5.x; 4.57 has none, and refuses token mixers under CP).
+_MIXER_STATES = getattr(cache_utils, "LinearAttentionCacheLayerMixin", ())
 
 
 @dataclass(frozen=True)
@@ -228,7 +231,14 @@ class ShardedCache(Cache):
     def adopt_mixer_layers(self, template: Cache) -> None:
         """A hybrid model's cache: ``template``'s layers (transformers' own, built from the
         model's config), its token mixers' state layers kept as they are (every rank holds the
-        whole rows' states) and its attention layers sharded."""
+        whole rows' states) and its attention layers sharded; a layer holding both is refused."""
+        both = [i for i, layer in enumerate(template.layers)
+                if isinstance(layer, CacheLayerMixin) and isinstance(layer, _MIXER_STATES)]
+        if both:
+            raise NotImplementedError(
+                f"generation under context parallelism: layers {both} of this model's cache hold both attention "
+                "K/V and token-mixer states, which the ShardedCache does not split; generate without CP"
+            )
         self.layers = [ShardedLayer(self) if isinstance(layer, CacheLayerMixin) else layer for layer in template.layers]
 
     def _sharded_layers(self) -> list["ShardedLayer"]:
