@@ -129,8 +129,8 @@ class ShardedLayer(DynamicLayer):
             self.columns = step.columns[:0].to(device)
             self.positions, self.valid = step.positions[:, :0].to(device), step.valid[:, :0].to(device)
             self.device, self.is_initialized = device, True
-        keep = step.keep.to(device)
-        if bool(keep.any()):
+        if bool(step.keep.any()):  # the step's tensors live on the CPU: no device sync
+            keep = step.keep.to(device)
             incoming = [key_states[..., keep, :], value_states[..., keep, :], step.columns.to(device)[keep],
                         step.positions.to(device)[:, keep], step.valid.to(device)[:, keep]]
             self._set_entries([torch.cat([old, new], dim=-2 if old.dim() == 4 else -1)
