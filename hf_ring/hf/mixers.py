@@ -168,6 +168,13 @@ def run_conv(original, hidden_states: torch.Tensor, weight: torch.Tensor, bias=N
     if active is None:
         return original(hidden_states, weight, bias, activation=activation, **kwargs)
     context, layer = active
+    if context.generation is not None and hidden_states.shape[-1] != context.generation.cache.step.columns.numel():
+        # The cache padded a shard shorter than the kernel on its left (every rank alike: all raise).
+        raise NotImplementedError(
+            f"a convolution of width {weight.shape[-1]} under generation {_where(context)} got a shard of "
+            f"{context.generation.cache.step.columns.numel()} tokens, shorter than its width; generate from a "
+            "longer prompt or with fewer ranks"
+        )
     if context.state is not None:
         out = context_parallel_causal_conv1d(hidden_states, weight, bias, activation=activation, **_cp_args(context))
         if context.generation is not None:
