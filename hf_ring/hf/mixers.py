@@ -42,6 +42,7 @@ from hf_ring.mixers import (
     context_parallel_ssd,
 )
 from hf_ring.patches.transformers.mixers import is_routed_layer, mark_routed, route, route_of
+from hf_ring.patterns.cached import columns_of_rows
 
 # The routed layer running now and its context (set only for the layer's call).
 _ACTIVE: ContextVar[Optional[tuple[ForwardContext, int]]] = ContextVar("hf_ring_mixer_layer", default=None)
@@ -192,13 +193,8 @@ def _rows_tail(context: ForwardContext, x: torch.Tensor, width: int) -> torch.Te
     one rank, zero elsewhere; before a row's start, zero, as the model pads a short row). ``x``:
     this rank's inputs ``(batch, channels, local_seq)``, whose columns the cache's step names."""
     step = context.generation.cache.step
-    columns = step.columns.to(x.device)
-    tail = x.new_zeros((*x.shape[:2], width))
-    for row, length in enumerate(step.row_lengths.tolist()):
-        mine = (columns >= length - width) & (columns < length)
-        tail[row, :, columns[mine] - (length - width)] = x[row, :, mine]
-    torch.distributed.all_reduce(tail, group=context.state.cp_group)
-    return tail
+    tail = columns_of_rows(x.transpose(1, 2), step.columns, step.row_lengths - width, width, context.state.cp_group)
+    return tail.transpose(1, 2)
 
 
 def _delta_rule_runner(name: str, what: str, cp_op: Callable) -> Callable:

@@ -44,7 +44,6 @@ import math
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from transformers.cache_utils import DynamicCache
 
@@ -58,6 +57,7 @@ from hf_ring.hf.generation.checks import (
 from hf_ring.hf.guard import bind_arguments
 from hf_ring.hf.support import handed_to_the_ring
 from hf_ring.patches.transformers.mixers import is_routed_layer
+from hf_ring.patterns.cached import columns_of_rows
 from hf_ring.patterns.state import ContextParallelState, get_context_parallel_state
 from hf_ring.patterns.validation import check_agreement, inputs_digest
 from hf_ring.sharding.layouts import required_multiple, shard_indices
@@ -206,14 +206,9 @@ def _exit(base: nn.Module, args: tuple, kwargs: dict, output: Any):
             f"{generation_under(context.state)}: the ranks' random generators differ (CP ranks "
             f"{[r for r, d in enumerate(digests) if d != digests[0]]} against rank 0); {_HINT}"
         )
-    hidden = output.last_hidden_state  # (rows, local, hidden)
-    picked = hidden.new_zeros((hidden.shape[0], generation.head_count, *hidden.shape[2:]))
-    for row, start in enumerate(generation.head_start.tolist()):
-        mine = (index >= start) & (index < start + generation.head_count)
-        picked[row, index[mine] - start] = hidden[row, mine.to(hidden.device)]
-    # Each row is held by one rank and is zero on the others: the sum is exact.
-    dist.all_reduce(picked, op=dist.ReduceOp.SUM, group=generation.group)
-    output.last_hidden_state = picked
+    # (rows, local, hidden) -> (rows, head_count, hidden) on every rank
+    output.last_hidden_state = columns_of_rows(output.last_hidden_state, index, generation.head_start,
+                                               generation.head_count, generation.group)
     if generation.cache.decode == "gathered":
         generation.cache.gather(generation.group)
     return output

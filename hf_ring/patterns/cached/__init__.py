@@ -7,6 +7,6 @@ layers.
 """
 
 from hf_ring.patterns.cached.decode import cached_attention, visible_entries
-from hf_ring.patterns.cached.gather import gathered_in_order
+from hf_ring.patterns.cached.gather import columns_of_rows, gathered_in_order
 
-__all__ = ["cached_attention", "gathered_in_order", "visible_entries"]
+__all__ = ["cached_attention", "columns_of_rows", "gathered_in_order", "visible_entries"]

@@ -60,3 +60,29 @@ def gathered_in_order(
         whole = torch.cat([parts[r].narrow(dim, 0, n) for r, n in enumerate(counts)], dim=dim)
         out.append(whole.index_select(dim, order.to(whole.device)))
     return out, every_key[order]
+
+
+def columns_of_rows(
+    x: torch.Tensor, columns: torch.Tensor, starts: torch.Tensor, count: int, group: Optional[dist.ProcessGroup]
+) -> torch.Tensor:
+    """Each row's ``count`` columns from ``starts[row]`` on, put together on every rank of
+    ``group`` with one all-reduce: each column is held by one rank and zero on the others,
+    so the sum is exact; a column no rank holds (before a row's start) stays zero.
+
+    Args:
+        x: ``(rows, local_seq, ...)``, this rank's columns along dim 1.
+        columns: int64 ``(local_seq,)``, the column of each of them.
+        starts: int64 ``(rows,)``, each row's first wanted column (may be negative).
+        count: how many columns per row.
+        group: the group holding the other columns.
+
+    Returns:
+        ``(rows, count, ...)``, the same on every rank.
+    """
+    columns = columns.to(x.device)
+    picked = x.new_zeros((x.shape[0], count, *x.shape[2:]))
+    for row, start in enumerate(starts.tolist()):
+        mine = (columns >= start) & (columns < start + count)
+        picked[row, columns[mine] - start] = x[row, mine]
+    dist.all_reduce(picked, op=dist.ReduceOp.SUM, group=group)
+    return picked
