@@ -10,15 +10,20 @@ import sys
 
 import pytest
 from subprocess_limits import HANG_GUARD_S
+import warm_launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _check_run(cmd: list[str]) -> subprocess.CompletedProcess:
+    proc = warm_launch.run(cmd, dict(os.environ), ROOT, HANG_GUARD_S)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+    return proc
+
+
 def _run(script: str, out: str) -> None:
-    subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", script), "--quick", "--cp-sizes", "1", "2", "--out", out],
-        check=True, cwd=ROOT, timeout=HANG_GUARD_S,
-    )
+    _check_run([sys.executable, os.path.join(ROOT, "benchmarks", script), "--quick", "--cp-sizes", "1", "2",
+                "--out", out])
 
 
 def test_memory_scaling_quick(tmp_path):
@@ -50,8 +55,7 @@ def test_hybrid_step_quick(tmp_path):
     Qwen3.5 and LFM2). One family keeps this smoke test short: the script's code is
     the same for each."""
     script = os.path.join(ROOT, "benchmarks", "hybrid_step.py")
-    subprocess.run([sys.executable, script, "--quick", "--families", "qwen3_5_text", "--out", str(tmp_path)],
-                   check=True, cwd=ROOT, timeout=HANG_GUARD_S)
+    _check_run([sys.executable, script, "--quick", "--families", "qwen3_5_text", "--out", str(tmp_path)])
     result = json.loads((tmp_path / "hybrid_step.json").read_text())
     assert (tmp_path / "hybrid_step.png").stat().st_size > 0
     rows = {(r["family"], r["cp"], r["mixer_impl"]): r for r in result["rows"]}

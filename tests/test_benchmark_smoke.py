@@ -17,7 +17,6 @@ import importlib.util
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
@@ -26,6 +25,7 @@ import torch
 from closeness import rel_err
 from reference_attention import full_attention
 from subprocess_limits import HANG_GUARD_S
+import warm_launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REQUIRED = {"layout", "cp", "seq_per_rank", "pass", "efficiency"}
@@ -34,7 +34,7 @@ REQUIRED = {"layout", "cp", "seq_per_rank", "pass", "efficiency"}
 def test_ring_efficiency_tiny_json():
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "ring_efficiency.py"), "--tiny", "--json",
            "--threads", "1", "--clock", "process"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_GUARD_S, cwd=ROOT)
+    proc = warm_launch.run(cmd, dict(os.environ), ROOT, HANG_GUARD_S)
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
     assert {(r["layout"], r["pass"]) for r in rows} == {
@@ -88,7 +88,7 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     time it will get is scarce, so its own code must be known to run before it gets there."""
     out = tmp_path / "gpu_check.json"
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "gpu_check.py"), "--dry-run-cpu", "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_GUARD_S, cwd=ROOT)
+    proc = warm_launch.run(cmd, dict(os.environ), ROOT, HANG_GUARD_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     names = ("flash_attn_3", "flash_attn_4", "torch_cudnn", "flash_attn", "torch_flash", "torch_efficient")

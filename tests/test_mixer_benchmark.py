@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 from subprocess_limits import HANG_GUARD_S
+import warm_launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_mixer_efficiency_tiny_json():
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "mixer_efficiency.py"), "--tiny", "--json",
            "--threads", "1", "--clock", "process"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_GUARD_S, cwd=ROOT)
+    proc = warm_launch.run(cmd, dict(os.environ), ROOT, HANG_GUARD_S)
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
     assert sorted((r["mixer"], r["layout"], r["pass"]) for r in rows) == sorted(

@@ -12,11 +12,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 
 import torch
 from subprocess_limits import HANG_GUARD_S
+import warm_launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # --tiny: 4 query / 2 KV heads, head_dim 16, float32, 32 tokens per rank, batch 1.
@@ -48,7 +48,7 @@ def expected_bytes(pattern: str, cp: int, pass_: str) -> int:
 def test_pattern_efficiency_tiny_json():
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "pattern_efficiency.py"), "--tiny", "--json",
            "--threads", "1", "--clock", "process"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_GUARD_S, cwd=ROOT)
+    proc = warm_launch.run(cmd, dict(os.environ), ROOT, HANG_GUARD_S)
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
     timed = [r for r in rows if "skipped" not in r]

@@ -22,7 +22,6 @@ import json
 import math
 import os
 import re
-import subprocess
 import sys
 
 import pytest
@@ -33,6 +32,7 @@ from packaging.version import Version
 from distributed import free_port
 from subprocess_limits import HANG_GUARD_S
 from tensor_parallel_loading import NEEDS_TP
+import warm_launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "finetune_llama_long.py")
@@ -58,7 +58,7 @@ def _run(nproc: int, script: list[str], launch: tuple[str, ...] = ("--multi_gpu"
         cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch, "--num_processes", str(nproc),
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                "--main_process_port", str(free_port()), *script]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=HANG_GUARD_S)
+    proc = warm_launch.run(cmd, env, ROOT, HANG_GUARD_S)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{log[-6000:]}"
     return log

@@ -40,6 +40,7 @@ from test_trainer_cp import COMMON, EXAMPLE, ROOT, STEPS, _assert_same, _eval_lo
 from closeness import grads_rel_err
 from distributed import free_port, run_world
 from subprocess_limits import HANG_GUARD_S
+import warm_launch
 
 TRANSFORMERS_5 = Version(transformers.__version__) >= Version("5")
 needs_transformers_5 = pytest.mark.skipif(
@@ -72,7 +73,7 @@ def _accelerate_fsdp(nproc: int) -> list[str]:
 
 
 def _run(cmd: list[str]) -> str:
-    proc = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
+    proc = warm_launch.run(cmd, _env(), ROOT, TIMEOUT_S)
     log = proc.stdout + proc.stderr
     _check(proc, cmd, log)
     return log
@@ -84,16 +85,16 @@ def _run_two_nodes(script: list[str]) -> list[str]:
     cmds = [[sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
              "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(port), *script]
             for node in (0, 1)]
-    procs = [subprocess.Popen(c, env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for c in cmds]
+    launches = [warm_launch.Launch(c, _env(), ROOT) for c in cmds]
     logs = []
-    for cmd, proc in zip(cmds, procs):
+    for cmd, launch in zip(cmds, launches):
         try:
-            log, _ = proc.communicate(timeout=TIMEOUT_S)
+            proc = launch.wait(TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
+            for other in launches:
+                other.kill()
             raise
+        log = proc.stdout + proc.stderr
         _check(proc, cmd, log)
         logs.append(log)
     return logs

@@ -32,7 +32,6 @@ import json
 import math
 import os
 import re
-import subprocess
 import sys
 
 import pytest
@@ -40,6 +39,7 @@ import torch
 from distributed import free_port
 from test_trainer_cp import COMMON, REL_TOL, STEPS  # the same runs as the DDP parity tests
 from subprocess_limits import HANG_GUARD_S
+import warm_launch
 
 pytest.importorskip("deepspeed")
 
@@ -74,7 +74,7 @@ def _launch(nproc: int, out_dir: str, args: list[str], launcher: str = "accelera
     os.makedirs(extensions, exist_ok=True)
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false", TORCH_EXTENSIONS_DIR=extensions)
     cmd = _command(nproc, launcher, [RUNNER, dump, "--output_dir", out_dir, *COMMON, *args])
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=HANG_GUARD_S)
+    proc = warm_launch.run(cmd, env, ROOT, HANG_GUARD_S)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{log[-6000:]}"
     ranks = re.findall(rf"\[hf_ring\] rank (\d+)/{nproc} \(dist_backend", log)
