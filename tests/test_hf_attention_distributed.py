@@ -161,8 +161,9 @@ def _rank_main(rank: int, world: int, cases: dict, packed: dict) -> dict:
     hf_ring.setup_context_parallel(world)
     result = {family: _dense_on_rank(case, rank, world) for family, case in cases.items()}
     result["packed"] = {family: _packed_on_rank(case, rank, world) for family, case in packed.items()}
-    hf_ring.setup_context_parallel(world, pattern="allgather")
-    result["packed_allgather"] = {family: _packed_on_rank(case, rank, world) for family, case in packed.items()}
+    for pattern in ("allgather", "ulysses"):
+        hf_ring.setup_context_parallel(world, pattern=pattern)
+        result[f"packed_{pattern}"] = {family: _packed_on_rank(case, rank, world) for family, case in packed.items()}
     hf_ring.setup_context_parallel(world)
     if world == 2:
         result["checkpointed"] = _dense_on_rank(cases["llama"], rank, world, checkpointing=True)
@@ -236,7 +237,7 @@ def test_gradient_checkpointing_recomputes_the_ring():
     assert max(errors.values()) <= TOL, errors
 
 
-@pytest.mark.parametrize("pattern", ["ring", "allgather"])
+@pytest.mark.parametrize("pattern", ["ring", "allgather", "ulysses"])
 @pytest.mark.parametrize("family", PACKED_CASES)
 def test_packed_rows_match_each_document_alone(world_run, family, pattern):
     world, _, packed, ranks = world_run

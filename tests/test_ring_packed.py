@@ -1,5 +1,5 @@
-"""Packed rows under the ring and the all-gather pattern: documents of uneven lengths, each
-zigzag-sharded on its own, against float64 attention computed document by document.
+"""Packed rows under the ring, all-gather and Ulysses patterns: documents of uneven lengths,
+each zigzag-sharded on its own, against float64 attention computed document by document.
 
 Each document is padded at its end to a multiple of 2 * cp_size (as the collator does).
 Padding sits after the document's real tokens, so under the causal mask no real query
@@ -84,6 +84,9 @@ def _per_document_reference(q, k, v, dout, cu, lens):
     (1, RUN_LENS, "auto", "ring"), (4, RUN_LENS, "auto", "ring"), (1, RUN_LENS, "reference", "ring"),
     # The all-gather pattern: every rank's K/V gathered, each chunk against its document's prefix.
     (3, REAL_LENS, "reference", "allgather"), (4, RUN_LENS, "auto", "allgather"),
+    # Ulysses: the row put back in order for this rank's heads, each document alone (K/V heads
+    # repeated at cp 4: 2 K/V heads over 4 ranks).
+    (2, REAL_LENS, "reference", "ulysses"), (4, RUN_LENS, "auto", "ulysses"),
 ])
 def test_packed_ring_matches_per_document_attention(world, lens, backend, pattern):
     cu, real, q, k, v, dout = _inputs(world, lens)
@@ -163,3 +166,12 @@ def test_allgather_on_packed_rows_runs_a_few_large_calls_per_run_of_documents():
         assert calls.count(True) == runs and calls.count(False) == (runs if rank == 0 else 2 * runs), (rank, calls)
     got = unshard_packed(outs, cu, dim=0).index_select(0, real)
     assert rel_err(got, reference["out"].index_select(0, real)) <= 1e-12
+
+
+def test_hybrid_refuses_packed_rows_naming_the_patterns_that_run_them():
+    from hf_ring.patterns.build import build_plan
+
+    with pytest.raises(NotImplementedError, match="use pattern='ring', 'allgather', 'ulysses' or 'auto'"):
+        build_plan(pattern="hybrid", ulysses_size=2, group=None, rank=0, world=4, layout="zigzag", causal=True,
+                   scale=0.25, backend="reference", device=torch.device("cpu"), dtype=torch.float32, n_heads=4,
+                   n_kv_heads=2, head_dim=16, seq=64, local_doc_lens=(8, 8))

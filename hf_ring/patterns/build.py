@@ -112,7 +112,7 @@ def build_plan(
         value_head_dim: the v heads' size when it differs (multi-head latent attention):
             every kernel then runs on zero-padded heads (``kernels.value_heads``), exactly.
         seq: the full sequence's length in tokens (packed: the row's).
-        local_doc_lens: packed rows, each document's local length; ring and all-gather.
+        local_doc_lens: packed rows, each document's local length; ring, all-gather and Ulysses.
         local_world_size, first_rank, rank_stride: ``auto`` only, processes per node
             (default: the group is inside one node), the CP group's first global rank and
             how far apart its global ranks are (the TP size).
@@ -135,12 +135,14 @@ def build_plan(
     if world == 1:
         return _build("ring", None, **common)  # one process: the ring's single step, local attention
     if local_doc_lens is not None:
-        if pattern not in ("ring", "allgather", "auto"):
+        if pattern not in ("ring", "allgather", "ulysses", "auto"):
             raise NotImplementedError(
-                f"packed rows run the ring and all-gather patterns (their per-document schedule), not "
-                f"pattern={pattern!r}; use pattern='ring', 'allgather' or 'auto' with packing")
-        if pattern == "allgather":
-            return _build("allgather", None, **common)
+                f"packed rows run the ring, all-gather and Ulysses patterns (a per-document schedule), not "
+                f"pattern={pattern!r}: the hybrid's ring across Ulysses groups would need each group to hold "
+                "whole zigzag pieces of every document; use pattern='ring', 'allgather', 'ulysses' or 'auto' "
+                "with packing")
+        if pattern in ("allgather", "ulysses"):
+            return _build(pattern, None, **common)
         plan = _build("ring", None, **common)
         choice = PatternChoice("ring", None, f"packed rows ({len(local_doc_lens)} documents): the ring's "
                                              "per-document schedule, the one pattern that runs them")
@@ -182,11 +184,13 @@ def _build(pattern: str, ulysses_size: Optional[int], *, group, rank, world, lay
                              collectives=collectives or GroupCollectives(group, comm_stats), **settings)
     if pattern == "ulysses":
         # Every rank attends the whole sequence (in its global order) for its heads: one process's plan.
-        inner = AttentionPlan(None, 0, 1, "contiguous", causal, scale, kernel, window=window, softcap=softcap,
-                              chunk=chunk, spans=spans)
+        # Packed: the documents' whole lengths, in the row's order (the row is put back in it).
+        inner = AttentionPlan(None, 0, 1, "zigzag" if local_doc_lens else "contiguous", causal, scale, kernel,
+                              window=window, softcap=softcap, chunk=chunk, spans=spans,
+                              local_doc_lens=local_doc_lens and tuple(n * world for n in local_doc_lens))
         return AttentionPlan(group, rank, world, layout, causal, scale, kernel, pattern=pattern, need_lse=need_lse,
                              collectives=collectives or GroupCollectives(group, comm_stats), inner=inner,
-                             **settings)
+                             local_doc_lens=local_doc_lens, **settings)
     groups = hybrid_groups(group, ulysses_size)
     inner = hybrid_ring_plan(groups, seq, layout, causal, scale, kernel, window, softcap, comm_stats, chunk, spans)
     return AttentionPlan(group, rank, world, layout, causal, scale, kernel, pattern=pattern,

@@ -49,7 +49,7 @@ def run_plan(
         return allgather_attention(q, k, v, plan, plan.collectives, sinks)
     if plan.pattern == "ulysses":
         return ulysses_attention(q, k, v, plan.inner, plan.collectives, plan.layout, 0, plan.world, sinks,
-                                 need_lse=plan.need_lse)
+                                 need_lse=plan.need_lse, local_doc_lens=plan.local_doc_lens)
     return hybrid_attention(q, k, v, plan, sinks)
 
 

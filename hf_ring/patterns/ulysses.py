@@ -10,7 +10,9 @@ backward: autograd composes them (collectives.all_to_all).
 Pure Ulysses (a group of all ranks) attends the full sequence in its global order; the
 hybrid pattern (hybrid.py) takes a Ulysses group's tokens in the order of a ring across
 the groups. :func:`seq_to_heads` therefore reorders the received tokens to ``target``
-positions, which the caller chooses.
+positions, which the caller chooses. A packed row (pure Ulysses) is put in the row's
+order too, its documents' zigzag pieces back in place, and one process's packed schedule
+runs each document alone over its whole length.
 
 Heads: ``n_heads`` must be a multiple of ``U``. K/V heads are split the same way when
 ``n_kv_heads`` is a multiple of ``U``; when it is smaller and divides ``U``, each K/V head
@@ -31,6 +33,7 @@ from hf_ring.distributed.collectives import Collectives, all_to_all
 from hf_ring.patterns.plan import AttentionPlan
 from hf_ring.patterns.ring.attention import ring_attention
 from hf_ring.sharding.layouts import shard_indices
+from hf_ring.sharding.packed import packed_shard_indices
 
 
 def kv_repeat(n_heads: int, n_kv_heads: int, degree: int, pattern: str = "ulysses") -> int:
@@ -52,12 +55,17 @@ def kv_repeat(n_heads: int, n_kv_heads: int, degree: int, pattern: str = "ulysse
     )
 
 
-def _orders(seq: int, world: int, ranks: tuple[int, ...], layout: str,
-            target: tuple[int, int, str]) -> tuple[torch.Tensor, torch.Tensor]:
+def _orders(seq: int, world: int, ranks: tuple[int, ...], layout: str, target: tuple[int, int, str],
+            doc_lens: Optional[tuple[int, ...]] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(perm, inverse)`` int64 CPU tensors: the tokens of ``ranks`` (concatenated in that
-    order, each sharded by ``layout`` over ``world``) taken in the order of
+    order, each sharded by ``layout`` over ``world``; a packed row of documents of
+    ``doc_lens`` tokens: each document zigzag-sharded on its own) taken in the order of
     ``shard_indices(seq, *target)``, and back."""
-    held = torch.cat([shard_indices(seq, world, r, layout) for r in ranks])
+    if doc_lens is None:
+        held = torch.cat([shard_indices(seq, world, r, layout) for r in ranks])
+    else:
+        bounds = torch.tensor([0, *doc_lens]).cumsum(0)
+        held = torch.cat([packed_shard_indices(bounds, world, r) for r in ranks])
     want = shard_indices(seq, *target)
     sorted_pos, where = torch.sort(held)
     perm = where[torch.searchsorted(sorted_pos, want)]
@@ -77,10 +85,10 @@ ORDERS_CACHE_SHAPES = 16
 
 @functools.lru_cache(maxsize=ORDERS_CACHE_SHAPES)
 def orders(seq: int, world: int, ranks: tuple[int, ...], layout: str, target: tuple[int, int, str],
-           device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+           device: torch.device, doc_lens: Optional[tuple[int, ...]] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_orders` on ``device``, kept for the ``ORDERS_CACHE_SHAPES`` most recently used
     shapes (no copy on the hot path)."""
-    return tuple(t.to(device) for t in _orders(seq, world, ranks, layout, target))
+    return tuple(t.to(device) for t in _orders(seq, world, ranks, layout, target, doc_lens))
 
 
 def _take(x: torch.Tensor, dim: int, order: Optional[torch.Tensor]) -> torch.Tensor:
@@ -137,7 +145,7 @@ def exchange_inputs(
 def ulysses_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan, coll: Collectives,
     layout: str, first_rank: int, world: int, sinks: Optional[torch.Tensor] = None, pattern: str = "ulysses",
-    need_lse: bool = True,
+    need_lse: bool = True, local_doc_lens: Optional[tuple[int, ...]] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Ulysses over the group ``coll`` (ranks ``first_rank .. first_rank + U - 1`` of a
     context-parallel group of ``world`` ranks sharded by ``layout``), attention by ``plan``.
@@ -151,6 +159,10 @@ def ulysses_attention(
             with explicit ``positions`` takes them as received (rank after rank).
         sinks: optional float ``(n_heads,)``, differentiable.
         need_lse: send the lse back too (one more, small, all-to-all); else lse is None.
+        local_doc_lens: a packed row (batch 1, each document zigzag-sharded on its own over
+            the ``world`` ranks, pure Ulysses only): each document's local length. The
+            group's tokens are put in the row's order, where ``plan`` (one process) runs
+            each document alone.
 
     Returns:
         ``out`` like q (differentiable in q, k, v, sinks) and ``lse`` ``(batch, n_heads,
@@ -160,7 +172,8 @@ def ulysses_attention(
     ranks = tuple(range(first_rank, first_rank + coll.world))
     perm = inverse = None
     if plan.positions is None:
-        perm, inverse = orders(seq, world, ranks, layout, (plan.world, plan.rank, plan.layout), q.device)
+        doc_lens = None if local_doc_lens is None else tuple(n * world for n in local_doc_lens)
+        perm, inverse = orders(seq, world, ranks, layout, (plan.world, plan.rank, plan.layout), q.device, doc_lens)
     qh, kh, vh, local_sinks = exchange_inputs(q, k, v, sinks, coll, perm, pattern)
     out, lse = ring_attention(qh, kh, vh, plan, local_sinks)  # (b, U*s, hq/U, d), (b, hq/U, U*s)
     return heads_to_seq(out, coll, inverse), lse_to_seq(lse, coll, inverse) if need_lse else None
