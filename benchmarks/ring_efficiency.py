@@ -72,6 +72,7 @@ class BenchConfig:
     warmup: int = 1
     clock: str = "wall"  # or "process": CPU seconds of this process, for one thread on a shared machine
     docs: int = 0  # packed rows: 0 for the mixed documents of DOC_FRACTIONS, else that many of one length
+    uneven: bool = False  # with docs: that many documents of drawn lengths (seeded) instead
 
     def __post_init__(self) -> None:
         if self.clock not in CLOCKS:
@@ -86,6 +87,8 @@ class BenchConfig:
             raise ValueError("repeats must be >= 1 and warmup >= 0")
         if self.docs < 0:
             raise ValueError(f"docs must be 0 (mixed lengths) or a number of equal documents, got {self.docs}")
+        if self.uneven and not self.docs:
+            raise ValueError("uneven documents need their number: pass docs > 0")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -95,10 +98,21 @@ class BenchConfig:
         return get_backend(self.backend, torch.device(self.device), self.torch_dtype)
 
 
-def packed_doc_lens(total: int, cp: int, docs: int = 0) -> list[int]:
+def packed_doc_lens(total: int, cp: int, docs: int = 0, uneven: bool = False) -> list[int]:
     """Document lengths of a packed row of ``total`` tokens, each a multiple of 2 * cp: the
-    mixed lengths of :data:`DOC_FRACTIONS`, or ``docs`` documents of one length."""
+    mixed lengths of :data:`DOC_FRACTIONS`, ``docs`` documents of one length, or (``uneven``)
+    ``docs`` documents of lengths drawn with seed ``docs`` (from 1 to about 5 times the
+    shortest, in the drawn order)."""
     mult = 2 * cp
+    if docs and uneven:
+        units = total // mult
+        if total % mult or units < docs:
+            raise ValueError(f"{total} tokens do not split into {docs} documents of multiples of {mult} tokens")
+        weights = torch.rand(docs, generator=torch.Generator().manual_seed(docs)) + 0.25
+        lens = (weights / weights.sum() * units).floor().clamp(min=1).long()
+        for i in range(units - int(lens.sum())):  # the units the floor left, one each from the first
+            lens[i % docs] += 1
+        return [int(n) * mult for n in lens]
     if docs:
         if total % (docs * mult):
             raise ValueError(f"{total} tokens do not split into {docs} documents of a multiple of {mult} tokens")
@@ -156,7 +170,7 @@ def make_problem(layout: str, cp: int, seq_per_rank: int, cfg: BenchConfig, seed
         return torch.randn(1, total, heads, cfg.head_dim, generator=g, device=cfg.device).to(cfg.torch_dtype)
 
     q, k, v, dout = rand(cfg.heads), rand(cfg.kv_heads), rand(cfg.kv_heads), rand(cfg.heads)
-    doc_lens = packed_doc_lens(total, cp, cfg.docs) if _packed(layout) else None
+    doc_lens = packed_doc_lens(total, cp, cfg.docs, cfg.uneven) if _packed(layout) else None
     if doc_lens:
         shard = lambda t, r: shard_packed(t, cu_seqlens(doc_lens), cp, r)  # noqa: E731
     else:
@@ -525,6 +539,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--docs", type=int, default=0,
                    help="packed rows: this many documents of one length instead of the mixed lengths "
                         f"{'/'.join(f'{round(f * 100)}' for f in DOC_FRACTIONS)} %%")
+    p.add_argument("--uneven", action="store_true", help="with --docs: documents of drawn (seeded) lengths")
     a = p.parse_args(argv)
     if a.quick:
         a.cp, a.seq_per_rank, a.repeats = [2, 4], [1024], 2
@@ -537,7 +552,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         p.error("--clock process measures one thread per process: pass --threads 1 (--spawn: --threads <= cp)")
     torch.set_num_threads(a.threads)
     cfg = BenchConfig(a.heads, a.kv_heads, a.head_dim, a.dtype, a.device, a.backend, a.repeats, a.warmup, a.clock,
-                      a.docs)
+                      a.docs, a.uneven)
     if not a.json:
         threads = f"{max(1, a.threads // max(a.cp))} per process" if a.spawn else str(a.threads)
         print(f"# {cfg.kernel().name} backend, {a.dtype}, heads {a.heads}/{a.kv_heads}, head_dim {a.head_dim}, "

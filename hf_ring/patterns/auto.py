@@ -111,6 +111,78 @@ def pattern_candidates(
     return candidates + ([short, long] if local < ALLGATHER_BELOW else [long, short])
 
 
+@dataclass(frozen=True)
+class PackedCost:
+    """Seconds per unit of each of a pattern's terms (:func:`packed_terms`) for one rank's
+    forward+backward of one attention layer on a packed row, fitted on one kind of device
+    to the pattern's measured times (``benchmarks/packed_pattern_cost.py``; the fit and its
+    error: docs/performance.md). Each pattern has its own coefficients: its kernel calls
+    differ in shape (the ring's small blocks, the all-gather's chunk against a prefix), so a
+    product or a call does not cost both the same."""
+
+    per_pattern: dict[str, dict[str, float]]  # pattern -> term -> seconds per unit
+    source: str  # the measured figures it was fitted to
+
+
+# A device without figures gets the ring, saying so: a guess could pick the slower pattern
+# silently. tests/test_pattern_auto.py fits the committed figures again and checks these.
+PACKED_COSTS: dict[str, PackedCost] = {
+    "cpu": PackedCost({"ring": {"work": 8.212e-11, "call": 9.25e-05, "merge": 5.098e-09},
+                       "allgather": {"work": 8.4e-11, "call": 2.121e-04, "gathered": 7.686e-09}},
+                      "fitted to benchmarks/results/packed_pattern_cost.jsonl, 2 threads, 2026-12-06"),
+}
+
+
+def _runs(local_doc_lens: tuple[int, ...]) -> int:
+    """How many runs of consecutive documents of one length (one kernel call each)."""
+    return sum(1 for i, n in enumerate(local_doc_lens) if i == 0 or local_doc_lens[i - 1] != n)
+
+
+def packed_terms(local_doc_lens: tuple[int, ...], world: int, n_heads: int, n_kv_heads: int,
+                 head_dim: int) -> dict[str, dict[str, float]]:
+    """Per pattern (``"ring"``, ``"allgather"``), the amounts :class:`PackedCost` prices, for
+    one rank's forward+backward of one layer on a packed row of documents of
+    ``local_doc_lens`` local tokens each over ``world`` ranks.
+
+    - ``work``: the row's causal products ``sum(n**2) / 2 * heads * dim``, a rank's share;
+    - ``call``: the ring makes ``2 * world + 1`` block calls per run of equal documents
+      (three blocks at its own step, two at each other), the all-gather three (the
+      diagonals, each chunk's prefix; ``ring/prefix.py``);
+    - ``merge``: the ring merges a rank's output at each of its ``world - 1`` later steps;
+    - ``gathered``: the all-gather puts the whole row's K/V in order and its dK/dV shares back.
+    """
+    runs = _runs(local_doc_lens)
+    local = sum(local_doc_lens)
+    work = sum((n * world) ** 2 for n in local_doc_lens) / 2 * n_heads * head_dim / world
+    return {
+        "ring": {"work": work, "call": runs * (2 * world + 1), "merge": (world - 1) * local * n_heads * head_dim},
+        "allgather": {"work": work, "call": runs * 3, "gathered": world * local * 2 * n_kv_heads * head_dim},
+    }
+
+
+def packed_seconds(cost: PackedCost, pattern: str, terms: dict[str, float]) -> float:
+    """Predicted seconds of ``pattern``'s ``terms`` (:func:`packed_terms`) at ``cost``."""
+    return sum(cost.per_pattern[pattern][name] * amount for name, amount in terms.items())
+
+
+def packed_candidates(local_doc_lens: tuple[int, ...], world: int, n_heads: int, n_kv_heads: int, head_dim: int,
+                      device_type: str) -> list[PatternChoice]:
+    """The patterns ``auto`` tries for a packed row, best first: the ring and the all-gather,
+    ordered by :data:`PACKED_COSTS`' prediction for ``device_type``; the ring first where no
+    figures were measured."""
+    docs = f"packed rows ({len(local_doc_lens)} documents, {_runs(local_doc_lens)} runs of one length)"
+    cost = PACKED_COSTS.get(device_type)
+    if cost is None:
+        return [PatternChoice("ring", None, f"{docs}: no figures measured on {device_type} to choose by; the ring"),
+                PatternChoice("allgather", None, f"{docs}: the ring refused")]
+    terms = packed_terms(local_doc_lens, world, n_heads, n_kv_heads, head_dim)
+    seconds = {p: packed_seconds(cost, p, t) for p, t in terms.items()}
+    said = ", ".join(f"{p} {s * 1e3:.2f} ms" for p, s in seconds.items())
+    order = sorted(seconds, key=seconds.get)
+    return [PatternChoice(p, None, f"{docs}: predicted per layer, forward+backward, {said} ({cost.source})")
+            for p in order]
+
+
 def first_that_runs(candidates: list[PatternChoice], attempt: Callable[[PatternChoice], T]) -> tuple[T, PatternChoice]:
     """``attempt`` the candidates in order; the first that does not raise NotImplementedError
     (a pattern or its kernel refusing the call's features, before any transfer, alike on
@@ -143,4 +215,5 @@ def log_choice_once(choice: PatternChoice, kind: tuple, what: str) -> None:
         logger.info(f"[hf_ring] {what}: {choice.describe()}")
 
 
-__all__ = ["ALLGATHER_BELOW", "PatternChoice", "first_that_runs", "log_choice_once", "pattern_candidates"]
+__all__ = ["ALLGATHER_BELOW", "PACKED_COSTS", "PackedCost", "PatternChoice", "first_that_runs", "log_choice_once",
+           "packed_candidates", "packed_seconds", "packed_terms", "pattern_candidates"]

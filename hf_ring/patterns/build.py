@@ -30,7 +30,7 @@ from hf_ring.distributed.comm import CommWaitStats, Transport
 from hf_ring.kernels import get_backend
 from hf_ring.kernels.base import KernelNeeds
 from hf_ring.kernels.value_heads import with_value_head_dim
-from hf_ring.patterns.auto import PatternChoice, first_that_runs, log_choice_once, pattern_candidates
+from hf_ring.patterns.auto import first_that_runs, log_choice_once, packed_candidates, pattern_candidates
 from hf_ring.patterns.hybrid import RING_SHARD_LAYOUTS, hybrid_groups, hybrid_ring_plan
 from hf_ring.patterns.plan import PATTERNS, AttentionPlan
 from hf_ring.patterns.ring.spans import BidirectionalSpans
@@ -141,11 +141,10 @@ def build_plan(
                 f"pattern={pattern!r}: the hybrid's ring across Ulysses groups would need each group to hold "
                 "whole zigzag pieces of every document; use pattern='ring', 'allgather', 'ulysses' or 'auto' "
                 "with packing")
-        if pattern in ("allgather", "ulysses"):
+        if pattern != "auto":
             return _build(pattern, None, **common)
-        plan = _build("ring", None, **common)
-        choice = PatternChoice("ring", None, f"packed rows ({len(local_doc_lens)} documents): the ring's "
-                                             "per-document schedule, the one pattern that runs them")
+        candidates = packed_candidates(local_doc_lens, world, n_heads, n_kv_heads, head_dim, device.type)
+        plan, choice = first_that_runs(candidates, lambda c: _build(c.pattern, None, **common))
     elif pattern != "auto":
         return _build(pattern, ulysses_size, **common)
     else:
