@@ -121,3 +121,23 @@ def test_rl_logprob_memory_tiny():
         assert rows[(cp, "chunked")]["peak_mb"] < rows[(cp, "full")]["peak_mb"], rows
     for head in ("chunked", "full"):
         assert rows[(2, head)]["peak_mb"] < rows[(1, head)]["peak_mb"], rows  # half the tokens per process
+
+
+def test_headline_plots_draw_the_committed_results(tmp_path):
+    """The README's plots (benchmarks/headline_plots.py) are drawn from the committed results:
+    each line is the file's forward+backward efficiency, and the README shows the committed PNGs."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import headline_plots
+
+    results = os.path.join(ROOT, "benchmarks", "results")
+    for name, (source, key) in headline_plots.SOURCES.items():
+        drawn = headline_plots.plot(name, results, str(tmp_path))
+        assert (tmp_path / name).stat().st_size > 0 and os.path.exists(os.path.join(results, name))
+        with open(os.path.join(results, source)) as f:
+            rows = [json.loads(line) for line in f]
+        want = {(r[key], r["cp"]): r["efficiency"] for r in rows if r.get("pass") == "forward+backward"}
+        assert {(label, cp): e for label, by_cp in drawn.items() for cp, e in by_cp.items()} == want
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    for png in (*headline_plots.SOURCES, "memory_scaling.png"):
+        assert f"(benchmarks/results/{png})" in readme, png
