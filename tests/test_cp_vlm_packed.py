@@ -28,7 +28,9 @@ shifts every score of a query alike) holds rounding only on both sides: there bo
 stay below 1e-5. The same packed rows without CP (``ring_flash``, cp_size 1: the varlen ring
 in one process) must meet the same tolerances, and stock transformers' SDPA on the same packed
 batch (``use_cache=False``: it reads the documents from the text row of the positions) gives
-the samples' logits too.
+the samples' logits too. Gemma 3's row (its images' bidirectional spans and its sliding
+window inside each document) is checked the same way under the all-gather and Ulysses
+patterns at cp=2, and under the ring, all-gather and Ulysses at cp=4.
 
 Controls: without ``cu_seq_lens`` the documents attend to each other and the logits move by
 far more than 1e-4; with the M-RoPE rows replaced by the text row, Qwen2.5-VL's logits move by
@@ -152,7 +154,30 @@ def _rank_main(rank: int, world: int, cases: dict) -> dict:
         result[name] = _packed_run(model, case, world, rank)
         if name == "qwen2_5_vl":
             result["refusals"] = _refusals(model, case, rank)
+        if name == "gemma3":
+            result.update(_other_patterns(model, case, world, rank))
     return result
+
+
+# Gemma 3's packed row (its images' bidirectional spans and its sliding window, each inside its
+# document) under the other patterns that run packed rows: each local chunk against its
+# document's prefix after an all-gather; the row put back in order for a rank's heads (Ulysses).
+PACKED_PATTERNS = ("allgather", "ulysses")
+
+
+def _other_patterns(model, case: dict, world: int, rank: int) -> dict:
+    result = {}
+    for pattern in PACKED_PATTERNS:
+        hf_ring.setup_context_parallel(world, pattern=pattern)
+        result["gemma3", pattern] = _packed_run(model, case, world, rank)
+    hf_ring.setup_context_parallel(world)
+    return result
+
+
+def _gemma3_at_cp4(rank: int, world: int, case: dict) -> dict:
+    model = build(case["config"], "ring_flash", case["state_dict"])
+    hf_ring.setup_context_parallel(world)
+    return {("gemma3", "ring"): _packed_run(model, case, world, rank), **_other_patterns(model, case, world, rank)}
 
 
 @functools.cache
@@ -200,14 +225,34 @@ def _errors(name: str, logits: torch.Tensor, cu: torch.Tensor, grads: dict, loss
     return errors
 
 
+def _cp_errors(name: str, ranks: list[dict], key) -> dict[str, float]:
+    """:func:`_errors` of the ranks' results under ``key``: logits put back in order,
+    gradients and loss shares summed over the ranks."""
+    cu = ranks[0][key]["cu"]
+    logits = unshard_packed([r[key]["logits"] for r in ranks], cu)
+    grads = {n: sum(r[key]["grads"][n] for r in ranks) for n in ranks[0][key]["grads"]}
+    return _errors(name, logits, cu, grads, sum(r[key]["loss"] for r in ranks))
+
+
 @pytest.mark.parametrize("name", PACKED_CONFIGS)
 def test_packed_row_at_cp2_is_each_sample_alone(name):
-    _, ranks = _run()
-    cu = ranks[0][name]["cu"]
-    logits = unshard_packed([r[name]["logits"] for r in ranks], cu)
-    grads = {n: sum(r[name]["grads"][n] for r in ranks) for n in ranks[0][name]["grads"]}
-    errors = _errors(name, logits, cu, grads, sum(r[name]["loss"] for r in ranks))
+    errors = _cp_errors(name, _run()[1], name)
     assert max(errors.values()) <= TOL, sorted(errors.items(), key=lambda e: -e[1])[:4]
+
+
+@pytest.mark.parametrize("pattern", PACKED_PATTERNS)
+def test_packed_gemma3_at_cp2_under_other_patterns_is_each_sample_alone(pattern):
+    errors = _cp_errors("gemma3", _run()[1], ("gemma3", pattern))
+    assert max(errors.values()) <= TOL, sorted(errors.items(), key=lambda e: -e[1])[:4]
+
+
+def test_packed_gemma3_at_cp4_under_every_pattern_that_packs_is_each_sample_alone():
+    """cp 4: each document padded to a multiple of 8, its images' spans cut over 8 chunks."""
+    case = _run()[0]["gemma3"]
+    ranks = run_world(4, _gemma3_at_cp4, case)
+    for pattern in ("ring", *PACKED_PATTERNS):
+        errors = _cp_errors("gemma3", ranks, ("gemma3", pattern))
+        assert max(errors.values()) <= TOL, (pattern, sorted(errors.items(), key=lambda e: -e[1])[:4])
 
 
 @pytest.mark.parametrize("name", PACKED_CONFIGS)
