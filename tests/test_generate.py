@@ -25,13 +25,16 @@ a ``ShardedCache`` and decoded against every rank's share. Checked:
   logits (Llama, Qwen3 with the window, Qwen3.5 and LFM2: each row's padding leaves its state
   as it is);
 - refused on every rank, by name: a mask with holes, Mamba-2's states (Granite 4), left
-  padding beside mixers whose projections add a bias, a cache filled without hf_ring; and on
+  padding beside mixers whose projections add a bias, a cache filled without hf_ring,
+  attention dropout drawn in training mode on a left-padded batch; and on
   every rank when one rank alone differs (its prompt, its ``logits_to_keep``), none left
   waiting in a collective;
 - a forward that raised midway leaves no entry behind in the cache it was filling.
 """
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -150,6 +153,10 @@ def _refusals(model, prompt, rank: int) -> dict:
         "other prompt on rank 1": lambda: model.generate(prompt.flip(1) if rank == 1 else prompt, max_new_tokens=2),
         "other logits_to_keep on rank 1": lambda: _prefill_keeping(model, prompt, 1 + rank),
         "filled cache": lambda: _next_step(model, prompt, _filled_cache(model, prompt)),
+        # A dropout drawn in training mode: the prefill's columns (prompts moved before their
+        # left padding) are not one process's, so neither would its mask be.
+        "dropout in training mode": lambda: _dropping(model).generate(prompt, attention_mask=_left_padded(prompt),
+                                                                    max_new_tokens=2),
     }
     for what, call in cases.items():
         try:
@@ -158,6 +165,15 @@ def _refusals(model, prompt, rank: int) -> dict:
         except (NotImplementedError, ValueError) as e:
             found[what] = str(e)
     return found
+
+
+def _dropping(model):
+    """A copy of ``model`` in training mode that drops 10 % of each MLP's output, as families
+    with a hidden dropout do (attention dropout is refused under CP before generation)."""
+    dropping = copy.deepcopy(model).train()
+    for layer in dropping.model.layers:
+        layer.mlp.register_forward_hook(lambda module, args, out: torch.nn.functional.dropout(out, 0.1, True))
+    return dropping
 
 
 def _prefill_keeping(model, prompt, keep: int):
@@ -225,6 +241,7 @@ def test_generate_under_cp_is_one_process_generate(world, names):
             assert "differ across the ranks" in r["refusals"][what] and "full_batch_digest" in r["refusals"][what], \
                 (what, r["refusals"][what])
         assert "already holds tokens" in r["refusals"]["filled cache"], r["refusals"]
+        assert "generate in eval mode" in r["refusals"]["dropout in training mode"], r["refusals"]
 
 
 def _mixers_refused_on_rank(rank: int, world: int) -> dict:
