@@ -1,8 +1,8 @@
-"""Run a function on every rank of a real gloo world, in spawned processes, from pytest.
+"""Run a function on every rank of a real gloo world, each rank a process of its own, from pytest.
 
 A call goes to a world of its size that lives across cases (tests/worlds.py): its ranks
-were spawned once, so a case does not pay 3-5 s per process to import torch and
-transformers again. Every case starts from the state a fresh rank has; a case that breaks
+were started once (forks of a server that imported torch, transformers and hf_ring), so a
+case does not pay 3-5 s per process to import them again. Every case starts from the state a fresh rank has; a case that breaks
 its world gets a new one; ``HF_RING_FRESH_WORLDS=1`` gives every call a world of its own,
 to rule reuse out while chasing a failure. An exception on any rank fails the test with
 that rank's traceback; a rank that hangs is named after ``HF_RING_CASE_TIMEOUT`` seconds.

@@ -86,14 +86,15 @@ def _run_two_nodes(script: list[str]) -> list[str]:
              "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(port), *script]
             for node in (0, 1)]
     launches = [warm_launch.Launch(c, _env(), ROOT) for c in cmds]
+    procs = []
+    try:
+        procs = [launch.wait(TIMEOUT_S) for launch in launches]
+    finally:
+        if len(procs) < len(launches):  # one timed out: the other node may wait for it forever
+            for launch in launches:
+                launch.kill()
     logs = []
-    for cmd, launch in zip(cmds, launches):
-        try:
-            proc = launch.wait(TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            for other in launches:
-                other.kill()
-            raise
+    for cmd, proc in zip(cmds, procs):
         log = proc.stdout + proc.stderr
         _check(proc, cmd, log)
         logs.append(log)

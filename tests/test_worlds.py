@@ -79,6 +79,24 @@ def test_every_case_starts_from_a_fresh_process_state():
     assert all(torch.equal(a["draw"], b["draw"]) for a, b in zip(first, second))
 
 
+def _seeds_and_variable(rank: int, world: int) -> tuple:
+    import numpy as np
+
+    return torch.initial_seed(), int(np.random.randint(2**31)), os.environ.get("HF_RING_TEST_WORLD_VARIABLE")
+
+
+def test_ranks_draw_their_own_seeds_and_take_the_environment_of_their_world(monkeypatch):
+    """Forks of one server: each rank still seeds torch and NumPy as a new process does, and a
+    world made after the environment changed sees the change (the server started before it)."""
+    seeds = run_world(2, _seeds_and_variable)
+    assert seeds[0][0] != seeds[1][0] and seeds[0][1] != seeds[1][1], seeds
+    monkeypatch.setenv("HF_RING_TEST_WORLD_VARIABLE", "set")
+    with World(3) as world:
+        found = world.run(_seeds_and_variable, ())
+    assert [v for _, _, v in found] == ["set"] * 3
+    assert len({s for s, _, _ in found + seeds}) == 5
+
+
 def test_a_failing_rank_is_named_and_the_world_replaced():
     before = {p for p, _ in run_world(2, _pid_and_sum)}
     with pytest.raises(WorldCaseError, match=r"(?s)rank 1 raised.*planted failure on rank 1"):

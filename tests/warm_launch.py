@@ -129,6 +129,12 @@ class Launch:
             os.unlink(name)
         return texts[0], texts[1]
 
+    def ended(self) -> bool:
+        """Whether the command has ended (its status can be read without waiting)."""
+        if COLD:
+            return self.proc.poll() is not None
+        return bool(select.select([self.conn], [], [], 0)[0])
+
     def kill(self) -> None:
         if COLD:
             self.proc.kill()

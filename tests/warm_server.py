@@ -13,14 +13,20 @@ of this server instead of a new interpreter:
 - the launcher starts its workers with ``PYTHON_EXEC`` (torch.distributed.run's documented
   override) pointing at :mod:`warm_stub`, which hands this server its arguments,
   environment and standard streams: each **worker** is forked likewise, in the job's process
-  group, and its exit status goes back through the stub to the launcher.
+  group (named in its environment, ``HF_RING_WARM_GROUP``), and its exit status goes back
+  through the stub to the launcher. Killing the job's group ends the launcher and every worker.
 
 What differs from a cold interpreter, and why it does not change what the tests prove:
 - the libraries were imported under the server's environment (the suite's, plus no GPU),
   not the run's: none of them reads a run's variables (ranks, ports, Accelerate's flags) at
   import, only when the run asks;
 - OpenMP read its thread count when torch loaded: a run's ``OMP_NUM_THREADS`` (torchrun
-  sets 1 per worker) is applied with ``torch.set_num_threads`` before the run starts.
+  sets 1 per worker) is applied with ``torch.set_num_threads`` before the run starts;
+- torch's and NumPy's generators are reseeded in every fork, as every interpreter seeds
+  its own (Python's reseeds itself); the string hash seed alone is the server's in every fork
+  (``HF_RING_COLD_LAUNCH=1`` rules that out);
+- a worker that ends by a signal, or by ``os._exit`` without a status, reads as 137 (killed):
+  towards failing, never towards passing.
 
 Messages: :mod:`warm_protocol`, one request per connection. The forked process watches its
 connection: if the caller goes away, it kills itself rather than live on.
@@ -51,6 +57,22 @@ PRELOAD = (
     "accelerate.commands.launch", "datasets", "safetensors.torch", "peft", "trl", "hf_ring",
     "hf_ring.trl",
 )
+
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# Set in a job's environment to its process group; the workers its launcher starts join it.
+GROUP_VARIABLE = "HF_RING_WARM_GROUP"
+
+
+def _reseed() -> None:
+    import torch
+
+    torch.seed()
+    try:
+        import numpy
+    except ImportError:
+        return
+    numpy.random.seed()
 
 
 def _preload() -> None:
@@ -92,6 +114,9 @@ def _run_python(argv: list[str], cwd: str) -> int:
         if args[0] == "-m":
             sys.argv = [args[1], *args[2:]]
             sys.path.insert(0, cwd)
+            # Run as `python -m` runs it: the module as __main__ only (preloaded, runpy would
+            # warn that it is already imported, and keep both).
+            sys.modules.pop(args[1], None)
             runpy.run_module(args[1], run_name="__main__", alter_sys=True)
         else:
             script = os.path.abspath(os.path.join(cwd, args[0]))
@@ -103,7 +128,7 @@ def _run_python(argv: list[str], cwd: str) -> int:
         if stop.code is None:
             code = 0
         elif isinstance(stop.code, int):
-            code = stop.code
+            code = stop.code & 0xFF  # what the process's parent reads, as from an interpreter
         else:
             print(stop.code, file=sys.stderr)
             code = 1
@@ -121,13 +146,19 @@ def _serve_one(conn: socket.socket, request: dict, fds: list[int]) -> None:
     # The server ignores SIGCHLD to have its forks reaped; a launcher must wait for its own
     # children (ignored, their exit status would read as 0), and exec keeps an ignored signal.
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    env = dict(request["env"])
     if request["kind"] == "job":
-        os.setpgid(0, 0)  # the job's process group: its launcher, stubs and workers
+        # The job's process group, which its workers join (the launcher starts their stubs in
+        # sessions of their own): killing it ends the launcher and every worker.
+        os.setpgid(0, 0)
+        env[GROUP_VARIABLE] = str(os.getpid())
     else:
-        try:
-            os.setpgid(0, request["pgid"])
-        except OSError:
-            pass  # the job is gone; the caller watch below ends this worker
+        os.setpgid(0, int(env[GROUP_VARIABLE]))  # fails, so this fork ends, if the job is gone
+    # A cold `python script.py` has the script's folder on its path, not this server's (tests/).
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
+    # Each process draws its own seeds, as an interpreter does (Python's random reseeds itself
+    # after a fork; torch's and NumPy's generators would otherwise be the server's on every rank).
+    _reseed()
     sys.stdout.flush()
     sys.stderr.flush()
     for target, fd in enumerate(fds):
@@ -136,7 +167,7 @@ def _serve_one(conn: socket.socket, request: dict, fds: list[int]) -> None:
     sys.stdout.reconfigure(line_buffering=True)
     sys.stderr.reconfigure(line_buffering=True)
     os.environ.clear()
-    os.environ.update(request["env"])
+    os.environ.update(env)
     os.chdir(request["cwd"])
     if "OMP_NUM_THREADS" in os.environ:
         import torch

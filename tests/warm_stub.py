@@ -21,8 +21,7 @@ from warm_protocol import read_message, send_request
 def main() -> int:
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(os.environ["HF_RING_WARM_SOCKET"])
-    request = {"kind": "worker", "argv": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd(),
-               "pgid": os.getpgid(0)}
+    request = {"kind": "worker", "argv": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd()}
     send_request(conn, request, [0, 1, 2])
     started = read_message(conn)
     if started is None:

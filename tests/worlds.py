@@ -1,5 +1,10 @@
-"""Gloo worlds that live across test cases: a world's ranks are spawned once and run many
+"""Gloo worlds that live across test cases: a world's ranks are started once and run many
 cases, instead of paying 3-5 s per process to import torch and transformers for every call.
+A rank is a fork of multiprocessing's fork server, which imported torch, transformers and
+hf_ring once (:data:`PRELOAD`), so a new world (the first of its size, or one after a
+case broke the last) starts in well under a second, not in a fresh interpreter's 5 s. A rank
+takes the environment of its world's creation and draws its own seeds, as a new process
+would; the string hash seed alone is the fork server's on every rank.
 
 ``tests/distributed.py``'s :func:`run_world` hands each case to the live world of its size
 (:func:`world_of`); tests/test_worlds.py checks this module itself. Isolation is kept
@@ -13,15 +18,17 @@ where it matters:
   was destroyed or replaced;
 - a case that takes longer than ``HF_RING_CASE_TIMEOUT`` seconds (900 by default) fails
   with the ranks that did not answer, and the world is killed;
-- ``HF_RING_FRESH_WORLDS=1`` gives every case a world of its own (closed after it), to
-  rule reuse out while chasing a failure.
+- ``HF_RING_FRESH_WORLDS=1`` gives every case a world of its own (closed after it), of new
+  interpreters (spawned, not forked), to rule reuse and the fork server out while chasing a
+  failure.
 
 A case that leaves attention backends registered fails (the next case would find them).
 
 Results and tasks travel as ``torch.save`` bytes, so a case's function must be a
 module-level function and its arguments and result picklable, as with ``mp.spawn``.
 This module must not import hf_ring at the top: the parent pytest process would then load
-it before a case's module wants to patch anything.
+it before a case's module wants to patch anything (the fork server, a process of its own,
+does).
 """
 
 from __future__ import annotations
@@ -48,6 +55,9 @@ FRESH_WORLDS = os.environ.get("HF_RING_FRESH_WORLDS", "0") == "1"
 # Live worlds per pytest process, the least recently used closed first: each rank holds a
 # few hundred MB once transformers is in.
 MAX_LIVE_WORLDS = int(os.environ.get("HF_RING_MAX_LIVE_WORLDS", "2"))
+# What the fork server imports before it forks a rank. None of these reads a run's
+# variables at import; a case that sets the environment does so on its ranks.
+PRELOAD = ["torch", "torch.distributed", "numpy", "transformers", "transformers.modeling_utils", "hf_ring"]
 # After one rank fails, how long its peers get to report their own failure (they are often
 # stuck in the collective the failed rank never joined).
 PEER_GRACE_S = 3.0
@@ -110,8 +120,19 @@ class _FreshState:
         return None
 
 
-def _serve(rank: int, size: int, init_file: str, tasks: "mp.Queue", results: "mp.Queue") -> None:
+def _serve(rank: int, size: int, init_file: str, tasks: "mp.Queue", results: "mp.Queue",
+           environ: dict[str, str]) -> None:
     """A rank's loop: run each case handed to it until told to stop or until a case breaks it."""
+    os.environ.clear()
+    os.environ.update(environ)
+    # Every rank draws its own seeds, as a new interpreter does (a fork would keep the server's
+    # torch and NumPy generators on every rank; Python's random reseeds itself after a fork).
+    torch.seed()
+    try:
+        import numpy as np
+        np.random.seed()
+    except ImportError:
+        pass
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size)
     fresh = _FreshState()
@@ -140,18 +161,25 @@ def _serve(rank: int, size: int, init_file: str, tasks: "mp.Queue", results: "mp
 
 
 class World:
-    """``size`` spawned gloo ranks that run cases handed to them, one at a time."""
+    """``size`` gloo ranks (forks of the fork server) that run cases handed to them, one at a time."""
 
     def __init__(self, size: int) -> None:
         self.size = size
         self.cases = 0
         self.broken: Optional[str] = None
         self._dir = tempfile.mkdtemp(prefix=f"hf_ring_world{size}_")
-        ctx = mp.get_context("spawn")
+        if FRESH_WORLDS:  # new interpreters: nothing shared with a server, the hash seed included
+            ctx = mp.get_context("spawn")
+        else:
+            ctx = mp.get_context("forkserver")
+            ctx.set_forkserver_preload(PRELOAD)
         self._tasks = [ctx.Queue() for _ in range(size)]
         self._results = ctx.Queue()
         init_file = os.path.join(self._dir, "rendezvous")
-        self._procs = [ctx.Process(target=_serve, args=(r, size, init_file, self._tasks[r], self._results),
+        # The environment of the world's creation, as a spawned rank would inherit it (the fork
+        # server holds its own start's).
+        environ = dict(os.environ)
+        self._procs = [ctx.Process(target=_serve, args=(r, size, init_file, self._tasks[r], self._results, environ),
                                    daemon=True, name=f"world{size}-rank{r}")
                        for r in range(size)]
         for p in self._procs:
