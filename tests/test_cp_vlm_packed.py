@@ -30,7 +30,7 @@ in one process) must meet the same tolerances, and stock transformers' SDPA on t
 batch (``use_cache=False``: it reads the documents from the text row of the positions) gives
 the samples' logits too. Gemma 3's row (its images' bidirectional spans and its sliding
 window inside each document) is checked the same way under the all-gather and Ulysses
-patterns at cp=2, and under the ring, all-gather and Ulysses at cp=4.
+patterns at cp=2, and under every pattern at cp=4 (the hybrid over 2 groups of 2).
 
 Controls: without ``cu_seq_lens`` the documents attend to each other and the logits move by
 far more than 1e-4; with the M-RoPE rows replaced by the text row, Qwen2.5-VL's logits move by
@@ -176,8 +176,11 @@ def _other_patterns(model, case: dict, world: int, rank: int) -> dict:
 
 def _gemma3_at_cp4(rank: int, world: int, case: dict) -> dict:
     model = build(case["config"], "ring_flash", case["state_dict"])
+    hf_ring.setup_context_parallel(world, pattern="hybrid", ulysses_size=2)
+    hybrid = _packed_run(model, case, world, rank)
     hf_ring.setup_context_parallel(world)
-    return {("gemma3", "ring"): _packed_run(model, case, world, rank), **_other_patterns(model, case, world, rank)}
+    return {("gemma3", "ring"): _packed_run(model, case, world, rank), ("gemma3", "hybrid"): hybrid,
+            **_other_patterns(model, case, world, rank)}
 
 
 @functools.cache
@@ -246,11 +249,12 @@ def test_packed_gemma3_at_cp2_under_other_patterns_is_each_sample_alone(pattern)
     assert max(errors.values()) <= TOL, sorted(errors.items(), key=lambda e: -e[1])[:4]
 
 
-def test_packed_gemma3_at_cp4_under_every_pattern_that_packs_is_each_sample_alone():
-    """cp 4: each document padded to a multiple of 8, its images' spans cut over 8 chunks."""
+def test_packed_gemma3_at_cp4_under_every_pattern_is_each_sample_alone():
+    """cp 4: each document padded to a multiple of 8, its images' spans cut over 8 chunks;
+    the hybrid with Ulysses inside 2 groups of 2."""
     case = _run()[0]["gemma3"]
     ranks = run_world(4, _gemma3_at_cp4, case)
-    for pattern in ("ring", *PACKED_PATTERNS):
+    for pattern in ("ring", "hybrid", *PACKED_PATTERNS):
         errors = _cp_errors("gemma3", ranks, ("gemma3", pattern))
         assert max(errors.values()) <= TOL, (pattern, sorted(errors.items(), key=lambda e: -e[1])[:4])
 

@@ -164,6 +164,9 @@ def _rank_main(rank: int, world: int, cases: dict, packed: dict) -> dict:
     for pattern in ("allgather", "ulysses"):
         hf_ring.setup_context_parallel(world, pattern=pattern)
         result[f"packed_{pattern}"] = {family: _packed_on_rank(case, rank, world) for family, case in packed.items()}
+    if world == 4:  # the hybrid proper: Ulysses inside 2 groups of 2, the ring across them
+        hf_ring.setup_context_parallel(world, pattern="hybrid", ulysses_size=2)
+        result["packed_hybrid"] = {family: _packed_on_rank(case, rank, world) for family, case in packed.items()}
     hf_ring.setup_context_parallel(world)
     if world == 2:
         result["checkpointed"] = _dense_on_rank(cases["llama"], rank, world, checkpointing=True)
@@ -237,16 +240,25 @@ def test_gradient_checkpointing_recomputes_the_ring():
     assert max(errors.values()) <= TOL, errors
 
 
-@pytest.mark.parametrize("pattern", ["ring", "allgather", "ulysses"])
-@pytest.mark.parametrize("family", PACKED_CASES)
-def test_packed_rows_match_each_document_alone(world_run, family, pattern):
-    world, _, packed, ranks = world_run
+def _assert_packed_matches(ranks: list[dict], packed: dict, family: str, key: str) -> None:
     reference = _packed_reference(packed[family])
-    key = "packed" if pattern == "ring" else f"packed_{pattern}"
     logits = hf_ring.sharding.unshard_packed([r[key][family]["logits"] for r in ranks], packed[family]["cu"])
     assert rel_err(logits, reference["logits"]) <= TOL
     errors = _summed_grad_errors([r[key][family] for r in ranks], reference)
     assert max(errors.values()) <= TOL, errors
+
+
+@pytest.mark.parametrize("pattern", ["ring", "allgather", "ulysses"])
+@pytest.mark.parametrize("family", PACKED_CASES)
+def test_packed_rows_match_each_document_alone(world_run, family, pattern):
+    _, _, packed, ranks = world_run
+    _assert_packed_matches(ranks, packed, family, "packed" if pattern == "ring" else f"packed_{pattern}")
+
+
+@pytest.mark.parametrize("family", PACKED_CASES)
+def test_packed_rows_under_the_hybrid_match_each_document_alone(family):
+    _, _, packed, ranks = _run(4)
+    _assert_packed_matches(ranks, packed, family, "packed_hybrid")
 
 
 EXPECTED_REFUSALS = {

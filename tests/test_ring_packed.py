@@ -1,4 +1,4 @@
-"""Packed rows under the ring, all-gather and Ulysses patterns: documents of uneven lengths,
+"""Packed rows under every pattern (ring, all-gather, Ulysses, hybrid): documents of uneven lengths,
 each zigzag-sharded on its own, against float64 attention computed document by document.
 
 Each document is padded at its end to a multiple of 2 * cp_size (as the collator does).
@@ -57,7 +57,9 @@ def _rank_results(rank: int, world: int, lens=REAL_LENS, backend: str = "auto", 
     shard = lambda t: shard_packed(t, cu, world, rank, dim=0)
     dtype = torch.float64 if backend == "reference" else torch.float32
     ql, kl, vl = (shard(t).to(dtype).requires_grad_() for t in (q, k, v))
-    out, lse = hf_ring.ring_flash_attn_varlen_func(ql, kl, vl, cu, return_lse=True, backend=backend, pattern=pattern)
+    pattern, _, ulysses = pattern.partition("/")  # "hybrid/2": Ulysses groups of 2
+    out, lse = hf_ring.ring_flash_attn_varlen_func(ql, kl, vl, cu, return_lse=True, backend=backend, pattern=pattern,
+                                                   ulysses_size=int(ulysses) if ulysses else None)
     out.backward(shard(dout).to(dtype))
     return {"out": out, "lse": lse, "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}
 
@@ -87,6 +89,9 @@ def _per_document_reference(q, k, v, dout, cu, lens):
     # Ulysses: the row put back in order for this rank's heads, each document alone (K/V heads
     # repeated at cp 4: 2 K/V heads over 4 ranks).
     (2, REAL_LENS, "reference", "ulysses"), (4, RUN_LENS, "auto", "ulysses"),
+    # Hybrid: Ulysses inside groups of 2, the ring's packed schedule across the 2 groups (each
+    # group holds chunks g and 3 - g of every document in the ring's zigzag over the groups).
+    (4, REAL_LENS, "reference", "hybrid/2"), (4, RUN_LENS, "auto", "hybrid/2"),
 ])
 def test_packed_ring_matches_per_document_attention(world, lens, backend, pattern):
     cu, real, q, k, v, dout = _inputs(world, lens)
@@ -167,11 +172,3 @@ def test_allgather_on_packed_rows_runs_a_few_large_calls_per_run_of_documents():
     got = unshard_packed(outs, cu, dim=0).index_select(0, real)
     assert rel_err(got, reference["out"].index_select(0, real)) <= 1e-12
 
-
-def test_hybrid_refuses_packed_rows_naming_the_patterns_that_run_them():
-    from hf_ring.patterns.build import build_plan
-
-    with pytest.raises(NotImplementedError, match="use pattern='ring', 'allgather', 'ulysses' or 'auto'"):
-        build_plan(pattern="hybrid", ulysses_size=2, group=None, rank=0, world=4, layout="zigzag", causal=True,
-                   scale=0.25, backend="reference", device=torch.device("cpu"), dtype=torch.float32, n_heads=4,
-                   n_kv_heads=2, head_dim=16, seq=64, local_doc_lens=(8, 8))

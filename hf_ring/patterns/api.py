@@ -257,6 +257,7 @@ def ring_flash_attn_varlen_func(
     spans: SpansArg = None,
     window: Optional[int] = None,
     pattern: str = "ring",
+    ulysses_size: Optional[int] = None,
 ) -> Output:
     """Ring attention over a packed row: documents never attend to each other.
 
@@ -278,9 +279,13 @@ def ring_flash_attn_varlen_func(
         window: sliding window in tokens inside each document (key j visible to query i
             iff ``0 <= i - j < window``, both of one document), on top of causal; needs a
             backend with a masked kernel (``"auto"`` picks one). None: no window.
-        pattern: ``"ring"`` (K/V passed around the group) or ``"allgather"`` (K/V gathered
-            once, Llama 3's; the same per-document blocks, every one present); ``"auto"``
-            picks the ring.
+        pattern: ``"ring"`` (K/V passed around the group), ``"allgather"`` (K/V gathered
+            once, Llama 3's: each chunk of each document against its prefix), ``"ulysses"``
+            (the row exchanged for heads, each document alone over its whole length),
+            ``"hybrid"`` (Ulysses inside groups of ``ulysses_size`` ranks, the ring's packed
+            schedule across them) or ``"auto"`` (the ring or the all-gather, by the cost
+            model of the row's documents; ``hf_ring.patterns.auto``).
+        ulysses_size: for ``pattern="hybrid"`` only, as in ``context_parallel_attn_func``.
 
     Returns:
         ``out`` ``(total_local, n_heads, head_dim)``; with ``return_lse`` also ``lse``
@@ -292,9 +297,10 @@ def ring_flash_attn_varlen_func(
     if world > 1 and check_ranks:
         # Agreement first: a rank whose boundaries are invalid must not raise alone.
         check_across_ranks(group, q, k, v, "zigzag", causal, scale,
-                           [*documents_fields(bounds), *agreement_fields(pattern, window, None, sinks, None, backend),
+                           [*documents_fields(bounds),
+                            *agreement_fields(pattern, window, None, sinks, ulysses_size, backend),
                             *spans_fields(spans)])
-    check_settings(pattern, causal, window, None, None, world)
+    check_settings(pattern, causal, window, None, ulysses_size, world)
     doc_lens = check_cu_seqlens(torch.as_tensor(cu_seqlens), world)
     if q.dim() != 3:
         raise ValueError(f"varlen q must be (total_local, n_heads, head_dim), got shape {tuple(q.shape)}")
@@ -310,7 +316,7 @@ def ring_flash_attn_varlen_func(
     plan = build_plan(pattern=pattern, group=group, rank=rank, world=world, layout="zigzag", causal=causal,
                       scale=scale, backend=backend, device=q.device, dtype=q.dtype, n_heads=q.shape[2],
                       n_kv_heads=k.shape[2], head_dim=q.shape[3], value_head_dim=v.shape[3], seq=sum(doc_lens),
-                      window=window, local_doc_lens=local_doc_lens, comm_stats=comm_stats,
+                      window=window, local_doc_lens=local_doc_lens, ulysses_size=ulysses_size, comm_stats=comm_stats,
                       spans=as_spans(spans, sum(doc_lens)))
     out, lse = run_plan(q, k, v, plan, sinks)
     out, lse = out.squeeze(0), lse.squeeze(0)

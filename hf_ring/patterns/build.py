@@ -112,7 +112,7 @@ def build_plan(
         value_head_dim: the v heads' size when it differs (multi-head latent attention):
             every kernel then runs on zero-padded heads (``kernels.value_heads``), exactly.
         seq: the full sequence's length in tokens (packed: the row's).
-        local_doc_lens: packed rows, each document's local length; ring, all-gather and Ulysses.
+        local_doc_lens: packed rows, each document's local length; every pattern.
         local_world_size, first_rank, rank_stride: ``auto`` only, processes per node
             (default: the group is inside one node), the CP group's first global rank and
             how far apart its global ranks are (the TP size).
@@ -134,29 +134,19 @@ def build_plan(
                   collectives=collectives, spans=spans)
     if world == 1:
         return _build("ring", None, **common)  # one process: the ring's single step, local attention
-    if local_doc_lens is not None:
-        if pattern not in ("ring", "allgather", "ulysses", "auto"):
-            raise NotImplementedError(
-                f"packed rows run the ring, all-gather and Ulysses patterns (a per-document schedule), not "
-                f"pattern={pattern!r}: the hybrid's ring across Ulysses groups would need each group to hold "
-                "whole zigzag pieces of every document; use pattern='ring', 'allgather', 'ulysses' or 'auto' "
-                "with packing")
-        if pattern != "auto":
-            return _build(pattern, None, **common)
-        candidates = packed_candidates(local_doc_lens, world, n_heads, n_kv_heads, head_dim, device.type)
-        plan, choice = first_that_runs(candidates, lambda c: _build(c.pattern, None, **common))
-    elif pattern != "auto":
+    if pattern != "auto":
         return _build(pattern, ulysses_size, **common)
+    if local_doc_lens is not None:  # packed rows: by the cost model of the row's documents
+        candidates = packed_candidates(local_doc_lens, world, n_heads, n_kv_heads, head_dim, device.type)
     else:
         candidates = pattern_candidates(n_heads, n_kv_heads, seq, world, local_world_size or world, first_rank,
                                         rank_stride)
-        plan, choice = first_that_runs(candidates, lambda c: _build(c.pattern, c.ulysses_size, **common))
-    if pattern == "auto":
-        features = [f for f, on in (("window", common["window"]), ("chunk", common["chunk"]), ("softcap", softcap),
-                                    ("spans", spans), ("packed", local_doc_lens)) if on is not None]
-        log_choice_once(choice, (n_heads, n_kv_heads, *features),
-                        f"{seq} tokens over cp={world}, {n_heads}/{n_kv_heads} heads"
-                        + (f", {', '.join(features)}" if features else ""))
+    plan, choice = first_that_runs(candidates, lambda c: _build(c.pattern, c.ulysses_size, **common))
+    features = [f for f, on in (("window", common["window"]), ("chunk", common["chunk"]), ("softcap", softcap),
+                                ("spans", spans), ("packed", local_doc_lens)) if on is not None]
+    log_choice_once(choice, (n_heads, n_kv_heads, *features),
+                    f"{seq} tokens over cp={world}, {n_heads}/{n_kv_heads} heads"
+                    + (f", {', '.join(features)}" if features else ""))
     return plan
 
 
@@ -191,11 +181,12 @@ def _build(pattern: str, ulysses_size: Optional[int], *, group, rank, world, lay
                              collectives=collectives or GroupCollectives(group, comm_stats), inner=inner,
                              local_doc_lens=local_doc_lens, **settings)
     groups = hybrid_groups(group, ulysses_size)
-    inner = hybrid_ring_plan(groups, seq, layout, causal, scale, kernel, window, softcap, comm_stats, chunk, spans)
+    inner = hybrid_ring_plan(groups, seq, layout, causal, scale, kernel, window, softcap, comm_stats, chunk, spans,
+                             local_doc_lens)
     return AttentionPlan(group, rank, world, layout, causal, scale, kernel, pattern=pattern,
                          ulysses_size=ulysses_size, need_lse=need_lse,
                          collectives=collectives or GroupCollectives(groups.ulysses, comm_stats), inner=inner,
-                         hybrid=groups, **settings)
+                         hybrid=groups, local_doc_lens=local_doc_lens, **settings)
 
 
 __all__ = ["build_plan", "check_settings"]

@@ -146,16 +146,20 @@ def hybrid_ring_plan(
     groups: HybridGroups, seq: int, layout: str, causal: bool, scale: float, backend: AttentionBackend,
     window: Optional[int] = None, softcap: Optional[float] = None, comm_stats: Optional[CommWaitStats] = None,
     chunk: Optional[int] = None, spans: Optional[BidirectionalSpans] = None,
+    local_doc_lens: Optional[tuple[int, ...]] = None,
 ) -> AttentionPlan:
     """The plan of the ring across the Ulysses groups for a ``seq``-token sequence sharded
     by ``layout`` over ``U * R`` ranks: the layout's own ring shards under zigzag and
     contiguous, the groups' explicit positions under stripe (a masked kernel needed); the
-    bidirectional ``spans`` over the whole sequence, if any."""
+    bidirectional ``spans`` over the whole sequence, if any. A packed row (each document's
+    local length on a rank, ``local_doc_lens``): the ring's packed schedule over the groups,
+    each document ``U`` times as long in a group as on a rank."""
     world = groups.ulysses_size * groups.ring_size
     positions = None if layout in RING_SHARD_LAYOUTS else group_positions(seq, world, groups.ulysses_size, layout)
+    group_doc_lens = None if local_doc_lens is None else tuple(n * groups.ulysses_size for n in local_doc_lens)
     return AttentionPlan(groups.ring, groups.group_index, groups.ring_size, layout, causal, scale, backend,
                          window=window, comm_stats=comm_stats, softcap=softcap, positions=positions, chunk=chunk,
-                         spans=spans)
+                         spans=spans, local_doc_lens=group_doc_lens)
 
 
 def hybrid_attention(
@@ -178,7 +182,7 @@ def hybrid_attention(
     groups = plan.hybrid
     first = groups.group_index * groups.ulysses_size
     return ulysses_attention(q, k, v, plan.inner, plan.collectives, plan.layout, first, plan.world, sinks,
-                             pattern="hybrid", need_lse=plan.need_lse)
+                             pattern="hybrid", need_lse=plan.need_lse, local_doc_lens=plan.local_doc_lens)
 
 
 __all__ = ["RING_SHARD_LAYOUTS", "group_positions", "HybridGroups", "hybrid_attention", "hybrid_groups",

@@ -10,9 +10,12 @@ backward: autograd composes them (collectives.all_to_all).
 Pure Ulysses (a group of all ranks) attends the full sequence in its global order; the
 hybrid pattern (hybrid.py) takes a Ulysses group's tokens in the order of a ring across
 the groups. :func:`seq_to_heads` therefore reorders the received tokens to ``target``
-positions, which the caller chooses. A packed row (pure Ulysses) is put in the row's
-order too, its documents' zigzag pieces back in place, and one process's packed schedule
-runs each document alone over its whole length.
+positions, which the caller chooses. A packed row is reordered the same way, document
+by document: pure Ulysses puts it in the row's order, where one process's packed schedule
+runs each document alone over its whole length; the hybrid puts a Ulysses group's tokens in
+the zigzag of the ring across the groups (group ``g`` of ``R`` then holds chunks ``g`` and
+``2R-1-g`` of every document, exactly the chunks its ranks held), where the ring's packed
+schedule runs.
 
 Heads: ``n_heads`` must be a multiple of ``U``. K/V heads are split the same way when
 ``n_kv_heads`` is a multiple of ``U``; when it is smaller and divides ``U``, each K/V head
@@ -58,15 +61,17 @@ def kv_repeat(n_heads: int, n_kv_heads: int, degree: int, pattern: str = "ulysse
 def _orders(seq: int, world: int, ranks: tuple[int, ...], layout: str, target: tuple[int, int, str],
             doc_lens: Optional[tuple[int, ...]] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(perm, inverse)`` int64 CPU tensors: the tokens of ``ranks`` (concatenated in that
-    order, each sharded by ``layout`` over ``world``; a packed row of documents of
-    ``doc_lens`` tokens: each document zigzag-sharded on its own) taken in the order of
-    ``shard_indices(seq, *target)``, and back."""
+    order, each sharded by ``layout`` over ``world``) taken in the order of
+    ``shard_indices(seq, *target)``, and back. A packed row of documents of ``doc_lens``
+    tokens: every document zigzag-sharded on its own, over ``world`` ranks as held and over
+    ``target``'s ranks as wanted."""
     if doc_lens is None:
         held = torch.cat([shard_indices(seq, world, r, layout) for r in ranks])
+        want = shard_indices(seq, *target)
     else:
         bounds = torch.tensor([0, *doc_lens]).cumsum(0)
         held = torch.cat([packed_shard_indices(bounds, world, r) for r in ranks])
-    want = shard_indices(seq, *target)
+        want = packed_shard_indices(bounds, target[0], target[1])
     sorted_pos, where = torch.sort(held)
     perm = where[torch.searchsorted(sorted_pos, want)]
     if not torch.equal(held[perm], want):
@@ -160,9 +165,9 @@ def ulysses_attention(
         sinks: optional float ``(n_heads,)``, differentiable.
         need_lse: send the lse back too (one more, small, all-to-all); else lse is None.
         local_doc_lens: a packed row (batch 1, each document zigzag-sharded on its own over
-            the ``world`` ranks, pure Ulysses only): each document's local length. The
-            group's tokens are put in the row's order, where ``plan`` (one process) runs
-            each document alone.
+            the ``world`` ranks): each document's local length. The group's tokens are put
+            in ``plan``'s packed order: the row's (pure Ulysses), or the ring's across the
+            groups (hybrid), where ``plan`` runs each document alone.
 
     Returns:
         ``out`` like q (differentiable in q, k, v, sinks) and ``lse`` ``(batch, n_heads,
