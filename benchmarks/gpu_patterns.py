@@ -28,6 +28,7 @@ from hf_ring.kernels import get_backend
 from hf_ring.patterns import AttentionPlan
 from hf_ring.patterns.allgather import allgather_attention
 from hf_ring.distributed.collectives import VirtualCollectives
+from hf_ring.sharding import unshard_packed
 
 
 def softcap_blocks(device: torch.device, names: list[str], dtype: torch.dtype, check: Callable,
@@ -64,17 +65,22 @@ def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 def patterns_virtual(device: torch.device, name: str, dtype: torch.dtype, check: Callable,
                      seq_per_rank: int = 200) -> None:
-    """The virtual all-gather pattern (zigzag, stripe; cp 4, ``seq_per_rank`` tokens each)
-    against full attention."""
+    """The virtual all-gather pattern (zigzag, stripe, and a packed row of mixed documents;
+    cp 4, ``seq_per_rank`` tokens each) against full attention (the packed row: each
+    document alone). On a varlen kernel with bottom-right causal blocks (flash-attn) the
+    packed row runs two varlen calls per rank (``ring/chunk_varlen.py``), so this checks that
+    kernel's alignment on the GPU."""
     cfg = bench.BenchConfig(heads=8, kv_heads=2, head_dim=128, dtype=str(dtype).split(".")[1],
                             device=device.type, backend=name)
     scale = 1 / math.sqrt(128)
     ref = get_backend("reference", device, torch.float64)
-    for layout in ("zigzag", "stripe"):
+    for layout in ("zigzag", "stripe", "packed"):
         pb = bench.make_problem(layout, 4, seq_per_rank, cfg)
+        packed = dict(pattern="allgather", local_doc_lens=tuple(n // pb.cp for n in pb.doc_lens)) if pb.doc_lens else {}
         outs, lses, dqs = [], [], []
         for r in range(pb.cp):
-            plan = AttentionPlan(None, r, pb.cp, layout, True, scale, cfg.kernel(), transport=lambda ch: None)
+            plan = AttentionPlan(None, r, pb.cp, "zigzag" if packed else layout, True, scale, cfg.kernel(),
+                                 transport=lambda ch: None, **packed)
             q, k, v = (t.detach().requires_grad_() for t in pb.shards[r][:3])
             out, lse = allgather_attention(q, k, v, plan, VirtualCollectives(r, pb.kv_by_rank))
             out.backward(pb.shards[r][3])
@@ -82,9 +88,16 @@ def patterns_virtual(device: torch.device, name: str, dtype: torch.dtype, check:
             lses.append(lse)
             dqs.append(q.grad)
         q, k, v, dout = (t.double() for t in (pb.q, pb.k, pb.v, pb.dout))
-        o, lse = ref.forward(q, k, v, True, scale)
-        dq = ref.backward(dout, q, k, v, o, lse, True, scale)[0]
-        join = lambda ts, dim=1: hf_ring.unshard_sequence(ts, dim=dim, layout=layout)  # noqa: E731
+        pieces = []
+        for a, b in zip(pb.cu_seqlens[:-1].tolist(), pb.cu_seqlens[1:].tolist()) if packed else [(0, q.shape[1])]:
+            o_d, lse_d = ref.forward(q[:, a:b], k[:, a:b], v[:, a:b], True, scale)
+            dq_d = ref.backward(dout[:, a:b], q[:, a:b], k[:, a:b], v[:, a:b], o_d, lse_d, True, scale)[0]
+            pieces.append((o_d, lse_d, dq_d))
+        o, lse, dq = (torch.cat(parts, dim=2 if i == 1 else 1) for i, parts in enumerate(zip(*pieces)))
+        if packed:
+            join = lambda ts, dim=1: unshard_packed(ts, pb.cu_seqlens, dim=dim)  # noqa: E731
+        else:
+            join = lambda ts, dim=1: hf_ring.unshard_sequence(ts, dim=dim, layout=layout)  # noqa: E731
         errors = {"out": _rel(join(outs), o), "lse": _rel(join(lses, 2), lse), "dq": _rel(join(dqs), dq)}
         check(dict(kind="allgather pattern", backend=name, dtype=str(dtype).split(".")[1], layout=layout, cp=4),
               errors)

@@ -265,8 +265,9 @@ def fa2_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     check_devices(what, q, dict(k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k))
     check_dtypes(what, q, {"key": k, "value": v})
     assert (window_size_left, window_size_right) == (-1, -1) and isinstance(max_seqlen_q, int)
+    # flash-attn aligns a causal block of fewer queries than keys to the bottom right (since 2.1).
     out, lse = looped_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                     causal, softmax_scale)
+                                     causal, softmax_scale, bottom_right=True)
     return out, lse, None, None
 
 
@@ -279,7 +280,7 @@ def fa2_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_
     check_devices(what, q, dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k))
     assert (window_size_left, window_size_right) == (-1, -1)
     grads = looped_varlen_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                   max_seqlen_k, causal, softmax_scale)
+                                   max_seqlen_k, causal, softmax_scale, bottom_right=True)
     for buf, g in zip((dq, dk, dv), grads):
         buf.copy_(g)
     return None

@@ -14,6 +14,8 @@ per-block calls.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -42,14 +44,14 @@ def _counted_backward(*args):
     return reference_backward(*args)
 
 
-def _varlen_forward(*args):
+def _varlen_forward(*args, **kwargs):
     CALLS["varlen_forward"] += 1
-    return looped_varlen_forward(*args)
+    return looped_varlen_forward(*args, **kwargs)
 
 
-def _varlen_backward(*args):
+def _varlen_backward(*args, **kwargs):
     CALLS["varlen_backward"] += 1
-    return looped_varlen_backward(*args)
+    return looped_varlen_backward(*args, **kwargs)
 
 
 _STANDIN_FIELDS = dict(forward=_counted_forward, backward=_counted_backward, devices=("cpu",),
@@ -119,3 +121,58 @@ def test_varlen_step_single_process(causal):
 @pytest.mark.parametrize("causal", [True, False])
 def test_varlen_step_world_2(causal):
     _check(run_world(2, _rank, causal), 2, causal)
+
+
+# ---- the all-gather pattern on a varlen kernel that takes bottom-right causal blocks ----
+
+# Documents of uneven lengths at cp 3 (each a multiple of 6): no two runs alike.
+ALLGATHER_LENS = (12, 6, 24, 18, 6)
+BOTTOM_RIGHT = AttentionBackend(
+    name="bottom_right_standin", description="reference, counted, varlen with bottom-right causal blocks",
+    varlen_forward=functools.partial(_varlen_forward, bottom_right=True),
+    varlen_backward=functools.partial(_varlen_backward, bottom_right=True), varlen_causal_bottom_right=True,
+    **_STANDIN_FIELDS)
+
+
+def _allgather_rank(rank: int, world: int) -> dict:
+    cu = torch.tensor([0, *torch.tensor(ALLGATHER_LENS).cumsum(0).tolist()], dtype=torch.int32)
+    g = torch.Generator().manual_seed(5)
+    total = int(cu[-1])
+    q, dout = (torch.randn(total, HQ, D, generator=g) for _ in range(2))
+    k, v = (torch.randn(total, HK, D, generator=g) for _ in range(2))
+    shard = lambda t: shard_packed(t, cu, world, rank, dim=0)  # noqa: E731
+    with registered(BOTTOM_RIGHT):
+        for key in CALLS:
+            CALLS[key] = 0
+        ql, kl, vl = (shard(t).clone().requires_grad_() for t in (q, k, v))
+        out, lse = hf_ring.ring_flash_attn_varlen_func(ql, kl, vl, cu, backend=BOTTOM_RIGHT.name, return_lse=True,
+                                                       pattern="allgather")
+        calls_fwd = dict(CALLS)
+        out.backward(shard(dout))
+    ref = segment_attention(q, k, v, dout, cu, cu, True, D ** -0.5)
+    errors = {name: rel_err(got, shard_packed(ref[name], cu, world, rank, dim=1 if name == "lse" else 0))
+              for name, got in (("out", out.detach()), ("lse", lse), ("dq", ql.grad), ("dk", kl.grad), ("dv", vl.grad))}
+    return {"errors": errors, "calls_fwd": calls_fwd, "calls_bwd": {k: CALLS[k] - calls_fwd[k] for k in CALLS}}
+
+
+def test_allgather_on_a_bottom_right_varlen_kernel_makes_two_calls_per_layer():
+    """Each local chunk of every document against its document's prefix, one varlen call per
+    chunk (ring/chunk_varlen.py): 2 calls in the forward and 2 in the backward on every rank,
+    whatever the documents; exact against float64 attention document by document (1e-5)."""
+    for r in run_world(3, _allgather_rank):
+        assert max(r["errors"].values()) <= 1e-5, r["errors"]
+        assert r["calls_fwd"] == {"forward": 0, "backward": 0, "varlen_forward": 2, "varlen_backward": 0}, r
+        assert r["calls_bwd"] == {"forward": 0, "backward": 0, "varlen_forward": 0, "varlen_backward": 2}, r
+
+
+def test_a_varlen_kernel_without_bottom_right_blocks_keeps_the_ring_steps():
+    """The plain varlen stand-in (top-left or equal blocks only) runs the all-gather as the
+    ring's per-step varlen calls: the two-call schedule needs bottom-right causal blocks."""
+    from hf_ring.patterns.plan import AttentionPlan
+    from hf_ring.patterns.ring.chunk_varlen import chunk_varlen_runs_here
+
+    plans = {b.name: AttentionPlan(None, 0, 3, "zigzag", True, 0.25, b, pattern="allgather", local_doc_lens=(4, 2))
+             for b in (STANDINS[1], BOTTOM_RIGHT)}
+    assert not chunk_varlen_runs_here(plans["varlen_standin"]) and chunk_varlen_runs_here(plans[BOTTOM_RIGHT.name])
+    with pytest.raises(ValueError, match="varlen_causal_bottom_right describes a varlen kernel"):
+        AttentionBackend(name="x", description="x", varlen_causal_bottom_right=True, **_STANDIN_FIELDS)

@@ -22,7 +22,12 @@ A backend may also offer a variable-length kernel: many independent blocks in on
 rows concatenated. ``q`` ``(total_q, n_heads, head_dim)``, ``k``/``v`` ``(total_k,
 n_kv_heads, head_dim)``, boundaries ``cu_q``/``cu_k`` int32 ``(n_blocks + 1,)`` on the
 tensors' device, ``max_q``/``max_k`` Python ints, lse ``(n_heads, total_q)`` float32.
-Packed rows use it to run every document of a ring step in one launch.
+Packed rows use it to run every document of a ring step in one launch. Its causal blocks
+have equal lengths, except on a backend that declares ``varlen_causal_bottom_right``: there
+a causal block's queries may be fewer than its keys, the mask aligned to the bottom right
+(query ``i`` of ``q_len`` sees keys ``0 .. k_len - q_len + i``, flash-attn's rule since
+2.1), and the all-gather pattern runs a packed row's local chunk of every document against
+each document's prefix in one call.
 
 A backend may also offer a masked kernel, for blocks on the edge of a sliding window:
 ``masked_forward(q, k, v, mask, scale) -> (out, lse)`` and ``masked_backward(dout, q, k,
@@ -90,6 +95,8 @@ class AttentionBackend:
         probe: further checks known before any tensor exists (package version, kernel
             signature); raises ValueError / NotImplementedError saying what to do.
         varlen_forward, varlen_backward: the optional variable-length kernel; both or neither.
+        varlen_causal_bottom_right: whether its varlen kernel takes causal blocks with fewer
+            queries than keys, aligned to the bottom right (see the module docstring).
         masked_forward, masked_backward: the optional kernel with an explicit boolean mask
             (sliding windows inside the ring); both or neither.
         softcap: whether its kernels take the ``softcap=`` keyword (see the module docstring).
@@ -113,6 +120,7 @@ class AttentionBackend:
     probe: Optional[ProbeFn] = None
     varlen_forward: Optional[VarlenForwardFn] = None
     varlen_backward: Optional[VarlenBackwardFn] = None
+    varlen_causal_bottom_right: bool = False
     masked_forward: Optional[MaskedForwardFn] = None
     masked_backward: Optional[MaskedBackwardFn] = None
     softcap: bool = False
@@ -123,6 +131,9 @@ class AttentionBackend:
         if (self.varlen_forward is None) != (self.varlen_backward is None):
             raise ValueError(f"attention backend {self.name!r}: give both varlen_forward and "
                              "varlen_backward, or neither")
+        if self.varlen_causal_bottom_right and self.varlen_forward is None:
+            raise ValueError(f"attention backend {self.name!r}: varlen_causal_bottom_right describes a varlen "
+                             "kernel; give varlen_forward and varlen_backward")
         if (self.masked_forward is None) != (self.masked_backward is None):
             raise ValueError(f"attention backend {self.name!r}: give both masked_forward and "
                              "masked_backward, or neither")

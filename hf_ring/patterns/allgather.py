@@ -13,9 +13,11 @@ dq and every rank's share of dK/dV from its own rows, and one reduce-scatter sum
 shares onto the ranks that own the K/V. Windows, softcapping and sinks are computed as
 in the ring (the plan's kernel settings, ``apply_sinks`` / ``sinks_grad``).
 
-Packed rows (causal, without a window, spans or chunks, on a kernel without a varlen call)
-take the prefix schedule instead (``ring/prefix.py``): each local chunk of each document
-against its document's prefix, a few large calls per run of equal documents.
+Packed rows (causal, without a window, spans or chunks) take each local chunk of each
+document against its document's prefix instead: on a varlen kernel whose causal blocks may
+have fewer queries than keys (flash-attn), two calls per layer, every document at once
+(``ring/chunk_varlen.py``); on a kernel without a varlen call, a few large calls per run of
+equal documents (``ring/prefix.py``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from hf_ring.patterns.plan import AttentionPlan
 from hf_ring.patterns.ring.attention import (
     KVAttentionFunction, KVPasses, accum_dtype, add_block_dkv, backward_blocks, forward_blocks, unpack_kv,
 )
+from hf_ring.patterns.ring.chunk_varlen import chunk_backward, chunk_forward, chunk_varlen_runs_here
 from hf_ring.patterns.ring.prefix import prefix_backward, prefix_forward, prefix_runs_here
 
 
@@ -56,7 +59,10 @@ def allgather_forward(
     """q ``(b, s, hq, d)``, this rank's K/V stacked ``kv`` ``(2, b, s, hk, d)``, optionally
     ``sinks`` ``(hq,)`` -> out ``(b, s, hq, d)`` in q's dtype and lse ``(b, hq, s)`` float32
     (float64 for float64 inputs)."""
-    out, lse = (prefix_forward if prefix_runs_here(plan) else _blocks_forward)(plan, coll, q, kv)
+    if chunk_varlen_runs_here(plan):
+        out, lse = chunk_forward(plan, coll, q, kv)
+    else:
+        out, lse = (prefix_forward if prefix_runs_here(plan) else _blocks_forward)(plan, coll, q, kv)
     if sinks is not None:
         out, lse = apply_sinks(out, lse, sinks.detach())
     return out.to(q.dtype), lse
@@ -69,6 +75,8 @@ def allgather_backward(
     """dq ``(b, s, hq, d)``, dk and dv ``(b, s, hk, d)`` (the input dtype) of this rank's
     shard, from ``dout`` ``(b, s, hq, d)``, its ``kv`` ``(2, b, s, hk, d)`` and the
     forward's final ``out`` and ``lse``."""
+    if chunk_varlen_runs_here(plan):
+        return chunk_backward(plan, coll, dout, q, kv, out, lse)
     if prefix_runs_here(plan):
         return prefix_backward(plan, coll, dout, q, kv, out, lse)
     s = q.shape[1]

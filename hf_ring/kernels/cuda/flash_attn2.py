@@ -139,5 +139,6 @@ FLASH_ATTN = AttentionBackend(
     probe=_probe,
     varlen_forward=fa2_varlen_forward,
     varlen_backward=fa2_varlen_backward,
+    varlen_causal_bottom_right=True,  # flash-attn's causal mask is bottom-right aligned since 2.1
     softcap=True,
 )

@@ -191,16 +191,24 @@ def prefix_backward(
             call.q.of(dq).add_(dq_c)
             call.k.of(dk_glob).add_(dk_c)
             call.k.of(dv_glob).add_(dv_c)
-    # Every rank's share of the prefixes' dK/dV, back in the rows the ranks hold, summed onto them.
-    shares = torch.empty((plan.world, *kv.shape), dtype=dtype, device=q.device)
+    mine = reduce_scatter_global(coll, schedule, d_glob, kv).add_(d_local)
+    dk, dv = unpack_kv(mine, q.shape[-1])
+    return dq.to(q.dtype), dk.to(kv.dtype), dv.to(kv.dtype)
+
+
+def reduce_scatter_global(coll: Collectives, schedule: PrefixSchedule, d_glob: torch.Tensor,
+                          kv: torch.Tensor) -> torch.Tensor:
+    """This rank's gradient of its K/V buffer (``kv``'s shape, ``d_glob``'s dtype): every
+    rank's ``d_glob`` (gradients of the row's K/V in global order, shaped like
+    :func:`global_kv`'s result) put back in the rows the ranks hold and summed onto them
+    (one reduce-scatter)."""
+    shares = torch.empty((coll.world, *kv.shape), dtype=d_glob.dtype, device=d_glob.device)
     rows, glob_rows = _rows_of(shares), _rows_of(d_glob[None])
     index = _flat_sources(schedule, kv)
     n = index[0].numel()
     for part, dst in enumerate(index):
         rows.index_copy_(0, dst, glob_rows[part * n:(part + 1) * n])
-    mine = coll.reduce_scatter(shares).add_(d_local)
-    dk, dv = unpack_kv(mine, q.shape[-1])
-    return dq.to(q.dtype), dk.to(kv.dtype), dv.to(kv.dtype)
+    return coll.reduce_scatter(shares)
 
 
 def prefix_runs_here(plan: AttentionPlan) -> bool:
@@ -213,4 +221,4 @@ def prefix_runs_here(plan: AttentionPlan) -> bool:
 
 
 __all__ = ["PrefixCall", "PrefixSchedule", "global_kv", "prefix_backward", "prefix_forward",
-           "prefix_runs_here", "prefix_schedule"]
+           "prefix_runs_here", "prefix_schedule", "reduce_scatter_global"]
