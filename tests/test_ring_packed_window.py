@@ -75,7 +75,7 @@ def _attend(rank: int, world: int, case: dict) -> dict:
         CALLS[key] = 0
     out, lse = hf_ring.ring_flash_attn_varlen_func(ql, kl, vl, CU.tolist(), window=case["window"],
                                                    backend=case["backend"], return_lse=True,
-                                                   spans=case.get("spans"))
+                                                   spans=case.get("spans"), pattern=case.get("pattern", "ring"))
     out.backward(shard(dout))
     return {"out": out.detach(), "lse": lse, "dq": ql.grad, "dk": kl.grad, "dv": vl.grad, "calls": dict(CALLS)}
 
@@ -146,6 +146,11 @@ WORLD2 = _cases(torch.float32) + _cases(torch.float64, backends=("reference",)) 
 WORLD4 = _cases(torch.float32, backends=(VARLEN.name,)) + [
     {"window": 7, "backend": "reference", "dtype": torch.float64},
     {"window": 3, "backend": VARLEN.name, "dtype": torch.float32, "spans": SPANS},
+    # The batched CPU path (a run of equal blocks per call) at windows whose edge masks differ
+    # between steps on blocks of one rectangle: a step must not reuse another step's masks.
+    {"window": 20, "backend": "reference", "dtype": torch.float64},
+    {"window": 20, "backend": "torch_cpu_flash", "dtype": torch.float32},
+    {"window": 20, "backend": "reference", "dtype": torch.float64, "pattern": "allgather"},
 ]
 
 

@@ -45,6 +45,13 @@ if TYPE_CHECKING:  # hybrid.py builds on plans: a type-only import keeps the two
 PATTERNS = ("ring", "allgather", "ulysses", "hybrid")
 
 
+def _blocks_key(blocks: list[Block]) -> tuple:
+    """A cache key for a step's blocks: their rectangles and their masks. Blocks compare by
+    rectangle only, and two steps can hold blocks of one rectangle under different window
+    masks; the masks live in the plan's block cache, so their ids stay valid as keys."""
+    return tuple((b, id(b.mask)) for b in blocks)
+
+
 @dataclass(frozen=True, eq=False)
 class AttentionPlan:
     """One context-parallel attention call's settings.
@@ -290,14 +297,14 @@ class AttentionPlan:
         where the backend takes such views (``ring/block_runs.py``); else the blocks."""
         if self.local_doc_lens is None or not self.backend.batched_views:
             return blocks
-        key = tuple(blocks)
+        key = _blocks_key(blocks)
         if key not in self._kernel_calls:
             self._kernel_calls[key] = group_runs(blocks)
         return self._kernel_calls[key]
 
     def varlen_batch(self, blocks: list[Block], device: torch.device) -> Optional[StepBatch]:
         """``packed_step.step_batch`` for a step's blocks, built once per plan."""
-        key = (tuple(blocks), device)  # Blocks are frozen dataclasses: hashable
+        key = (_blocks_key(blocks), device)
         if key not in self._varlen_batches:
             self._varlen_batches[key] = step_batch(blocks, device)
         return self._varlen_batches[key]

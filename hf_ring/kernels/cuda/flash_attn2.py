@@ -95,8 +95,10 @@ def fa2_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: 
     -> out like q, lse ``(hq, total_q)`` f32.
 
     That lse layout is flash-attn >= 2.6's unpadded one; a padded ``(n, hq, max_q)`` lse, as
-    older releases returned, is refused by :func:`pick_out_lse`'s shape check. Causal
-    blocks are square, so the kernel's bottom-right alignment is top-left here.
+    older releases returned, is refused by :func:`pick_out_lse`'s shape check. A causal
+    block may have fewer queries than keys (the all-gather's chunk against its document's
+    prefix, ``ring/chunk_varlen.py``): the kernel aligns it to the bottom right, as this
+    backend declares (``varlen_causal_bottom_right``); square blocks align either way.
     """
     check_block(FLASH_ATTN, q)
     given = dict(q=q, k=k, v=v, softmax_scale=scale, causal=causal, return_softmax=False,
