@@ -72,7 +72,9 @@ def test_gpu_pattern_sections_on_cpu(monkeypatch):
     # The reference against itself in float32: the section's plumbing (softcap reaches both).
     gpu_patterns.softcap_blocks(torch.device("cpu"), ["reference"], torch.float32, check)
     kinds = [w["kind"] for w, _ in rows]
-    assert kinds == ["allgather pattern"] * 2 + ["softcap block"] * 3
+    assert kinds == ["allgather pattern"] * 3 + ["softcap block"] * 3
+    # zigzag, stripe and a packed row of mixed documents (each document alone as the reference)
+    assert [w["layout"] for w, _ in rows[:3]] == ["zigzag", "stripe", "packed"]
     for what, errors in rows:
         # float32 against float64: ~1e-6; a wrong mask or a dropped softcap is off by > 1e-2.
         assert max(errors.values()) < 1e-4, (what, errors)
