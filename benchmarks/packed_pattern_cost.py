@@ -144,11 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {len(rows)} rows; threads {rows[0]['threads']}, clock {rows[0]['clock']}")
     print("| cp | mix | docs | ring ms (predicted) | all-gather ms (predicted) | faster | picked |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
-    for r in report(rows, cost):
+    reported = report(rows, cost)
+    for r in reported:
         m, pr = r["measured_s"], r["predicted_s"]
         print(f"| {r['cp']} | {r['mix']} | {r['docs']} | {m['ring'] * 1e3:.1f} ({pr['ring'] * 1e3:.1f}) | "
               f"{m['allgather'] * 1e3:.1f} ({pr['allgather'] * 1e3:.1f}) | {r['faster']} | {r['picked']} |")
-    errors = [abs(e) for r in report(rows, cost) for e in r["relative_errors"].values()]
+    errors = [abs(e) for r in reported for e in r["relative_errors"].values()]
     print(f"# relative error of the predictions: median {sorted(errors)[len(errors) // 2]:.3f}, max {max(errors):.3f}")
     coefficients = {p: {t: float(f"{c:.4g}") for t, c in terms.items()} for p, terms in cost.per_pattern.items()}
     print(f"PackedCost({coefficients}, source={cost.source!r})")

@@ -80,8 +80,13 @@ def chunk_varlen_runs_here(plan: AttentionPlan) -> bool:
             and plan.chunk is None and plan.varlen and plan.backend.varlen_causal_bottom_right)
 
 
-def _on(call: ChunkCall, device: torch.device) -> tuple[torch.Tensor, ...]:
-    return tuple(t.to(device, non_blocking=True) for t in (call.q_rows, call.k_rows, call.cu_q, call.cu_k))
+@functools.lru_cache(maxsize=64)
+def _calls_on(local_doc_lens: tuple[int, ...], rank: int, world: int,
+              device: torch.device) -> tuple[tuple[ChunkCall, tuple[torch.Tensor, ...]], ...]:
+    """:func:`chunk_calls` with their index tensors (q_rows, k_rows, cu_q, cu_k) on ``device``,
+    copied there once per shape, not once per layer."""
+    return tuple((call, tuple(t.to(device) for t in (call.q_rows, call.k_rows, call.cu_q, call.cu_k)))
+                 for call in chunk_calls(local_doc_lens, rank, world))
 
 
 def chunk_forward(
@@ -94,8 +99,7 @@ def chunk_forward(
     dtype = accum_dtype(q.dtype)
     out = torch.empty(*q.shape[:3], vg.shape[-1], dtype=dtype, device=q.device)
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=dtype, device=q.device)
-    for call in chunk_calls(plan.local_doc_lens, plan.rank, plan.world):
-        q_rows, k_rows, cu_q, cu_k = _on(call, q.device)
+    for call, (q_rows, k_rows, cu_q, cu_k) in _calls_on(plan.local_doc_lens, plan.rank, plan.world, q.device):
         block_out, block_lse = plan.backend.varlen_forward(
             q[0].index_select(0, q_rows), kg[0].index_select(0, k_rows), vg[0].index_select(0, k_rows),
             cu_q, cu_k, call.max_q, call.max_k, True, plan.scale)
@@ -117,8 +121,7 @@ def chunk_backward(
     dq = torch.empty(q.shape, dtype=dtype, device=q.device)  # the two calls write every row once
     d_glob = torch.zeros(glob.shape, dtype=dtype, device=q.device)
     dk_glob, dv_glob = unpack_kv(d_glob, q.shape[-1])
-    for call in chunk_calls(plan.local_doc_lens, plan.rank, plan.world):
-        q_rows, k_rows, cu_q, cu_k = _on(call, q.device)
+    for call, (q_rows, k_rows, cu_q, cu_k) in _calls_on(plan.local_doc_lens, plan.rank, plan.world, q.device):
         rows = lambda t: t[0].index_select(0, q_rows)  # noqa: E731
         dq_c, dk_c, dv_c = plan.backend.varlen_backward(
             rows(dout), rows(q), kg[0].index_select(0, k_rows), vg[0].index_select(0, k_rows),
