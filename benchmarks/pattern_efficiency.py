@@ -45,7 +45,7 @@ import ring_efficiency as bench  # noqa: E402
 
 from hf_ring.patterns import AttentionPlan, VirtualRing, run_plan  # noqa: E402
 from hf_ring.patterns.allgather import allgather_attention  # noqa: E402
-from hf_ring.distributed.collectives import VirtualCollectives  # noqa: E402
+from hf_ring.distributed.collectives import Gathered, VirtualCollectives  # noqa: E402
 from hf_ring.patterns.hybrid import RING_SHARD_LAYOUTS, group_positions  # noqa: E402
 from hf_ring.patterns.ulysses import kv_repeat, ulysses_attention  # noqa: E402
 
@@ -71,6 +71,9 @@ class CountingCollectives:
     def all_gather(self, x):
         self.counter.sent += x.nbytes * (self.world - 1)
         return self.inner.all_gather(x)
+
+    def start_all_gather(self, x):
+        return Gathered(self.all_gather(x))
 
     def reduce_scatter(self, x):
         self.counter.sent += x[0].nbytes * (self.world - 1)

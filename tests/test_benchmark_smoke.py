@@ -166,3 +166,18 @@ def test_packed_runs_tiny_agrees_with_one_call_per_document():
     assert ring_efficiency.packed_doc_lens(256, 4, 8) == [32] * 8
     with pytest.raises(ValueError, match="do not split into 3 documents"):
         ring_efficiency.packed_doc_lens(256, 4, 3)
+
+
+def test_gather_overlap_tiny_json():
+    """benchmarks/gather_overlap.py runs the all-gather pattern both ways over gloo and
+    reports, per way, the slowest rank's times and every rank's time blocked."""
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "gather_overlap.py"), "--tiny", "--json"]
+    proc = warm_launch.run(cmd, dict(os.environ), ROOT, HANG_GUARD_S)
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+    assert [r["way"] for r in rows] == ["overlapped", "serial"]
+    for r in rows:
+        assert r["cp"] == 2 and len(r["t_ranks_forward_backward_s"]) == len(r["t_blocked_ranks_s"]) == 2, r
+        assert r["t_forward_backward_s"] == max(r["t_ranks_forward_backward_s"]), r
+        assert 0 < r["t_forward_s"] < r["t_forward_backward_s"], r
+        assert all(0 <= b <= r["t_forward_backward_s"] for b in r["t_blocked_ranks_s"]), r

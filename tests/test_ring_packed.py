@@ -172,3 +172,76 @@ def test_allgather_on_packed_rows_runs_a_few_large_calls_per_run_of_documents():
     got = unshard_packed(outs, cu, dim=0).index_select(0, real)
     assert rel_err(got, reference["out"].index_select(0, real)) <= 1e-12
 
+
+
+class _GatherWatch:
+    """Every rank's K/V delivered in one process (VirtualCollectives), noting how many
+    kernel calls had run when the gathered K/V was first waited for."""
+
+    def __init__(self, rank: int, every: list, calls: list) -> None:
+        from hf_ring.distributed.collectives import VirtualCollectives
+
+        self.inner, self.calls, self.calls_before_wait = VirtualCollectives(rank, every), calls, []
+        self.rank, self.world = rank, len(every)
+
+    def start_all_gather(self, x):
+        watch = self
+
+        class Pending:
+            waited = False
+
+            def wait(self):
+                if not self.waited:
+                    watch.calls_before_wait.append(len(watch.calls))
+                    self.waited = True
+                return watch.inner.all_gather(x)
+
+        return Pending()
+
+    def reduce_scatter(self, x):
+        return self.inner.reduce_scatter(x)
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_allgather_runs_the_local_blocks_while_the_gather_travels(packed: bool):
+    """The all-gather is started before any kernel call and waited for only once the calls
+    on this rank's own K/V have run: a packed row's diagonals (one per run of equal
+    documents, forward and backward), a one-document row's ring step 0; every later call
+    after the wait. (Exactness over gloo: test_packed_ring_matches_per_document_attention's
+    all-gather cases, and tests/test_cp_patterns.py.)"""
+    import dataclasses
+
+    from hf_ring.kernels import get_backend
+    from hf_ring.patterns.allgather import allgather_backward, allgather_forward
+    from hf_ring.patterns.plan import AttentionPlan
+
+    world = 4
+    cu, _, q, k, v, dout = _inputs(world, RUN_LENS)
+    local = tuple(int(n) // world for n in (cu[1:] - cu[:-1])) if packed else None
+    if packed:
+        shard = lambda t, r: shard_packed(t, cu, world, r, dim=0)[None]  # noqa: E731
+    else:
+        shard = lambda t, r: hf_ring.shard_sequence(t[None], world, r, layout="zigzag")  # noqa: E731
+    kernel = get_backend("reference", torch.device("cpu"), torch.float64)
+    calls = []
+
+    def counted(name):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return getattr(kernel, name)(*args, **kwargs)
+        return call
+
+    counting = dataclasses.replace(kernel, forward=counted("forward"), backward=counted("backward"))
+    every = [torch.stack([shard(k, r), shard(v, r)]) for r in range(world)]
+    for rank in range(world):
+        plan = AttentionPlan(None, rank, world, "zigzag", True, D ** -0.5, counting, local_doc_lens=local,
+                             pattern="allgather")
+        coll = _GatherWatch(rank, every, calls)
+        ql, dl = shard(q, rank), shard(dout, rank)
+        calls.clear()
+        out, lse = allgather_forward(plan, coll, ql, every[rank])
+        n_fwd = len(calls)
+        allgather_backward(plan, coll, dl, ql, every[rank], out, lse)
+        local_calls = 4 if packed else len(plan.blocks(0, ql.shape[1]))  # four runs of equal documents
+        assert coll.calls_before_wait == [local_calls, n_fwd + local_calls], (rank, coll.calls_before_wait)
+        assert 0 < local_calls < n_fwd, (rank, local_calls, n_fwd)

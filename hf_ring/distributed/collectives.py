@@ -1,7 +1,9 @@
 """The collectives the all-gather, Ulysses and hybrid patterns use, behind one interface.
 
 A :class:`Collectives` gathers, reduce-scatters and all-to-alls tensors whose first
-dimension indexes the ranks of one group:
+dimension indexes the ranks of one group; its all-gather can also be started and waited
+for later (:meth:`Collectives.start_all_gather`), so that work which does not need the
+gathered tensor runs while it travels:
 
 - :class:`GroupCollectives`: the real ones over a process group (NCCL on GPUs, gloo in
   the tests), the time blocked in them added to an optional ``CommWaitStats`` sink.
@@ -19,7 +21,7 @@ summaries with (its backward sums, on each rank, every rank's gradient of its te
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, NoReturn, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,6 +34,25 @@ _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+class PendingGather(Protocol):
+    """An all-gather under way."""
+
+    def wait(self) -> torch.Tensor:
+        """Block until it has arrived -> ``(world, *x.shape)``, in rank order (at once after
+        the first wait)."""
+        ...
+
+
+class Gathered:
+    """A :class:`PendingGather` whose tensor is already here (collectives run in one process)."""
+
+    def __init__(self, gathered: torch.Tensor) -> None:
+        self.gathered = gathered
+
+    def wait(self) -> torch.Tensor:
+        return self.gathered
+
+
 class Collectives(Protocol):
     """Collectives over the ``world`` ranks of one group, this process being ``rank``."""
 
@@ -40,6 +61,10 @@ class Collectives(Protocol):
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (any shape) from every rank -> ``(world, *x.shape)``, in rank order."""
+        ...
+
+    def start_all_gather(self, x: torch.Tensor) -> PendingGather:
+        """:meth:`all_gather`, returned before it arrives; ``x`` must not change until then."""
         ...
 
     def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
@@ -67,28 +92,47 @@ class GroupCollectives:
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self._nccl = is_nccl(group)
 
-    def _run(self, fn: Callable[[], Any]) -> None:
-        """Run ``fn`` (issues one collective with ``async_op=True``, returns its work) and wait."""
-        start = time.perf_counter()
+    def _raise(self, e: RuntimeError) -> NoReturn:
+        """Raise ``e``, or for a peer that never took part, an error that names what every
+        rank must run."""
+        if not peer_failed(e):
+            raise e
+        group, duty = self.names
+        raise RuntimeError(f"a collective of {group} did not complete: another rank did not run {duty}. ({e})") from e
+
+    def _start(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` (issues one collective with ``async_op=True``) -> its work."""
         try:
             work = fn()
             if self._nccl:  # a stalled collective is reported from NCCL's watchdog (nccl_failures.py)
                 watch_all(work, self.group, "a collective")
+        except RuntimeError as e:
+            self._raise(e)
+        return work
+
+    def _wait(self, work: Any) -> None:
+        """Block on ``work``; the time blocked goes to the stats (not the time it travelled
+        while other work ran)."""
+        start = time.perf_counter()
+        try:
             work.wait()
         except RuntimeError as e:
-            if not peer_failed(e):
-                raise
-            group, duty = self.names
-            raise RuntimeError(f"a collective of {group} did not complete: another rank did not run {duty}. ({e})") from e
+            self._raise(e)
         if self.stats is not None:
             self.stats.seconds += time.perf_counter() - start
             self.stats.waits += 1
 
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+    def _run(self, fn: Callable[[], Any]) -> None:
+        self._wait(self._start(fn))
+
+    def start_all_gather(self, x: torch.Tensor) -> PendingGather:
         x = x.contiguous()
         out = x.new_empty((self.world * x.shape[0], *x.shape[1:])) if x.dim() else x.new_empty(self.world)
-        self._run(lambda: _ALL_GATHER(out, x, group=self.group, async_op=True))
-        return out.view(self.world, *x.shape)
+        work = self._start(lambda: _ALL_GATHER(out, x, group=self.group, async_op=True))
+        return _GroupGather(self, work, out.view(self.world, *x.shape))
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        return self.start_all_gather(x).wait()
 
     def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
         out = x.new_empty(x.shape[1:])
@@ -101,6 +145,19 @@ class GroupCollectives:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
         self._run(lambda: dist.all_to_all_single(out, x.contiguous(), group=self.group, async_op=True))
         return out
+
+
+class _GroupGather:
+    """A :class:`GroupCollectives` all-gather under way: its work and the tensor it fills."""
+
+    def __init__(self, coll: GroupCollectives, work: Any, out: torch.Tensor) -> None:
+        self.coll, self.work, self.out = coll, work, out
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.coll._wait(self.work)
+            self.work = None
+        return self.out
 
 
 class VirtualCollectives:
@@ -122,6 +179,9 @@ class VirtualCollectives:
         if self.gathered is None:
             raise ValueError("VirtualCollectives(gathered=None) cannot all-gather: give every rank's tensor")
         return torch.stack(list(self.gathered))
+
+    def start_all_gather(self, x: torch.Tensor) -> PendingGather:
+        return Gathered(self.all_gather(x))
 
     def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
         return x[self.rank].clone()
@@ -197,4 +257,4 @@ def summed_over(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Te
     return _SumOverGroup.apply(x, group)
 
 
-__all__ = ["Collectives", "GroupCollectives", "VirtualCollectives", "all_gather", "all_to_all", "summed_over"]
+__all__ = ["Collectives", "Gathered", "GroupCollectives", "PendingGather", "VirtualCollectives", "all_gather", "all_to_all", "summed_over"]

@@ -2,22 +2,25 @@
 
 Forward: every rank's K/V is all-gathered in one collective, with K/V's own head count
 (with GQA a fraction of q's size), and each rank attends its local queries to the whole
-sequence. Which parts of each rank's K/V a local query sees is exactly what the ring
-computes at the step that holds that K/V, so the same block schedule (schedule.py,
-window.py) and per-step code (``forward_blocks``, ``backward_blocks``) run here, only
-with every block already present: no transfer inside the loop, one before it.
+sequence. The gather travels while the blocks on the rank's own K/V (the ring's step 0,
+or a packed row's diagonals) run, and is waited for before the first block that needs it.
+Which parts of each rank's K/V a local query sees is exactly what the ring computes at
+the step that holds that K/V, so the same block schedule (schedule.py, window.py) and
+per-step code (``forward_blocks``, ``backward_blocks``) run here, only with every block
+present after one transfer: none inside the loop.
 
 Backward: K/V are all-gathered again (not kept from the forward: a full-sequence K/V per
-layer would undo the activation memory context parallelism saves), each rank computes
-dq and every rank's share of dK/dV from its own rows, and one reduce-scatter sums the
-shares onto the ranks that own the K/V. Windows, softcapping and sinks are computed as
+layer would undo the activation memory context parallelism saves; overlapped in the same
+way), each rank computes dq and every rank's share of dK/dV from its own rows, and one
+reduce-scatter sums the shares onto the ranks that own the K/V. Windows, softcapping and sinks are computed as
 in the ring (the plan's kernel settings, ``apply_sinks`` / ``sinks_grad``).
 
 Packed rows (causal, without a window, spans or chunks) take each local chunk of each
 document against its document's prefix instead: on a varlen kernel whose causal blocks may
 have fewer queries than keys (flash-attn), two calls per layer, every document at once
 (``ring/chunk_varlen.py``); on a kernel without a varlen call, a few large calls per run of
-equal documents (``ring/prefix.py``).
+equal documents (``ring/prefix.py``). The two varlen calls both need gathered keys, so
+there the gather overlaps nothing.
 """
 
 from __future__ import annotations
@@ -38,17 +41,19 @@ from hf_ring.patterns.ring.prefix import prefix_backward, prefix_forward, prefix
 
 
 def _sources(plan: AttentionPlan):
-    """``(step, src)`` pairs: the ring step whose schedule covers rank ``src``'s K/V."""
+    """``(step, src)`` pairs: the ring step whose schedule covers rank ``src``'s K/V; step 0
+    is this rank's own."""
     return [(step, (plan.rank - step) % plan.world) for step in range(plan.world)]
 
 
 def _blocks_forward(plan: AttentionPlan, coll: Collectives, q: torch.Tensor, kv: torch.Tensor):
     """The ring's blocks of every step, every rank's K/V present: accumulated out and lse."""
     s = q.shape[1]
-    every_kv = coll.all_gather(kv)  # (world, *kv.shape)
+    gathering = coll.start_all_gather(kv)  # travels while step 0 runs on this rank's own K/V
     acc = None
     for step, src in _sources(plan):
-        acc = forward_blocks(plan, plan.blocks(step, s), q, *unpack_kv(every_kv[src], q.shape[-1]), acc,
+        step_kv = kv if step == 0 else gathering.wait()[src]
+        acc = forward_blocks(plan, plan.blocks(step, s), q, *unpack_kv(step_kv, q.shape[-1]), acc,
                              plan.span_blocks(step, s))
     return acc
 
@@ -80,12 +85,12 @@ def allgather_backward(
     if prefix_runs_here(plan):
         return prefix_backward(plan, coll, dout, q, kv, out, lse)
     s = q.shape[1]
-    every_kv = coll.all_gather(kv)  # (world, *kv.shape)
+    gathering = coll.start_all_gather(kv)  # travels while step 0 runs on this rank's own K/V
     # Row src: this rank's contribution to the gradient of rank src's K/V.
-    shares = torch.empty(every_kv.shape, dtype=accum_dtype(q.dtype), device=q.device)
+    shares = torch.empty((plan.world, *kv.shape), dtype=accum_dtype(q.dtype), device=q.device)
     dq = None
     for step, src in _sources(plan):
-        k, v = unpack_kv(every_kv[src], q.shape[-1])
+        k, v = unpack_kv(kv if step == 0 else gathering.wait()[src], q.shape[-1])
         dq, block_dkv = backward_blocks(plan, plan.blocks(step, s), dout, q, k, v, out, lse, dq,
                                         plan.span_blocks(step, s))
         add_block_dkv(shares[src], block_dkv, s, True, q.shape[-1])  # each src once: initialise it

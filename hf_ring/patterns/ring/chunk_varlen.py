@@ -29,7 +29,7 @@ import torch
 from hf_ring.distributed.collectives import Collectives
 from hf_ring.patterns.plan import AttentionPlan
 from hf_ring.patterns.ring.attention import accum_dtype, unpack_kv
-from hf_ring.patterns.ring.prefix import global_kv, prefix_schedule, reduce_scatter_global
+from hf_ring.patterns.ring.prefix import global_kv, reduce_scatter_global
 
 
 @dataclass(frozen=True)
@@ -94,8 +94,7 @@ def chunk_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q ``(1, s, hq, d)``, this rank's K/V buffer ``kv`` -> out ``(1, s, hq, dv)`` and lse
     ``(1, hq, s)``, both float32 (float64 for float64 inputs), before any sink."""
-    kg, vg = unpack_kv(global_kv(coll.all_gather(kv), prefix_schedule(plan.local_doc_lens, plan.rank, plan.world)),
-                       q.shape[-1])
+    kg, vg = unpack_kv(global_kv(coll.all_gather(kv), plan), q.shape[-1])
     dtype = accum_dtype(q.dtype)
     out = torch.empty(*q.shape[:3], vg.shape[-1], dtype=dtype, device=q.device)
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=dtype, device=q.device)
@@ -114,8 +113,7 @@ def chunk_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq ``(1, s, hq, d)``, dk and dv ``(1, s, hk, d)`` (the input dtype) of this rank's
     rows, from ``dout``, ``q``, its ``kv`` buffer and the forward's final ``out`` and ``lse``."""
-    schedule = prefix_schedule(plan.local_doc_lens, plan.rank, plan.world)
-    glob = global_kv(coll.all_gather(kv), schedule)
+    glob = global_kv(coll.all_gather(kv), plan)
     kg, vg = unpack_kv(glob, q.shape[-1])
     dtype = accum_dtype(q.dtype)
     dq = torch.empty(q.shape, dtype=dtype, device=q.device)  # the two calls write every row once
@@ -129,7 +127,7 @@ def chunk_backward(
         dq[0].index_copy_(0, q_rows, dq_c.to(dtype))
         dk_glob[0].index_add_(0, k_rows, dk_c.to(dtype))
         dv_glob[0].index_add_(0, k_rows, dv_c.to(dtype))
-    dk, dv = unpack_kv(reduce_scatter_global(coll, schedule, d_glob, kv), q.shape[-1])
+    dk, dv = unpack_kv(reduce_scatter_global(coll, plan, d_glob, kv), q.shape[-1])
     return dq.to(q.dtype), dk.to(kv.dtype), dv.to(kv.dtype)
 
 

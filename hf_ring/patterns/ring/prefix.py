@@ -16,7 +16,8 @@ consecutive documents of one length (one kernel call each, the run as the batch)
 Three calls per run (two on rank 0) where the ring makes ``N`` steps of per-document
 blocks, and large ones: 64 documents of 128 tokens at ``N = 4`` are 3 calls per layer per
 rank. The prefixes read the gathered K/V in the row's global order (one copy, made once
-per layer: ``global_kv``); the diagonals read the local K/V.
+per layer: ``global_kv``); the diagonals read the local K/V, and run while the all-gather
+travels.
 
 Backward: the K/V gathered again (never kept from the forward), dq local, the prefixes'
 dK/dV in global order put back as every rank's share and reduce-scattered, the
@@ -59,11 +60,13 @@ class PrefixSchedule:
     """A rank's calls for one packed row, and where the row's global rows are gathered from.
 
     Attributes:
-        calls: the diagonals first (together they cover every local row once), then the prefixes.
+        diagonals: the calls on the local K/V (together they cover every local row once).
+        prefixes: the calls on the gathered K/V.
         source_rank, source_row: for each global row, the rank that holds it and its row there.
     """
 
-    calls: tuple[PrefixCall, ...]
+    diagonals: tuple[PrefixCall, ...]
+    prefixes: tuple[PrefixCall, ...]
     source_rank: torch.Tensor
     source_row: torch.Tensor
 
@@ -101,7 +104,7 @@ def prefix_schedule(local_doc_lens: tuple[int, ...], rank: int, world: int) -> P
             src, second = (chunk, 0) if chunk < world else (2 * world - 1 - chunk, 1)
             ranks.append(torch.full((c,), src))
             rows.append(torch.arange(o + second * c, o + (second + 1) * c))
-    return PrefixSchedule(tuple(diagonals + prefixes), torch.cat(ranks), torch.cat(rows))
+    return PrefixSchedule(tuple(diagonals), tuple(prefixes), torch.cat(ranks), torch.cat(rows))
 
 
 def _rows_of(buffers: torch.Tensor) -> torch.Tensor:
@@ -110,15 +113,23 @@ def _rows_of(buffers: torch.Tensor) -> torch.Tensor:
     return buffers.reshape(-1, buffers.shape[-2] * buffers.shape[-1])
 
 
-def _flat_sources(schedule: PrefixSchedule, kv: torch.Tensor) -> list[torch.Tensor]:
-    """Per part of a rank's buffer ``kv`` (K and V when stacked, else the one side-by-side
-    buffer): each global row's row in :func:`_rows_of` of the gathered ``(world, *kv)``."""
+@functools.lru_cache(maxsize=64)
+def _flat_sources(local_doc_lens: tuple[int, ...], rank: int, world: int, parts: int, s: int,
+                  device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Per part of a rank's buffer of ``s`` rows (K and V when stacked, ``parts = 2``, else
+    the one side-by-side buffer): each global row's row in :func:`_rows_of` of the gathered
+    ``(world, *kv)``, int64 on ``device`` (made there once per shape)."""
+    schedule = prefix_schedule(local_doc_lens, rank, world)
+    base = (schedule.source_rank * (parts * s) + schedule.source_row).to(device)
+    return tuple(base + p * s for p in range(parts))
+
+
+def _sources_of(plan: AttentionPlan, kv: torch.Tensor) -> tuple[torch.Tensor, ...]:
     parts, s = (2, kv.shape[2]) if kv.dim() == 5 else (1, kv.shape[1])
-    base = schedule.source_rank.to(kv.device) * (parts * s) + schedule.source_row.to(kv.device)
-    return [base + p * s for p in range(parts)]
+    return _flat_sources(plan.local_doc_lens, plan.rank, plan.world, parts, s, kv.device)
 
 
-def global_kv(every: torch.Tensor, schedule: PrefixSchedule) -> torch.Tensor:
+def global_kv(every: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
     """Every rank's K/V ``every`` ``(world, *kv)`` (a stacked ``(2, 1, s, hk, d)`` or side by
     side ``(1, s, hk, dk + dv)`` buffer per rank) -> the row in global order, shaped like
     ``kv`` with ``world * s`` rows (one row gather per part)."""
@@ -127,15 +138,11 @@ def global_kv(every: torch.Tensor, schedule: PrefixSchedule) -> torch.Tensor:
     shape[-3] *= world
     glob = every.new_empty(shape)
     rows, glob_rows = _rows_of(every), _rows_of(glob[None])
-    index = _flat_sources(schedule, kv)
+    index = _sources_of(plan, kv)
     n = index[0].numel()
     for part, src in enumerate(index):
         torch.index_select(rows, 0, src, out=glob_rows[part * n:(part + 1) * n])
     return glob
-
-
-def _kv_rows(call: PrefixCall, k: torch.Tensor, v: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor):
-    return (call.k.of(k), call.k.of(v)) if call.local else (call.k.of(kg), call.k.of(vg))
 
 
 def prefix_forward(
@@ -144,20 +151,24 @@ def prefix_forward(
     """q ``(1, s, hq, d)``, this rank's K/V buffer ``kv`` -> out ``(1, s, hq, dv)`` and lse
     ``(1, hq, s)``, both float32 (float64 for float64 inputs), before any sink."""
     schedule = prefix_schedule(plan.local_doc_lens, plan.rank, plan.world)
+    gathering = coll.start_all_gather(kv)  # travels while the diagonals run on the local K/V
     k, v = unpack_kv(kv, q.shape[-1])
-    kg, vg = unpack_kv(global_kv(coll.all_gather(kv), schedule), q.shape[-1])
     dtype = accum_dtype(q.dtype)
     out = torch.empty(*q.shape[:3], v.shape[-1], dtype=dtype, device=q.device)
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=dtype, device=q.device)
-    for call in schedule.calls:
-        keys, values = _kv_rows(call, k, v, kg, vg)
-        block_out, block_lse = plan.backend.forward(call.q.of(q), keys, values, call.causal, plan.scale,
-                                                    **plan.kernel_kwargs)
-        if call.local:  # the diagonals come first and cover every row once
-            call.q.of(out).copy_(block_out)
-            call.q.of(lse, seq_dim=2).copy_(block_lse)
-        else:
-            merge_block_(call.q.of(out), call.q.of(lse, seq_dim=2), block_out, block_lse)
+
+    def run(calls: tuple[PrefixCall, ...], k: torch.Tensor, v: torch.Tensor) -> None:
+        for call in calls:
+            block_out, block_lse = plan.backend.forward(call.q.of(q), call.k.of(k), call.k.of(v), call.causal,
+                                                        plan.scale, **plan.kernel_kwargs)
+            if call.local:  # the diagonals write every row once
+                call.q.of(out).copy_(block_out)
+                call.q.of(lse, seq_dim=2).copy_(block_lse)
+            else:
+                merge_block_(call.q.of(out), call.q.of(lse, seq_dim=2), block_out, block_lse)
+
+    run(schedule.diagonals, k, v)
+    run(schedule.prefixes, *unpack_kv(global_kv(gathering.wait(), plan), q.shape[-1]))
     return out, lse
 
 
@@ -168,35 +179,38 @@ def prefix_backward(
     """dq ``(1, s, hq, d)``, dk and dv ``(1, s, hk, d)`` (the input dtype) of this rank's
     rows, from ``dout``, ``q``, its ``kv`` buffer and the forward's final ``out`` and ``lse``."""
     schedule = prefix_schedule(plan.local_doc_lens, plan.rank, plan.world)
-    k, v = unpack_kv(kv, q.shape[-1])
-    glob = global_kv(coll.all_gather(kv), schedule)  # the gathered buffers are dropped once reordered
-    kg, vg = unpack_kv(glob, q.shape[-1])
+    gathering = coll.start_all_gather(kv)  # travels while the diagonals run on the local K/V
     dtype = accum_dtype(q.dtype)
-    # The diagonals come first and write every local row once: no zeros for dq and the local dK/dV.
+    # The diagonals write every local row once: no zeros for dq and the local dK/dV.
     dq = torch.empty(q.shape, dtype=dtype, device=q.device)
     d_local = torch.empty(kv.shape, dtype=dtype, device=q.device)
+
+    def run(calls: tuple[PrefixCall, ...], buffer: torch.Tensor, d_buffer: torch.Tensor) -> None:
+        (k, v), (dk, dv) = unpack_kv(buffer, q.shape[-1]), unpack_kv(d_buffer, q.shape[-1])
+        for call in calls:
+            dq_c, dk_c, dv_c = plan.backend.backward(call.q.of(dout), call.q.of(q), call.k.of(k), call.k.of(v),
+                                                     call.q.of(out), call.q.of(lse, seq_dim=2), call.causal,
+                                                     plan.scale, **plan.kernel_kwargs)
+            if call.local:  # the diagonals write every local row once
+                call.q.of(dq).copy_(dq_c)
+                call.k.of(dk).copy_(dk_c)
+                call.k.of(dv).copy_(dv_c)
+            else:
+                call.q.of(dq).add_(dq_c)
+                call.k.of(dk).add_(dk_c)
+                call.k.of(dv).add_(dv_c)
+
+    run(schedule.diagonals, kv, d_local)
+    glob = global_kv(gathering.wait(), plan)  # the gathered buffers are dropped once reordered
     d_glob = torch.zeros(glob.shape, dtype=dtype, device=q.device)
-    dk_local, dv_local = unpack_kv(d_local, q.shape[-1])
-    dk_glob, dv_glob = unpack_kv(d_glob, q.shape[-1])
-    for call in schedule.calls:
-        keys, values = _kv_rows(call, k, v, kg, vg)
-        dq_c, dk_c, dv_c = plan.backend.backward(call.q.of(dout), call.q.of(q), keys, values, call.q.of(out),
-                                                 call.q.of(lse, seq_dim=2), call.causal, plan.scale,
-                                                 **plan.kernel_kwargs)
-        if call.local:
-            call.q.of(dq).copy_(dq_c)
-            call.k.of(dk_local).copy_(dk_c)
-            call.k.of(dv_local).copy_(dv_c)
-        else:
-            call.q.of(dq).add_(dq_c)
-            call.k.of(dk_glob).add_(dk_c)
-            call.k.of(dv_glob).add_(dv_c)
-    mine = reduce_scatter_global(coll, schedule, d_glob, kv).add_(d_local)
+    run(schedule.prefixes, glob, d_glob)
+    del glob
+    mine = reduce_scatter_global(coll, plan, d_glob, kv).add_(d_local)
     dk, dv = unpack_kv(mine, q.shape[-1])
     return dq.to(q.dtype), dk.to(kv.dtype), dv.to(kv.dtype)
 
 
-def reduce_scatter_global(coll: Collectives, schedule: PrefixSchedule, d_glob: torch.Tensor,
+def reduce_scatter_global(coll: Collectives, plan: AttentionPlan, d_glob: torch.Tensor,
                           kv: torch.Tensor) -> torch.Tensor:
     """This rank's gradient of its K/V buffer (``kv``'s shape, ``d_glob``'s dtype): every
     rank's ``d_glob`` (gradients of the row's K/V in global order, shaped like
@@ -204,7 +218,7 @@ def reduce_scatter_global(coll: Collectives, schedule: PrefixSchedule, d_glob: t
     (one reduce-scatter)."""
     shares = torch.empty((coll.world, *kv.shape), dtype=d_glob.dtype, device=d_glob.device)
     rows, glob_rows = _rows_of(shares), _rows_of(d_glob[None])
-    index = _flat_sources(schedule, kv)
+    index = _sources_of(plan, kv)
     n = index[0].numel()
     for part, dst in enumerate(index):
         rows.index_copy_(0, dst, glob_rows[part * n:(part + 1) * n])
