@@ -17,7 +17,11 @@ Layouts: zigzag, stripe, contiguous (reference: one causal call over the sequenc
 packed (a row of documents of mixed lengths, each zigzag-sharded on its own; reference:
 one causal call per document, same kernel), under the ring; ``packed_allgather`` is the same
 row under the all-gather pattern (every rank's K/V gathered, each local chunk against its
-document's prefix: ``hf_ring/patterns/ring/prefix.py``), timed in the same process.
+document's prefix: ``hf_ring/patterns/ring/prefix.py``), ``packed_ulysses`` under Ulysses
+(heads exchanged, whole documents for ``heads / cp`` heads per rank), timed in the same
+process. Ulysses' virtual all-to-all delivers this rank's own values in place of its
+peers' (the same shapes and work), so its virtual output is not exact; ``--spawn`` runs
+the real one.
 
 Defaults: float32 on CPU (the dtype a CPU user trains in; PyTorch's CPU flash kernel is
 faster in float32 than in bfloat16), 8 query heads, 2 KV heads, head_dim 128, batch 1,
@@ -50,7 +54,8 @@ from hf_ring.patterns.ring.block_runs import group_runs, key_rows, query_rows
 from hf_ring.patterns.ring.schedule import Block
 from hf_ring.sharding import shard_packed, unshard_packed
 
-LAYOUTS = ("zigzag", "stripe", "contiguous", "packed", "packed_allgather")
+LAYOUTS = ("zigzag", "stripe", "contiguous", "packed", "packed_allgather", "packed_ulysses")
+PACKED_PATTERNS = {"packed": "ring", "packed_allgather": "allgather", "packed_ulysses": "ulysses"}
 DOC_FRACTIONS = (0.4, 0.25, 0.2, 0.1, 0.05)  # packed row: mixed document lengths
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 # "process" counts only the CPU time this process got, so other load on the machine does not
@@ -221,13 +226,19 @@ def _packed(layout: str) -> bool:
 
 
 def _plan(pb: Problem, rank: int, kernel: AttentionBackend, scale: float) -> AttentionPlan:
-    """Rank ``rank``'s ring plan over a :class:`VirtualRing` transport (``packed_allgather``:
-    the all-gather pattern's, over :class:`VirtualCollectives`)."""
+    """Rank ``rank``'s ring plan over a :class:`VirtualRing` transport (``packed_allgather``
+    and ``packed_ulysses``: that pattern's, over :class:`VirtualCollectives`)."""
     local_docs = tuple(n // pb.cp for n in pb.doc_lens) if pb.doc_lens else None
     if pb.layout == "packed_allgather" and pb.cp > 1:
         return AttentionPlan(group=None, rank=rank, world=pb.cp, layout="zigzag", causal=True, scale=scale,
                              backend=kernel, local_doc_lens=local_docs, pattern="allgather",
                              collectives=VirtualCollectives(rank, pb.kv_by_rank))
+    if pb.layout == "packed_ulysses" and pb.cp > 1:
+        whole = AttentionPlan(group=None, rank=0, world=1, layout="zigzag", causal=True, scale=scale,
+                              backend=kernel, local_doc_lens=tuple(pb.doc_lens))
+        return AttentionPlan(group=None, rank=rank, world=pb.cp, layout="zigzag", causal=True, scale=scale,
+                             backend=kernel, local_doc_lens=local_docs, pattern="ulysses", inner=whole,
+                             need_lse=False, collectives=VirtualCollectives(rank, world=pb.cp))
     return AttentionPlan(
         group=None, rank=rank, world=pb.cp, layout="zigzag" if local_docs else pb.layout, causal=True,
         scale=scale, backend=kernel, local_doc_lens=local_docs,
@@ -253,6 +264,9 @@ def virtual_ring(pb: Problem, kernel: AttentionBackend, scale: float) -> dict[st
     sequence (to check that the benchmark runs exact attention). dK/dV are not returned:
     their accumulators travel through ranks that, one after another in one process, have
     not run yet (the real ring's dK/dV are tested over gloo in tests/test_ring_attention.py)."""
+    if pb.layout == "packed_ulysses":
+        raise ValueError("packed_ulysses' virtual all-to-all delivers this rank's own values: its output is "
+                         "not attention's (time it; check Ulysses over gloo, tests/test_ring_packed.py)")
     outs, lses, dqs = [], [], []
     for r in range(pb.cp):
         run = rank_forward(pb, r, kernel, scale)
@@ -466,7 +480,7 @@ def _spawn_worker(rank: int, cp: int, layout: str, spr: int, cfg: BenchConfig, t
 
     def fwd():
         if pb.doc_lens:
-            pattern = "allgather" if layout == "packed_allgather" else "ring"
+            pattern = PACKED_PATTERNS[layout]
             out = hf_ring.ring_flash_attn_varlen_func(q[0], k[0], v[0], pb.cu_seqlens, backend=cfg.backend,
                                                       pattern=pattern)
             return out.unsqueeze(0)

@@ -38,7 +38,7 @@ def test_ring_efficiency_tiny_json():
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
     assert {(r["layout"], r["pass"]) for r in rows} == {
-        (lay, p) for lay in ("zigzag", "stripe", "contiguous", "packed", "packed_allgather")
+        (lay, p) for lay in ("zigzag", "stripe", "contiguous", "packed", "packed_allgather", "packed_ulysses")
         for p in ("forward", "forward+backward")
     }
     for r in rows:
