@@ -15,6 +15,8 @@ run's end next to a document of another length is covered too.
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -176,13 +178,18 @@ def test_allgather_on_packed_rows_runs_a_few_large_calls_per_run_of_documents():
 
 class _GatherWatch:
     """Every rank's K/V delivered in one process (VirtualCollectives), noting how many
-    kernel calls had run when the gathered K/V was first waited for."""
+    kernel calls had run when the gathered K/V was first waited for, and keeping a weak
+    reference to each gathered buffer it delivered."""
 
     def __init__(self, rank: int, every: list, calls: list) -> None:
         from hf_ring.distributed.collectives import VirtualCollectives
 
         self.inner, self.calls, self.calls_before_wait = VirtualCollectives(rank, every), calls, []
         self.rank, self.world = rank, len(every)
+        self.delivered = []
+
+    def gathered_alive(self) -> bool:
+        return any(ref() is not None for ref in self.delivered)
 
     def start_all_gather(self, x):
         watch = self
@@ -194,7 +201,9 @@ class _GatherWatch:
                 if not self.waited:
                     watch.calls_before_wait.append(len(watch.calls))
                     self.waited = True
-                return watch.inner.all_gather(x)
+                    self.gathered = watch.inner.all_gather(x)
+                    watch.delivered.append(weakref.ref(self.gathered))
+                return self.gathered
 
         return Pending()
 
@@ -207,7 +216,8 @@ def test_allgather_runs_the_local_blocks_while_the_gather_travels(packed: bool):
     """The all-gather is started before any kernel call and waited for only once the calls
     on this rank's own K/V have run: a packed row's diagonals (one per run of equal
     documents, forward and backward), a one-document row's ring step 0; every later call
-    after the wait. (Exactness over gloo: test_packed_ring_matches_per_document_attention's
+    after the wait. On packed rows the gathered buffer is freed once put in the row's order,
+    before the first prefix call. (Exactness over gloo: test_packed_ring_matches_per_document_attention's
     all-gather cases, and tests/test_cp_patterns.py.)"""
     import dataclasses
 
@@ -223,11 +233,12 @@ def test_allgather_runs_the_local_blocks_while_the_gather_travels(packed: bool):
     else:
         shard = lambda t, r: hf_ring.shard_sequence(t[None], world, r, layout="zigzag")  # noqa: E731
     kernel = get_backend("reference", torch.device("cpu"), torch.float64)
-    calls = []
+    calls, gathered_alive_at_call = [], []
 
     def counted(name):
         def call(*args, **kwargs):
             calls.append(name)
+            gathered_alive_at_call.append(coll.gathered_alive())
             return getattr(kernel, name)(*args, **kwargs)
         return call
 
@@ -239,9 +250,12 @@ def test_allgather_runs_the_local_blocks_while_the_gather_travels(packed: bool):
         coll = _GatherWatch(rank, every, calls)
         ql, dl = shard(q, rank), shard(dout, rank)
         calls.clear()
+        gathered_alive_at_call.clear()
         out, lse = allgather_forward(plan, coll, ql, every[rank])
         n_fwd = len(calls)
         allgather_backward(plan, coll, dl, ql, every[rank], out, lse)
         local_calls = 4 if packed else len(plan.blocks(0, ql.shape[1]))  # four runs of equal documents
         assert coll.calls_before_wait == [local_calls, n_fwd + local_calls], (rank, coll.calls_before_wait)
         assert 0 < local_calls < n_fwd, (rank, local_calls, n_fwd)
+        if packed:  # the dense row's steps read the gathered buffer itself
+            assert not any(gathered_alive_at_call), (rank, gathered_alive_at_call)

@@ -168,7 +168,9 @@ def prefix_forward(
                 merge_block_(call.q.of(out), call.q.of(lse, seq_dim=2), block_out, block_lse)
 
     run(schedule.diagonals, k, v)
-    run(schedule.prefixes, *unpack_kv(global_kv(gathering.wait(), plan), q.shape[-1]))
+    glob = global_kv(gathering.wait(), plan)
+    del gathering  # the gathered buffers are dropped once reordered
+    run(schedule.prefixes, *unpack_kv(glob, q.shape[-1]))
     return out, lse
 
 
@@ -201,7 +203,8 @@ def prefix_backward(
                 call.k.of(dv).add_(dv_c)
 
     run(schedule.diagonals, kv, d_local)
-    glob = global_kv(gathering.wait(), plan)  # the gathered buffers are dropped once reordered
+    glob = global_kv(gathering.wait(), plan)
+    del gathering  # the gathered buffers are dropped once reordered
     d_glob = torch.zeros(glob.shape, dtype=dtype, device=q.device)
     run(schedule.prefixes, glob, d_glob)
     del glob
