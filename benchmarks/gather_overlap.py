@@ -9,6 +9,8 @@ attention in ``cp`` spawned gloo processes two ways, interleaved in one run:
 - ``serial``: the same collectives, but each all-gather waited for as soon as it is
   started (:class:`SerialGather`), so nothing runs while it travels.
 
+Each round runs both ways, in turn, the first alternating from round to round.
+
 Per rank it reports the median time of the forward and of forward+backward, and the time
 each rank spent blocked in collectives (``CommWaitStats``: the all-gathers' waits and the
 backward's reduce-scatter). Rows: the packed default mix (40/25/20/10/5 %) and 64
@@ -79,7 +81,7 @@ def _worker(rank: int, cp: int, seq_per_rank: int, cfg: BenchConfig, rdzv: str, 
                                    collectives=coll if way == "overlapped" else SerialGather(coll))
     times = {way: {"forward": [], "forward+backward": [], "blocked": []} for way in WAYS}
     for i in range(cfg.warmup + cfg.repeats):
-        for way in WAYS:
+        for way in WAYS if i % 2 == 0 else WAYS[::-1]:  # neither way always runs first
             dist.barrier()
             blocked0 = stats[way].seconds
             t0 = time.perf_counter()
@@ -123,7 +125,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--seq-per-rank", type=int, default=2048)
     p.add_argument("--docs", type=int, nargs="+", default=[0, 64],
                    help="0: the mixed lengths 40/25/20/10/5 %%; N: N documents of one length")
-    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--repeats", type=int, default=11)
     p.add_argument("--tiny", action="store_true", help="smoke test: cp 2, 64 tokens per rank, small heads")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     args = p.parse_args(argv)

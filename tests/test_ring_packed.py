@@ -175,16 +175,16 @@ def test_allgather_on_packed_rows_runs_a_few_large_calls_per_run_of_documents():
     assert rel_err(got, reference["out"].index_select(0, real)) <= 1e-12
 
 
-
 class _GatherWatch:
     """Every rank's K/V delivered in one process (VirtualCollectives), noting how many
-    kernel calls had run when the gathered K/V was first waited for, and keeping a weak
+    kernel calls had run when an all-gather was started and when it was first waited for, and keeping a weak
     reference to each gathered buffer it delivered."""
 
     def __init__(self, rank: int, every: list, calls: list) -> None:
         from hf_ring.distributed.collectives import VirtualCollectives
 
-        self.inner, self.calls, self.calls_before_wait = VirtualCollectives(rank, every), calls, []
+        self.inner, self.calls = VirtualCollectives(rank, every), calls
+        self.calls_at_start, self.calls_before_wait = [], []
         self.rank, self.world = rank, len(every)
         self.delivered = []
 
@@ -193,6 +193,7 @@ class _GatherWatch:
 
     def start_all_gather(self, x):
         watch = self
+        self.calls_at_start.append(len(self.calls))
 
         class Pending:
             waited = False
@@ -255,6 +256,7 @@ def test_allgather_runs_the_local_blocks_while_the_gather_travels(packed: bool):
         n_fwd = len(calls)
         allgather_backward(plan, coll, dl, ql, every[rank], out, lse)
         local_calls = 4 if packed else len(plan.blocks(0, ql.shape[1]))  # four runs of equal documents
+        assert coll.calls_at_start == [0, n_fwd], (rank, coll.calls_at_start)
         assert coll.calls_before_wait == [local_calls, n_fwd + local_calls], (rank, coll.calls_before_wait)
         assert 0 < local_calls < n_fwd, (rank, local_calls, n_fwd)
         if packed:  # the dense row's steps read the gathered buffer itself

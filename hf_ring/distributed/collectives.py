@@ -129,7 +129,7 @@ class GroupCollectives:
         x = x.contiguous()
         out = x.new_empty((self.world * x.shape[0], *x.shape[1:])) if x.dim() else x.new_empty(self.world)
         work = self._start(lambda: _ALL_GATHER(out, x, group=self.group, async_op=True))
-        return _GroupGather(self, work, out.view(self.world, *x.shape))
+        return _GroupGather(self, work, x, out.view(self.world, *x.shape))
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         return self.start_all_gather(x).wait()
@@ -148,15 +148,16 @@ class GroupCollectives:
 
 
 class _GroupGather:
-    """A :class:`GroupCollectives` all-gather under way: its work and the tensor it fills."""
+    """A :class:`GroupCollectives` all-gather under way: its work, its input (held until it
+    has arrived, whatever the backend keeps) and the tensor it fills."""
 
-    def __init__(self, coll: GroupCollectives, work: Any, out: torch.Tensor) -> None:
-        self.coll, self.work, self.out = coll, work, out
+    def __init__(self, coll: GroupCollectives, work: Any, x: torch.Tensor, out: torch.Tensor) -> None:
+        self.coll, self.work, self.x, self.out = coll, work, x, out
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
             self.coll._wait(self.work)
-            self.work = None
+            self.work = self.x = None
         return self.out
 
 
@@ -257,4 +258,5 @@ def summed_over(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Te
     return _SumOverGroup.apply(x, group)
 
 
-__all__ = ["Collectives", "Gathered", "GroupCollectives", "PendingGather", "VirtualCollectives", "all_gather", "all_to_all", "summed_over"]
+__all__ = ["Collectives", "Gathered", "GroupCollectives", "PendingGather", "VirtualCollectives", "all_gather",
+           "all_to_all", "summed_over"]

@@ -80,7 +80,8 @@ def chunk_varlen_runs_here(plan: AttentionPlan) -> bool:
             and plan.chunk is None and plan.varlen and plan.backend.varlen_causal_bottom_right)
 
 
-@functools.lru_cache(maxsize=64)
+# Device tensors: a few shapes (a step's layers and passes share one), not every batch's.
+@functools.lru_cache(maxsize=4)
 def _calls_on(local_doc_lens: tuple[int, ...], rank: int, world: int,
               device: torch.device) -> tuple[tuple[ChunkCall, tuple[torch.Tensor, ...]], ...]:
     """:func:`chunk_calls` with their index tensors (q_rows, k_rows, cu_q, cu_k) on ``device``,

@@ -113,7 +113,8 @@ def _rows_of(buffers: torch.Tensor) -> torch.Tensor:
     return buffers.reshape(-1, buffers.shape[-2] * buffers.shape[-1])
 
 
-@functools.lru_cache(maxsize=64)
+# Device tensors: a few shapes (a step's layers and passes share one), not every batch's.
+@functools.lru_cache(maxsize=4)
 def _flat_sources(local_doc_lens: tuple[int, ...], rank: int, world: int, parts: int, s: int,
                   device: torch.device) -> tuple[torch.Tensor, ...]:
     """Per part of a rank's buffer of ``s`` rows (K and V when stacked, ``parts = 2``, else
