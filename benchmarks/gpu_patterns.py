@@ -27,6 +27,8 @@ import hf_ring
 from hf_ring.kernels import get_backend
 from hf_ring.patterns import AttentionPlan
 from hf_ring.patterns.allgather import allgather_attention
+from hf_ring.patterns.ring.chunk_varlen import chunk_varlen_runs_here
+from hf_ring.patterns.ring.prefix import prefix_runs_here
 from hf_ring.distributed.collectives import VirtualCollectives
 from hf_ring.sharding import unshard_packed
 
@@ -67,9 +69,10 @@ def patterns_virtual(device: torch.device, name: str, dtype: torch.dtype, check:
                      seq_per_rank: int = 200) -> None:
     """The virtual all-gather pattern (zigzag, stripe, and a packed row of mixed documents;
     cp 4, ``seq_per_rank`` tokens each) against full attention (the packed row: each
-    document alone). On a varlen kernel with bottom-right causal blocks (flash-attn) the
-    packed row runs two varlen calls per rank (``ring/chunk_varlen.py``), so this checks that
-    kernel's alignment on the GPU."""
+    document alone). On a varlen kernel with bottom-right causal blocks (flash_attn,
+    torch_flash) the packed row runs two varlen calls per rank (``ring/chunk_varlen.py``), so
+    this checks that kernel's alignment on the GPU; each row names the path it ran
+    (``path``)."""
     cfg = bench.BenchConfig(heads=8, kv_heads=2, head_dim=128, dtype=str(dtype).split(".")[1],
                             device=device.type, backend=name)
     scale = 1 / math.sqrt(128)
@@ -99,8 +102,10 @@ def patterns_virtual(device: torch.device, name: str, dtype: torch.dtype, check:
         else:
             join = lambda ts, dim=1: hf_ring.unshard_sequence(ts, dim=dim, layout=layout)  # noqa: E731
         errors = {"out": _rel(join(outs), o), "lse": _rel(join(lses, 2), lse), "dq": _rel(join(dqs), dq)}
-        check(dict(kind="allgather pattern", backend=name, dtype=str(dtype).split(".")[1], layout=layout, cp=4),
-              errors)
+        path = ("two varlen calls" if chunk_varlen_runs_here(plan) else "prefix calls" if prefix_runs_here(plan)
+                else "ring steps")
+        check(dict(kind="allgather pattern", backend=name, dtype=str(dtype).split(".")[1], layout=layout, cp=4,
+                   path=path), errors)
 
 
 def measure_patterns(cp: int, spr: int, cfg: bench.BenchConfig) -> list[dict]:

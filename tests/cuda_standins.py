@@ -101,7 +101,7 @@ def flash_forward(*args, **kwargs):
     else:
         assert a["window_size_left"] is None and a["window_size_right"] is None
         out, lse = looped_varlen_forward(q, k, v, a["cum_seq_q"], a["cum_seq_k"], a["max_q"], a["max_k"],
-                                         a["is_causal"], a["scale"])
+                                         a["is_causal"], a["scale"], bottom_right=True)
     # The dropout state, as the real forward makes it: on the query's device.
     rng_state = torch.empty(2, dtype=torch.uint64, device=q.device)
     unused = torch.empty((), dtype=torch.uint64, device=q.device)
@@ -127,7 +127,7 @@ def flash_backward(*args, **kwargs):
         check_lse("_flash_attention_backward", lse, (q.shape[1], q.shape[0]))
         assert a["window_size_left"] is None and a["window_size_right"] is None
         grads = looped_varlen_backward(dout, q, k, v, out, lse, a["cum_seq_q"], a["cum_seq_k"], a["max_q"],
-                                       a["max_k"], a["is_causal"], a["scale"])
+                                       a["max_k"], a["is_causal"], a["scale"], bottom_right=True)
     return _like(grads, (q, k, v))
 
 

@@ -112,6 +112,10 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
         assert {("block", None), ("ring", "zigzag"), ("ring", "packed")} <= kinds, (name, kinds)
         # The masked kernel (sliding windows), where the backend has one.
         assert (("window", None) in kinds) == (name in ("torch_flash", "flash_attn_4", "flash_attn_3")), (name, kinds)
+        # The packed all-gather: two varlen calls per layer where the kernel has bottom-right causal blocks.
+        paths = {r["path"] for r in checks if r["backend"] == name and r["kind"] == "allgather pattern"
+                 and r["layout"] == "packed"}
+        assert (paths == {"two varlen calls"}) == (name in ("flash_attn", "torch_flash")), (name, paths)
     assert set(report["throughput"]["measured_order"]) == set(names)
     assert {r["backend"] for r in report["efficiency"]["rows"]} == set(names)
     lap = report["overlap"]["rows"][0]

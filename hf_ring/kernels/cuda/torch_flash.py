@@ -8,7 +8,11 @@ layout, so no transposes, plus ``cum_seq_q/k`` for many blocks in one launch). T
 returns the lse; the backward takes any ``out`` and ``lse``, here the ring's final ones.
 
 - GQA natively (the kernel reads query head h from KV head h // group); causal blocks are
-  square, where the kernel's bottom-right alignment is top-left.
+  square, where the kernel's bottom-right alignment is top-left, except the all-gather's
+  packed chunks (fewer queries than keys, ``varlen_causal_bottom_right``): PyTorch's own
+  ``torch/nn/attention/bias.py`` (2.13) calls the same kernel with ``is_causal=True`` for
+  its lower-right causal bias, and its varlen module writes causal as the window ``(-1, 0)``,
+  flash-attn's bottom-right rule. ``benchmarks/gpu_check.py`` checks it on a GPU.
 - ``rng_state`` / ``unused`` are the forward's dropout seed and offset; with dropout 0
   the kernel never reads them, so the backward passes tensors of the forward's shape,
   dtype and device (as the op's meta function declares them: on the query's device)
@@ -147,6 +151,7 @@ TORCH_FLASH = AttentionBackend(
     probe=_probe,
     varlen_forward=flash_varlen_forward,
     varlen_backward=flash_varlen_backward,
+    varlen_causal_bottom_right=True,  # FlashAttention-2 inside: bottom-right since 2.1 (module docstring)
     masked_forward=flash_masked_forward,
     masked_backward=flash_masked_backward,
 )
