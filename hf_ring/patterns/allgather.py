@@ -12,15 +12,16 @@ present after one transfer: none inside the loop.
 Backward: K/V are all-gathered again (not kept from the forward: a full-sequence K/V per
 layer would undo the activation memory context parallelism saves; overlapped in the same
 way), each rank computes dq and every rank's share of dK/dV from its own rows, and one
-reduce-scatter sums the shares onto the ranks that own the K/V. Windows, softcapping and sinks are computed as
-in the ring (the plan's kernel settings, ``apply_sinks`` / ``sinks_grad``).
+reduce-scatter sums the shares onto the ranks that own the K/V. Windows, softcapping and
+sinks are computed as in the ring (the plan's kernel settings, ``apply_sinks`` /
+``sinks_grad``).
 
 Packed rows (causal, without a window, spans or chunks) take each local chunk of each
 document against its document's prefix instead: on a varlen kernel whose causal blocks may
-have fewer queries than keys (flash-attn), two calls per layer, every document at once
-(``ring/chunk_varlen.py``); on a kernel without a varlen call, a few large calls per run of
-equal documents (``ring/prefix.py``). The two varlen calls both need gathered keys, so
-there the gather overlaps nothing.
+have fewer queries than keys (flash_attn, torch_flash), two calls per layer, every document
+at once (``ring/chunk_varlen.py``); on a kernel without a varlen call, a few large calls per
+run of equal documents (``ring/prefix.py``). The two varlen calls both need gathered keys,
+so there the gather overlaps nothing.
 """
 
 from __future__ import annotations
