@@ -446,7 +446,7 @@ def efficiency_rows(layout: str, cp: int, spr: int, refs: list[Unit], ranks: lis
             "efficiency_of_minima": min(getattr(ref, attr)) / (cp * max(min(getattr(u, attr)) for u in ranks)),
             "reference": ref.name,
             "t_references_s": {u.name: statistics.median(getattr(u, attr)) for u in refs},
-            "backend": backend, "doc_lens": doc_lens, **_shape(cfg),
+            "backend": backend, "doc_lens": doc_lens, **_shape(cfg), "date": time.strftime("%Y-%m-%d"),
         }
         if ranks[slowest].clock.enabled:
             # The slowest rank's kernel seconds by block kind (median over repeats): what
