@@ -11,8 +11,9 @@ attention in ``cp`` spawned gloo processes two ways, interleaved in one run:
 
 Each round runs both ways, in turn, the first alternating from round to round.
 
-Per rank it reports the median time of the forward and of forward+backward, and the time
-each rank spent blocked in collectives (``CommWaitStats``: the all-gathers' waits and the
+Every rank checks that both ways give the same out and gradients, bit for bit. Per rank it
+reports the median time of the forward and of forward+backward, and the time each rank
+spent blocked in collectives (``CommWaitStats``: the all-gathers' waits and the
 backward's reduce-scatter). Rows: the packed default mix (40/25/20/10/5 %) and 64
 documents of one length (``--docs``), float32, 8/2 heads of 128, one thread per process.
 
@@ -94,12 +95,20 @@ def _worker(rank: int, cp: int, seq_per_rank: int, cfg: BenchConfig, rdzv: str, 
                 times[way]["forward"].append(t1 - t0)
                 times[way]["forward+backward"].append(t2 - t0)
                 times[way]["blocked"].append(stats[way].seconds - blocked0)
+    results = {}
+    for way in WAYS:  # the two ways run the same calls: the same out and gradients, bit for bit
+        out, _ = run_plan(q, k, v, plans[way])
+        out.backward(dout)
+        results[way] = (out.detach(), q.grad, k.grad, v.grad)
+        q.grad = k.grad = v.grad = None
+    if not all(torch.equal(a, b) for a, b in zip(*results.values())):
+        raise AssertionError(f"rank {rank}: the overlapped and serial all-gather gave different results")
     torch.save(times, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
 def measure(cp: int, seq_per_rank: int, cfg: BenchConfig) -> list[dict]:
-    """One row per way: medians per rank (the slowest rank's figure first)."""
+    """One row per way: each rank's median, the times the slowest rank's."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
