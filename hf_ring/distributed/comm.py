@@ -36,7 +36,9 @@ DKV_CHANNEL = "dkv"
 
 @dataclass
 class CommWaitStats:
-    """Seconds spent blocked in ``Exchange.wait`` and how many waits there were.
+    """Seconds spent blocked in ``Exchange.wait`` (the ring) or in a collective's wait (the
+    other patterns: only the wait, so a gather that travelled while other work ran counts
+    what was left of it), and how many waits there were.
 
     On CUDA ``wait`` returns once the wait is queued on the stream, so this measures
     host-side blocking only; synchronise around it for device time.
