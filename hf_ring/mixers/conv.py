@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from hf_ring.distributed.active import resolve_cp_group
 from hf_ring.distributed.collectives import Collectives, GroupCollectives
 from hf_ring.mixers.halo import add_tail_grads, piece_halos, piece_tails
 from hf_ring.sharding.pieces import RUN_LAYOUTS, Piece, row_pieces
@@ -152,8 +153,9 @@ def context_parallel_causal_conv1d(
         weight: ``(channels, width)``, floating, ``width >= 1``.
         bias: ``(channels,)`` or None.
         activation: None, ``"silu"`` or ``"swish"`` (the same), applied after the bias.
-        group: the context-parallel group; None means the default group, or a world of
-            one when torch.distributed is not initialised (a plain local causal conv).
+        group: the context-parallel group; None means the active state's CP group, else
+            the default group, or a world of one when torch.distributed is not initialised
+            (a plain local causal conv).
         layout: ``"zigzag"`` or ``"contiguous"``; ``"stripe"`` is refused (one-token pieces).
         local_doc_lens: a packed row's documents, each one's local length (its global length
             over the group's size; every document zigzag-sharded on its own), ints summing to
@@ -180,7 +182,7 @@ def context_parallel_causal_conv1d(
             the message says what to pass instead.
     """
     docs = _check_args(x, weight, bias, activation, local_doc_lens)
-    coll = _collectives(group)
+    coll = _collectives(resolve_cp_group(group, "hf_ring.mixers.context_parallel_causal_conv1d"))
     local_len = x.shape[-1]
     if coll is None:
         pieces = [_local_pieces(layout, local_len, docs)]

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from hf_ring.distributed.collectives import Collectives, GroupCollectives
 from hf_ring.mixers.delta_rule_chunk import ChunkTerms, chunk_terms, heads_first, scan, summary_scan
 from hf_ring.mixers.state_exchange import compose_in_order, compose_in_reverse, rank_pieces
+from hf_ring.distributed.active import resolve_cp_group
 from hf_ring.distributed.groups import group_coords
 from hf_ring.sharding.pieces import Piece
 
@@ -194,8 +195,8 @@ def context_parallel_gated_delta_rule(
             n_v_heads, v_head_dim)`` with ``n_v_heads % n_k_heads == 0``; g (log decay, <= 0)
             and beta ``(batch, local_seq, n_v_heads)``; this rank's shard in ``layout``, any
             float dtype.
-        group: the context-parallel group (None: the default group, or one process when
-            torch.distributed is not initialised).
+        group: the context-parallel group (None: the active state's CP group, else the
+            default group, or one process when torch.distributed is not initialised).
         layout: ``"zigzag"`` or ``"contiguous"``; ``"stripe"`` is refused (one-token pieces
             would each need a state).
         local_doc_lens: a packed row's documents, each one's local length (every document
@@ -213,6 +214,7 @@ def context_parallel_gated_delta_rule(
         ``(batch, n_v_heads, k_head_dim, v_head_dim)``, packed ``(batch, n_docs, n_v_heads,
         k_head_dim, v_head_dim)``. States accumulate in float32 (float64).
     """
+    group = resolve_cp_group(group, "hf_ring.mixers.context_parallel_gated_delta_rule")
     _, world = group_coords(group)
     coll = GroupCollectives(group) if world > 1 else None
     return gated_delta_rule_op(q, k, v, g, beta, coll, layout=layout, local_doc_lens=local_doc_lens,

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from hf_ring.distributed.collectives import Collectives, GroupCollectives, all_gather
+from hf_ring.distributed.active import resolve_cp_group
 from hf_ring.distributed.groups import group_coords
 # The gated delta rule's pieces (one per document at one process) and its input checks.
 from hf_ring.mixers.delta_rule import check_gated_delta_inputs
@@ -154,8 +155,8 @@ def context_parallel_kimi_delta_attention(
         output_final_state: also return the state leaving each row (document).
         use_qk_l2norm_in_kernel: L2-normalise q and k over the head dimension first
             (``x / sqrt(sum x^2 + 1e-6)``).
-        group: the context-parallel group (None: the default group, or one process when
-            torch.distributed is not initialised).
+        group: the context-parallel group (None: the active state's CP group, else the
+            default group, or one process when torch.distributed is not initialised).
         layout: ``"zigzag"`` or ``"contiguous"``; ``"stripe"`` is refused (one-token pieces
             would each need a state).
         local_doc_lens: a packed row's documents, each one's local length (every document
@@ -167,6 +168,7 @@ def context_parallel_kimi_delta_attention(
         ``(batch, n_heads, k_head_dim, v_head_dim)``, packed ``(batch, n_docs, n_heads,
         k_head_dim, v_head_dim)``. Everything is computed in float32 (float64).
     """
+    group = resolve_cp_group(group, "hf_ring.mixers.context_parallel_kimi_delta_attention")
     _, world = group_coords(group)
     coll = GroupCollectives(group) if world > 1 else None
     return kimi_delta_op(q, k, v, g, beta, coll, layout=layout, local_doc_lens=local_doc_lens, chunk_size=chunk_size,

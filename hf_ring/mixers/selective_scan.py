@@ -48,6 +48,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from hf_ring.distributed.collectives import Collectives, GroupCollectives, all_gather
+from hf_ring.distributed.active import resolve_cp_group
 from hf_ring.distributed.groups import group_coords
 from hf_ring.mixers.state_exchange import compose_in_order, join_exchange, rank_pieces
 from hf_ring.sharding.pieces import Piece
@@ -227,8 +228,8 @@ def context_parallel_selective_scan(
         delta_bias: ``(d_inner,)`` or None, added to ``delta`` (in delta's dtype).
         delta_softplus: apply softplus to ``delta`` (after the bias).
         return_last_state: also return the state leaving each row (document).
-        group: the context-parallel group (None: the default group, or one process when
-            torch.distributed is not initialised).
+        group: the context-parallel group (None: the active state's CP group, else the
+            default group, or one process when torch.distributed is not initialised).
         layout: ``"zigzag"`` or ``"contiguous"``; ``"stripe"`` is refused (one-token pieces
             would each need a state).
         local_doc_lens: a packed row's documents, each one's local length (every document
@@ -242,6 +243,7 @@ def context_parallel_selective_scan(
         last_state None, or in the scan's dtype, the same on every rank: ``(batch, d_inner,
         d_state)``, packed ``(batch, n_docs, d_inner, d_state)``.
     """
+    group = resolve_cp_group(group, "hf_ring.mixers.context_parallel_selective_scan")
     _, world = group_coords(group)
     coll = GroupCollectives(group) if world > 1 else None
     return selective_scan_op(u, delta, A, B, C, coll, layout, local_doc_lens, D, z, delta_bias, delta_softplus,

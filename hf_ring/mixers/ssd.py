@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from hf_ring.distributed.collectives import Collectives, GroupCollectives, all_gather
+from hf_ring.distributed.active import resolve_cp_group
 from hf_ring.distributed.groups import group_coords
 from hf_ring.mixers.delta_rule_chunk import accum_dtype
 from hf_ring.mixers.ssd_chunk import SSDTerms, chunk_outputs, chunk_terms, discretize_dt
@@ -184,8 +185,8 @@ def context_parallel_ssd(
             on every rank: the state entering each row. Its gradient is the whole of it on
             rank 0 (which holds the row's first piece), zeros on the others.
         return_final_states: also return the state leaving each row (document).
-        group: the context-parallel group (None: the default group, or one process when
-            torch.distributed is not initialised).
+        group: the context-parallel group (None: the active state's CP group, else the
+            default group, or one process when torch.distributed is not initialised).
         layout: ``"zigzag"`` or ``"contiguous"``; ``"stripe"`` is refused (one-token pieces
             would each need a state).
         local_doc_lens: a packed row's documents, each one's local length (every document
@@ -197,6 +198,7 @@ def context_parallel_ssd(
         rank: ``(batch, n_heads, head_dim, state_size)``, packed ``(batch, n_docs, n_heads,
         head_dim, state_size)``; its gradient on each rank is that rank's part.
     """
+    group = resolve_cp_group(group, "hf_ring.mixers.context_parallel_ssd")
     _, world = group_coords(group)
     coll = GroupCollectives(group) if world > 1 else None
     return ssd_op(x, dt, A, B, C, coll, layout, local_doc_lens, chunk_size, D, dt_bias, dt_softplus, dt_limit,

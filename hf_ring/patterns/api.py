@@ -31,6 +31,7 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from hf_ring.distributed.active import resolve_cp_group
 from hf_ring.distributed.comm import CommWaitStats
 from hf_ring.distributed.groups import group_coords, local_world_size
 from hf_ring.patterns.build import build_plan, check_settings
@@ -118,8 +119,9 @@ def context_parallel_attn_func(
             ``n_heads % n_kv_heads == 0`` (GQA; K/V travel with their own head count,
             except that Ulysses repeats as few K/V heads as it needs when ``n_kv_heads``
             is smaller than the group).
-        group: the context-parallel group (None: the default group; one process when
-            torch.distributed is not initialised).
+        group: the context-parallel group. None: the active state's CP group
+            (``setup_context_parallel``); with no active state, the default group (one
+            process when torch.distributed is not initialised).
         pattern: ``"ring"``, ``"allgather"``, ``"ulysses"``, ``"hybrid"`` (module docstring)
             or ``"auto"`` (picked from the heads, the length, the group and its placement:
             hf_ring/patterns/auto.py; logged once per kind of call).
@@ -158,6 +160,7 @@ def context_parallel_attn_func(
         ValueError: bad arguments, or ranks that disagree; NotImplementedError: a
             combination this pattern or backend does not compute, naming one that does.
     """
+    group = resolve_cp_group(group, "hf_ring.context_parallel_attn_func")
     rank, world = group_coords(group)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if world > 1 and check_ranks:
@@ -206,8 +209,9 @@ def ring_flash_attn_func(
         q: ``(batch, local_seq, n_heads, head_dim)``, float16 / bfloat16 / float32 / float64.
         k, v: ``(batch, local_seq, n_kv_heads, head_dim)``, same dtype and device as q;
             ``n_heads % n_kv_heads == 0``. K/V travel with ``n_kv_heads`` heads.
-        group: the context-parallel group (None: the default group; a single process when
-            torch.distributed is not initialised).
+        group: the context-parallel group. None: the active state's CP group
+            (``setup_context_parallel``); with no active state, the default group (a single
+            process when torch.distributed is not initialised).
         causal: causal mask over *global* positions (the layout says which tokens a rank holds).
         softmax_scale: defaults to ``1 / sqrt(head_dim)``.
         layout: ``"zigzag"``, ``"stripe"`` or ``"contiguous"``; must match the sharding.
@@ -233,6 +237,7 @@ def ring_flash_attn_func(
         ``(batch, n_heads, local_seq)`` float32 (float64 for float64 inputs), not
         differentiable. ``out`` is differentiable in q, k, v.
     """
+    group = resolve_cp_group(group, "hf_ring.ring_flash_attn_func")
     return context_parallel_attn_func(
         q, k, v, group=group, pattern="ring", causal=causal, softmax_scale=softmax_scale, layout=layout,
         window=window, softcap=softcap, sinks=sinks, backend=backend, return_lse=return_lse,
@@ -291,6 +296,7 @@ def ring_flash_attn_varlen_func(
         ``out`` ``(total_local, n_heads, head_dim)``; with ``return_lse`` also ``lse``
         ``(n_heads, total_local)``.
     """
+    group = resolve_cp_group(group, "hf_ring.ring_flash_attn_varlen_func")
     rank, world = group_coords(group)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     bounds = torch.as_tensor(cu_seqlens, device="cpu").reshape(-1).tolist()

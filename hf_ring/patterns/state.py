@@ -15,17 +15,18 @@ import contextlib
 
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Union
 
 import torch.distributed as dist
 
 from hf_ring.kernels.registry import registered_backends
+from hf_ring.distributed.active import active_state, set_active_state
 from hf_ring.distributed.groups import DEFAULT_CP_TIMEOUT, ProcessMesh, build_process_mesh, local_world_size
 from hf_ring.distributed.mesh import ParallelDims
 from hf_ring.patterns.plan import PATTERNS
 from hf_ring.sharding.layouts import check_layout
+from hf_ring.sharding.placement import check_placement
 
-_ACTIVE: Optional["ContextParallelState"] = None
 # Process-group backend names: passed as backend= they meant the old argument, now dist_backend=.
 _DIST_BACKENDS = ("nccl", "gloo", "mpi", "ucc", "xccl", "hccl", "cpu:gloo,cuda:nccl")
 
@@ -47,10 +48,23 @@ class AttentionSettings:
     kernel: str = "auto"
     # Processes per node (LOCAL_WORLD_SIZE when launched by torchrun / accelerate).
     local_world_size: int = 1
+    # Packed rows: "sharded" (every document over the group) or "by_length" (short documents
+    # whole on one rank: hf_ring/sharding/placement.py), with its bound on a rank's tokens.
+    placement: str = "sharded"
+    max_tokens_per_rank: Optional[int] = None
 
     def __post_init__(self) -> None:
         check_layout(self.layout)
         check_kernel_name(self.kernel)
+        check_placement(self.placement)
+        if self.placement == "by_length" and self.layout != "zigzag":
+            raise ValueError(f"placement='by_length' shards the long documents of packed rows in the zigzag layout, "
+                             f"got layout={self.layout!r}; use layout='zigzag'")
+        if self.max_tokens_per_rank is not None and (
+                self.placement != "by_length" or isinstance(self.max_tokens_per_rank, bool)
+                or not isinstance(self.max_tokens_per_rank, int) or self.max_tokens_per_rank < 1):
+            raise ValueError(f"max_tokens_per_rank must be a positive int, with placement='by_length' only; got "
+                             f"{self.max_tokens_per_rank!r} with placement={self.placement!r}")
         if self.local_world_size < 1:
             raise ValueError(f"local_world_size must be >= 1, got {self.local_world_size}")
 
@@ -98,6 +112,8 @@ class ContextParallelState:
     ulysses_size = property(lambda self: self.attention.ulysses_size)
     kernel = property(lambda self: self.attention.kernel)
     local_world_size = property(lambda self: self.attention.local_world_size)
+    placement = property(lambda self: self.attention.placement)
+    max_tokens_per_rank = property(lambda self: self.attention.max_tokens_per_rank)
 
     @property
     def world_size(self) -> int:
@@ -164,10 +180,12 @@ def setup_context_parallel(
     backend: str = "auto",
     dist_backend: Optional[str] = None,
     activate: bool = True,
-    timeout: Optional[timedelta] = None,
+    timeout: Union[None, timedelta, float] = None,
     pattern: str = "ring",
     ulysses_size: Optional[int] = None,
     tp_size: int = 1,
+    placement: str = "sharded",
+    max_tokens_per_rank: Optional[int] = None,
 ) -> ContextParallelState:
     """Build (or reuse) the dp x cp (x tp) groups over the initialised default process group.
 
@@ -184,7 +202,8 @@ def setup_context_parallel(
         dist_backend: the process-group backend of the new groups (None: the default
             group's, or the active groups' when they are reused).
         activate: make the returned state the one ``ring_flash`` uses.
-        timeout: how long a collective of the new groups waits for a peer before it fails
+        timeout: how long a collective of the new groups waits for a peer before it fails,
+            a ``datetime.timedelta`` or a number of seconds
             (gloo raises an error naming the cause; on NCCL the watchdog stops the process
             after hf_ring's message naming it, ``hf_ring.distributed.nccl_failures``). A CP
             group's ranks must run every forward together; one that does not is then an
@@ -204,6 +223,12 @@ def setup_context_parallel(
             computes what one process computes, every pattern (tests/test_tp_cp.py,
             tests/test_nd_cp.py), and trains with ``RingTrainer`` and
             ``RingAttentionPlugin(cp_size=C, tp_size=T)`` (docs/parallelism.md).
+        placement: packed rows only: ``"sharded"`` cuts every document over the CP group;
+            ``"by_length"`` keeps short documents whole on one rank (no communication) and
+            shards only the long ones, the ranks' work balanced
+            (``hf_ring.sharding.placement``; the collator must place alike:
+            ``RingDataCollator.for_state``). Dense rows are refused under ``"by_length"``.
+        max_tokens_per_rank: ``"by_length"`` only: the most tokens one rank may hold.
 
     Every process of the world must call this with the same arguments (group creation is
     collective). Calling it again with the same ``cp_size`` over the same default group
@@ -212,29 +237,28 @@ def setup_context_parallel(
     initialised again, new groups are built (both are fixed when a group is made; the
     previous state's groups stay usable).
     """
-    global _ACTIVE
     if not isinstance(cp_size, int) or cp_size < 1:
         raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise ValueError(f"tp_size must be a positive int, got {tp_size!r}")
-    if timeout is not None and (not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0):
-        raise ValueError(f"timeout must be a positive datetime.timedelta (or None), got {timeout!r}")
+    timeout = as_timeout(timeout)
     check_layout(layout)
     check_pattern(pattern, ulysses_size, cp_size)
     check_kernel_name(backend)
-    attention = AttentionSettings(layout, pattern, ulysses_size, backend)
+    attention = AttentionSettings(layout, pattern, ulysses_size, backend, placement=placement,
+                                  max_tokens_per_rank=max_tokens_per_rank)
     if not dist.is_available() or not dist.is_initialized():
         if cp_size == 1 and tp_size == 1:
             state = ContextParallelState(ProcessMesh.single(), attention)
             if activate:
-                _ACTIVE = state
+                set_active_state(state)
             return state
         raise RuntimeError(
             f"setup_context_parallel(cp_size={cp_size}, tp_size={tp_size}) needs an initialised default process "
             "group: launch with `accelerate launch` or `torchrun` and call "
             "torch.distributed.init_process_group() (Accelerator() does it) first"
         )
-    active = _ACTIVE
+    active = active_state()
     if (
         active is not None
         and active.cp_size == cp_size
@@ -246,9 +270,10 @@ def setup_context_parallel(
     ):
         if replace(active.attention, local_world_size=1) != attention:
             # Same groups, another layout, pattern or kernel: no collective needed.
-            active = active.with_attention(layout=layout, pattern=pattern, ulysses_size=ulysses_size, kernel=backend)
+            active = active.with_attention(layout=layout, pattern=pattern, ulysses_size=ulysses_size, kernel=backend,
+                                           placement=placement, max_tokens_per_rank=max_tokens_per_rank)
             if activate:
-                _ACTIVE = active
+                set_active_state(active)
         return active
     world = dist.get_world_size()
     timeout = DEFAULT_CP_TIMEOUT if timeout is None else timeout
@@ -256,19 +281,28 @@ def setup_context_parallel(
     state = ContextParallelState(mesh, replace(attention, local_world_size=local_world_size(world)),
                                  world_group=dist.group.WORLD, timeout=timeout, dist_backend=dist_backend)
     if activate:
-        _ACTIVE = state
+        set_active_state(state)
     return state
+
+
+def as_timeout(timeout: Union[None, timedelta, float]) -> Optional[timedelta]:
+    """``timeout`` as a timedelta: one given, or a positive number of seconds (None stays None)."""
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        timeout = timedelta(seconds=timeout)
+    if timeout is not None and (not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0):
+        raise ValueError(f"timeout must be a positive datetime.timedelta or number of seconds (or None), "
+                         f"got {timeout!r}")
+    return timeout
 
 
 def get_context_parallel_state() -> Optional[ContextParallelState]:
     """The active state, or None when ``setup_context_parallel`` was never called."""
-    return _ACTIVE
+    return active_state()
 
 
 def set_context_parallel_state(state: Optional[ContextParallelState]) -> None:
     """Make ``state`` the active one (None deactivates context parallelism)."""
-    global _ACTIVE
-    _ACTIVE = state
+    set_active_state(state)
 
 
 @contextlib.contextmanager

@@ -14,7 +14,9 @@ Two modes:
   ``2 * cp_size`` and zigzag-sharded on its own (``hf_ring.sharding.shard_packed``), with
   position ids restarting at 0 per document and the global document boundaries as
   ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (int32, identical on every rank), which
-  ``ring_flash`` reads from the model's kwargs (``hf_ring.hf.attention``).
+  ``ring_flash`` reads from the model's kwargs (``hf_ring.hf.attention``). With
+  ``placement="by_length"`` short documents stay whole on one rank and only long ones are
+  sharded (``hf_ring.sharding.placement``): the ranks' rows then differ in length.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from hf_ring.patterns.state import ContextParallelState
 from hf_ring.sharding import required_multiple, shard_packed, shard_sequence
 from hf_ring.sharding.labels import IGNORE_INDEX
 from hf_ring.sharding.layouts import check_layout
+from hf_ring.sharding.placement import check_placement, place_by_length, shard_placed
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,10 @@ class RingCollatorConfig:
         return_attention_mask: also emit a right-padding ``attention_mask`` (dense only). With
             right padding and a causal mask no real token attends to padding, so the default
             is to leave it out.
+        placement: ``"sharded"`` (every packed document cut over the CP group) or
+            ``"by_length"`` (short documents whole on one rank, long ones sharded, balanced:
+            ``hf_ring.sharding.placement``); must match the state's. Packing only.
+        max_tokens_per_rank: ``by_length`` only: the most tokens one rank may hold (None: no bound).
     """
 
     pad_token_id: int
@@ -54,6 +61,8 @@ class RingCollatorConfig:
     pad_to_multiple_of: Optional[int] = None
     packing: bool = False
     return_attention_mask: bool = False
+    placement: str = "sharded"
+    max_tokens_per_rank: Optional[int] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.pad_token_id, int) or self.pad_token_id < 0:
@@ -69,6 +78,12 @@ class RingCollatorConfig:
                 "packing=True separates documents with cu_seq_lens_q/k and per-document "
                 "position_ids; an attention_mask cannot express that, so set "
                 "return_attention_mask=False"
+            )
+        check_placement_settings(self.placement, self.max_tokens_per_rank)
+        if self.placement == "by_length" and not self.packing and self.cp_size > 1:
+            raise ValueError(
+                "placement='by_length' places the documents of a packed row; padded batches (one document a "
+                "row) are not placed by length yet: pass packing=True (or placement='sharded')"
             )
         base = self.base_multiple
         if self.pad_to_multiple_of is not None:
@@ -101,9 +116,21 @@ def check_coordinates(config: Any) -> None:
     check_layout(config.layout)
 
 
+def check_placement_settings(placement: str, max_tokens_per_rank: Optional[int]) -> None:
+    """A placement name and its token bound, checked (ValueError)."""
+    check_placement(placement)
+    if max_tokens_per_rank is not None:
+        if isinstance(max_tokens_per_rank, bool) or not isinstance(max_tokens_per_rank, int) or max_tokens_per_rank < 1:
+            raise ValueError(f"max_tokens_per_rank must be a positive int or None, got {max_tokens_per_rank!r}")
+        if placement != "by_length":
+            raise ValueError("max_tokens_per_rank bounds the by-length placement only; pass placement='by_length'")
+
+
 def shards_as(config: Any, state: ContextParallelState) -> bool:
-    """Whether a collator config shards as ``state`` says (CP size, rank and layout)."""
-    return (config.cp_size, config.cp_rank, config.layout) == (state.cp_size, state.cp_rank, state.layout)
+    """Whether a collator config shards as ``state`` says (CP size, rank, layout and placement)."""
+    return ((config.cp_size, config.cp_rank, config.layout, getattr(config, "placement", "sharded"),
+             getattr(config, "max_tokens_per_rank", None))
+            == (state.cp_size, state.cp_rank, state.layout, state.placement, state.max_tokens_per_rank))
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -197,6 +224,7 @@ class RingDataCollator:
             base = RingCollatorConfig(pad_token_id, cp_size=state.cp_size, layout=state.layout,
                                       packing=kwargs.get("packing", False)).base_multiple
             kwargs = {**kwargs, "pad_to_multiple_of": base * state.tp_size}
+        kwargs = {"placement": state.placement, "max_tokens_per_rank": state.max_tokens_per_rank, **kwargs}
         return cls(pad_token_id, cp_size=state.cp_size, cp_rank=state.cp_rank, layout=state.layout, **kwargs)
 
     def matches(self, state: ContextParallelState) -> bool:
@@ -262,10 +290,17 @@ class RingDataCollator:
 
     def _shard(self, full: dict[str, Any]) -> dict[str, Any]:
         cfg = self.config
+        placement = None
+        if cfg.packing and cfg.placement == "by_length":
+            bounds = full["cu_seq_lens_q"].tolist()
+            doc_lens = tuple(b - a for a, b in zip(bounds, bounds[1:]))
+            placement = place_by_length(doc_lens, cfg.cp_size, cfg.max_tokens_per_rank)
         out = {}
         for key, value in full.items():
             if not (isinstance(value, torch.Tensor) and value.dim() == 2):
                 out[key] = value
+            elif placement is not None:
+                out[key] = shard_placed(value, placement, cfg.cp_rank, dim=1)
             elif cfg.packing:
                 out[key] = shard_packed(value, full["cu_seq_lens_q"], cfg.cp_size, cfg.cp_rank, dim=1)
             else:

@@ -36,7 +36,8 @@ from hf_ring.training.collator import RingDataCollator
 from hf_ring.training.loss import all_reduce_sum
 from hf_ring.training.vision.collator import RingVisionDataCollator
 from hf_ring.patches import accelerate as accelerate_patches
-from hf_ring.patterns.state import ContextParallelState, check_kernel_name, check_pattern, setup_context_parallel
+from hf_ring.patterns.state import (AttentionSettings, ContextParallelState, as_timeout, check_kernel_name, check_pattern,
+                                    setup_context_parallel)
 from hf_ring.sharding.layouts import check_layout
 
 
@@ -77,6 +78,10 @@ class RingAttentionPlugin:
             forward): seconds or a ``datetime.timedelta``; None: 10 minutes
             (``setup_context_parallel``'s ``timeout``). Raise it where a rank may be slow
             for long, e.g. the main process saving a large checkpoint while the others wait.
+        placement: packed rows: ``"sharded"`` (default: every document cut over the CP
+            group) or ``"by_length"`` (short documents whole on one rank, long ones sharded,
+            the ranks' work balanced; docs/packed.md). ``make_collator`` places alike.
+        max_tokens_per_rank: ``"by_length"`` only: the most tokens one rank may hold.
     """
 
     cp_size: int = 1
@@ -86,6 +91,8 @@ class RingAttentionPlugin:
     ulysses_size: Optional[int] = None
     backend: str = "auto"
     timeout: Optional[float | timedelta] = None
+    placement: str = "sharded"
+    max_tokens_per_rank: Optional[int] = None
 
     def __post_init__(self) -> None:
         for name in ("cp_size", "tp_size"):
@@ -95,12 +102,8 @@ class RingAttentionPlugin:
         check_layout(self.layout)
         check_pattern(self.pattern, self.ulysses_size, self.cp_size)
         check_kernel_name(self.backend)
-        if self.timeout is not None and not isinstance(self.timeout, timedelta):
-            if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)):
-                raise ValueError(f"timeout must be seconds (a number) or a datetime.timedelta, got {self.timeout!r}")
-            self.timeout = timedelta(seconds=self.timeout)
-        if self.timeout is not None and not self.timeout.total_seconds() > 0:
-            raise ValueError(f"timeout must be positive, got {self.timeout!r}")
+        AttentionSettings(self.layout, placement=self.placement, max_tokens_per_rank=self.max_tokens_per_rank)
+        self.timeout = as_timeout(self.timeout)
         self._state: Optional[ContextParallelState] = None
 
     @classmethod
@@ -142,7 +145,8 @@ class RingAttentionPlugin:
         self._state = setup_context_parallel(self.cp_size, tp_size=self.tp_size, layout=self.layout,
                                              pattern=self.pattern,
                                              ulysses_size=self.ulysses_size, backend=self.backend,
-                                             timeout=self.timeout)
+                                             timeout=self.timeout, placement=self.placement,
+                                             max_tokens_per_rank=self.max_tokens_per_rank)
         if importlib.util.find_spec("transformers") is not None:
             # DeepSpeed configs reach hf_ring through transformers. Before the model exists:
             # ZeRO-3 partitions it as it is created, over DeepSpeed's world.
@@ -172,6 +176,7 @@ class RingAttentionPlugin:
             f"cp_rank {s.cp_rank}/{s.cp_size}, " + (f"tp_rank {s.tp_rank}/{s.tp_size}, " if s.tp_size > 1 else "")
             + f"layout {s.layout}, pattern {s.pattern}"
             + (f" (ulysses_size {s.ulysses_size})" if s.ulysses_size else "") + f", kernel {s.kernel}"
+            + (f", placement {s.placement}" if s.placement != "sharded" else "")
         )
 
     # ---- data ----

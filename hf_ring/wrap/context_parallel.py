@@ -29,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from hf_ring.distributed.active import resolve_cp_group
 from hf_ring.distributed.groups import group_coords
 from hf_ring.kernels.autocast import one_dtype
 from hf_ring.patterns.state import check_pattern
@@ -82,7 +83,8 @@ class ContextParallel(nn.Module):
     Attributes:
         module: the wrapped attention module (its parameters are this module's, under
             ``module.``).
-        cp_group: the context-parallel process group (None: the default group).
+        cp_group: the context-parallel process group (None: the active state's CP group when
+            one is set up, else the default group; read at each call).
         pattern: how attention is split across the group, as in
             :func:`hf_ring.context_parallel_attn_func`, or ``"auto"`` (picked per call from
             the head counts, the length and the group's size and placement,
@@ -111,9 +113,9 @@ class ContextParallel(nn.Module):
         if not isinstance(causal, bool):
             raise TypeError(f"causal must be a bool, got {causal!r}")
         check_layout(layout)
-        check_pattern(pattern, ulysses_size, group_coords(cp_group)[1])
+        self._cp_group = cp_group
+        check_pattern(pattern, ulysses_size, group_coords(self.cp_group)[1])
         self.module = module
-        self.cp_group = cp_group
         self.pattern = pattern
         self.causal = causal
         self.layout = layout
@@ -141,6 +143,13 @@ class ContextParallel(nn.Module):
         with the same gradients. Every rank of the group must call it together, with
         tensors of the same shapes."""
         return cls(inner_attention, cp_group, pattern, causal, layout, backend, ulysses_size)
+
+    @property
+    def cp_group(self) -> Optional[dist.ProcessGroup]:
+        """The group the attention runs over: the one given to ``wrap``, or with none given
+        the CP group of the state active at the call (``setup_context_parallel``; resolved on
+        every use, so a state set up after wrapping counts), else the default group."""
+        return resolve_cp_group(self._cp_group, "hf_ring.ContextParallel")
 
     @property
     def cp_rank_and_size(self) -> tuple[int, int]:
