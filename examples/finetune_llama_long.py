@@ -347,9 +347,24 @@ def _default_config(args: argparse.Namespace, tokenizer) -> transformers.Pretrai
 
 
 def share_cores() -> None:
-    """On CPU, give each of this machine's processes its share of the cores."""
-    if not torch.cuda.is_available():
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    """On CPU, give each launched process its share of the cores, unless the user chose a count.
+
+    torchrun and ``accelerate launch`` start several processes with ``OMP_NUM_THREADS=1`` when
+    the user set nothing, so only that launcher default (several local processes, one thread
+    each), or no ``OMP_NUM_THREADS`` at all beside several local processes (torch would give
+    each the whole machine), is replaced by ``cores // processes``. A count the user chose
+    stands: any other ``OMP_NUM_THREADS``, ``torch.set_num_threads`` called before under a
+    launcher, and every single-process run, where torch's own default (or the user's) already
+    holds (overriding it made a cp 1 run on a loaded machine 10x slower and cp 2 look faster
+    than it is).
+    """
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if torch.cuda.is_available() or local == 1:
+        return
+    omp = os.environ.get("OMP_NUM_THREADS")
+    if omp is not None and (omp != "1" or torch.get_num_threads() != 1):
+        return  # the user's count (a launcher's default is exactly OMP_NUM_THREADS=1, as torch read it)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
 
 
 def start_plugin(args: argparse.Namespace) -> hf_ring.RingAttentionPlugin:

@@ -35,6 +35,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 import hf_ring
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from finetune_llama_long import share_cores  # noqa: E402
 from long_context_data import ByteTokenizer, passkey_example  # noqa: E402
 
 CACHE_KWARG = "cache" if Version(transformers.__version__) >= Version("5") else "past_key_values"
@@ -77,8 +78,7 @@ def _generate(model, prompt: torch.Tensor, args: argparse.Namespace, cache=None)
 def main(argv: Optional[Sequence[str]] = None) -> dict:
     args = build_parser().parse_args(argv)
     PartialState()  # starts the process group accelerate launched
-    if not torch.cuda.is_available():
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    share_cores()  # the launchers' one thread per process becomes each one's share; the user's count stands
     state = hf_ring.RingAttentionPlugin(cp_size=args.cp_size).setup()
     tokenizer = ByteTokenizer()
     example = passkey_example(tokenizer, random.Random(args.seed), args.prompt_tokens)

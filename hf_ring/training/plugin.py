@@ -198,9 +198,14 @@ class RingAttentionPlugin:
         data-parallel ranks only (every rank of a CP group then gets the same batches)."""
         state = self.setup()
         if accelerator.num_processes != state.world_size:
+            # The usual cause on a machine without a GPU: transformers' TrainingArguments build
+            # their Accelerator for one process there unless use_cpu=True, even under torchrun.
+            cpu_hint = ("; on a machine without GPUs pass TrainingArguments(use_cpu=True): without it "
+                        "transformers runs one process there, whatever the launcher started"
+                        if accelerator.num_processes == 1 and not torch.cuda.is_available() else "")
             raise RuntimeError(
                 f"the Accelerator sees {accelerator.num_processes} processes but the default process "
-                f"group has {state.world_size}; create the Accelerator in the launched processes"
+                f"group has {state.world_size}; create the Accelerator in the launched processes{cpu_hint}"
             )
         accelerate_patches.install_prepare_data_loader(
             accelerator,

@@ -1,0 +1,97 @@
+"""What a new user hit (issue 51, item 3): each case as the user met it, cheap.
+
+- The README's "three things you touch" under ``torchrun`` on a CPU-only machine with plain
+  ``TrainingArguments``: transformers then reports a world of 1 (its Accelerator runs
+  without the launched process group unless ``use_cpu=True``), and hf_ring refuses on every
+  rank; the refusal must name ``use_cpu=True``, the one thing that fixes it. Gloo world of 2,
+  spawned, the launcher's environment set as torchrun sets it.
+- The examples' ``share_cores``: torch's thread count is the user's where the user chose one
+  (``OMP_NUM_THREADS``, ``torch.set_num_threads``); only a launcher's default of one thread
+  per process is replaced by the process's share of the cores. In process.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from distributed import free_port, run_world
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+
+def _plain_training_arguments_on_rank(rank: int, world: int, tmp: str, port: int) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+
+    import hf_ring
+
+    # What torchrun puts in each process's environment.
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=64))
+    model.set_attn_implementation("ring_flash")
+    plugin = hf_ring.RingAttentionPlugin(cp_size=2)
+    args = TrainingArguments(output_dir=tmp, report_to=[], max_steps=1)  # no use_cpu: the README's snippet
+    try:
+        hf_ring.RingTrainer(model=model, args=args, ring_plugin=plugin,
+                            data_collator=plugin.make_collator(pad_token_id=0))
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the world of 1 is what transformers reports without a GPU")
+def test_plain_training_arguments_on_cpu_are_refused_naming_use_cpu(tmp_path):
+    for rank, message in enumerate(run_world(2, _plain_training_arguments_on_rank, str(tmp_path), free_port())):
+        assert "the Accelerator sees 1 processes" in message, (rank, message)
+        assert "TrainingArguments(use_cpu=True)" in message, (rank, message)
+
+
+@pytest.fixture
+def threads_restored(monkeypatch):
+    """Each case starts without the launchers' variables and leaves torch's threads as it found them."""
+    before = torch.get_num_threads()
+    for name in ("OMP_NUM_THREADS", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    yield monkeypatch
+    torch.set_num_threads(before)
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: every rule gives one thread")
+def test_share_cores_keeps_the_users_thread_count(threads_restored):
+    from finetune_llama_long import share_cores
+
+    cores = os.cpu_count()
+    # One process, OMP_NUM_THREADS=1 (what the user set; torch read it at start): kept.
+    threads_restored.setenv("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    share_cores()
+    assert torch.get_num_threads() == 1
+    # One process, the user's torch.set_num_threads: kept.
+    threads_restored.delenv("OMP_NUM_THREADS")
+    torch.set_num_threads(1)
+    share_cores()
+    assert torch.get_num_threads() == 1
+    # Two launched processes, OMP_NUM_THREADS the user set to 2: kept (not cores // 2).
+    threads_restored.setenv("LOCAL_WORLD_SIZE", "2")
+    threads_restored.setenv("OMP_NUM_THREADS", "2")
+    torch.set_num_threads(2)
+    share_cores()
+    assert torch.get_num_threads() == 2
+    # Two launched processes with the launchers' default (torchrun and accelerate launch set
+    # OMP_NUM_THREADS=1 when the user did not): each takes its share of the cores.
+    threads_restored.setenv("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    share_cores()
+    assert torch.get_num_threads() == max(1, cores // 2)
+    # Two local processes and no OMP_NUM_THREADS at all (torch would give each every core): shared too.
+    threads_restored.delenv("OMP_NUM_THREADS")
+    torch.set_num_threads(cores)
+    share_cores()
+    assert torch.get_num_threads() == max(1, cores // 2)
