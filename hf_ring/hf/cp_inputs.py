@@ -39,6 +39,7 @@ from hf_ring.patterns.plan import PATTERNS
 from hf_ring.patterns.validation import check_agreement, dtype_code, layout_code, name_code
 from hf_ring.sharding.layouts import shard_indices
 from hf_ring.sharding.packed import check_cu_seqlens, packed_shard_indices
+from hf_ring.sharding.placement import PLACEMENTS, DocumentPlacement, place_by_length
 
 _PATTERN_CODES = (*PATTERNS, "auto")
 _HINT = (
@@ -159,6 +160,33 @@ def _refuse_local(
     return doc_lens
 
 
+def _placement(
+    doc_lens: Optional[tuple[int, ...]], seq_local: int, state: ContextParallelState,
+    shards: Optional[FullBatchShards],
+) -> Optional[DocumentPlacement]:
+    """Under ``placement="by_length"``, where the packed row's documents went (the plan the
+    collator cut the row by, computed again from the same lengths); None otherwise."""
+    if state.placement != "by_length":
+        return None
+    if doc_lens is None or shards is not None:
+        what = "an image-text model's full batch, sharded by hf_ring" if shards is not None else "dense rows"
+        raise NotImplementedError(
+            f"placement='by_length' places the documents of packed rows (cu_seq_lens_q given); this forward has "
+            f"{what}, which are not placed by length yet. Pack the batch (RingDataCollator(packing=True), "
+            "plugin.make_collator(..., packing=True)) or use placement='sharded'"
+        )
+    placement = place_by_length(doc_lens, state.cp_size, state.max_tokens_per_rank)
+    expected = placement.local_len(state.cp_rank)
+    if seq_local != expected:
+        raise ValueError(
+            f"CP rank {state.cp_rank} holds {seq_local} tokens of this packed row, but the by-length placement of "
+            f"its documents ({placement.describe()}) gives it {expected}: the batch was not placed as the state "
+            "says. Build the collator from the state (plugin.make_collator(..., packing=True) or "
+            "RingDataCollator.for_state(state, ...)), which places the documents alike"
+        )
+    return placement
+
+
 def _bounds(doc_lens: tuple[int, ...]) -> list[int]:
     """Document boundaries ``[0, end_0, end_1, ...]`` from their lengths."""
     return [0, *itertools.accumulate(doc_lens)]
@@ -169,8 +197,11 @@ def inputs_device(inputs: dict[str, Any]) -> torch.device:
     return next((t.device for t in inputs.values() if isinstance(t, torch.Tensor)), torch.device("cpu"))
 
 
-def _global_indices(seq_local: int, doc_lens: Optional[tuple[int, ...]], state: ContextParallelState) -> torch.Tensor:
+def _global_indices(seq_local: int, doc_lens: Optional[tuple[int, ...]], state: ContextParallelState,
+                    placement: Optional[DocumentPlacement]) -> torch.Tensor:
     """Which global token each local one is, ``(seq_local,)`` int64 on the CPU."""
+    if placement is not None:
+        return placement.local_indices(state.cp_rank)
     if doc_lens is None:
         return shard_indices(seq_local * state.cp_size, state.cp_size, state.cp_rank, state.layout)
     return packed_shard_indices(torch.tensor(_bounds(doc_lens)), state.cp_size, state.cp_rank)
@@ -219,12 +250,14 @@ class CheckedInputs(NamedTuple):
     lengths (None: dense rows), the global batch's largest position id (padding included:
     what the full sequence's RoPE reads its length from), ``token_index``, int64
     ``(seq_local,)`` on the CPU: the global row index of each of this rank's tokens, and
-    ``generator_digests``: each CP rank's digest of its random generators (randomness/draws.py)."""
+    ``generator_digests``: each CP rank's digest of its random generators (randomness/draws.py),
+    ``placement``: under ``placement="by_length"``, where the packed row's documents went."""
 
     doc_lens: Optional[tuple[int, ...]]
     max_position: int
     token_index: torch.Tensor
     generator_digests: tuple[int, ...]
+    placement: Optional[DocumentPlacement] = None
 
 
 def validate_cp_inputs(
@@ -260,7 +293,7 @@ def validate_cp_inputs(
             or a padding mask.
     """
     problem: Optional[Exception] = None
-    doc_lens = None
+    doc_lens = placement = None
     batch, seq_local = rows_and_length(inputs)
     device = inputs_device(inputs)
     wrong = top = None
@@ -268,7 +301,8 @@ def validate_cp_inputs(
         if refused is not None:
             raise refused
         doc_lens = _refuse_local(inputs, state, shards)
-        index = _global_indices(seq_local, doc_lens, state)
+        placement = _placement(doc_lens, seq_local, state, shards)
+        index = _global_indices(seq_local, doc_lens, state, placement)
         # The model's own positions (M-RoPE) are not arange's: the digest vouches for them.
         wrong = _positions_wrong(inputs, index, doc_lens) if shards is None else torch.zeros((), dtype=torch.int64)
         top = inputs["position_ids"].max()
@@ -288,7 +322,11 @@ def validate_cp_inputs(
         # agree; checked at the first draw (a forward that draws nothing may differ).
         ("generators", generator_digest(device)),
         ("batch", batch),
+        # Under by-length placement the ranks' rows differ in length (the documents' hash and
+        # the placement field below make them agree on the plan instead).
         ("local_seq", seq_local),
+        ("placement", PLACEMENTS.index(state.placement)),
+        ("max_tokens_per_rank", state.max_tokens_per_rank or 0),
         ("attention_mask", int(mask is not None)),
         ("cp_size", state.cp_size),
         ("layout", layout_code(state.layout)),
@@ -310,7 +348,8 @@ def validate_cp_inputs(
         header[3] = shards.digest
     try:
         rows = check_agreement(state.cp_group, fields, device, "the model's inputs", _HINT,
-                               ignore=("refused", "positions_not_global", "max_position", "generators"), values=header)
+                               ignore=("refused", "positions_not_global", "max_position", "generators")
+                               + (("local_seq",) if state.placement == "by_length" else ()), values=header)
     except RuntimeError as e:
         if not peer_failed(e):
             raise
@@ -338,4 +377,4 @@ def validate_cp_inputs(
     if mask is not None:
         _check_right_padding(mask, index, state)
     generators = tuple(row[[name for name, _ in fields].index("generators")] for row in rows)
-    return CheckedInputs(doc_lens, max(row[2] for row in rows), index, generators)
+    return CheckedInputs(doc_lens, max(row[2] for row in rows), index, generators, placement)

@@ -18,7 +18,7 @@ global or a thread-local: a context belongs to one forward call.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -28,8 +28,10 @@ from hf_ring.hf.randomness.draws import OneProcessDraws
 from hf_ring.hf.support.detectors import Handed
 from hf_ring.patterns.state import ContextParallelState
 from hf_ring.patterns.build import build_plan
+from hf_ring.patterns.placed import PlacedPlan
 from hf_ring.patterns.plan import AttentionPlan
 from hf_ring.patterns.ring.spans import BidirectionalSpans
+from hf_ring.sharding.placement import DocumentPlacement
 
 # The keyword the context travels under through the model's forward.
 CONTEXT_KWARG = "hf_ring_context"
@@ -95,6 +97,9 @@ class ForwardContext:
         causal_by_mask: the model's attention layers are flagged non-causal but the mask it
             builds (replaced by ``spans``) is causal plus the spans (PaliGemma's
             ``use_bidirectional_attention``): they run the ring's causal plan with the spans.
+        placement: under CP with ``placement="by_length"``, where each document of the
+            packed row went (``hf_ring.sharding.placement``): the attention runs the sharded
+            documents over the group and this rank's whole ones alone (patterns/placed.py).
     """
 
     state: Optional[ContextParallelState]
@@ -110,6 +115,7 @@ class ForwardContext:
     causal_by_mask: bool = False
     draws: Optional[OneProcessDraws] = None
     generation: Optional[Generation] = None
+    placement: Optional[DocumentPlacement] = None
     _plans: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -123,7 +129,7 @@ class ForwardContext:
     def plan(
         self, q: torch.Tensor, n_kv_heads: int, scale: float, window: Optional[int] = None,
         softcap: Optional[float] = None, value_head_dim: Optional[int] = None, chunk: Optional[int] = None,
-    ) -> AttentionPlan:
+    ) -> Union[AttentionPlan, PlacedPlan]:
         """The plan for this forward's attention calls like ``q`` ``(batch, seq_local,
         n_heads, head_dim)`` with ``n_kv_heads`` K/V heads (of ``value_head_dim`` for V when
         it differs: multi-head latent attention), ``scale``, sliding ``window``, logit
@@ -131,40 +137,54 @@ class ForwardContext:
         resolved here, once per kind of layer and forward), the state's kernel choice
         resolved for q's device, dtype and these features, built on first use and then
         shared by every layer with the same settings (a model alternating sliding and full
-        layers gets two plans, each with its own schedule cache)."""
+        layers gets two plans, each with its own schedule cache). A packed row placed by
+        length gets a :class:`PlacedPlan` of two (its sharded and its whole documents)."""
         key = (q.device, q.dtype, *q.shape[1:], n_kv_heads, value_head_dim, scale, window, softcap, chunk)
         plan = self._plans.get(key)
         if plan is None:
-            s = self.state
-            world = self.cp_size
-            local_docs = tuple(n // world for n in self.doc_lens) if self.doc_lens is not None else None
-            plan = build_plan(
-                pattern=s.pattern if s is not None else "ring",
-                group=s.cp_group if s is not None else None,
-                rank=s.cp_rank if s is not None else 0,
-                world=world,
-                layout="zigzag" if local_docs is not None or s is None else s.layout,
-                causal=True,
-                scale=scale,
-                backend=s.kernel if s is not None else "auto",
-                device=q.device,
-                dtype=q.dtype,
-                n_heads=q.shape[2],
-                n_kv_heads=n_kv_heads,
-                head_dim=q.shape[3],
-                value_head_dim=value_head_dim,
-                seq=q.shape[1] * world,
-                window=window,
-                softcap=softcap,
-                chunk=chunk,
-                local_doc_lens=local_docs,
-                ulysses_size=s.ulysses_size if s is not None else None,
-                comm_stats=self.comm_stats,
-                need_lse=False,
-                local_world_size=s.local_world_size if s is not None else 1,
-                first_rank=s.first_rank if s is not None else 0,
-                rank_stride=s.cp_rank_stride if s is not None else 1,
-                spans=self.spans,
-            )
+            features = dict(device=q.device, dtype=q.dtype, n_heads=q.shape[2], n_kv_heads=n_kv_heads,
+                            head_dim=q.shape[3], value_head_dim=value_head_dim, scale=scale, window=window,
+                            softcap=softcap, chunk=chunk)
+            if self.placement is None:
+                world = self.cp_size
+                local_docs = tuple(n // world for n in self.doc_lens) if self.doc_lens is not None else None
+                plan = self._build(self.state, local_docs, q.shape[1] * world, **features)
+            else:
+                plan = self._placed_plan(features)
             self._plans[key] = plan
         return plan
+
+    def _placed_plan(self, features: dict) -> PlacedPlan:
+        """The sharded documents' plan over the group and this rank's whole documents' plan
+        of one process (None where there are none)."""
+        p, s = self.placement, self.state
+        sharded, whole = p.sharded_lens, p.whole_lens(s.cp_rank)
+        return PlacedPlan(
+            sharded=self._build(s, tuple(n // s.cp_size for n in sharded), sum(sharded), **features) if sharded else None,
+            whole=self._build(None, whole, sum(whole), **features) if whole else None,
+            sharded_tokens=p.sharded_local_len, whole_tokens=sum(whole),
+        )
+
+    def _build(self, s: Optional[ContextParallelState], local_docs: Optional[tuple[int, ...]], seq: int,
+               **features) -> AttentionPlan:
+        """One plan over ``s``'s CP group (None: this process alone) for ``seq`` global tokens
+        (packed: ``local_docs``, each document's local length)."""
+        return build_plan(
+            pattern=s.pattern if s is not None else "ring",
+            group=s.cp_group if s is not None else None,
+            rank=s.cp_rank if s is not None else 0,
+            world=s.cp_size if s is not None else 1,
+            layout="zigzag" if local_docs is not None or s is None else s.layout,
+            causal=True,
+            seq=seq,
+            local_doc_lens=local_docs,
+            backend=s.kernel if s is not None else (self.state.kernel if self.state is not None else "auto"),
+            ulysses_size=s.ulysses_size if s is not None else None,
+            comm_stats=self.comm_stats,
+            need_lse=False,
+            local_world_size=s.local_world_size if s is not None else 1,
+            first_rank=s.first_rank if s is not None else 0,
+            rank_stride=s.cp_rank_stride if s is not None else 1,
+            spans=self.spans,
+            **features,
+        )

@@ -191,18 +191,22 @@ def _pre_forward(model: nn.Module, args: tuple, kwargs: dict):
     checked = validate_cp_inputs(inputs, state, *_compute_dtype(model, inputs_device(inputs)), shards=shards,
                                  refused=refused)
     # After the collective check: every rank has the same lengths, so raises alike.
-    check_model_under_cp(model, state.cp_size, rows_and_length(inputs)[1] * state.cp_size, doc_lens=checked.doc_lens)
-    sequence_features.hand_max_position(model, checked.max_position)
     rows, seq_local = rows_and_length(inputs)
+    # A packed row's full length is its documents' (under by-length placement the ranks'
+    # rows differ in length, so it is not seq_local * cp_size).
+    full_len = sum(checked.doc_lens) if checked.doc_lens else seq_local * state.cp_size
+    check_model_under_cp(model, state.cp_size, full_len, doc_lens=checked.doc_lens)
+    sequence_features.hand_max_position(model, checked.max_position)
     draws = OneProcessDraws(rows, seq_local, state.cp_size, checked.token_index, checked.generator_digests,
-                            device=inputs_device(inputs), tp_size=state.tp_size,
+                            device=inputs_device(inputs), tp_size=state.tp_size, full_len=full_len,
                             refusal=current_refusal() or (shards.generation.draws_refusal
                                                           if shards is not None and shards.generation else None))
     context = ForwardContext(state, checked.doc_lens, comm_stats, made_by_guard=True,
                              token_index=checked.token_index, handed=handed_to_the_ring(model),
                              spans=shards.spans if shards is not None else None,
                              causal_by_mask=shards is not None and shards.causal_by_mask, draws=draws,
-                             generation=shards.generation if shards is not None else None)
+                             generation=shards.generation if shards is not None else None,
+                             placement=checked.placement)
     kwargs = {**kwargs, CONTEXT_KWARG: context}
     if inputs.get("use_cache") is None and "use_cache" in signature.parameters:
         # A training forward under CP builds no cache (a forward asking for one is generation,

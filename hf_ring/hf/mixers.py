@@ -116,6 +116,13 @@ def run_layer(original, module: nn.Module, *args, **kwargs):
     context = _routing(kwargs) or _CARRIED.get()
     if context is None:
         return original(module, *args, **kwargs)
+    if context.placement is not None:
+        # Every rank runs the same layers, so every rank refuses here alike.
+        raise NotImplementedError(
+            f"{type(module).__name__} mixes tokens without attention (a convolution over time or a recurrent "
+            "state), which hf_ring does not yet run on packed rows placed by length (placement='by_length'): "
+            "use placement='sharded' for this model"
+        )
     cache = kwargs.get("cache", kwargs.get("cache_params", args[1] if len(args) > 1 else None))
     if cache is not None and context.generation is None:
         raise NotImplementedError(

@@ -11,19 +11,21 @@ Must not import transformers, accelerate, or hf_ring's integration or training l
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from hf_ring.patterns.allgather import allgather_attention
 from hf_ring.patterns.hybrid import hybrid_attention
+from hf_ring.patterns.placed import PlacedPlan, run_placed
 from hf_ring.patterns.plan import AttentionPlan
 from hf_ring.patterns.ring.attention import ring_attention
 from hf_ring.patterns.ulysses import ulysses_attention
 
 
 def run_plan(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan, sinks: Optional[torch.Tensor] = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Union[AttentionPlan, PlacedPlan],
+    sinks: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Attention of this rank's shard across the plan's group, by the plan's pattern.
 
@@ -32,7 +34,9 @@ def run_plan(
             head_dim)``; one float dtype and device, sharded by ``plan.layout`` (packed
             rows: ``batch`` 1, documents zigzag-sharded one by one). Every rank of the
             group passes the same shapes and an equal plan.
-        plan: built by :func:`hf_ring.patterns.build.build_plan` (or by hand, for the ring).
+        plan: built by :func:`hf_ring.patterns.build.build_plan` (or by hand, for the ring),
+            or a packed row's :class:`~hf_ring.patterns.placed.PlacedPlan` (documents
+            placed by length: its two plans run here, one after the other).
         sinks: optional float ``(n_heads,)``: one extra logit per query head in every row's
             softmax denominator; differentiable.
 
@@ -41,6 +45,8 @@ def run_plan(
         local_seq)`` float32 (float64 for float64 inputs), not differentiable; None for a
         Ulysses or hybrid plan built with ``need_lse=False``.
     """
+    if isinstance(plan, PlacedPlan):
+        return run_placed(q, k, v, plan, run_plan, sinks)
     if plan.spans is not None:
         plan.spans.check_batch(q.shape[0])
     if plan.world == 1 or plan.pattern == "ring":

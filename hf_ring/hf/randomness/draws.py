@@ -105,7 +105,7 @@ class OneProcessDraws(TorchFunctionMode):
     Attributes:
         rows: the forward's batch size.
         seq_local: tokens per row on this rank.
-        cp_size: the CP group's size; the full row is ``seq_local * cp_size`` tokens.
+        cp_size: the CP group's size.
         token_index: int64 ``(seq_local,)`` on the CPU: the full-row position of each of
             this rank's tokens (any layout, packed rows included).
         generator_digests: each CP rank's digest of its generators at the forward's start
@@ -113,6 +113,8 @@ class OneProcessDraws(TorchFunctionMode):
         device: the forward's inputs' device (where the generators are compared again).
         tp_size: the tensor-parallel size; beside TP a draw may be on a head-sharded
             tensor, which the full-sequence draw does not reproduce, so sharded draws are refused.
+        full_len: tokens of the full row: ``seq_local * cp_size``, or a packed row's
+            documents where they were placed by length (the ranks' rows then differ).
         refusal: why no sharded draw of this forward can match one process's (the caller's
             rows are laid out otherwise, :func:`~hf_ring.hf.randomness.refusals.draws_refused`), or None.
         unplaced: set when a draw without a sequence axis ran as it is: one whose size
@@ -130,6 +132,7 @@ class OneProcessDraws(TorchFunctionMode):
     generator_digests: tuple[int, ...]
     device: torch.device = torch.device("cpu")
     tp_size: int = 1
+    full_len: int = 0
     refusal: Optional[str] = None
     unplaced: bool = False
     active: bool = False
@@ -138,6 +141,8 @@ class OneProcessDraws(TorchFunctionMode):
 
     def __post_init__(self) -> None:
         super().__init__()
+        if not self.full_len:
+            self.full_len = self.seq_local * self.cp_size
 
     # ---------------------------------------------------------------- placement
 
@@ -146,7 +151,7 @@ class OneProcessDraws(TorchFunctionMode):
         if key not in self._indices:
             index = self.token_index
             if flat:  # row-major (rows * seq_local): row r's tokens follow row r-1's
-                full = self.seq_local * self.cp_size
+                full = self.full_len
                 index = (torch.arange(self.rows)[:, None] * full + index[None, :]).reshape(-1)
             self._indices[key] = index.to(device)
         return self._indices[key]
@@ -158,7 +163,7 @@ class OneProcessDraws(TorchFunctionMode):
             NotImplementedError: the shape has the local length on an axis that is not
                 the sequence's as hf_ring reads it, or the draw is beside tensor parallelism.
         """
-        full = self.seq_local * self.cp_size
+        full = self.full_len
         found = None
         if len(shape) >= 2 and shape[0] == self.rows and shape[1] == self.seq_local:
             found = _Placement(1, (shape[0], full, *shape[2:]), self._index(False, device))

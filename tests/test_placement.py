@@ -1,0 +1,129 @@
+"""Packed rows placed by length (``placement="by_length"``, hf_ring/sharding/placement.py):
+short documents whole on one rank, long ones sharded over the CP group.
+
+The plan (one process): every token on exactly one rank, the sharded part equal on every
+rank, balanced within the tolerance where it keeps documents whole, the token bound kept,
+the same plan on every call. The collator: each rank's rows, put back by the plan's
+indices, are the full row's (input ids, shifted labels, positions), so a label shifted on a
+rank's own piece shows. The model (gloo world of 2): a tiny Llama and a Mistral with a
+4-token window, a packed row of long and short documents collated at cp 2 by length under
+the ring, all-gather, Ulysses and ``auto`` patterns; the loss (token-mean of the shifted
+labels over the whole row, the ranks' sums added) and every parameter's gradient (summed
+over the ranks) must equal one process's on the same row within 1e-5 relative (float32;
+only the order of the softmax sums differs, measured < 1e-6). The plan keeps some documents
+whole and shards others on this row (asserted), so both parts of the attention run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hf_ring
+from closeness import grads, grads_rel_err
+from distributed import run_world
+from hf_ring.sharding.placement import SHARDED, PlacementCosts, place_by_length
+from test_hf_attention import VOCAB, tiny_config, tiny_model
+
+TOL = 1e-5
+# A long document and short ones: at cp 2 the long one is sharded, the short ones kept whole.
+DOC_TOKENS = (300, 12, 20, 8, 40, 30, 6, 16, 10)
+
+
+def test_plan_covers_every_token_once_and_balances():
+    rows = [(64,) * 64, (2048, 1024, 512, 256, 256), (4096,), (8, 8, 8, 2000, 16, 24, 40, 1000),
+            tuple(8 * (1 + (i * 37) % 50) for i in range(60))]
+    for lens in rows:
+        for cp in (2, 4):
+            lens_cp = tuple(-(-n // (2 * cp)) * 2 * cp for n in lens)
+            p = place_by_length(lens_cp, cp)
+            assert p is place_by_length(lens_cp, cp)  # cached: one plan per row shape
+            every = torch.cat([p.local_indices(r) for r in range(cp)])
+            assert torch.equal(every.sort().values, torch.arange(sum(lens_cp))), (lens, cp)
+            front = [p.local_indices(r)[: p.sharded_local_len] for r in range(cp)]
+            assert all(len(f) == sum(p.sharded_lens) // cp for f in front)
+            if p.owner.count(SHARDED) < len(lens_cp):
+                assert p.imbalance <= PlacementCosts().tolerance + 1e-12, (lens, cp, p.describe())
+    # 64 equal short documents: none sharded, 32 whole on each of 2 ranks.
+    p = place_by_length((64,) * 64, 2)
+    assert p.owner.count(SHARDED) == 0 and [len(p.whole_lens(r)) for r in (0, 1)] == [32, 32]
+    # One long document alone: sharded (whole on one rank it would leave the other idle).
+    assert place_by_length((4096,), 2).owner == (SHARDED,)
+
+
+def test_plan_keeps_the_token_bound_and_refuses_what_cannot_fit():
+    lens = (512, 512, 512, 64, 64, 64, 64)
+    p = place_by_length(lens, 2, max_tokens_per_rank=1000)
+    assert max(p.local_len(r) for r in (0, 1)) <= 1000
+    with pytest.raises(ValueError, match="max_tokens_per_rank"):
+        place_by_length(lens, 2, max_tokens_per_rank=800)
+    with pytest.raises(ValueError, match="multiples of 2 \\* cp_size"):
+        place_by_length((10, 12), 2)
+
+
+def _collated(cp: int, placement: str = "by_length") -> list[dict]:
+    g = torch.Generator().manual_seed(3)
+    features = [{"input_ids": torch.randint(3, VOCAB, (n,), generator=g).tolist()} for n in DOC_TOKENS]
+    # Documents padded to a multiple of 4 at any cp: the one-process row is the same row.
+    return [hf_ring.RingDataCollator(0, cp_size=cp, cp_rank=r, packing=True, placement=placement,
+                                     pad_to_multiple_of=4)(features) for r in range(cp)]
+
+
+def test_collator_rows_put_back_are_the_full_row():
+    full = _collated(1)[0]
+    per_rank = _collated(2)
+    bounds = full["cu_seq_lens_q"].tolist()
+    p = place_by_length(tuple(b - a for a, b in zip(bounds, bounds[1:])), 2)
+    assert 0 < p.owner.count(SHARDED) < len(DOC_TOKENS)
+    for key in ("input_ids", "labels", "shift_labels", "position_ids"):
+        back = torch.empty_like(full[key])
+        for r, batch in enumerate(per_rank):
+            back[:, p.local_indices(r)] = batch[key]
+            assert torch.equal(batch["cu_seq_lens_q"], full["cu_seq_lens_q"])
+        assert torch.equal(back, full[key]), key
+    lens = {batch["input_ids"].shape[1] for batch in per_rank}
+    assert len(lens) == 2, "the row's placement should leave the ranks with different lengths"
+    with pytest.raises(ValueError, match="packing=True"):
+        hf_ring.RingDataCollator(0, cp_size=2, placement="by_length")
+
+
+def _loss_and_grads(model, batch: dict, total_tokens: int) -> tuple[float, dict]:
+    keep = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
+    logits = model(**keep).logits
+    loss = F.cross_entropy(logits[0].float(), batch["shift_labels"][0], reduction="sum") / total_tokens
+    loss.backward()
+    return float(loss.detach()), grads(model)
+
+
+CASES = [("llama", "ring"), ("llama", "allgather"), ("llama", "ulysses"), ("llama", "auto"),
+         ("mistral_window4", "ring")]
+
+
+def _config(family: str):
+    return tiny_config("mistral", sliding_window=4) if family == "mistral_window4" else tiny_config(family)
+
+
+def _on_rank(rank: int, world: int, cases: list) -> dict:
+    out = {}
+    batches = _collated(world)
+    tokens = sum(int((b["shift_labels"] != -100).sum()) for b in batches)
+    for family, pattern in cases:
+        hf_ring.setup_context_parallel(world, pattern=pattern, placement="by_length")
+        config = _config(family)
+        model = tiny_model(config, "ring_flash", tiny_model(config, "sdpa", seed=5).state_dict()).train()
+        out[(family, pattern)] = _loss_and_grads(model, batches[rank], tokens)
+    return out
+
+
+def test_model_on_rows_placed_by_length_equals_one_process():
+    ranks = run_world(2, _on_rank, CASES)
+    full = _collated(1)[0]
+    tokens = int((full["shift_labels"] != -100).sum())
+    for family, pattern in CASES:
+        config = _config(family)
+        ref_loss, ref_grads = _loss_and_grads(tiny_model(config, "ring_flash", seed=5).train(), full, tokens)
+        loss = sum(r[(family, pattern)][0] for r in ranks)
+        summed = {n: sum(r[(family, pattern)][1][n] for r in ranks) for n in ref_grads}
+        assert abs(loss - ref_loss) <= TOL * abs(ref_loss), (family, pattern, loss, ref_loss)
+        assert grads_rel_err(summed, ref_grads) < TOL, (family, pattern, grads_rel_err(summed, ref_grads))
