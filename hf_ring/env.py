@@ -26,17 +26,21 @@ import hf_ring
 from hf_ring.hf import availability
 from hf_ring.kernels import available_backends
 from hf_ring.kernels.registry import registered_backends
+from hf_ring.patches import deepspeed as deepspeed_patches
+from hf_ring.patches import peft as peft_patches
 from hf_ring.patches import versions
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def package_lines() -> list[str]:
-    """One line per upstream package: installed version, tested range, status."""
+    """One line per upstream package: installed version, tested range, what hf_ring does
+    with this version (``versions.status``: the word is what its ``checked_by`` module
+    does) and what hf_ring uses it for."""
     lines = []
     for name, tested in versions.TESTED.items():
         installed = versions.installed(name) or "-"
-        lines.append(f"  {name:<13} {installed:<14} {tested.describe():<56} {versions.status(name)}")
+        lines.append(f"  {name:<13} {installed:<14} {tested.describe():<56} {versions.status(name)}; {tested.role}")
     return lines
 
 
@@ -73,19 +77,23 @@ def _trl_trainers() -> str:
 
 
 def _deepspeed() -> str:
-    if versions.installed("deepspeed") is None:
+    installed = versions.installed("deepspeed")
+    if installed is None:
         raise RuntimeError(f"deepspeed is not installed: `{versions.TESTED['deepspeed'].install_hint()}`")
-    if versions.status("deepspeed") == "refused":
-        raise RuntimeError(versions.refusal("deepspeed", versions.installed("deepspeed")))
-    return "available"
+    # The check hf_ring's DeepSpeed path runs (from the metadata: deepspeed is not imported).
+    deepspeed_patches.check_version(installed)
+    return f"available ({versions.status('deepspeed')})"
 
 
 def _peft() -> str:
-    if versions.installed("peft") is None:
+    installed = versions.installed("peft")
+    if installed is None:
         raise RuntimeError("peft is not installed")
-    # patches/peft.py reads ModulesToSaveWrapper's attributes, refusing a release without them.
-    return (f"installed, status {versions.status('peft')}; hf_ring.patches.peft reads its ModulesToSaveWrapper "
-            "internals (the chunked loss under modules_to_save=['lm_head'])")
+    # The check patches/peft.py runs on every PEFT model it meets (from the metadata: peft
+    # is not imported); each internal it reads is checked too, refused by name if changed.
+    peft_patches.check_version(installed)
+    return (f"available ({versions.status('peft')}); hf_ring.patches.peft reads its ModulesToSaveWrapper "
+            "internals (the chunked loss under modules_to_save=['lm_head']) and sets TP LoRA widths")
 
 
 def source_line() -> str:

@@ -28,10 +28,11 @@
 Written for DeepSpeed 0.19.8: ``DeepSpeedConfig.__init__``, ``_configure_train_batch_size``,
 ``_set_batch_related_parameters``, ``_batch_assertion``, ``comm.torch.TorchBackend``,
 ``ops.__init__`` and the stage-1/2 and stage-3 optimizers' constructors were read there.
-A newer 0.19.x is accepted with one warning naming the tested range (the table:
-``hf_ring.patches.versions``), because each function checks the shape of what it touches
-and raises ``UnsupportedDeepSpeedVersion`` naming what changed; an older release or another
-line (0.20 and later: DeepSpeed bumps the minor version for breaking changes) is refused.
+A newer 0.x (0.19.9, 0.20, ...) is accepted with one warning naming the tested range (the
+table: ``hf_ring.patches.versions``), because each function checks the shape of what it
+touches and raises ``UnsupportedDeepSpeedVersion`` naming what changed: DeepSpeed's minor
+releases may break things, and what they break is refused by name, not by number. An older
+release or another major line (1.x) is refused.
 deepspeed is imported only when a function runs.
 """
 
@@ -60,7 +61,7 @@ def check_version(version: Optional[str] = None) -> str:
     once for a release newer than the tested range).
 
     Raises:
-        UnsupportedDeepSpeedVersion: an older release, or one outside 0.19.x.
+        UnsupportedDeepSpeedVersion: an older release, or one outside 0.x.
     """
     if version is None:
         import deepspeed

@@ -13,7 +13,11 @@ that needs two things PEFT does not say in one public call:
   ``original_module``), as its ``forward`` reads them (peft 0.21.2, ``peft/utils/other.py``).
 
 A wrapper without those attributes (another PEFT release changed them) is refused with an
-error naming what is missing, never guessed at.
+error naming what is missing, never guessed at. The version is checked where a PEFT object
+is met (``check_version``, the table ``hf_ring.patches.versions``): a newer 0.x than the
+tested range is used with one warning, behind those shape checks; another major line or
+a release older than the tested range is refused. ``import hf_ring``, and a model without
+adapters, never check it.
 
 Beside transformers' tensor parallelism, PEFT 0.21.2 splits a LoRA adapter as its base layer
 is split (``lora_B`` column-wise under a column-parallel layer, ``lora_A`` row-wise under a
@@ -43,6 +47,20 @@ class UnsupportedPEFTVersion(RuntimeError):
     """The installed PEFT holds a module in a shape this module was not written for."""
 
 
+def check_version(version: Optional[str] = None) -> str:
+    """``version`` (default: the installed PEFT's) when the table accepts it (warns once
+    for a release newer than the tested range).
+
+    Raises:
+        UnsupportedPEFTVersion: a release older than the tested range, or outside 0.x.
+    """
+    if version is None:
+        import peft
+
+        version = peft.__version__
+    return versions.check("peft", version, UnsupportedPEFTVersion)
+
+
 def _peft():
     if importlib.util.find_spec("peft") is None:
         return None
@@ -55,6 +73,7 @@ def base_model(model: nn.Module) -> nn.Module:
     """The model under PEFT's adapters (``model`` itself when it is not a ``PeftModel``)."""
     peft = _peft()
     if peft is not None and isinstance(model, peft.PeftModel):
+        check_version(peft.__version__)
         return model.get_base_model()
     return model
 
@@ -66,8 +85,8 @@ def module_run_by(module: nn.Module) -> Optional[nn.Module]:
     Raises:
         NotImplementedError: several active adapters (the wrapper would run only the first,
             a set-up hf_ring has not checked).
-        UnsupportedPEFTVersion: a wrapper without the attributes its forward reads in peft
-            0.21.2.
+        UnsupportedPEFTVersion: a release the table refuses, or a wrapper without the
+            attributes its forward reads in peft 0.21.2.
     """
     peft = _peft()
     if peft is None:
@@ -76,6 +95,7 @@ def module_run_by(module: nn.Module) -> Optional[nn.Module]:
 
     if not isinstance(module, ModulesToSaveWrapper):
         return None
+    check_version(peft.__version__)
     missing = [name for name in _WRAPPER_ATTRIBUTES if not hasattr(module, name)]
     if missing:
         raise UnsupportedPEFTVersion(
@@ -128,6 +148,7 @@ def mend_tensor_parallel_widths(model: nn.Module) -> int:
     for name, module in model.named_modules():
         if not isinstance(module, LoraLayer):
             continue
+        check_version(peft.__version__)
         missing = [a for a in ("get_base_layer", "lora_A", "lora_B") if not hasattr(module, a)]
         if missing:
             raise UnsupportedPEFTVersion(f"PEFT {peft.__version__}'s {type(module).__name__} has no {', '.join(missing)} "
@@ -161,4 +182,7 @@ def modules_to_save_copies(model: nn.Module) -> list[str]:
         return []
     from peft.utils import ModulesToSaveWrapper
 
-    return [name for name, module in model.named_modules() if isinstance(module, ModulesToSaveWrapper)]
+    copies = [name for name, module in model.named_modules() if isinstance(module, ModulesToSaveWrapper)]
+    if copies:
+        check_version(peft.__version__)
+    return copies

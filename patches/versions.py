@@ -8,13 +8,18 @@ pyproject against this table.
 The rule (``check``), with ``packaging.version``, never strings:
 
 - inside ``[lowest, highest]`` (the oldest and newest release tested): accepted silently;
-- newer than ``highest`` but inside one of its release lines (the same major version;
-  for a ``0.x`` package the same ``0.minor``, since those bump the minor for breaking
-  changes), or between ``floor`` and ``lowest``: accepted with ONE warning per package
+- newer than ``highest`` but inside one of its release lines (the same major version,
+  ``0`` included: a newer ``0.minor`` of PEFT or DeepSpeed is accepted like a newer 5.x of
+  transformers), or between ``floor`` and ``lowest``: accepted with ONE warning per package
   and process naming the tested range. The accessors in ``patches/`` still check every
-  internal's shape and raise, naming what changed, when one differs;
-- anything else: refused with the module's own error, naming the tested range and what
-  to install.
+  internal's shape and raise, naming what changed, when one differs, so a release is
+  refused for what it changed, never for its number alone;
+- anything else (another major line, older than ``floor``): refused with the module's own
+  error, naming the tested range and what to install.
+
+``checked_by`` names the ``patches/`` module that applies this rule when hf_ring uses the
+package; ``status`` (what ``python -m hf_ring.env`` and the upstream canary print) says
+"refused" only for a package that module refuses, so the word is what hf_ring does.
 
 Must not import any upstream package (``import hf_ring`` needs only torch), nor hf_ring.
 """
@@ -46,6 +51,10 @@ class TestedRange:
             ``lowest`` and the line of ``highest``.
         floor: the oldest release accepted (default ``lowest``); older ones are refused.
         hint: what to install when refused.
+        checked_by: the module that calls :func:`check` for this package when hf_ring uses
+            it (``"hf_ring.patches.peft"``), or ``""`` when nothing at run time checks its
+            version (torch: pyproject's range alone, applied by pip).
+        role: what hf_ring does with the package, for ``python -m hf_ring.env``.
     """
 
     package: str
@@ -54,6 +63,8 @@ class TestedRange:
     lines: tuple[str, ...] = ()
     floor: Optional[str] = None
     hint: str = ""
+    checked_by: str = ""
+    role: str = ""
 
     def __post_init__(self) -> None:
         for field in ("lowest", "highest", *(("floor",) if self.floor else ())):
@@ -113,8 +124,9 @@ def _prefix(version: Version, length: int) -> tuple[int, ...]:
 
 
 def _line_of(version: str) -> str:
-    v = Version(version)
-    return f"0.{v.minor}" if v.major == 0 else str(v.major)
+    # The major version, 0 included: a newer 0.minor is accepted with one warning like any
+    # newer release of the line (the shape checks of patches/ refuse what changed by name).
+    return str(Version(version).major)
 
 
 def _next_line(line: str) -> str:
@@ -130,14 +142,22 @@ TESTED: dict[str, TestedRange] = {
     for r in (
         # 4.57.x is the last 4.x and the oldest with the attention registry.
         TestedRange("transformers", lowest="4.57.6", highest="5.24.0", lines=("4.57", "5"), floor="4.57.0",
-                    hint='pip install "transformers>=4.57,<6"'),
-        TestedRange("accelerate", lowest="1.10.0", highest="1.15.0"),
+                    hint='pip install "transformers>=4.57,<6"', checked_by="hf_ring.patches.transformers",
+                    role="patched (ring_flash registration, model hooks, CP token mixers) and read"),
+        TestedRange("accelerate", lowest="1.10.0", highest="1.15.0", checked_by="hf_ring.patches.accelerate",
+                    role="data loaders fed per CP group, FSDP on CPU"),
         # hf_ring.training.trl also needs transformers >= 5.19 (checked there).
-        TestedRange("trl", lowest="1.16.0", highest="1.16.0", hint='pip install "hf_ring[trl]" (trl>=1.16,<2)'),
-        TestedRange("peft", lowest="0.21.2", highest="0.21.2"),
-        TestedRange("deepspeed", lowest="0.19.8", highest="0.19.8", hint='DS_BUILD_OPS=0 pip install "deepspeed>=0.19.8,<0.20"'),
+        TestedRange("trl", lowest="1.16.0", highest="1.16.0", hint='pip install "hf_ring[trl]" (trl>=1.16,<2)',
+                    checked_by="hf_ring.patches.trl", role="hf_ring.trl's trainers"),
+        TestedRange("peft", lowest="0.21.2", highest="0.21.2", checked_by="hf_ring.patches.peft",
+                    role="LoRA models: the head the chunked loss runs, TP adapter widths"),
+        TestedRange("deepspeed", lowest="0.19.8", highest="0.19.8", hint='DS_BUILD_OPS=0 pip install "deepspeed>=0.19.8,<1"',
+                    checked_by="hf_ring.patches.deepspeed", role="ZeRO-2/3 under CP"),
         # pyproject admits torch >= 2.5; the suite runs on 2.13.0 only (the CPU build on disk).
-        TestedRange("torch", lowest="2.13.0", highest="2.13.0", floor="2.5.0"),
+        # Nothing in hf_ring checks torch's version (pip applies pyproject's range); its
+        # accessors (patches/torch.py) check each internal's shape.
+        TestedRange("torch", lowest="2.13.0", highest="2.13.0", floor="2.5.0",
+                    role="required; forward hooks and FSDP2 internals read, shapes checked"),
     )
 }
 
@@ -189,16 +209,22 @@ def check(package: str, version: str, error: type[Exception]) -> str:
     return version
 
 
+UNCHECKED = "outside pyproject's range, not checked at run time"
+
+
 def status(package: str, version: Optional[str] = None) -> str:
-    """One word for ``package`` (default: the installed version): ``"not installed"``,
-    ``"tested"``, ``"untested, accepted"`` or ``"refused"``."""
+    """What hf_ring does with ``package`` (default: its installed version): ``"not installed"``,
+    ``"tested"``, ``"untested, accepted"`` (one warning), ``"refused"`` (its ``checked_by``
+    module raises), or, for a package whose version nothing checks at run time (torch),
+    ``UNCHECKED`` where the table would not accept it."""
     version = version if version is not None else installed(package)
     if version is None:
         return "not installed"
     tested = TESTED[package]
     try:
-        if not tested.accepts(version):
-            return "refused"
+        accepted = tested.accepts(version)
     except InvalidVersion:
-        return "refused"
+        accepted = False
+    if not accepted:
+        return "refused" if tested.checked_by else UNCHECKED
     return "tested" if tested.tested(version) else "untested, accepted"

@@ -39,7 +39,8 @@ DS_BUILD_OPS=0 "${PY}" -m pip install --quiet --upgrade "${PRE[@]}" \
 cd "${ROOT}"
 "${PY}" -m hf_ring.env || true
 # The fastest existing tests that cover each package: the accessors and patches, ring_flash
-# attention, every model family of the sweep, one Trainer, one TRL and one ZeRO parity run.
+# attention, every model family of the sweep, PEFT's modules under the chunked loss, one
+# Trainer, one TRL and one ZeRO parity run.
 TESTS=(
     tests/test_versions.py
     tests/test_env.py
@@ -48,6 +49,7 @@ TESTS=(
     tests/test_deepspeed_support.py
     tests/test_hf_attention.py
     tests/test_model_sweep.py
+    tests/test_peft_chunked_loss.py
     "tests/test_trainer_cp.py::test_same_losses_as_without_cp[cp2]"
     "tests/test_trl.py::test_cp2_logs_what_cp1_logs[sft_padded]"
     "tests/test_trainer_zero.py::test_zero_same_as_one_process[zero3_cp2-2-3]"

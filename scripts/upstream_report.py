@@ -22,6 +22,7 @@ _ERROR_PACKAGE = {
     "UnsupportedTransformersVersion": "transformers",
     "UnsupportedAccelerateVersion": "accelerate",
     "UnsupportedTRLVersion": "trl",
+    "UnsupportedPEFTVersion": "peft",
     "UnsupportedDeepSpeedVersion": "deepspeed",
     "UnsupportedTorchVersion": "torch",
 }
@@ -34,6 +35,8 @@ _FILE_PACKAGES = {
     "test_hf_attention.py": ("transformers",),
     "test_model_sweep.py": ("transformers",),
     "test_patches_positions.py": ("transformers",),
+    "test_peft_chunked_loss.py": ("peft",),
+    "test_trainer_lora.py": ("peft",),
 }
 _NAME_PACKAGES = (("accelerat", "accelerate"), ("forward_hooks", "torch"), ("", "transformers"))
 

@@ -79,7 +79,9 @@ def test_refuses_a_model_that_is_no_deepspeed_engine():
 def test_patches_refuse_unknown_deepspeed_versions():
     assert deepspeed_patches.check_version("0.19.8") == "0.19.8"
     assert deepspeed_patches.check_version("0.19.9") == "0.19.9"  # newer 0.19.x: one warning
-    for version in ("0.18.9", "0.20.0.dev0", "0.20.0"):
+    # A newer minor too (DeepSpeed 0.x): accepted behind the shape checks, not refused by number.
+    assert deepspeed_patches.check_version("0.20.0") == "0.20.0"
+    for version in ("0.18.9", "1.0.0.dev0", "1.0.0"):
         with pytest.raises(deepspeed_patches.UnsupportedDeepSpeedVersion, match="0.19.8"):
             deepspeed_patches.check_version(version)
 
@@ -93,7 +95,7 @@ def test_constructed_whole_is_a_no_op_without_zero3():
 def test_every_patch_refuses_an_installed_version_it_does_not_know(monkeypatch):
     import deepspeed
 
-    monkeypatch.setattr(deepspeed, "__version__", "0.20.0")
+    monkeypatch.setattr(deepspeed, "__version__", "1.0.0")
     calls = [
         lambda: deepspeed_patches.count_data_parallel_ranks(2, 4),
         deepspeed_patches.skip_cpu_shm_comm_build,
@@ -101,5 +103,5 @@ def test_every_patch_refuses_an_installed_version_it_does_not_know(monkeypatch):
         lambda: deepspeed_patches.zero_reduction_group(object()),
     ]
     for call in calls:
-        with pytest.raises(deepspeed_patches.UnsupportedDeepSpeedVersion, match="0.20.0"):
+        with pytest.raises(deepspeed_patches.UnsupportedDeepSpeedVersion, match="1.0.0"):
             call()

@@ -125,9 +125,49 @@ def test_env_report_names_each_package_and_the_kernels():
     assert 'attn_implementation="ring_flash", RingTrainer: registered' in out, out
     assert "hf_ring.trl: available: RingDPOTrainer, RingGRPOTrainer, RingRLOOTrainer, RingSFTTrainer" in out, out
     assert "hf_ring.patches.peft reads its ModulesToSaveWrapper internals" in out, out
+    for name, tested in versions.TESTED.items():
+        assert tested.role and tested.role in out, (name, out)
     commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     if commit.returncode == 0:  # the suite runs from a checkout (an sdist would not be one)
         assert f"commit {commit.stdout.strip()}" in out, out
+
+
+_FAKE_VERSIONS = """
+from hf_ring.patches import versions
+real = versions.installed
+fake = {fake!r}
+versions.installed = lambda package: fake.get(package, real(package))
+import runpy; runpy.run_module('hf_ring.env', run_name='__main__')
+"""
+
+
+def _env_with(fake: dict[str, str]) -> str:
+    proc = _python(_FAKE_VERSIONS.format(fake=fake))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def _line(out: str, start: str) -> str:
+    return next(l for l in out.splitlines() if l.strip().startswith(start))
+
+
+def test_env_report_says_what_hf_ring_does_with_a_newer_0x_minor():
+    # Issue 51: PEFT 0.22.0 (tested 0.21.2) was reported "refused" though nothing refused it.
+    # A newer minor of a 0.x package is used with one warning, behind the shape checks.
+    out = _env_with({"peft": "0.99.0", "deepspeed": "0.99.0"})
+    for name in ("peft", "deepspeed"):
+        assert _line(out, name + " ").endswith("untested, accepted; " + versions.TESTED[name].role), out
+    assert "PEFT: available (untested, accepted)" in out, out
+    assert "DeepSpeed ZeRO-2/3: available (untested, accepted)" in out, out
+
+
+def test_env_report_names_the_refusal_hf_ring_raises():
+    out = _env_with({"peft": "1.0.0", "deepspeed": "1.0.0", "torch": "3.0.0"})
+    assert _line(out, "peft ").split(";")[0].endswith("refused"), out
+    assert "PEFT: REFUSED: UnsupportedPEFTVersion: hf_ring does not know peft 1.0.0" in out, out
+    assert "DeepSpeed ZeRO-2/3: REFUSED: UnsupportedDeepSpeedVersion: hf_ring does not know deepspeed 1.0.0" in out, out
+    # Nothing in hf_ring checks torch's version at run time (pip applies pyproject's range).
+    assert versions.UNCHECKED in _line(out, "torch "), out
 
 
 def test_env_report_names_what_is_refused_without_trl():

@@ -60,7 +60,13 @@ def test_inside_the_tested_range_no_warning(no_warning_yet, package, version):
     ("trl", "1.17.0", "1.16.0"),
     ("trl", "1.99.0rc1", "1.16.0"),
     ("deepspeed", "0.19.9", "0.19.8"),
+    # A newer minor of a 0.x package is a newer release of its line too (issue 51: PEFT
+    # 0.22.0 was called "refused" though nothing refused it; DeepSpeed 0.20 was refused for
+    # its number alone).
+    ("deepspeed", "0.20.0", "0.19.8"),
+    ("deepspeed", "0.99.1", "0.19.8"),
     ("peft", "0.21.3", "0.21.2"),
+    ("peft", "0.23.0", "0.21.2"),
 ])
 def test_newer_in_the_line_is_accepted_with_one_warning(no_warning_yet, package, version, tested):
     first = _check(package, version)
@@ -82,8 +88,8 @@ def test_one_warning_per_package(no_warning_yet):
     ("transformers", "4.56.2"), ("transformers", "4.58.0"), ("transformers", "6.0.0"), ("transformers", "6.0.0.dev0"),
     ("accelerate", "1.9.0"), ("accelerate", "2.0.0"),
     ("trl", "1.15.2"), ("trl", "2.0.0"), ("trl", "0.29.1"),
-    ("deepspeed", "0.19.7"), ("deepspeed", "0.20.0"), ("deepspeed", "1.0.0"),
-    ("peft", "0.22.0"), ("torch", "2.4.1"), ("torch", "3.0.0"),
+    ("deepspeed", "0.19.7"), ("deepspeed", "1.0.0"),
+    ("peft", "0.21.1"), ("peft", "1.0.0"), ("torch", "2.4.1"), ("torch", "3.0.0"),
     ("trl", "not-a-version"),
 ])
 def test_outside_the_lines_is_refused_by_name(no_warning_yet, package, version):
@@ -93,13 +99,50 @@ def test_outside_the_lines_is_refused_by_name(no_warning_yet, package, version):
     tested = versions.TESTED[package]
     assert f"{package} {version}" in message and tested.lowest in message and tested.highest in message, message
     assert "pip install" in message, message
-    assert versions.status(package, version) == "refused"
+    # The status is what hf_ring does: nothing checks torch's version at run time.
+    assert versions.status(package, version) == ("refused" if tested.checked_by else versions.UNCHECKED)
 
 
 def test_status_words():
     assert versions.status("trl", "1.16.0") == "tested"
     assert versions.status("trl", "1.17.0") == "untested, accepted"
     assert versions.status("trl", "2.0.0") == "refused"
+    assert versions.status("peft", "0.23.0") == "untested, accepted"
+    assert versions.status("torch", "3.0.0") == versions.UNCHECKED
+
+
+def _import(module: str):
+    import importlib
+
+    return importlib.import_module(module)
+
+
+def _probe_versions(tested: versions.TestedRange) -> list[str]:
+    low, high = tested.oldest_accepted, Version(tested.highest)
+    return [tested.lowest, tested.highest, f"{high.major}.{high.minor + 1}.0", f"{high.major + 1}.0.0",
+            _just_below(low)]
+
+
+@pytest.mark.parametrize("package", sorted(versions.TESTED))
+def test_status_says_what_the_package_s_module_does(no_warning_yet, package):
+    # The word python -m hf_ring.env and the canary print is what hf_ring does: "refused"
+    # exactly where the module named by checked_by raises, nothing else refused by number.
+    tested = versions.TESTED[package]
+    if not tested.checked_by:
+        assert package == "torch" and not hasattr(_import("hf_ring.patches.torch"), "check_version")
+        return
+    module = _import(tested.checked_by)
+    check = module.release_line if package == "transformers" else module.check_version
+    for version in _probe_versions(tested):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", versions.UntestedVersionWarning)
+            try:
+                check(version)
+                refused = False
+            except RuntimeError as error:
+                assert type(error).__name__.startswith("Unsupported"), error
+                refused = True
+        assert refused == (versions.status(package, version) == "refused"), (package, version)
 
 
 def test_table_refuses_its_own_inconsistencies():
@@ -107,7 +150,8 @@ def test_table_refuses_its_own_inconsistencies():
         versions.TestedRange("x", lowest="1.2.0", highest="1.1.0")
     with pytest.raises(ValueError, match="outside its own lines"):
         versions.TestedRange("x", lowest="1.2.0", highest="2.1.0", lines=("1",))
-    assert versions.TestedRange("x", lowest="0.3.1", highest="0.3.4").lines == ("0.3",)
+    # A 0.x package's line is 0: its newer minors are accepted with one warning.
+    assert versions.TestedRange("x", lowest="0.3.1", highest="0.3.4").lines == ("0",)
     assert versions.TestedRange("x", lowest="1.3.1", highest="2.0.0").lines == ("1", "2")
 
 
@@ -150,7 +194,7 @@ def _bump_patch(version: str) -> str:
 
 def _bump_within_line(tested: versions.TestedRange) -> str:
     v = Version(tested.highest)
-    return f"{v.major}.{v.minor}.99" if v.major == 0 else f"{v.major}.{v.minor + 3}.0"
+    return f"{v.major}.{v.minor + 3}.0"
 
 
 def _next_line(line: str) -> str:
