@@ -80,6 +80,11 @@ def build_parser(description: Optional[str] = __doc__) -> argparse.ArgumentParse
                         "this device) or a name from hf_ring.kernels.available_backends(device, dtype)")
     p.add_argument("--seq_len", type=int, default=8192, help="longest example, in tokens")
     p.add_argument("--packing", action="store_true", help="pack each batch's examples into one row")
+    p.add_argument("--cp_placement", default="sharded", choices=["sharded", "by_length"],
+                   help="--packing: cut every document over the CP group (sharded), or keep short documents whole "
+                        "on one rank and shard only the long ones, balanced (by_length; docs/packed.md)")
+    p.add_argument("--max_tokens_per_rank", type=int, default=None,
+                   help="--cp_placement by_length: the most tokens one rank may hold")
     p.add_argument("--max_steps", type=int, default=60)
     p.add_argument("--output_dir", default="output/finetune_llama_long")
     p.add_argument("--model_name_or_path", default=None, help="a real checkpoint instead of the tiny default model")
@@ -373,7 +378,8 @@ def start_plugin(args: argparse.Namespace) -> hf_ring.RingAttentionPlugin:
     logging.getLogger("hf_ring").addHandler(logging.StreamHandler(sys.stdout))
     plugin = hf_ring.RingAttentionPlugin(cp_size=args.cp_size, tp_size=args.tp_size, layout=args.layout,
                                          pattern=args.cp_pattern, ulysses_size=args.ulysses_size,
-                                         backend=args.attn_backend)
+                                         backend=args.attn_backend, placement=args.cp_placement,
+                                         max_tokens_per_rank=args.max_tokens_per_rank)
     state = plugin.setup()
     grid = f"dp_size {state.dp_size} x cp_size {state.cp_size}" + (f" x tp_size {state.tp_size}" if state.tp_size > 1
                                                                      else "")

@@ -135,6 +135,9 @@ def runs(tmp_path_factory):
         # Llama 3's all-gather on the packed rows: each chunk of each document against its prefix.
         "packed_cp2_allgather": (2, ["--packing", "--cp_size", "2", "--cp_pattern", "allgather",
                                      "--per_device_train_batch_size", "2"]),
+        # Documents placed by length: each of a row's two passkey documents whole on one rank.
+        "packed_cp2_by_length": (2, ["--packing", "--cp_size", "2", "--cp_placement", "by_length",
+                                     "--per_device_train_batch_size", "2"]),
         # Tensor parallelism beside CP: transformers' DistributedConfig(tp_size=2, fsdp_size=2), 4 processes.
         "tp2_cp2": (4, ["--tp_size", "2", "--cp_size", "2", "--per_device_train_batch_size", "2"]),
         # Packed, with sequence parallelism inside TP: each TP rank keeps half of its CP shard between blocks.
@@ -163,6 +166,7 @@ def runs(tmp_path_factory):
     expect["packed_tp2_cp2"] += ("sequence parallelism inside TP: 2 decoder layers keep 1/2 of each rank's tokens",)
     expect["moe_ep2_cp2"] = ("experts over ep_size 2", "gradients: fsdp2 mesh (2,) over 2 processes")
     expect["packed_cp2_allgather"] = ("cp_rank 1/2, layout zigzag, pattern allgather",)
+    expect["packed_cp2_by_length"] = ("kernel auto, placement by_length", "0 sharded (0 tokens), 2 whole")
     expect["launch_cp2"] = ("gradients: fsdp2 mesh (2,) over 2 processes", "cp_rank 1/2, layout zigzag")
 
     def get(name: str) -> dict:
@@ -220,7 +224,8 @@ def test_packed_moe_with_experts_split_beside_cp_logs_what_one_process_logs(runs
     _assert_same_logs(got, ref, "moe_packed_ep2_cp2")
 
 
-@pytest.mark.parametrize("name", ["packed_cp2", "packed_cp2_allgather", pytest.param("packed_tp2_cp2", marks=NEEDS_TP)])
+@pytest.mark.parametrize("name", ["packed_cp2", "packed_cp2_allgather", "packed_cp2_by_length",
+                                  pytest.param("packed_tp2_cp2", marks=NEEDS_TP)])
 def test_packed_same_losses_as_without_cp(runs, name):
     ref, got = runs("packed_cp1"), runs(name)
     _assert_same_logs(got, ref, name)

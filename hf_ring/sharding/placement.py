@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+import logging
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -47,6 +48,7 @@ from hf_ring.sharding.layouts import shard_indices
 PLACEMENTS = ("sharded", "by_length")
 # Whole on no rank: sharded over the group.
 SHARDED = -1
+logger = logging.getLogger("hf_ring")
 
 
 def check_placement(placement: str) -> None:
@@ -172,10 +174,11 @@ def _assign(order: list[int], doc_lens: Sequence[int], work: list[float], k: int
     return tuple(owner), tuple(loads)
 
 
-@functools.lru_cache(maxsize=256)
 def place_by_length(doc_lens: tuple[int, ...], cp_size: int, max_tokens_per_rank: Optional[int] = None,
                     costs: PlacementCosts = PlacementCosts()) -> DocumentPlacement:
-    """The placement of a packed row's documents (module docstring); cached per row shape.
+    """The placement of a packed row's documents (module docstring); cached per row shape,
+    and logged (logger ``hf_ring``) the first time a process plans that shape: the process's
+    first plan at INFO, later ones at DEBUG.
 
     Args:
         doc_lens: global document lengths, each a positive multiple of ``2 * cp_size``.
@@ -187,6 +190,21 @@ def place_by_length(doc_lens: tuple[int, ...], cp_size: int, max_tokens_per_rank
         ValueError: lengths that cannot be sharded, or a row whose tokens exceed
             ``cp_size * max_tokens_per_rank`` even when every document is sharded.
     """
+    return _place(tuple(doc_lens), cp_size, max_tokens_per_rank, costs)
+
+
+@functools.lru_cache(maxsize=256)
+def _place(doc_lens: tuple[int, ...], cp_size: int, max_tokens_per_rank: Optional[int],
+           costs: PlacementCosts) -> DocumentPlacement:
+    placement = _search(doc_lens, cp_size, max_tokens_per_rank, costs)
+    # The first plan of a process at INFO (what the run does), every new row shape after it at DEBUG.
+    first = _place.cache_info().currsize == 0
+    logger.log(logging.INFO if first else logging.DEBUG, "[hf_ring] placement by length: %s", placement.describe())
+    return placement
+
+
+def _search(doc_lens: tuple[int, ...], cp_size: int, max_tokens_per_rank: Optional[int],
+            costs: PlacementCosts) -> DocumentPlacement:
     if not isinstance(cp_size, int) or cp_size < 1:
         raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
     for i, n in enumerate(doc_lens):
@@ -205,10 +223,10 @@ def place_by_length(doc_lens: tuple[int, ...], cp_size: int, max_tokens_per_rank
     while k < len(doc_lens):
         found = _assign(order, doc_lens, work, k, cp_size, max_tokens_per_rank)
         if found is not None and max(found[1]) <= (1 + costs.tolerance) * mean:
-            return DocumentPlacement(tuple(doc_lens), cp_size, *found)
+            return DocumentPlacement(doc_lens, cp_size, *found)
         k += 1
     owner, loads = _assign(order, doc_lens, work, len(doc_lens), cp_size, max_tokens_per_rank)
-    return DocumentPlacement(tuple(doc_lens), cp_size, owner, loads)
+    return DocumentPlacement(doc_lens, cp_size, owner, loads)
 
 
 def shard_placed(x: torch.Tensor, placement: DocumentPlacement, rank: int, dim: int = 1) -> torch.Tensor:
