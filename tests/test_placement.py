@@ -12,6 +12,8 @@ labels over the whole row, the ranks' sums added) and every parameter's gradient
 over the ranks) must equal one process's on the same row within 1e-5 relative (float32;
 only the order of the softmax sums differs, measured < 1e-6). The plan keeps some documents
 whole and shards others on this row (asserted), so both parts of the attention run.
+Hybrid families (one per kind of token mixer) on a placed row equal their documents run one
+by one (tests/test_hf_hybrid.py's reference and tolerance).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import hf_ring
+import hf_ring.sharding.placement
 from closeness import grads, grads_rel_err
 from distributed import run_world
 from hf_ring.sharding.placement import SHARDED, PlacementCosts, place_by_length
@@ -127,3 +130,56 @@ def test_model_on_rows_placed_by_length_equals_one_process():
         summed = {n: sum(r[(family, pattern)][1][n] for r in ranks) for n in ref_grads}
         assert abs(loss - ref_loss) <= TOL * abs(ref_loss), (family, pattern, loss, ref_loss)
         assert grads_rel_err(summed, ref_grads) < TOL, (family, pattern, grads_rel_err(summed, ref_grads))
+
+
+# Hybrid families, one per kind of token mixer: the sharded document's convolution and
+# recurrent states pass over the group as under "sharded"; a whole document's never leave
+# its rank. Compared, as tests/test_hf_hybrid.py compares packed rows, with the documents
+# run one by one in one process (1e-4; a decay gradient past it must be within twice the
+# float32 one-process error of a float64 run).
+HYBRIDS = ("qwen3_next", "lfm2", "granitemoehybrid", "jamba", "kimi_linear", "mamba")
+HYBRID_DOCS = [64, 4, 8, 4, 12]
+
+
+def _hybrid_on_rank(rank: int, world: int, cases: dict) -> dict:
+    hf_ring.setup_context_parallel(world, placement="by_length")
+    placement = place_by_length(tuple(HYBRID_DOCS), world)
+    cu = torch.tensor([0, *torch.tensor(HYBRID_DOCS).cumsum(0).tolist()], dtype=torch.int32)
+    positions = torch.cat([torch.arange(n) for n in HYBRID_DOCS])[None]
+    local = lambda x: hf_ring.sharding.placement.shard_placed(x, placement, rank)  # noqa: E731
+    out = {}
+    for name, case in cases.items():
+        model = tiny_model(case["config"], "ring_flash", case["state_dict"]).train()
+        logits = model(local(case["ids"]), position_ids=local(positions), cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                       max_length_q=max(HYBRID_DOCS), max_length_k=max(HYBRID_DOCS)).logits
+        (logits * local(case["weights"])).sum().backward()
+        out[name] = {"logits": logits.detach(), "grads": grads(model)}
+    return out
+
+
+def test_hybrid_mixers_on_rows_placed_by_length_equal_each_document_alone():
+    pytest.importorskip("transformers")
+    import test_hf_hybrid as hybrid
+
+    if hybrid.release_line(__import__("transformers").__version__) != "5":
+        pytest.skip("token mixers are routed to hf_ring's CP mixers on transformers 5.x only")
+    placement = place_by_length(tuple(HYBRID_DOCS), 2)
+    assert 0 < placement.owner.count(SHARDED) < len(HYBRID_DOCS), placement.describe()
+    cases = {f: hybrid._case(f, 2, seed=9, doc_lens=HYBRID_DOCS) for f in HYBRIDS}
+    ranks = run_world(2, _hybrid_on_rank, cases)
+    for name, case in cases.items():
+        reference = hybrid._reference(case)
+        errors = {"logits": max(float((r[name]["logits"] - reference["logits"][:, placement.local_indices(i)]).norm()
+                                      / reference["logits"][:, placement.local_indices(i)].norm())
+                                for i, r in enumerate(ranks))}
+        exact = None
+        for n, ref in reference["grads"].items():
+            cp = sum(r[name]["grads"][n] for r in ranks)
+            errors[n] = float((cp - ref).norm() / ref.norm().clamp_min(1e-30))
+            if errors[n] > hybrid.TOL:
+                exact = exact or hybrid._reference(case, torch.float64)["grads"]
+                single = float((ref.double() - exact[n]).norm() / exact[n].norm())
+                mine = float((cp.double() - exact[n]).norm() / exact[n].norm())
+                assert mine <= max(hybrid.TOL, 2 * single), (name, n, errors[n], mine, single)
+                errors[n] = 0.0
+        assert max(errors.values()) <= hybrid.TOL, (name, errors)

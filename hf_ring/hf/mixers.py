@@ -9,8 +9,10 @@ in its carrier's) and, under CP or on packed rows, makes it the active one for t
 functions it calls (a context variable set only for the layer's call: the functions get
 no other channel). Under CP they call :mod:`hf_ring.mixers`' ops on the shard (group and
 layout from the context's state; packed rows: each document zigzag-sharded on its own,
-``local_doc_lens = doc_lens // cp_size``); on packed rows without CP, the original once
-per document; otherwise the original, unchanged. The fused whole-layer GPU shortcuts are
+``local_doc_lens = doc_lens // cp_size``; a row placed by length, ``placement="by_length"``:
+the op on the sharded documents, the original once per document the rank holds whole, so
+their states never leave it); on packed rows without CP, the original once per document;
+otherwise the original, unchanged. The fused whole-layer GPU shortcuts are
 declined (they return None, as without a kernel), so the layer takes its split path.
 Each layer notes in the context every function that ran its CP path, so that the guard
 can check, after the forward, that none was bypassed. In a generation prefill under CP
@@ -116,13 +118,6 @@ def run_layer(original, module: nn.Module, *args, **kwargs):
     context = _routing(kwargs) or _CARRIED.get()
     if context is None:
         return original(module, *args, **kwargs)
-    if context.placement is not None:
-        # Every rank runs the same layers, so every rank refuses here alike.
-        raise NotImplementedError(
-            f"{type(module).__name__} mixes tokens without attention (a convolution over time or a recurrent "
-            "state), which hf_ring does not yet run on packed rows placed by length (placement='by_length'): "
-            "use placement='sharded' for this model"
-        )
     cache = kwargs.get("cache", kwargs.get("cache_params", args[1] if len(args) > 1 else None))
     if cache is not None and context.generation is None:
         raise NotImplementedError(
@@ -146,6 +141,8 @@ def _active(name: str, kwargs: dict) -> Optional[tuple[ForwardContext, int]]:
 
 
 def _local_docs(context: ForwardContext) -> Optional[list[int]]:
+    if context.placement is not None:  # the sharded documents alone: the front of the row
+        return [n // context.cp_size for n in context.placement.sharded_lens]
     return None if context.doc_lens is None else [n // context.cp_size for n in context.doc_lens]
 
 
@@ -153,6 +150,25 @@ def _cp_args(context: ForwardContext) -> dict:
     # Packed rows are zigzag-sharded per document whatever the state's layout (as the ring).
     layout = "zigzag" if context.doc_lens is not None else context.state.layout
     return dict(group=context.state.cp_group, layout=layout, local_doc_lens=_local_docs(context))
+
+
+def _cp_or_placed(context: ForwardContext, dim: int, cp_call: Callable[[Callable], torch.Tensor],
+                  alone: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
+    """Under CP: ``cp_call(cut)`` runs the CP op (``cut(t)``: ``t`` as the op takes it). On a
+    row placed by length (hf_ring.sharding.placement) the op takes the front only (``cut``
+    narrows along ``dim`` to the sharded documents' tokens), and each document this rank
+    holds whole runs alone, ``alone(start, end)`` on its tokens of the row: its convolution
+    and recurrent state never leave the rank. Concatenated along ``dim``."""
+    placement = context.placement
+    if placement is None:
+        return cp_call(lambda t: t)
+    front = placement.sharded_local_len
+    parts = [cp_call(lambda t: None if t is None else t.narrow(dim, 0, front))] if front else []
+    start = front
+    for n in placement.whole_lens(context.state.cp_rank):
+        parts.append(alone(start, start + n))
+        start += n
+    return torch.cat(parts, dim=dim)
 
 
 def _per_document(context: ForwardContext, run: Callable[[int, int], torch.Tensor], dim: int) -> torch.Tensor:
@@ -184,7 +200,11 @@ def run_conv(original, hidden_states: torch.Tensor, weight: torch.Tensor, bias=N
             "longer prompt or with fewer ranks"
         )
     if context.state is not None:
-        out = context_parallel_causal_conv1d(hidden_states, weight, bias, activation=activation, **_cp_args(context))
+        out = _cp_or_placed(
+            context, -1,
+            lambda cut: context_parallel_causal_conv1d(cut(hidden_states), weight, bias, activation=activation,
+                                                       **_cp_args(context)),
+            lambda s, e: original(hidden_states[..., s:e], weight, bias, activation=activation))
         if context.generation is not None:
             context.generation.conv_tails[layer] = _rows_tail(context, hidden_states, weight.shape[-1])
     else:
@@ -233,7 +253,14 @@ def _delta_rule_runner(name: str, what: str, cp_op: Callable) -> Callable:
                 "packed; pass packed rows as RingDataCollator makes them (cu_seq_lens_q/k, "
                 "max_length_q/k and per-document position_ids)"
             )
-        if context.state is not None:
+        if context.state is not None and context.placement is not None:
+            out = _cp_or_placed(
+                context, 1,
+                lambda cut: cp_op(cut(query), cut(key), cut(value), cut(g), cut(beta), chunk_size=chunk_size,
+                                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **_cp_args(context))[0],
+                lambda s, e: original(query[:, s:e], key[:, s:e], value[:, s:e], g=g[:, s:e], beta=beta[:, s:e],
+                                      chunk_size=chunk_size, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)[0])
+        elif context.state is not None:
             out, final = cp_op(query, key, value, g, beta, chunk_size=chunk_size,
                                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, output_final_state=prefill,
                                **_cp_args(context))
@@ -268,8 +295,11 @@ def run_ssd(original, hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=No
             "the mamba-ssm kernel applies it, so hf_ring cannot tell which one the model means; report the model"
         )
     if context.state is not None:
-        out, _ = context_parallel_ssd(hidden_states, dt, A, B, C, chunk_size=chunk_size, **options,
-                                      **_cp_args(context))
+        out = _cp_or_placed(
+            context, 1,
+            lambda cut: context_parallel_ssd(cut(hidden_states), cut(dt), A, cut(B), cut(C), chunk_size=chunk_size,
+                                             **options, **_cp_args(context))[0],
+            lambda s, e: original(hidden_states[:, s:e], dt[:, s:e], A, B[:, s:e], C[:, s:e], chunk_size, **options))
     else:
         out = _per_document(context, lambda s, e: original(
             hidden_states[:, s:e], dt[:, s:e], A, B[:, s:e], C[:, s:e], chunk_size, **options), 1)
@@ -289,7 +319,12 @@ def run_selective_scan(original, hidden_states, dt, A, B, C, D=None, z=None, del
     context, layer = active
     _refuse_state(context, "the Mamba selective scan", return_last_state)
     if context.state is not None:
-        out, _ = context_parallel_selective_scan(hidden_states, dt, A, B, C, z=z, **options, **_cp_args(context))
+        out = _cp_or_placed(
+            context, -1,
+            lambda cut: context_parallel_selective_scan(cut(hidden_states), cut(dt), A, cut(B), cut(C), z=cut(z),
+                                                        **options, **_cp_args(context))[0],
+            lambda s, e: original(hidden_states[..., s:e], dt[..., s:e], A, B[..., s:e], C[..., s:e],
+                                  z=None if z is None else z[..., s:e], **options, **kwargs))
     else:
         out = _per_document(context, lambda s, e: original(
             hidden_states[..., s:e], dt[..., s:e], A, B[..., s:e], C[..., s:e],
