@@ -4,9 +4,10 @@ against every shard.
 
     # CPU, 2 processes, one CP group of 2:
     accelerate launch --config_file examples/accelerate_cpu.yaml examples/generate_long.py --cp_size 2
-    # a model fine-tuned by examples/finetune_llama_long.py (its --output_dir), a longer prompt:
+    # a model fine-tuned by examples/finetune_llama_long.py (it saves its final model in its
+    # --output_dir, by default output/finetune_llama_long), a longer prompt:
     accelerate launch --config_file examples/accelerate_cpu.yaml examples/generate_long.py --cp_size 2 \\
-        --model_name_or_path runs/finetune_llama_long --prompt_tokens 8192
+        --model_name_or_path output/finetune_llama_long --prompt_tokens 8192
     # gather the cache onto every rank after the prefill, then decode locally:
     ... examples/generate_long.py --cp_size 2 --decode gathered
 
@@ -14,7 +15,7 @@ The prompt is a passkey-retrieval prompt (examples/long_context_data.py, the fin
 example's task: a key hidden in filler text, asked for at the end), tokenized byte by byte.
 The default model is a small Llama initialised on the spot (nothing downloaded), which has
 not learnt the task: its answer is not the key, but it is the answer one process gives,
-which ``--check`` (on by default) verifies on the first rank against a run without CP.
+which the first rank verifies against a run without CP (``--no_check`` skips it).
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     answer = tokenizer.decode(out[0, prompt.shape[1]:].tolist())
     expected = tokenizer.decode(example["input_ids"][len(prompt_ids):])
     report = {"prompt_tokens": prompt.shape[1], "cp_size": state.cp_size, "seconds": seconds, "answer": answer,
+              "new_token_ids": out[0, prompt.shape[1]:].tolist(),
               "expected": expected, "cache_entries_here": sum(layer.columns.numel() for layer in cache.layers)}
     if state.cp_rank == 0 and not args.no_check:
         with hf_ring.context_parallel_suspended():

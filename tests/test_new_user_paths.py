@@ -95,3 +95,53 @@ def test_share_cores_keeps_the_users_thread_count(threads_restored):
     torch.set_num_threads(cores)
     share_cores()
     assert torch.get_num_threads() == max(1, cores // 2)
+
+
+def _tiny_llama(attn: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = LlamaForCausalLM(config).eval()
+    model.set_attn_implementation(attn)
+    return model
+
+
+PROMPT = torch.randint(3, 64, (1, 24), generator=torch.Generator().manual_seed(7))
+
+
+def _generate_with_generators_apart(rank: int, world: int) -> dict:
+    import hf_ring
+
+    hf_ring.setup_context_parallel(world)
+    model = _tiny_llama("ring_flash")
+    out = {}
+    # Each process's generators as a new process has them (torch seeds each apart): a checkpoint
+    # loaded with from_pretrained draws nothing that would bring them together.
+    torch.manual_seed(1000 + rank)
+    with torch.no_grad():
+        out["greedy"] = model.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=6,
+                                       do_sample=False, use_cache=True)
+    try:
+        with torch.no_grad():
+            model.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=6, do_sample=True,
+                           use_cache=True)
+        out["sampled"] = "no error"
+    except RuntimeError as e:
+        out["sampled"] = str(e)
+    return out
+
+
+def test_greedy_generation_runs_with_generators_apart_and_sampling_is_refused():
+    """A checkpoint generated from greedily was refused on every run ("the ranks' random
+    generators differ ... when sampling"): greedy decoding draws nothing. Sampling from
+    generators that differ is still refused, on every rank, at its first decode step."""
+    reference = _tiny_llama("sdpa")
+    with torch.no_grad():
+        greedy = reference.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=6,
+                                    do_sample=False, use_cache=True)
+    for rank, found in enumerate(run_world(2, _generate_with_generators_apart)):
+        assert torch.equal(found["greedy"], greedy), (rank, found["greedy"], greedy)
+        assert "generate() samples" in found["sampled"] and "random generators differ" in found["sampled"], \
+            (rank, found["sampled"])

@@ -215,6 +215,12 @@ class ShardedCache(Cache):
         self.length = 0
         self.next_positions: Optional[torch.Tensor] = None  # (rows,): each row's next token's position
         self.gathered = False
+        # Set by a prefill whose ranks' random generators differed (greedy decoding draws
+        # nothing, so that is no error by itself): the CP ranks that differed from rank 0, and
+        # this rank's generator digest after the latest forward. A digest that moved by the
+        # next forward means generate() sampled in between, each rank from its own generators.
+        self.generators_apart: tuple[int, ...] = ()
+        self.digest_after_forward: Optional[int] = None
         self._step: Optional[CacheStep] = None
         self._counts: list[int] = []  # each layer's entries when the current forward began
 

@@ -16,8 +16,12 @@ batch on every rank, not a shard (a training forward holds shards, and takes no 
   ``generate()`` made; the model returns it, and ``generate()`` carries it on). The head's
   rows (each row's last ``logits_to_keep``, handed down by the head's hook, or all) are put
   together from the ranks that hold them with one all-reduce, so every rank gets the logits
-  one process gets. The ranks' random generators must agree (every rank samples the next
-  token from its own).
+  one process gets. Every rank samples the next token from its own generators: if they
+  differed at the prefill (torch seeds each new process apart), the next decode step
+  refuses on every rank once a rank's generator moved since the prefill (``generate()``
+  sampled); greedy decoding draws nothing and runs on. A sampled token after the last
+  forward (``max_new_tokens=1``, or the last of any generation) is not compared: no forward
+  of hf_ring's follows its draw.
 - **Hybrid models** (gated delta nets, short convolutions): the cache takes transformers' own state layers for
   the mixers; the prefill's mixers (``hf_ring.hf.mixers``) hand over each row's recurrent
   state and convolution inputs over the whole rows, which the exit writes into them; decode
@@ -55,6 +59,7 @@ from hf_ring.hf.generation.checks import (
     prompt_positions, refuse_inputs, refuse_left_padding_into_mixers, row_lengths,
 )
 from hf_ring.hf.guard import bind_arguments
+from hf_ring.hf.randomness.draws import generator_digest
 from hf_ring.hf.support import handed_to_the_ring
 from hf_ring.patches.transformers.mixers import is_routed_layer
 from hf_ring.patterns.cached import columns_of_rows
@@ -133,14 +138,23 @@ def _decode(base: nn.Module, inputs: dict[str, Any], cache: ShardedCache, state:
             check_decode_inputs(inputs, rows, cache, positions, generation_under(state))
         except (NotImplementedError, ValueError) as e:
             problem = e
+    sampled_apart = bool(cache.generators_apart) and generator_digest(device) != cache.digest_after_forward
+    if problem is None and sampled_apart:
+        # generate() drew from this rank's generators since the last forward: it samples, and
+        # the ranks' generators differed, so their tokens are not one process's.
+        problem = RuntimeError(
+            f"{generation_under(state)}: generate() samples, and the ranks' random generators differ (CP ranks "
+            f"{list(cache.generators_apart)} against rank 0, at the prefill); {_HINT}"
+        )
     # One all-gather, whatever this rank found: a rank that refused makes every rank raise.
     fields = [("refused", int(problem is not None)), ("batch", rows), ("new_tokens", count),
               ("cache_length", cache.length), ("gathered", int(cache.gathered)), ("tokens", 0)]
     values = torch.tensor([v for _, v in fields], dtype=torch.int64, device=device)
     if tokens is not None:
         values[-1] = inputs_digest([tokens], device)
+    # Tokens sampled from generators apart differ: the generators' refusal names the cause.
     found = check_agreement(state.cp_group, fields, device, "a decode step's tokens and cache", _HINT,
-                            ignore=("refused",), values=values)
+                            ignore=("refused", "tokens") if sampled_apart else ("refused",), values=values)
     if problem is not None:
         raise problem
     if any(row[0] for row in found):
@@ -197,15 +211,19 @@ def _exit(base: nn.Module, args: tuple, kwargs: dict, output: Any):
             if id(module) in generation.conv_tails:
                 generation.cache.layers[module.layer_idx].conv_states[0].copy_(generation.conv_tails[id(module)])
     generation.cache.end()
-    if generation.head_start is None:
-        return None  # a decode step: every rank holds the same rows
+    cache = generation.cache
+    device = output.last_hidden_state.device
+    if generation.head_start is None:  # a decode step: every rank holds the same rows
+        if cache.generators_apart:
+            cache.digest_after_forward = generator_digest(device)
+        return None
     digests = context.draws.generator_digests if context.draws is not None else ()
     if len(set(digests)) > 1:
-        # Each rank samples the next tokens from its own generators: apart, they fork silently.
-        raise RuntimeError(
-            f"{generation_under(context.state)}: the ranks' random generators differ (CP ranks "
-            f"{[r for r, d in enumerate(digests) if d != digests[0]]} against rank 0); {_HINT}"
-        )
+        # Each rank samples the next tokens from its own generators: apart, they would fork
+        # silently. Greedy decoding draws nothing, so the refusal waits for a draw: the next
+        # decode step compares this rank's generator with its digest now (_decode).
+        cache.generators_apart = tuple(r for r, d in enumerate(digests) if d != digests[0])
+        cache.digest_after_forward = generator_digest(device)
     # (rows, local, hidden) -> (rows, head_count, hidden) on every rank
     output.last_hidden_state = columns_of_rows(output.last_hidden_state, index, generation.head_start,
                                                generation.head_count, generation.group)
