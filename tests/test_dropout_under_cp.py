@@ -4,8 +4,8 @@ every process) and runs its shard in training mode; the ranks' logits put back i
 the loss and every parameter's gradient (summed over the ranks) must match one process
 running "sdpa" on the full sequence from the same seed.
 
-- Phi with ``resid_pdrop = embd_pdrop = 0.1`` (dense zigzag, a packed row, gradient
-  checkpointing, the stripe layout);
+- Phi with ``resid_pdrop = embd_pdrop = 0.1`` (dense zigzag, a packed row, a packed row
+  placed by length, gradient checkpointing, the stripe layout);
 - GPT-2 with its default embedding and residual dropout (attention dropout, which the ring
   refuses, set to 0);
 - Llama with PEFT LoRA, ``lora_dropout = 0.1`` (gradient checkpointing too);
@@ -38,6 +38,7 @@ from closeness import grads, rel_err
 from distributed import run_world
 from hf_ring.hf.randomness.refusals import draws_refused
 from hf_ring.sharding import unshard_packed
+from hf_ring.sharding.placement import SHARDED, place_by_length, shard_placed
 from test_hf_attention import _COMMON, VOCAB, tiny_model
 from test_hf_sequence_features import case_shard
 
@@ -75,6 +76,8 @@ def _config(family: str):
 CASES = {
     "phi": ("phi", ()),
     "phi_packed": ("phi", ("packed",)),
+    # A packed row placed by length: the long document sharded, the short ones whole on a rank.
+    "phi_placed": ("phi", ("packed", "placed")),
     "phi_checkpointing": ("phi", ("checkpointing",)),
     "gpt2": ("gpt2", ()),
     **({"llama_lora": ("llama", ("lora",)), "llama_lora_checkpointing": ("llama", ("lora", "checkpointing"))}
@@ -118,7 +121,11 @@ def _case(name: str, world: int, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     case = {"config": config, "options": options,
             "state_dict": _tiny(config, "sdpa", options, seed=seed).state_dict()}
-    if "packed" in options:
+    if "placed" in options:
+        lens = [24 * world, 2 * world, 2 * world, 4 * world, 2 * world]
+        case["cu"] = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        case["positions"] = torch.cat([torch.arange(n) for n in lens])[None]
+    elif "packed" in options:
         lens = [2 * world, 6 * world, 4 * world]  # each a multiple of 2 * cp_size
         case["cu"] = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
         case["positions"] = torch.cat([torch.arange(n) for n in lens])[None]
@@ -150,8 +157,17 @@ def _forward_backward(case: dict, model, shard, extra: dict) -> dict:
             "masks": found}
 
 
+def _placement(case: dict, world: int):
+    cu = case["cu"].tolist()
+    return place_by_length(tuple(b - a for a, b in zip(cu, cu[1:])), world)
+
+
 def _on_rank(case: dict, rank: int, world: int) -> dict:
     shard, extra = case_shard(case, rank, world, hf_ring.get_context_parallel_state().layout)
+    if "placed" in case["options"]:
+        placement = _placement(case, world)
+        assert 0 < placement.owner.count(SHARDED) < len(placement.owner), placement.describe()
+        shard = lambda x: shard_placed(x, placement, rank)  # noqa: E731
     return _forward_backward(case, _model(case, "ring_flash"), shard, extra)
 
 
@@ -202,7 +218,8 @@ def _rank_main(rank: int, world: int, cases: dict) -> dict:
     out = {}
     for name, case in cases.items():
         layout = "stripe" if name.endswith("_stripe") else "zigzag"
-        hf_ring.setup_context_parallel(world, layout=layout)
+        hf_ring.setup_context_parallel(world, layout=layout,
+                                       placement="by_length" if "placed" in case["options"] else "sharded")
         out[name] = _on_rank(case, rank, world)
     out["refusals"] = _refusals(cases["phi"], rank, world)
     return out
@@ -225,6 +242,12 @@ def _reference(case: dict) -> dict:
 
 
 def _unshard(case: dict, shards: list, layout: str) -> torch.Tensor:
+    if "placed" in case["options"]:
+        placement = _placement(case, len(shards))
+        full = torch.empty(shards[0].shape[0], sum(placement.doc_lens), *shards[0].shape[2:], dtype=shards[0].dtype)
+        for rank, shard in enumerate(shards):
+            full[:, placement.local_indices(rank)] = shard
+        return full
     return unshard_packed(shards, case["cu"]) if "cu" in case else hf_ring.unshard_sequence(shards, layout=layout)
 
 
