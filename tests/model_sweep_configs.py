@@ -168,7 +168,13 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         num_key_value_heads=4, swa_num_attention_heads=4, swa_num_key_value_heads=4, swa_q_lora_rank=32,
         swa_kv_lora_rank=16, swa_head_dim=16, swa_qk_nope_head_dim=8, swa_v_head_dim=16,
     ),
+    # transformers 5.25's new families: one dense layer of first_dense_intermediate_size, a
+    # full-attention layer every global_attention_every_n_layers; an indexer's head count and
+    # pools within the tiny sizes (its validator checks them against the query heads).
+    "ergo": dict(first_dense_intermediate_size=128, global_attention_every_n_layers=2),
     "falcon": dict(head_dim=DROP),
+    "kolibri1_1": dict(index_num_heads=2, index_topk=8, index_pool_size=16, index_compression=4,
+                       index_num_local_tokens=4, index_num_sink_tokens=2, mlp_only_intermediate_size=128),
     "gemma3n_text": dict(
         num_kv_shared_layers=0, laurel_rank=8, altup_num_inputs=2, activation_sparsity_pattern=[0.0, 0.0],
         layer_types=["sliding_attention", "full_attention"],

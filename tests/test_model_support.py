@@ -289,15 +289,65 @@ def test_multi_head_latent_attention_is_not_refused():
 # --- attention that does not go through transformers' attention interface -----------
 
 
-def test_falcon_is_refused_when_it_asks_for_ring_flash():
-    # Falcon picks its attention class from FALCON_ATTENTION_CLASSES by implementation name
+# Falcon picked its attention class from FALCON_ATTENTION_CLASSES up to transformers 5.24;
+# 5.25 moved it onto the attention interface (tests/test_patches.py reads both).
+FALCON_ON_INTERFACE = Version(transformers.__version__) >= Version("5.25.0")
+
+
+def test_a_model_with_an_attention_class_table_is_refused_when_it_asks_for_ring_flash():
+    # GPT-Neo picks its attention class from GPT_NEO_ATTENTION_CLASSES by implementation name
     # while building its layers (KeyError: 'ring_flash'), before post_init: `import hf_ring`
     # runs the check at the end of PreTrainedModel.__init__ (patches/transformers/hooks.py).
-    with pytest.raises(NotImplementedError, match="FALCON_ATTENTION_CLASSES") as error:
-        tiny("falcon", attn_implementation="ring_flash")
-    assert "FalconForCausalLM" in str(error.value) and "'sdpa'" in str(error.value), error.value
-    # Other implementations are left alone by the same hook.
-    assert tiny("falcon", attn_implementation="eager").config._attn_implementation == "eager"
+    # So did Falcon up to transformers 5.24.
+    cases = [("gpt_neo", "GPT_NEO_ATTENTION_CLASSES", "GPTNeoForCausalLM", {"attention_types": [[["global"], 2]]})]
+    if not FALCON_ON_INTERFACE:
+        cases.append(("falcon", "FALCON_ATTENTION_CLASSES", "FalconForCausalLM", {}))
+    for model_type, table, model_class, overrides in cases:
+        with pytest.raises(NotImplementedError, match=table) as error:
+            tiny(model_type, attn_implementation="ring_flash", **overrides)
+        assert model_class in str(error.value) and "'sdpa'" in str(error.value), error.value
+        # Other implementations are left alone by the same hook.
+        assert tiny(model_type, attn_implementation="eager", **overrides).config._attn_implementation == "eager"
+
+
+@pytest.mark.skipif(not FALCON_ON_INTERFACE, reason="Falcon goes through the attention interface from transformers 5.25")
+def test_falcon_on_the_attention_interface_is_created_and_refused_under_cp_by_name():
+    # transformers 5.25's Falcon goes through the attention interface, so it is created with
+    # ring_flash (exact without CP: tests/test_model_sweep.py), but its FalconModel and
+    # FalconDecoderLayer take **kwargs and drop them: the guard's context never reaches the
+    # ring (issue 51: it failed inside the first attention layer with a message about an
+    # unguarded model). Refused before the forward, naming both.
+    falcon = tiny("falcon", attn_implementation="ring_flash")
+    found = refusal(falcon)
+    assert "keyword arguments stop at FalconModel.forward, FalconDecoderLayer.forward" in found, found
+    assert "under context parallelism (cp_size=2)" in found, found
+    assert "on packed rows" in refusal(falcon, cp_size=1, doc_lens=[32, 32])
+    assert refusal(falcon, cp_size=1) == ""
+    # ALiBi Falcon adds its position bias to the mask, which the ring never reads: refused
+    # for that first, under CP and on packed rows; without either it is SDPA with that mask.
+    alibi = tiny("falcon", attn_implementation="ring_flash", alibi=True)
+    for found in (refusal(alibi), refusal(alibi, cp_size=1, doc_lens=[32, 32])):
+        assert "FalconConfig has alibi=True" in found and "ALiBi" in found, found
+    assert refusal(alibi, cp_size=1) == ""
+
+
+class _DroppingLayer(transformers.models.llama.modeling_llama.LlamaDecoderLayer):
+    # Takes the layer's keyword arguments and drops them, as Falcon's layers do on 5.25.
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
+                use_cache=False, position_embeddings=None, **kwargs):
+        return super().forward(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                               position_embeddings=position_embeddings)
+
+
+def test_layers_that_drop_the_forward_s_keywords_are_refused_under_cp():
+    model = tiny("llama", attn_implementation="ring_flash")
+    assert refusal(model) == ""
+    model = tiny("llama", attn_implementation="ring_flash")
+    model.model.layers[1].__class__ = _DroppingLayer
+    found = refusal(model)
+    assert "keyword arguments stop at _DroppingLayer.forward:" in found, found
+    assert "LlamaModel" not in found, found
+    assert refusal(model, cp_size=1) == ""
 
 
 def test_attention_outside_the_interface_is_refused_and_interface_models_are_not():

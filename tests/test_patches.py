@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 from torch.utils.data import DataLoader
 
 from hf_ring.patches import accelerate as acc_patches
@@ -243,6 +245,7 @@ def test_modeling_readers_refuse_an_installed_version_they_do_not_know(monkeypat
         lambda: tf_patches.forward_passes_keyword(_PassesWindow, "sliding_window"),
         lambda: tf_patches.attention_class_tables(_PassesWindow),
         lambda: tf_patches.uses_attention_interface(_PassesWindow),
+        lambda: tf_patches.forward_reads_keywords(_PassesWindow),
     ]
     for call in calls:
         with pytest.raises(tf_patches.UnsupportedTransformersVersion, match="transformers 4.56.2"):
@@ -257,13 +260,55 @@ def test_forward_passes_keyword_reads_the_call_not_a_comparison():
     assert not tf_patches.forward_passes_keyword(_SourceLess, "sliding_window")
 
 
+class _ReadsKeywords(torch.nn.Module):
+    def forward(self, x, **kwargs):
+        return self.inner(x, **kwargs)
+
+
+class _ReadsThemUnderAnotherName(torch.nn.Module):
+    def forward(self, x, **flash_kwargs):
+        extra = dict(flash_kwargs)
+        return self.inner(x, **extra)
+
+
+class _DropsKeywords(torch.nn.Module):
+    def forward(self, x, mask=None, **kwargs):
+        return self.inner(x, mask=mask)
+
+
+class _TakesNoKeywords(torch.nn.Module):
+    def forward(self, x):
+        return x
+
+
+def test_forward_reads_keywords_reads_the_forward_s_body():
+    assert tf_patches.forward_reads_keywords(_ReadsKeywords) is True
+    assert tf_patches.forward_reads_keywords(_ReadsThemUnderAnotherName) is True
+    assert tf_patches.forward_reads_keywords(_DropsKeywords) is False
+    assert tf_patches.forward_reads_keywords(_TakesNoKeywords) is False
+    # Source that cannot be read: unknown (the run-time check in the attention layer remains).
+    assert tf_patches.forward_reads_keywords(_SourceLess) is None
+
+
+# Falcon picked its attention class from FALCON_ATTENTION_CLASSES up to transformers 5.24
+# (read in 4.57.6 and 5.24.0); 5.25 moved it onto the attention interface (read in 5.25.0).
+# GPT-Neo keeps its table in every supported release.
+FALCON_ON_INTERFACE = Version(transformers.__version__) >= Version("5.25.0")
+
+
 def test_attention_tables_and_interface_of_real_modeling_modules():
     from transformers.models.bloom.modeling_bloom import BloomAttention
-    from transformers.models.falcon.modeling_falcon import FalconForCausalLM
+    from transformers.models.falcon.modeling_falcon import FalconAttention, FalconForCausalLM
+    from transformers.models.gpt_neo.modeling_gpt_neo import GPTNeoForCausalLM
     from transformers.models.llama.modeling_llama import LlamaAttention, LlamaForCausalLM
 
-    tables = tf_patches.attention_class_tables(FalconForCausalLM)
-    assert "eager" in tables["transformers.models.falcon.modeling_falcon.FALCON_ATTENTION_CLASSES"]
+    tables = tf_patches.attention_class_tables(GPTNeoForCausalLM)
+    assert "eager" in tables["transformers.models.gpt_neo.modeling_gpt_neo.GPT_NEO_ATTENTION_CLASSES"]
+    falcon = tf_patches.attention_class_tables(FalconForCausalLM)
+    if FALCON_ON_INTERFACE:
+        assert falcon == {} and tf_patches.uses_attention_interface(FalconAttention)
+    else:
+        assert "eager" in falcon["transformers.models.falcon.modeling_falcon.FALCON_ATTENTION_CLASSES"]
     assert tf_patches.attention_class_tables(LlamaForCausalLM) == {}
     assert tf_patches.uses_attention_interface(LlamaAttention)
     assert not tf_patches.uses_attention_interface(BloomAttention)
@@ -326,3 +371,31 @@ def test_fsdp2_unsharded_keeps_whole_weights_through_forwards_and_restores_resha
     finally:
         if started:
             dist.destroy_process_group()
+
+
+# ---- the token-mixer routes (patches/transformers/mixers.py) ----
+
+
+def _kernels_func_module(func):
+    # What `kernels` 0.19 (required by transformers 5.25) makes of a decorated function: an
+    # nn.Module named Func whose forward calls the function from its closure.
+    class Func(torch.nn.Module):
+        def forward(self, *args, **kwargs):
+            return func(*args, **kwargs)
+
+    return Func()
+
+
+def test_mixer_functions_are_read_through_kernels_func_modules():
+    from hf_ring.patches.transformers import mixers
+
+    def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
+        return hidden_states
+
+    assert mixers._function_of(causal_conv1d_fn) is causal_conv1d_fn
+    wrapped = _kernels_func_module(causal_conv1d_fn)
+    assert mixers._function_of(wrapped) is causal_conv1d_fn
+    assert wrapped(torch.ones(1), None) is not None  # still callable as the function
+    # Any other module (its parameters cannot be read) is not taken for the function.
+    assert mixers._function_of(torch.nn.Linear(1, 1)) is None
+    assert mixers._function_of(None) is None

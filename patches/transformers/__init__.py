@@ -58,7 +58,8 @@ in 4.57.6 and 5.24.0):
   (``logit_transform``, for the chunked loss), whether a forward passes a keyword
   (``forward_passes_keyword``), a modeling module's attention-class tables and whether it
   dispatches through the attention interface (``attention_class_tables``,
-  ``uses_attention_interface``), for model support;
+  ``uses_attention_interface``), whether a forward hands its keyword arguments on
+  (``forward_reads_keywords``), for model support;
 - ``rope``: which rotary embeddings pick their frequencies from the largest position they
   are given (``length_dependent_rope``, ``reads_max_position``), and hooks that hand them
   the full sequence's under context parallelism (``hand_max_position``, ``set_max_position``);
@@ -89,7 +90,13 @@ from .attributes import (
 )
 from .hooks import apply
 from .rope import hand_max_position, length_dependent_rope, reads_max_position, set_max_position
-from .sources import attention_class_tables, forward_passes_keyword, logit_transform, uses_attention_interface
+from .sources import (
+    attention_class_tables,
+    forward_passes_keyword,
+    forward_reads_keywords,
+    logit_transform,
+    uses_attention_interface,
+)
 from .temperature import query_temperature, temperature_scale
 from .versions import WRITTEN_FOR, UnsupportedTransformersVersion, release_line
 
@@ -103,6 +110,7 @@ __all__ = [
     "drop_absent_no_split_modules",
     "eval_gather_replaced",
     "forward_passes_keyword",
+    "forward_reads_keywords",
     "hand_max_position",
     "length_dependent_rope",
     "logit_transform",

@@ -17,9 +17,15 @@ their blocks), ``ROUTES`` names the class whose forward still receives them (its
 which is wrapped too; where the model with its head drops them before its base model
 (the pure Mamba models), the head's forward is wrapped so that they can still be read.
 
-Written for transformers 5.24.0: each modeling module below, its classes, and the
-parameters of every function are checked before anything is replaced; on another release
-line (4.57.x) or another shape nothing is routed and the layers stay refused under CP.
+Written for transformers 5.24.0 and 5.25.0: each modeling module below, its classes, and
+the parameters of every function are checked before anything is replaced; on another
+release line (4.57.x) or another shape nothing is routed and the layers stay refused under
+CP. Two things changed in 5.25: transformers now requires ``kernels`` (0.19), whose
+``use_kernel_forward_from_hub`` turns each of these decorated functions into an instance of
+a ``Func`` ``nn.Module`` whose ``forward(*args, **kwargs)`` calls the function (its closure's
+``func``, read in kernels 0.19.1), so the parameters are read from that function; and
+FalconMamba's mixer lost its fused ``mamba_inner_fn`` path, so a route's fused shortcut is
+wrapped only where the modeling module still defines it.
 
 Owns: ``ROUTES``, ``route``, ``is_routed``, ``route_of``, ``mark_routed``, ``unmark_routed``, ``is_routed_layer``. Must not import hf_ring.
 """
@@ -128,11 +134,31 @@ def _unwrapped(fn):
     return getattr(fn, "original", fn)
 
 
+def _function_of(fn) -> Optional[Callable]:
+    """The Python function behind a module-level name: itself, or, where ``kernels`` made the
+    function a ``Func`` module (transformers 5.25), the ``func`` its ``forward`` calls; None
+    for anything of another shape (its parameters could not be checked)."""
+    if inspect.isfunction(fn):
+        return fn
+    forward = getattr(type(fn), "forward", None)
+    code = getattr(forward, "__code__", None)
+    if type(fn).__name__ != "Func" or code is None or "func" not in code.co_freevars:
+        return None
+    inner = forward.__closure__[code.co_freevars.index("func")].cell_contents
+    return inner if inspect.isfunction(inner) else None
+
+
+def _fused_present(module, route: Route) -> tuple[str, ...]:
+    """The route's fused shortcuts the modeling module defines (5.25's FalconMamba has none)."""
+    return tuple(name for name in route.fused if name in vars(module))
+
+
 def _shape_ok(module, route: Route) -> bool:
     """Whether ``module`` and its classes have the shape the wrappers were written for."""
-    for name in route.runs + route.fused:
-        fn = _unwrapped(vars(module).get(name))
-        if not callable(fn):
+    names = route.runs + _fused_present(module, route)
+    for name in names:
+        fn = _function_of(_unwrapped(vars(module).get(name)))
+        if fn is None:
             return False
         params = tuple(inspect.signature(fn).parameters)
         if params[:len(_PARAMETERS[name])] != _PARAMETERS[name]:
@@ -141,10 +167,25 @@ def _shape_ok(module, route: Route) -> bool:
     if any(not isinstance(c, type) for c in classes):
         return False
     try:
-        source = inspect.getsource(_unwrapped(classes[0].forward))
+        source = _calls_source(module, inspect.getsource(_unwrapped(classes[0].forward)))
     except (OSError, TypeError):
         return False
-    return all(f"{name}(" in source for name in route.runs + route.fused)
+    # A fused shortcut the module no longer defines must not be called by the layer either.
+    absent = [name for name in route.fused if name not in names]
+    return all(f"{name}(" in source for name in names) and not any(f"{name}(" in source for name in absent)
+
+
+def _calls_source(module, source: str) -> str:
+    """``source`` with the source of every function of ``module`` it calls by name appended:
+    5.25's layers call the convolution and the scan through helpers of their modeling module
+    (``causal_conv1d_forward``, ``mamba2_scan_forward``, ``mamba_scan_forward``: ``Func``
+    modules too), which call the module's ``causal_conv1d_fn`` / ``mamba2_chunk_scan`` /
+    ``mamba_selective_scan`` by their global names, so replacing those names still routes
+    them (and should a Hub kernel replace a helper, the guard finds the layer did not run
+    hf_ring's path). One level deep, as read in 5.25.0."""
+    helpers = [_function_of(value) for name, value in vars(module).items() if f"{name}(" in source]
+    return "\n".join([source, *(inspect.getsource(fn) for fn in helpers
+                                 if fn is not None and fn.__module__ == module.__name__)])
 
 
 def _wrap(owner, name: str, runner: Callable, method: bool) -> None:
@@ -187,7 +228,7 @@ def route(cls: type, layer: Callable, carrier: Callable, head: Callable, functio
 
     Returns:
         True when ``cls`` is routed; False for any other class, another release line than
-        5.x, or a modeling module whose shape differs from 5.24.0's.
+        5.x, or a modeling module whose shape differs from 5.24.0's and 5.25.0's.
     """
     spec = route_of(cls)
     if spec is None or release_line(installed_version()) != "5":
@@ -195,7 +236,7 @@ def route(cls: type, layer: Callable, carrier: Callable, head: Callable, functio
     module = importlib.import_module(cls.__module__)
     if getattr(module, cls.__name__, None) is not cls or not _shape_ok(module, spec):
         return False
-    for name in spec.runs + spec.fused:
+    for name in spec.runs + _fused_present(module, spec):
         _wrap(module, name, functions[name], method=False)
     for name, runner in ((spec.carrier, carrier), (spec.head, head)):
         if name:
@@ -212,7 +253,8 @@ def is_routed(cls: type) -> bool:
     module = importlib.import_module(cls.__module__)
     carried = all(getattr(getattr(module, name).__dict__.get("forward"), _MARK, False)
                   for name in (spec.carrier, spec.head) if name)
-    return carried and all(getattr(vars(module).get(name), _MARK, False) for name in spec.runs + spec.fused)
+    return carried and all(getattr(vars(module).get(name), _MARK, False)
+                           for name in spec.runs + _fused_present(module, spec))
 
 
 def mark_routed(module) -> None:

@@ -12,7 +12,14 @@ implementation detail of each release, hence here, gated on the releases it was 
   implementation name in a model's modeling module (Falcon's ``FALCON_ATTENTION_CLASSES``),
   which bypass transformers' attention interface;
 - ``uses_attention_interface(cls)``: whether a module's class comes from a modeling module
-  that dispatches attention through ``ALL_ATTENTION_FUNCTIONS``.
+  that dispatches attention through ``ALL_ATTENTION_FUNCTIONS``;
+- ``forward_reads_keywords(cls)``: whether a module's forward takes ``**kwargs`` and reads
+  them, which is how a forward's keyword arguments reach the attention function.
+
+Falcon is the case in point of the last three: up to 5.24 (read in 4.57.6 and 5.24.0) it
+picked its attention class from ``FALCON_ATTENTION_CLASSES``; 5.25 (read in 5.25.0) moved it
+onto the attention interface, but its ``FalconModel`` and ``FalconDecoderLayer`` take
+``**kwargs`` and drop them. GPT-Neo keeps its table in every release read.
 
 Owns: the readers above. Must not import hf_ring (model support and the chunked loss call in).
 """
@@ -89,6 +96,30 @@ def uses_attention_interface(cls: type) -> bool:
     installed_version()
     module = sys.modules.get(cls.__module__)
     return module is not None and "ALL_ATTENTION_FUNCTIONS" in vars(module)
+
+
+def forward_reads_keywords(cls: type) -> bool | None:
+    """Whether ``cls.forward`` takes ``**kwargs`` (any name) and reads them anywhere in its
+    body: how transformers hands a forward's keyword arguments (flash attention's
+    ``cu_seq_lens_q``, hf_ring's validated context) from the base model through each decoder
+    layer to the attention function. A forward that takes them and never reads them drops
+    them (Falcon on 5.25). None when the source cannot be read.
+
+    Raises:
+        UnsupportedTransformersVersion: an unsupported transformers version.
+    """
+    installed_version()
+    try:
+        tree = ast.parse(_forward_source(cls))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    function = next((n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))), None)
+    if function is None:
+        return None
+    if function.args.kwarg is None:
+        return False
+    name = function.args.kwarg.arg
+    return any(isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load) for n in ast.walk(function))
 
 
 # ---- what a causal LM does between its LM head and its returned logits (chunked loss) ----

@@ -16,6 +16,7 @@ cannot be run exactly.
 One module per kind of model feature, each a detector: ``token_mixers`` (convolutions,
 SSM / linear-recurrence mixers), ``layer_kinds`` (the config's layer kinds),
 ``interface`` (attention that bypasses transformers' attention interface),
+``position_bias`` (ALiBi biases a model adds to its mask),
 ``rope`` (length-dependent RoPE),
 ``windows`` (sliding windows and chunks), ``temperature`` (Llama 4's temperature tuning),
 ``tensor_parallel`` (a TP model's group must be the CP state's, or the ring mixes heads);

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch.nn as nn
 
-from hf_ring.hf.support import interface, layer_kinds, rope, temperature, token_mixers, windows
+from hf_ring.hf.support import interface, layer_kinds, position_bias, rope, temperature, token_mixers, windows
 from hf_ring.hf.support.reading import RING_FLASH, Bound, Modules, text_stack
 from hf_ring.patches.transformers import attn_implementation
 
@@ -46,6 +46,8 @@ AT_CREATION: tuple[Callable[[nn.Module], Optional[str]], ...] = (
 REFUSALS: tuple[Callable[[Any, Modules], Iterable[str]], ...] = (
     token_mixers.refusals,
     layer_kinds.refusals,
+    position_bias.refusals,  # before dropped_keywords: an ALiBi Falcon is refused for its ALiBi
+    interface.dropped_keywords,
 )
 BOUNDS: tuple[Callable[[Any, Modules], Iterable[Bound]], ...] = (
     rope.bounds,
