@@ -51,10 +51,15 @@ COMMON = [
 CONFIGS = {
     "sft_padded": ("sft_long.py", ["--dataset_format", "messages"]),
     "sft_packed": ("sft_long.py", ["--dataset_format", "prompt_completion", "--packing"]),
+    # TRL's packed rows placed by length (the short documents whole on a rank): cp 2 only,
+    # against sft_packed at cp 1.
+    "sft_packed_by_length": ("sft_long.py", ["--dataset_format", "prompt_completion", "--packing",
+                                             "--cp_placement", "by_length"]),
     "dpo": ("dpo_long.py", []),
 }
 # Gradient checkpointing (TRL's default) in the CP run only: it recomputes the ring in the backward.
-CP_ONLY = {"sft_packed": ["--gradient_checkpointing"], "dpo": ["--gradient_checkpointing"]}
+CP_ONLY = {"sft_packed": ["--gradient_checkpointing"], "sft_packed_by_length": ["--gradient_checkpointing"],
+           "dpo": ["--gradient_checkpointing"]}
 # Figures that measure time or padded work (total_flos counts padding), not training.
 _NOT_COMPARED = ("runtime", "per_second", "total_flos")
 
@@ -136,7 +141,7 @@ def test_dpo_with_sharded_weights_logs_what_cp1_logs(runs, tmp_path, sharding, e
           + ", ".join(f"{k} {v:.2e}" for k, v in sorted(worst.items())))
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("name", sorted(set(CONFIGS) - {"sft_packed_by_length"}))
 def test_cp2_logs_what_cp1_logs(runs, name):
     ref, got = runs(name, 1), runs(name, 2)
     steps = sorted({e["step"] for e in ref["log_history"] if "loss" in e})
@@ -153,6 +158,22 @@ def test_cp2_logs_what_cp1_logs(runs, name):
     if name.startswith("sft"):
         losses = [e["loss"] for e in ref["log_history"] if "loss" in e]
         assert losses[-1] < losses[0]  # it learns (DPO's per-batch loss is too noisy: see the next test)
+
+
+def test_sft_packed_rows_placed_by_length_log_what_cp1_logs(runs):
+    """Every figure TRL logs (loss, grad_norm, eval_loss, entropy, token accuracy, tokens) at cp 2
+    with TRL's packed rows placed by length equals the cp 1 run's."""
+    worst = compare(runs("sft_packed_by_length", 2), runs("sft_packed", 1))
+    assert {"loss", "grad_norm", "eval_loss", "mean_token_accuracy", "num_tokens"} <= set(worst)
+
+
+def test_trainers_that_pack_their_own_rows_refuse_placement_by_length():
+    from closeness import fake_cp_state
+    from hf_ring.training.trainer_checks import refuse_placement
+
+    refuse_placement(fake_cp_state(), "RingDPOTrainer", "its rows")  # sharded: nothing to refuse
+    with pytest.raises(NotImplementedError, match="RingDPOTrainer packs its rows itself.*placement='sharded'"):
+        refuse_placement(fake_cp_state(placement="by_length"), "RingDPOTrainer", "its rows")
 
 
 def test_dpo_rewards_move(runs):

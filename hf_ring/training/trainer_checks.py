@@ -86,6 +86,17 @@ def _refuse_quantized(model: Any, cp_size: int) -> None:
         )
 
 
+def refuse_placement(state: Any, trainer: str, rows: str) -> None:
+    """Refuse ``placement="by_length"`` for a trainer that packs ``rows`` itself, each document
+    cut over the CP group (the TRL preference and rollout trainers)."""
+    if state.placement != "sharded":
+        raise NotImplementedError(
+            f"{trainer} packs {rows} itself, each document cut over the CP group; placement="
+            f"{state.placement!r} is not composed with it yet: use placement='sharded' (RingTrainer and "
+            "RingSFTTrainer place packed rows by length)"
+        )
+
+
 def check_reference_attention(ref_model: Any, cp_size: int, how: str) -> None:
     """Raise ValueError unless a TRL trainer's reference model (possibly wrapped) runs its
     attention through the ring; ``how`` says how to load it so."""
@@ -212,8 +223,15 @@ def check_trainer_supported(trainer: Any, subclass_loss: bool) -> None:
     if isinstance(collator, (RingDataCollator, RingVisionDataCollator)):
         cfg = collator.config
         if not collator.matches(state):
+            placement = getattr(cfg, "placement", "sharded")
+            if isinstance(collator, RingVisionDataCollator) and state.placement != "sharded":
+                raise NotImplementedError(
+                    f"placement={state.placement!r} places the documents of packed text rows; image-text batches "
+                    "(RingVisionDataCollator) are not placed by length yet: use placement='sharded'"
+                )
             raise ValueError(
                 f"the data collator shards for cp_size={cfg.cp_size}, cp_rank={cfg.cp_rank}, "
-                f"layout={cfg.layout!r} but this process is cp_rank {state.cp_rank} of {state.cp_size} "
-                f"with layout={state.layout!r}; build it with ring_plugin.make_collator(...)"
+                f"layout={cfg.layout!r}, placement={placement!r} but this process is cp_rank {state.cp_rank} of "
+                f"{state.cp_size} with layout={state.layout!r}, placement={state.placement!r}; build it with "
+                "ring_plugin.make_collator(...)"
             )

@@ -24,7 +24,7 @@ from trl import DPOTrainer
 
 from hf_ring.training.plugin import RingAttentionPlugin
 from hf_ring.training.trainer_base import RingTrainerBase
-from hf_ring.training.trainer_checks import check_reference_attention
+from hf_ring.training.trainer_checks import check_reference_attention, refuse_placement
 from hf_ring.patches import trl as trl_patches
 from hf_ring.training.trl.fused_forward import RingFusedForward
 
@@ -72,6 +72,7 @@ class RingDPOTrainer(RingTrainerBase, DPOTrainer):
         super()._check_supported()
         if self.ring_state.cp_size == 1:
             return
+        refuse_placement(self.ring_state, type(self).__name__, "its chosen and rejected rows")
         if self.ref_model is None:
             raise NotImplementedError(
                 "under context parallelism RingDPOTrainer needs a reference model (PEFT without one would run "

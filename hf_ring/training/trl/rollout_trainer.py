@@ -55,7 +55,7 @@ from hf_ring.patches import transformers as transformers_patches
 from hf_ring.patches import trl as trl_patches
 from hf_ring.training.plugin import RingAttentionPlugin
 from hf_ring.training.trainer_base import RingTrainerBase
-from hf_ring.training.trainer_checks import RING_ATTENTION, check_reference_attention
+from hf_ring.training.trainer_checks import RING_ATTENTION, check_reference_attention, refuse_placement
 from hf_ring.training.trl.completion_rows import completion_log_probs
 from hf_ring.training.trl.fused_forward import RingFusedForward
 from hf_ring.training.trl.rollouts import generate_for_group, group_shuffle
@@ -122,6 +122,7 @@ class RingRolloutTrainer(RingTrainerBase):
 
     def _check_cp_setup(self) -> None:
         name = type(self).__name__
+        refuse_placement(self.ring_state, name, "its completion rows")
         if self.aux_loss_enabled:
             raise NotImplementedError(f"{name} under CP does not compute the MoE router auxiliary loss; set "
                                       "router_aux_loss_coef=0.0 in the config")
