@@ -32,6 +32,12 @@ model a Llama-3-sized vocabulary.
 
 Default: a tiny Llama initialised on the spot, a byte-level tokenizer and a synthetic
 passkey-retrieval set (loss on the answer only), so nothing is downloaded.
+
+At the end the final model is saved in ``--output_dir`` (default ``output/finetune_llama_long``;
+``--no_save_model``: not), with its config, so that it reloads with ``from_pretrained``:
+
+    accelerate launch --config_file examples/accelerate_cpu.yaml examples/generate_long.py --cp_size 2 \\
+        --model_name_or_path output/finetune_llama_long
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ from hf_ring.training.weight_sharding import FSDP_MODES, fsdp_training_arguments
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from long_context_data import ByteTokenizer, passkey_dataset  # noqa: E402
 from passkey_eval import PasskeyGenerationEval  # noqa: E402
+from text_documents import file_sets, tokenized_documents  # noqa: E402
 
 
 def build_parser(description: Optional[str] = __doc__) -> argparse.ArgumentParser:
@@ -131,7 +138,12 @@ def build_parser(description: Optional[str] = __doc__) -> argparse.ArgumentParse
     p.add_argument("--generate_eval", type=int, default=0, metavar="N",
                    help="at every evaluation, answer N eval prompts by generation (under CP: prefilled by the ring) "
                         "and log eval_passkey_accuracy and eval_passkey_token_accuracy")
-    p.add_argument("--save_steps", type=int, default=0, help="checkpoint every N steps (0: no checkpoints)")
+    p.add_argument("--save_steps", type=int, default=0,
+                   help="checkpoint every N steps (0: no checkpoints; the final model is saved either way)")
+    p.add_argument("--no_save_model", action="store_true",
+                   help="do not save the final model in --output_dir at the end (by default it is saved with its "
+                        "config, and the checkpoint's tokenizer when --model_name_or_path gave one, so that "
+                        "from_pretrained and examples/generate_long.py --model_name_or_path OUTPUT_DIR reload it)")
     p.add_argument("--logging_steps", type=int, default=1)
     p.add_argument("--resume_from_checkpoint", default=None)
     p.add_argument("--bf16", action="store_true",
@@ -144,7 +156,8 @@ def build_parser(description: Optional[str] = __doc__) -> argparse.ArgumentParse
                    help="a DeepSpeed config (JSON), e.g. examples/ds_zero3.json: ZeRO shards the weights")
     p.add_argument("--lora_r", type=int, default=0,
                    help="train a LoRA adapter of this rank (PEFT) instead of every weight (0: off); it is saved "
-                        "in --output_dir at the end and loads into the plain model with PeftModel.from_pretrained")
+                        "in --output_dir at the end (unless --no_save_model) and loads into the plain model with "
+                        "PeftModel.from_pretrained")
     p.add_argument("--lora_modules", default="q_proj,v_proj", help="--lora_r: the modules it adapts")
     p.add_argument("--lora_init_seed", type=int, default=None,
                    help="--lora_r: draw each adapter's A from a generator seeded by this and the weight's name, the "
@@ -164,13 +177,45 @@ def build_parser(description: Optional[str] = __doc__) -> argparse.ArgumentParse
     return p
 
 
+def add_own_data_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``--train_file``, ``--eval_file``, ``--eval_share``: train on your own documents
+    (examples/text_documents.py); the examples that read them add these to their parser."""
+    p.add_argument("--train_file", default=None,
+                   help="your own documents instead of the synthetic set: JSON lines (.jsonl/.json), parquet or "
+                        "text (.txt, one document per paragraph), read through datasets, a 'text' column. Each "
+                        "document is one example, tokenized whole by the example's tokenizer and never cut into "
+                        "blocks; one longer than --seq_len tokens is truncated to its first --seq_len (the count "
+                        "is printed). --num_train_examples / --num_eval_examples apply to the synthetic set only")
+    p.add_argument("--eval_file", default=None, help="with --train_file: documents to evaluate on (eval_loss)")
+    p.add_argument("--eval_share", type=float, default=0.0,
+                   help="with --train_file and no --eval_file: hold out this share of its documents (at least "
+                        "one, drawn with --seed) to evaluate on, e.g. 0.05 (0: no evaluation)")
+    return p
+
+
+def evaluates(args: argparse.Namespace) -> bool:
+    """Whether the run has an evaluation set: the held-out or --eval_file documents with
+    --train_file, else --num_eval_examples synthetic ones."""
+    if getattr(args, "train_file", None):
+        return bool(args.eval_file) or args.eval_share > 0
+    return args.num_eval_examples > 0
+
+
 def parse_args(
     argv: Optional[Sequence[str]] = None, parser: Optional[argparse.ArgumentParser] = None
 ) -> argparse.Namespace:
-    """The flags of ``parser`` (default: :func:`build_parser`), checked together."""
-    parser = parser if parser is not None else build_parser()
+    """The flags of ``parser`` (default: :func:`build_parser` with :func:`add_own_data_flags`),
+    checked together."""
+    parser = parser if parser is not None else add_own_data_flags(build_parser())
     args = parser.parse_args(argv)
     _sizes_from_launch(parser, args)
+    if getattr(args, "train_file", None) is None and (getattr(args, "eval_file", None)
+                                                      or getattr(args, "eval_share", 0.0)):
+        parser.error("--eval_file / --eval_share evaluate on your own documents: they go with --train_file")
+    if getattr(args, "eval_file", None) and args.eval_share:
+        parser.error("--eval_file and --eval_share both say what to evaluate on: give one")
+    if getattr(args, "train_file", None) and args.generate_eval:
+        parser.error("--generate_eval answers the synthetic passkey prompts: not with --train_file")
     if args.fsdp and args.deepspeed:
         parser.error("--fsdp and --deepspeed both shard the weights: choose one")
     if args.stock_trainer and (args.cp_size != 1 or args.packing or args.tp_size != 1 or args.ep_size != 1):
@@ -230,7 +275,7 @@ def refuse_memory_options(parser: argparse.ArgumentParser, args: argparse.Namesp
 
 
 def training_arguments(args: argparse.Namespace) -> TrainingArguments:
-    evaluate = args.num_eval_examples > 0 and args.eval_steps > 0
+    evaluate = evaluates(args) and args.eval_steps > 0
     return TrainingArguments(
         output_dir=args.output_dir,
         max_steps=args.max_steps,
@@ -409,8 +454,11 @@ def main(argv: Optional[Sequence[str]] = None, callbacks: Optional[list] = None)
     else:
         tokenizer = ByteTokenizer()
         pad_id = tokenizer.pad_token_id
-    train_set = passkey_dataset(tokenizer, args.num_train_examples, args.seq_len, seed=args.seed)
-    eval_set = passkey_dataset(tokenizer, args.num_eval_examples, args.seq_len, seed=args.seed + 1)
+    if args.train_file:
+        train_set, eval_set = own_documents(args, tokenizer, training_args)
+    else:
+        train_set = passkey_dataset(tokenizer, args.num_train_examples, args.seq_len, seed=args.seed)
+        eval_set = passkey_dataset(tokenizer, args.num_eval_examples, args.seq_len, seed=args.seed + 1)
     if args.generate_eval:
         callbacks = [*(callbacks or []), PasskeyGenerationEval([eval_set[i] for i in range(args.generate_eval)])]
 
@@ -425,13 +473,13 @@ def main(argv: Optional[Sequence[str]] = None, callbacks: Optional[list] = None)
         model = with_lora(model, args)
     if args.stock_trainer:
         return train_and_report(_stock_trainer(model, training_args, train_set, eval_set, plugin, pad_id, args,
-                                               callbacks), args)
+                                               callbacks), args, tokenizer)
 
     trainer = hf_ring.RingTrainer(
         model=model,
         args=training_args,
         train_dataset=train_set,
-        eval_dataset=eval_set if args.num_eval_examples > 0 else None,
+        eval_dataset=eval_set if evaluates(args) else None,
         # A router load-balancing loss counts the tokens an attention_mask marks, as the stock collator's.
         data_collator=plugin.make_collator(pad_token_id=pad_id, packing=args.packing,
                                            pad_to_multiple_of=args.pad_to_multiple_of,
@@ -442,7 +490,25 @@ def main(argv: Optional[Sequence[str]] = None, callbacks: Optional[list] = None)
             enabled={"auto": None, "on": True, "off": False}[args.chunked_loss], chunk_tokens=args.loss_chunk_tokens
         ),
     )
-    return train_and_report(trainer, args)
+    return train_and_report(trainer, args, tokenizer)
+
+
+def own_documents(args: argparse.Namespace, tokenizer, training_args: TrainingArguments, suffix: str = ""):
+    """``--train_file``'s documents (and ``--eval_file``'s or the held-out share, else None),
+    each tokenized whole (``suffix`` appended to its text), truncated to ``--seq_len``; says on
+    the main process what it read."""
+    train_docs, eval_docs = file_sets(args.train_file, args.eval_file, args.eval_share, args.seed)
+    train_set, cut = tokenized_documents(train_docs, tokenizer, args.seq_len, suffix)
+    eval_set, eval_cut = (tokenized_documents(eval_docs, tokenizer, args.seq_len, suffix) if eval_docs is not None
+                          else (None, 0))
+    if training_args.process_index == 0:
+        lengths = sorted(len(ids) for ids in train_set["input_ids"])
+        held = (f"; eval: {len(eval_set)} documents ({eval_cut} truncated)" if eval_set is not None
+                else "; no evaluation (--eval_file or --eval_share for one)")
+        print(f"[hf_ring] train_file {args.train_file}: {len(train_set)} documents, {sum(lengths)} tokens, "
+              f"median {lengths[len(lengths) // 2]}, longest {lengths[-1]}, {cut} truncated to --seq_len "
+              f"{args.seq_len}{held}", flush=True)
+    return train_set, eval_set
 
 
 def lora_config(args: argparse.Namespace):
@@ -495,12 +561,14 @@ def _stock_trainer(model, training_args, train_set, eval_set, plugin, pad_id, ar
         return {k: batch[k] for k in ("input_ids", "labels", "attention_mask")}
 
     return transformers.Trainer(model=model, args=training_args, train_dataset=train_set,
-                                eval_dataset=eval_set if args.num_eval_examples > 0 else None,
+                                eval_dataset=eval_set if evaluates(args) else None,
                                 data_collator=collate, callbacks=callbacks)
 
 
-def train_and_report(trainer: transformers.Trainer, args: argparse.Namespace) -> dict:
-    """Train, evaluate at the end unless the last step just did, write trainer_state.json, shut down."""
+def train_and_report(trainer: transformers.Trainer, args: argparse.Namespace, tokenizer=None) -> dict:
+    """Train, evaluate at the end unless the last step just did, write trainer_state.json, save
+    the final model (unless ``--no_save_model``; ``tokenizer``: saved beside it when it is a
+    Hugging Face tokenizer the trainer does not hold already), shut down."""
     result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     metrics = dict(result.metrics)
     if getattr(trainer, "deepspeed_engine_summary", None) is not None:
@@ -509,13 +577,18 @@ def train_and_report(trainer: transformers.Trainer, args: argparse.Namespace) ->
     # read whether it did rather than guess from the step count.
     final = trainer.state.global_step
     evaluated_last_step = any("eval_loss" in e and e.get("step") == final for e in trainer.state.log_history)
-    if args.num_eval_examples > 0 and not evaluated_last_step:
+    if evaluates(args) and not evaluated_last_step:
         metrics.update(trainer.evaluate())
     else:
         metrics.update({k: v for e in trainer.state.log_history if "eval_loss" in e for k, v in e.items()})
     trainer.save_state()  # writes output_dir/trainer_state.json (log_history: loss per step, eval_loss)
-    if getattr(args, "lora_r", 0):
-        trainer.save_model()  # the adapter alone (adapter_model.safetensors), every rank taking part
+    if not getattr(args, "no_save_model", False):
+        _save_final_model(trainer, args.output_dir)
+        if (tokenizer is not None and getattr(trainer, "processing_class", None) is None
+                and hasattr(tokenizer, "save_pretrained") and trainer.is_world_process_zero()):
+            tokenizer.save_pretrained(args.output_dir)  # the byte tokenizer has nothing to save: made on the spot
+        if trainer.is_world_process_zero():
+            print(f"[hf_ring] final model saved in {args.output_dir}", flush=True)
     if trainer.is_world_process_zero():
         if getattr(trainer, "gradient_reduction", None) is not None:  # RingTrainer's (the stock Trainer has none)
             print(f"[hf_ring] {trainer.gradient_reduction.describe()}", flush=True)
@@ -523,6 +596,20 @@ def train_and_report(trainer: transformers.Trainer, args: argparse.Namespace) ->
               f"log in {os.path.join(args.output_dir, 'trainer_state.json')}", flush=True)
     _shut_down(trainer)
     return metrics
+
+
+def _save_final_model(trainer: transformers.Trainer, output_dir: str) -> None:
+    """The final model in ``output_dir`` as ``from_pretrained`` reads it (a LoRA run: its
+    adapter alone), every rank taking part. The Trainer gathers ZeRO-3's and TP's weights
+    itself, but under FSDP with a sharded state dict (the example's, for its checkpoints) its
+    ``save_model`` writes nothing: the whole weights are gathered here instead."""
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    if getattr(trainer, "is_fsdp_enabled", False) and "FULL_STATE_DICT" not in str(plugin.state_dict_type):
+        state_dict = trainer.accelerator.get_state_dict(trainer.model)  # collective: the whole weights
+        if trainer.args.should_save:
+            trainer.accelerator.unwrap_model(trainer.model).save_pretrained(output_dir, state_dict=state_dict)
+    else:
+        trainer.save_model()
 
 
 def _shut_down(trainer: transformers.Trainer) -> None:

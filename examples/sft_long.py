@@ -4,6 +4,9 @@
     accelerate launch --config_file examples/accelerate_cpu.yaml examples/sft_long.py --cp_size 2
     # TRL's best-fit packing, each document zigzag-sharded on its own:
     accelerate launch --config_file examples/accelerate_cpu.yaml examples/sft_long.py --cp_size 2 --packing
+    # your own documents (JSON lines / parquet / text, a 'text' column), 5 % held out for eval_loss:
+    accelerate launch --config_file examples/accelerate_cpu.yaml examples/sft_long.py --cp_size 2 \\
+        --train_file data/mix.jsonl --eval_share 0.05 --packing
     # a LoRA adapter through TRL's peft_config (saved in --output_dir); --stock_trainer: TRL alone, cp 1:
     accelerate launch --config_file examples/accelerate_cpu.yaml examples/sft_long.py --cp_size 2 --lora_r 8
     # 8 GPUs, 2 data-parallel x 4 context-parallel, a real checkpoint:
@@ -28,7 +31,8 @@ from trl import SFTConfig, SFTTrainer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from finetune_llama_long import (  # noqa: E402
-    build_model, build_parser, parse_args as parse_shared_args, share_cores, start_plugin, train_and_report,
+    add_own_data_flags, build_model, build_parser, evaluates, own_documents, parse_args as parse_shared_args,
+    share_cores, start_plugin, train_and_report,
 )
 from finetune_llama_long import lora_config, refuse_memory_options, training_arguments  # noqa: E402
 from trl_data import FORMATS, load_chat_tokenizer, sft_dataset  # noqa: E402
@@ -40,17 +44,22 @@ TEMPLATE_ROOM = 64
 
 
 def parse_args(argv: Optional[Sequence[str]] = None):
-    p = build_parser(__doc__)
+    p = add_own_data_flags(build_parser(__doc__))
     p.set_defaults(output_dir="output/sft_long")
-    p.add_argument("--dataset_format", default="messages", choices=FORMATS,
-                   help="messages: conversations, assistant-only loss; prompt_completion: completion-only "
-                        "loss; text: the whole text")
+    p.add_argument("--dataset_format", default=None, choices=FORMATS,
+                   help="the synthetic set's format: messages (default): conversations, assistant-only loss; "
+                        "prompt_completion: completion-only loss; text: the whole text. With --train_file: text "
+                        "(each document whole, TRL's end-of-text token appended, loss on every token)")
     p.add_argument("--packing_strategy", default="bfd", choices=["bfd", "bfd_split", "wrapped"],
                    help="TRL's packing strategy with --packing (bfd: documents kept whole and apart)")
     p.add_argument("--packed_length", type=int, default=0,
                    help="with --packing: tokens per packed row (default: room for two examples)")
     p.add_argument("--gradient_checkpointing", action="store_true")
     args = parse_shared_args(argv, p)
+    if args.train_file and args.dataset_format not in (None, "text"):
+        p.error(f"--dataset_format {args.dataset_format} with --train_file: its documents are plain text (a 'text' "
+                "column), trained on whole")
+    args.dataset_format = args.dataset_format or ("text" if args.train_file else "messages")
     refuse_memory_options(p, args, "RingSFTTrainer computes its loss with TRL's fused LM head; offloaded checkpoints "
                           "and the tiled MLP are not wired into this example")
     return args
@@ -84,8 +93,13 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     plugin = start_plugin(args)
 
     tokenizer = load_chat_tokenizer(args.model_name_or_path, args.tokenizer_name)
-    train_set = sft_dataset(args.dataset_format, args.num_train_examples, args.seq_len, seed=args.seed)
-    eval_set = sft_dataset(args.dataset_format, args.num_eval_examples, args.seq_len, seed=args.seed + 1)
+    if args.train_file:
+        # Tokenized here as TRL tokenizes a text (its end-of-text token appended), each document truncated
+        # to --seq_len; TRL takes input_ids and labels as they are and packs whole documents.
+        train_set, eval_set = own_documents(args, tokenizer, config, suffix=tokenizer.eos_token)
+    else:
+        train_set = sft_dataset(args.dataset_format, args.num_train_examples, args.seq_len, seed=args.seed)
+        eval_set = sft_dataset(args.dataset_format, args.num_eval_examples, args.seq_len, seed=args.seed + 1)
 
     attn = args.attn_implementation or ("ring_flash" if args.cp_size > 1 else "sdpa")
     transformers.set_seed(args.seed)  # the same initial weights on every rank and in every run
@@ -99,7 +113,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         model=model,
         args=config,
         train_dataset=train_set,
-        eval_dataset=eval_set if args.num_eval_examples > 0 else None,
+        eval_dataset=eval_set if evaluates(args) else None,
         processing_class=tokenizer,
         **peft,
         **ring,

@@ -8,6 +8,11 @@
 - The examples' ``share_cores``: torch's thread count is the user's where the user chose one
   (``OMP_NUM_THREADS``, ``torch.set_num_threads``); only a launcher's default of one thread
   per process is replaced by the process's share of the cores. In process.
+- Generation under CP from a checkpoint (each process's generators seeded apart, as torch
+  seeds a new process): greedy runs and gives one process's tokens; sampling is refused on
+  every rank. Gloo world of 2. (The example's own saved model at cp 2: test_trainer_cp.py.)
+- ``--train_file`` (issue 50): the examples' reader of your own documents, in process. (The
+  example trained on them at cp 2 against cp 1: test_trainer_cp.py.)
 """
 
 from __future__ import annotations
@@ -145,3 +150,35 @@ def test_greedy_generation_runs_with_generators_apart_and_sampling_is_refused():
         assert torch.equal(found["greedy"], greedy), (rank, found["greedy"], greedy)
         assert "generate() samples" in found["sampled"] and "random generators differ" in found["sampled"], \
             (rank, found["sampled"])
+
+
+def test_own_documents_are_read_whole_and_truncated_to_seq_len(tmp_path):
+    """examples/text_documents.py: JSON lines, parquet and text files give the same documents;
+    each is one example, tokenized whole with its special tokens, one longer than seq_len
+    truncated to its first seq_len tokens and counted; the held-out share is seeded."""
+    import json
+
+    import datasets
+    from long_context_data import ByteTokenizer
+    from text_documents import file_sets, load_documents, split_documents, tokenized_documents
+
+    texts = ["short one", "a second document\nover two lines", "x" * 50]
+    with open(tmp_path / "docs.jsonl", "w") as f:
+        f.writelines(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(texts))
+    datasets.Dataset.from_dict({"text": texts}).to_parquet(str(tmp_path / "docs.parquet"))
+    (tmp_path / "docs.txt").write_text("\n\n".join(texts) + "\n")
+    for name in ("docs.jsonl", "docs.parquet", "docs.txt"):
+        assert [t.strip("\n") for t in load_documents(str(tmp_path / name))["text"]] == texts, name
+    tokenized, truncated = tokenized_documents(load_documents(str(tmp_path / "docs.jsonl")), ByteTokenizer(), 40)
+    assert truncated == 1
+    assert tokenized["input_ids"][0] == [257, *b"short one", 258]
+    assert list(tokenized["labels"]) == list(tokenized["input_ids"])
+    assert tokenized["input_ids"][2] == [257, *b"x" * 39]  # its first 40 tokens, never a second block
+    docs = load_documents(str(tmp_path / "docs.jsonl"))
+    train, held = split_documents(docs, 0.3, seed=0)
+    assert len(held) == 1 and sorted(list(train["text"]) + list(held["text"])) == sorted(texts)
+    assert list(split_documents(docs, 0.3, seed=0)[1]["text"]) == list(held["text"])  # the same on every rank
+    assert file_sets(str(tmp_path / "docs.jsonl"), None, 0.0, 0)[1] is None
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"body": "no text column"}) + "\n")
+    with pytest.raises(ValueError, match="'text' column"):
+        load_documents(str(tmp_path / "bad.jsonl"))

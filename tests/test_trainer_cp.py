@@ -22,6 +22,7 @@ import json
 import math
 import os
 import re
+import subprocess
 import sys
 
 import pytest
@@ -135,9 +136,6 @@ def runs(tmp_path_factory):
         # Llama 3's all-gather on the packed rows: each chunk of each document against its prefix.
         "packed_cp2_allgather": (2, ["--packing", "--cp_size", "2", "--cp_pattern", "allgather",
                                      "--per_device_train_batch_size", "2"]),
-        # Documents placed by length: each of a row's two passkey documents whole on one rank.
-        "packed_cp2_by_length": (2, ["--packing", "--cp_size", "2", "--cp_placement", "by_length",
-                                     "--per_device_train_batch_size", "2"]),
         # Tensor parallelism beside CP: transformers' DistributedConfig(tp_size=2, fsdp_size=2), 4 processes.
         "tp2_cp2": (4, ["--tp_size", "2", "--cp_size", "2", "--per_device_train_batch_size", "2"]),
         # Packed, with sequence parallelism inside TP: each TP rank keeps half of its CP shard between blocks.
@@ -158,6 +156,22 @@ def runs(tmp_path_factory):
     configs["launch_cp2"] = (2, ["--per_device_train_batch_size", "2"])
     launch = {"launch_cp2": ("--use_fsdp", "--fsdp_version", "2", "--use_parallelism_config",
                              "--parallelism_config_cp_size", "2")}
+    # Your own documents (--train_file): a long-tail length mix (examples/make_length_mix.py) plus one
+    # document longer than --seq_len, packed whole; 4 of the 41 documents held out for eval_loss.
+    mix = _own_documents(str(tmp_path_factory.mktemp("own_documents") / "mix.jsonl"))
+    own = ["--train_file", mix, "--eval_share", "0.1", "--packing", "--per_device_train_batch_size", "2"]
+    configs.update({"file_cp1": (1, own), "file_cp2": (2, [*own, "--cp_size", "2"])})
+    # A long-tail mix of the user's own documents (--train_file, examples/make_length_mix.py), rows
+    # of 6 packed and placed by length: the long document sharded, the short ones whole on a rank.
+    mix = str(tmp_path_factory.mktemp("mix") / "mix.jsonl")
+    subprocess.run([sys.executable, os.path.join(ROOT, "examples", "make_length_mix.py"), "--out", mix,
+                    "--seq_len", "512", "--num_docs", "96"], check=True, capture_output=True)
+    on_mix = ["--seq_len", "512", "--train_file", mix, "--eval_share", "0.1", "--packing",
+              "--per_device_train_batch_size", "6"]
+    by_length = ["--cp_placement", "by_length"]
+    configs.update({"mix_cp1": (1, on_mix),
+                    "mix_cp2_by_length": (2, [*on_mix, *by_length, "--cp_size", "2"]),
+                    "mix_tp2_cp2_by_length": (4, [*on_mix, *by_length, "--cp_size", "2", "--tp_size", "2"])})
     # What proves the run took the path it names (beside the ranks every launch checks).
     # Beside TP the loss is chunked on each TP rank's vocabulary rows (memory/vocab_parallel.py).
     expect = {name: ("gradients: fsdp2 mesh (2,) over 2 processes", "cp_rank 1/2, tp_rank 1/2",
@@ -166,8 +180,12 @@ def runs(tmp_path_factory):
     expect["packed_tp2_cp2"] += ("sequence parallelism inside TP: 2 decoder layers keep 1/2 of each rank's tokens",)
     expect["moe_ep2_cp2"] = ("experts over ep_size 2", "gradients: fsdp2 mesh (2,) over 2 processes")
     expect["packed_cp2_allgather"] = ("cp_rank 1/2, layout zigzag, pattern allgather",)
-    expect["packed_cp2_by_length"] = ("kernel auto, placement by_length", "0 sharded (0 tokens), 2 whole")
+    placed = ("kernel auto, placement by_length", "over 2 ranks: 1 sharded")
+    expect["mix_cp2_by_length"] = placed
+    expect["mix_tp2_cp2_by_length"] = (*placed, "gradients: fsdp2 mesh (2,) over 2 processes", "tp_rank 1/2")
     expect["launch_cp2"] = ("gradients: fsdp2 mesh (2,) over 2 processes", "cp_rank 1/2, layout zigzag")
+    for name in ("file_cp1", "file_cp2"):
+        expect[name] = ("37 documents, ", "truncated to --seq_len 256; eval: 4 documents")
 
     def get(name: str) -> dict:
         if name not in cache:
@@ -224,11 +242,41 @@ def test_packed_moe_with_experts_split_beside_cp_logs_what_one_process_logs(runs
     _assert_same_logs(got, ref, "moe_packed_ep2_cp2")
 
 
-@pytest.mark.parametrize("name", ["packed_cp2", "packed_cp2_allgather", "packed_cp2_by_length",
-                                  pytest.param("packed_tp2_cp2", marks=NEEDS_TP)])
+def _own_documents(path: str) -> str:
+    """A JSON lines file of 40 documents of the long-tail mix for rows of 256 tokens, and one of
+    300 tokens (truncated to 256 by the example); returns ``path``."""
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    from make_length_mix import document, write_length_mix
+    import random
+
+    lengths = write_length_mix(path, num_docs=40, seq_len=256, seed=1)
+    assert sum(n < 256 // 8 for n in lengths) >= 30 and max(lengths) >= 128, lengths  # the mix's stated shape
+    with open(path, "a") as f:
+        f.write(json.dumps({"text": document(random.Random(0), 300)}) + "\n")
+    return path
+
+
+def test_own_documents_at_cp2_log_what_cp1_logs(runs):
+    """``--train_file`` (JSON lines, documents packed whole, one truncated to --seq_len) with
+    ``--eval_share``: cp 2 logs the loss, gradient norm and eval_loss that cp 1 logs."""
+    ref = runs("file_cp1")
+    assert _eval_losses(ref) and len(_losses(ref)) == STEPS, ref["log_history"]
+    _assert_same_logs(runs("file_cp2"), ref, "own documents, cp 2")
+
+
+@pytest.mark.parametrize("name", ["packed_cp2", "packed_cp2_allgather", pytest.param("packed_tp2_cp2", marks=NEEDS_TP)])
 def test_packed_same_losses_as_without_cp(runs, name):
     ref, got = runs("packed_cp1"), runs(name)
     _assert_same_logs(got, ref, name)
+
+
+@pytest.mark.parametrize("name", ["mix_cp2_by_length", pytest.param("mix_tp2_cp2_by_length", marks=NEEDS_TP)])
+def test_rows_placed_by_length_log_what_cp1_logs(runs, name):
+    """A long-tail mix from --train_file, packed and placed by length (a row's long document
+    over the CP group, its short ones whole on one rank each; the plan is in the log)."""
+    ref, got = runs("mix_cp1"), runs(name)
+    _assert_same_logs(got, ref, name)
+    assert any("eval_loss" in e for e in got["log_history"])
 
 
 @pytest.mark.skipif(
@@ -246,6 +294,39 @@ def test_resume_from_checkpoint(runs, tmp_path):
     ])
     later = {s: v for s, v in _losses(full).items() if s > 4}
     _assert_same({s: v for s, v in _losses(resumed).items() if s > 4}, later, "resumed training loss")
+
+
+GENERATE = os.path.join(ROOT, "examples", "generate_long.py")
+
+
+def test_generation_from_the_examples_final_model_is_one_process_generation(runs):
+    """The cp 2 run's final model (saved in its --output_dir at the end) answers the passkey
+    prompt under CP with examples/generate_long.py at cp 2 (greedy, the processes' generators
+    apart as torch seeds them) as one process answers it: the tokens compared here, against
+    the model reloaded with sdpa in this process, and on the first rank by the example."""
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    from long_context_data import ByteTokenizer, passkey_example
+    import random
+
+    out_dir = runs("cp2")["_output_dir"]
+    assert os.path.isfile(os.path.join(out_dir, "config.json")), os.listdir(out_dir)
+    log = _run(2, [GENERATE, "--cp_size", "2", "--model_name_or_path", out_dir, "--prompt_tokens", "256",
+                   "--max_new_tokens", "8"])
+    reports = re.findall(r"\[rank (\d)\] (\{.*\})", log)
+    assert sorted(int(r) for r, _ in reports) == [0, 1], log[-3000:]
+    tokenizer = ByteTokenizer()
+    example = passkey_example(tokenizer, random.Random(0), 256)  # generate_long's prompt at --seed 0
+    prompt_ids = [t for t, label in zip(example["input_ids"], example["labels"]) if label == -100]
+    prompt = torch.tensor([prompt_ids])
+    model = AutoModelForCausalLM.from_pretrained(out_dir, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        alone = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False,
+                               use_cache=True)[0, prompt.shape[1]:].tolist()
+    for rank, report in reports:
+        assert f"'new_token_ids': {alone}" in report, (rank, alone, report)
+    assert "'same_as_one_process': True" in dict(reports)["0"], reports
 
 
 # ---- in-process checks of the loss and of the errors (no launch) ----
