@@ -183,7 +183,8 @@ def _calls_source(module, source: str) -> str:
     ``mamba_selective_scan`` by their global names, so replacing those names still routes
     them (and should a Hub kernel replace a helper, the guard finds the layer did not run
     hf_ring's path). One level deep, as read in 5.25.0."""
-    helpers = [_function_of(value) for name, value in vars(module).items() if f"{name}(" in source]
+    # _unwrapped: a name hf_ring already replaced is read as what it replaced.
+    helpers = [_function_of(_unwrapped(value)) for name, value in vars(module).items() if f"{name}(" in source]
     return "\n".join([source, *(inspect.getsource(fn) for fn in helpers
                                  if fn is not None and fn.__module__ == module.__name__)])
 
