@@ -112,3 +112,31 @@ def test_timeout_takes_a_timedelta_or_seconds():
             assert "timedelta or number of seconds" in str(e)
         else:
             raise AssertionError(f"timeout={bad!r} was accepted")
+
+
+def _hybrid_forward_builds_no_group(rank: int, world: int) -> dict:
+    from test_hf_attention import VOCAB, tiny_config, tiny_model
+    import torch.distributed as dist
+
+    state = hf_ring.setup_context_parallel(world, pattern="hybrid", ulysses_size=2)
+    held = sorted(state.hybrid)
+    built = []
+    real = dist.new_group
+    dist.new_group = lambda *a, **k: built.append(a) or real(*a, **k)
+    try:
+        config = tiny_config("llama")
+        model = tiny_model(config, "ring_flash", tiny_model(config, "sdpa", seed=3).state_dict())
+        ids = torch.randint(3, VOCAB, (1, 8 * world), generator=torch.Generator().manual_seed(4))
+        shard = lambda x: hf_ring.shard_sequence(x, world, rank)  # noqa: E731
+        logits = model(shard(ids), position_ids=shard(torch.arange(ids.shape[1])[None])).logits
+        ref = shard(tiny_model(config, "sdpa", seed=3)(ids).logits)
+    finally:
+        dist.new_group = real
+    return {"held": held, "built_in_forward": len(built), "err": rel_err(logits, ref)}
+
+
+def test_the_hybrid_subgroups_are_built_up_front_not_in_a_forward():
+    """setup_context_parallel(pattern="hybrid") builds the Ulysses and ring subgroups and the
+    state holds them; a model's forward builds none (1e-4: float32, the softmax reordered)."""
+    for r in run_world(4, _hybrid_forward_builds_no_group):
+        assert r["held"] == [2] and r["built_in_forward"] == 0 and r["err"] < 1e-4, r

@@ -186,5 +186,7 @@ class ForwardContext:
             first_rank=s.first_rank if s is not None else 0,
             rank_stride=s.cp_rank_stride if s is not None else 1,
             spans=self.spans,
+            # The state's hybrid subgroups, built up front: a forward never builds a group.
+            held_hybrid=s.hybrid if s is not None else None,
             **features,
         )

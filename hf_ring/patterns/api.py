@@ -31,7 +31,7 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from hf_ring.distributed.active import resolve_cp_group
+from hf_ring.distributed.active import active_state, resolve_cp_group
 from hf_ring.distributed.comm import CommWaitStats
 from hf_ring.distributed.groups import group_coords, local_world_size
 from hf_ring.patterns.build import build_plan, check_settings
@@ -57,6 +57,20 @@ def _placement(group: Optional[dist.ProcessGroup], world: int) -> tuple[int, int
     stride = ranks[1] - ranks[0]
     even = stride > 0 and all(b - a == stride for a, b in zip(ranks, ranks[1:]))
     return local_world_size(dist.get_world_size()), ranks[0], stride if even else 1
+
+
+def _held_hybrid(group: Optional[dist.ProcessGroup], pattern: str, ulysses_size: Optional[int]):
+    """The active state's hybrid subgroups where this call runs over its CP group and they
+    cover the call (the state built them up front); None: the call builds its own
+    (hf_ring.patterns.hybrid.hybrid_groups)."""
+    state = active_state()
+    if state is None or group is not state.cp_group or state.world_group is not dist.group.WORLD:
+        return None
+    held = getattr(state, "hybrid", None) or None
+    if held is None or (pattern == "hybrid" and ulysses_size not in held) or (
+            pattern == "auto" and state.pattern != "auto"):
+        return None
+    return held
 
 
 def _check_sinks(sinks: Optional[torch.Tensor], n_heads: int) -> None:
@@ -178,7 +192,7 @@ def context_parallel_attn_func(
                       n_kv_heads=k.shape[2], head_dim=q.shape[3], value_head_dim=v.shape[3],
                       seq=q.shape[1] * world, window=window, softcap=softcap, ulysses_size=ulysses_size,
                       comm_stats=comm_stats, need_lse=return_lse, local_world_size=lws, first_rank=first,
-                      rank_stride=stride, spans=spans)
+                      rank_stride=stride, spans=spans, held_hybrid=_held_hybrid(group, pattern, ulysses_size))
     out, lse = run_plan(q, k, v, plan, sinks)
     return (out, lse) if return_lse else out
 
@@ -323,7 +337,7 @@ def ring_flash_attn_varlen_func(
                       scale=scale, backend=backend, device=q.device, dtype=q.dtype, n_heads=q.shape[2],
                       n_kv_heads=k.shape[2], head_dim=q.shape[3], value_head_dim=v.shape[3], seq=sum(doc_lens),
                       window=window, local_doc_lens=local_doc_lens, ulysses_size=ulysses_size, comm_stats=comm_stats,
-                      spans=as_spans(spans, sum(doc_lens)))
+                      spans=as_spans(spans, sum(doc_lens)), held_hybrid=_held_hybrid(group, pattern, ulysses_size))
     out, lse = run_plan(q, k, v, plan, sinks)
     out, lse = out.squeeze(0), lse.squeeze(0)
     return (out, lse) if return_lse else out

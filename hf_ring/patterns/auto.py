@@ -65,6 +65,18 @@ def _nodes(ranks: range, local_world_size: int) -> int:
     return len({r // local_world_size for r in ranks})
 
 
+def hybrid_sizes(cp_size: int, local_world_size: int, first_rank: int = 0, rank_stride: int = 1) -> list[int]:
+    """The Ulysses group sizes ``auto`` may pick for a CP group spanning nodes, largest first:
+    ``u`` consecutive ranks of the group (``u`` divides ``cp_size``), every group inside a
+    node. Empty for a group inside one node (``auto`` then picks Ulysses itself). Read once by
+    ``setup_context_parallel``, which builds these subgroups up front."""
+    ranks = range(first_rank, first_rank + cp_size * rank_stride, rank_stride)
+    if cp_size == 1 or _nodes(ranks, local_world_size) == 1:
+        return []
+    return [u for u in range(min(local_world_size, cp_size), 1, -1)
+            if cp_size % u == 0 and all(_nodes(ranks[g:g + u], local_world_size) == 1 for g in range(0, cp_size, u))]
+
+
 def pattern_candidates(
     n_heads: int,
     n_kv_heads: int,
@@ -96,10 +108,7 @@ def pattern_candidates(
         candidates.append(PatternChoice("ulysses", None, f"cp={cp_size} inside {where} and {heads} divide over "
                                                          "it: two all-to-alls on intra-node links, one full-sequence kernel"))
     if nodes > 1:
-        # Ulysses groups are u consecutive ranks of the CP group: each must lie inside a node.
-        sizes = [u for u in range(min(local_world_size, cp_size), 1, -1)
-                 if cp_size % u == 0 and n_heads % u == 0
-                 and all(_nodes(ranks[g:g + u], local_world_size) == 1 for g in range(0, cp_size, u))]
+        sizes = [u for u in hybrid_sizes(cp_size, local_world_size, first_rank, rank_stride) if n_heads % u == 0]
         if sizes:
             candidates.append(PatternChoice("hybrid", sizes[0], f"cp={cp_size} spans {where}: Ulysses over {sizes[0]} "
                                                                 f"ranks inside a node ({heads}), the ring across nodes"))
@@ -215,5 +224,5 @@ def log_choice_once(choice: PatternChoice, kind: tuple, what: str) -> None:
         logger.info(f"[hf_ring] {what}: {choice.describe()}")
 
 
-__all__ = ["ALLGATHER_BELOW", "PACKED_COSTS", "PackedCost", "PatternChoice", "first_that_runs", "log_choice_once",
+__all__ = ["ALLGATHER_BELOW", "PACKED_COSTS", "PackedCost", "PatternChoice", "first_that_runs", "hybrid_sizes", "log_choice_once",
            "packed_candidates", "packed_seconds", "packed_terms", "pattern_candidates"]

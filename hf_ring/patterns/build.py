@@ -10,9 +10,10 @@ on every rank, which is what lets ``auto`` skip a pattern safely.
 
 Callers: the public ops (api.py) once per call, after their checks across ranks; the
 Hugging Face integration once per forward and kind of attention layer. Both then run the
-plan with :func:`hf_ring.patterns.run.run_plan`. Nothing here communicates except
-``hybrid_groups`` the first time a CP group uses the hybrid pattern (collective over the
-default group).
+plan with :func:`hf_ring.patterns.run.run_plan`. Nothing here communicates: the hybrid
+pattern's subgroups come from the caller's state (built up front by
+``setup_context_parallel``); only a direct call of the public op over a group no state
+holds them for builds them (``hybrid_groups``, collective over the default group, once).
 
 Must not import transformers, accelerate, or hf_ring's integration or training layers.
 """
@@ -20,7 +21,7 @@ Must not import transformers, accelerate, or hf_ring's integration or training l
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,7 @@ from hf_ring.kernels import get_backend
 from hf_ring.kernels.base import KernelNeeds
 from hf_ring.kernels.value_heads import with_value_head_dim
 from hf_ring.patterns.auto import first_that_runs, log_choice_once, packed_candidates, pattern_candidates
-from hf_ring.patterns.hybrid import RING_SHARD_LAYOUTS, hybrid_groups, hybrid_ring_plan
+from hf_ring.patterns.hybrid import RING_SHARD_LAYOUTS, HybridGroups, hybrid_groups, hybrid_ring_plan
 from hf_ring.patterns.plan import PATTERNS, AttentionPlan
 from hf_ring.patterns.ring.spans import BidirectionalSpans
 from hf_ring.patterns.ulysses import kv_repeat
@@ -93,6 +94,7 @@ def build_plan(
     transport: Optional[Transport] = None,
     collectives: Optional[Collectives] = None,
     spans: Optional[BidirectionalSpans] = None,
+    held_hybrid: Optional[Mapping[int, HybridGroups]] = None,
 ) -> AttentionPlan:
     """The plan of one kind of attention call (settings checked by :func:`check_settings`).
 
@@ -120,6 +122,9 @@ def build_plan(
             travel (default: over ``group``; benchmarks pass virtual ones).
         spans: bidirectional spans on top of causal (``AttentionPlan.spans``), validated for
             ``seq`` tokens, or None; every pattern computes them (they need a masked kernel).
+        held_hybrid: the hybrid subgroups of ``group`` that the caller's state holds, by
+            Ulysses group size (a model's forward passes its state's: a size missing there
+            is refused, never built inside a forward); None: built at this call if needed.
 
     Raises:
         NotImplementedError: a feature the pattern or its kernel does not compute, or head
@@ -131,7 +136,7 @@ def build_plan(
                   window=window if window is not None and window < seq else None, softcap=softcap,
                   chunk=chunk if chunk is not None and chunk < seq else None,
                   local_doc_lens=local_doc_lens, comm_stats=comm_stats, need_lse=need_lse, transport=transport,
-                  collectives=collectives, spans=spans)
+                  collectives=collectives, spans=spans, held_hybrid=held_hybrid)
     if world == 1:
         return _build("ring", None, **common)  # one process: the ring's single step, local attention
     if pattern != "auto":
@@ -152,7 +157,7 @@ def build_plan(
 
 def _build(pattern: str, ulysses_size: Optional[int], *, group, rank, world, layout, causal, scale, backend, device,
            dtype, n_heads, n_kv_heads, head_dim, value_head_dim, seq, window, softcap, local_doc_lens, comm_stats,
-           need_lse, transport, collectives, chunk, spans) -> AttentionPlan:
+           need_lse, transport, collectives, chunk, spans, held_hybrid) -> AttentionPlan:
     if pattern == "hybrid" and ulysses_size == 1:  # Ulysses groups of one rank: the ring over all of them
         pattern, ulysses_size = "ring", None
     if pattern == "hybrid" and ulysses_size == world:  # one Ulysses group: no ring
@@ -180,13 +185,27 @@ def _build(pattern: str, ulysses_size: Optional[int], *, group, rank, world, lay
         return AttentionPlan(group, rank, world, layout, causal, scale, kernel, pattern=pattern, need_lse=need_lse,
                              collectives=collectives or GroupCollectives(group, comm_stats), inner=inner,
                              local_doc_lens=local_doc_lens, **settings)
-    groups = hybrid_groups(group, ulysses_size)
+    groups = _hybrid_groups(group, ulysses_size, held_hybrid)
     inner = hybrid_ring_plan(groups, seq, layout, causal, scale, kernel, window, softcap, comm_stats, chunk, spans,
                              local_doc_lens)
     return AttentionPlan(group, rank, world, layout, causal, scale, kernel, pattern=pattern,
                          ulysses_size=ulysses_size, need_lse=need_lse,
                          collectives=collectives or GroupCollectives(groups.ulysses, comm_stats), inner=inner,
                          hybrid=groups, local_doc_lens=local_doc_lens, **settings)
+
+
+def _hybrid_groups(group: Optional[dist.ProcessGroup], ulysses_size: int,
+                   held: Optional[Mapping[int, HybridGroups]]) -> HybridGroups:
+    if held is None:
+        return hybrid_groups(group, ulysses_size)
+    if ulysses_size not in held:
+        raise NotImplementedError(
+            f"pattern='hybrid' with Ulysses groups of {ulysses_size} ranks: the context-parallel state holds no "
+            f"subgroups of that size (it holds {sorted(held) or 'none'}), and none is built inside a forward; set "
+            f"the state up with setup_context_parallel(cp_size, pattern='hybrid', ulysses_size={ulysses_size}) "
+            "(or RingAttentionPlugin(pattern='hybrid', ulysses_size=...))"
+        )
+    return held[ulysses_size]
 
 
 __all__ = ["build_plan", "check_settings"]

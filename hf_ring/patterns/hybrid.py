@@ -16,8 +16,12 @@ whose position mod N falls in the group's ranks) are no layout's shard of ``R`` 
 the ring then runs on their explicit positions (``AttentionPlan.positions``), each step one
 block masked by position, which needs a backend with a masked kernel.
 
-The subgroups are built once per (group, ``ulysses_size``), and reused while the default
-group they were built over is the current one. Every rank of the default group builds every
+The subgroups are built up front: ``setup_context_parallel`` builds those its pattern can use
+(:func:`build_hybrid_groups`) and the state holds them, so a model's forward never builds a
+group (the Hugging Face integration hands the state's to every plan, and refuses a size the
+state does not hold). A direct call of the public op over a group no state holds them for
+builds them at that call, once per (group, ``ulysses_size``), reused while the default group
+they were built over is the current one. Every rank of the default group builds every
 subgroup of every context-parallel group, in one order (``new_group``'s own contract), not
 only the ranks that belong to them: a group built by its members alone
 (``use_local_synchronization``) is named from how many groups each member has seen, so a
@@ -30,7 +34,7 @@ from __future__ import annotations
 import functools
 import weakref
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -77,8 +81,9 @@ class HybridGroups:
 
 @dataclass
 class _BuiltGroups:
-    """This rank's subgroups over one default group, by (the CP group's global ranks, U).
-    Built at the first call of a model and reused by every layer and step; not per batch.
+    """This rank's subgroups over one default group, by (the CP group's global ranks, U), for
+    direct calls of the public op over a group that no state holds them for (a state's own
+    are built up front and held by it). Built at the first such call and reused; not per batch.
 
     The default group is compared by identity through a weak reference, not by ``id()``: a
     new default group can get the id of a destroyed one, and its ranks then got the
@@ -108,37 +113,48 @@ def _split(members: tuple[int, ...], u: int) -> tuple[list[list[int]], list[list
     return ulysses, rings
 
 
-def hybrid_groups(group: Optional[dist.ProcessGroup], ulysses_size: int) -> HybridGroups:
-    """The subgroups of ``group`` (None: the default group) for Ulysses groups of
-    ``ulysses_size`` consecutive ranks, cached afterwards.
+def _members(group: Optional[dist.ProcessGroup]) -> tuple[int, ...]:
+    """The global ranks of ``group`` (None: the default group), in group order."""
+    world = dist.get_world_size(group)
+    return tuple(dist.get_global_rank(group, r) if group is not None else r for r in range(world))
 
-    The first time, collective over the whole default group: every rank must be here at
-    once, with its own CP group (under dp x cp, every CP group's ranks are). For a CP group
-    smaller than the world, the ranks first gather each other's CP group and U, so that all
-    build every subgroup in the same order.
-    """
+
+def build_hybrid_groups(group: Optional[dist.ProcessGroup], sizes: Sequence[int]) -> dict[int, HybridGroups]:
+    """This rank's subgroups of ``group`` (None: the default group) for each Ulysses group size
+    in ``sizes``, by size. Collective over the whole default group: every rank calls it at once
+    with its own CP group and the same sizes; where the CP groups are smaller than the world the
+    ranks first gather each other's, so that all build every subgroup in one order."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    to_global = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
-    members = tuple(to_global(r) for r in range(world))
+    members = _members(group)
+    keys = [(members, u) for u in sorted(set(sizes))]
+    if world == dist.get_world_size():
+        every = keys
+    else:
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, keys)
+        every = sorted({key for part in gathered for key in part})
+    mine: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    for other_members, u in every:
+        for ranks in (sub for subs in _split(other_members, u) for sub in subs):
+            made = dist.new_group(ranks)
+            if other_members == members and u in sizes:
+                mine[tuple(ranks)] = made
+    built = {}
+    for _, u in keys:
+        g, member = divmod(rank, u)
+        ulysses, rings = _split(members, u)
+        built[u] = HybridGroups(mine[tuple(ulysses[g])], mine[tuple(rings[member])], u, world // u, g, member)
+    return built
+
+
+def hybrid_groups(group: Optional[dist.ProcessGroup], ulysses_size: int) -> HybridGroups:
+    """The subgroups of ``group`` for Ulysses groups of ``ulysses_size`` consecutive ranks, for a
+    direct call of the public op (module docstring): built at the first call over this default
+    group, collective over it (every rank must be here at once, with its own CP group), cached."""
     built = _BUILT.over_current_world()
-    key = (members, ulysses_size)
+    key = (_members(group), ulysses_size)
     if key not in built:
-        if world == dist.get_world_size():
-            every = [key]
-        else:
-            gathered: list = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, key)
-            every = sorted(set(gathered))
-        mine: dict[tuple[int, ...], dist.ProcessGroup] = {}
-        for other_members, u in every:
-            for ranks in (sub for subs in _split(other_members, u) for sub in subs):
-                made = dist.new_group(ranks)
-                if (other_members, u) == key:
-                    mine[tuple(ranks)] = made
-        g, member = divmod(rank, ulysses_size)
-        ulysses, rings = _split(members, ulysses_size)
-        built[key] = HybridGroups(mine[tuple(ulysses[g])], mine[tuple(rings[member])], ulysses_size,
-                                  world // ulysses_size, g, member)
+        built[key] = build_hybrid_groups(group, [ulysses_size])[ulysses_size]
     return built[key]
 
 
@@ -185,5 +201,5 @@ def hybrid_attention(
                              pattern="hybrid", need_lse=plan.need_lse, local_doc_lens=plan.local_doc_lens)
 
 
-__all__ = ["RING_SHARD_LAYOUTS", "group_positions", "HybridGroups", "hybrid_attention", "hybrid_groups",
+__all__ = ["RING_SHARD_LAYOUTS", "group_positions", "HybridGroups", "build_hybrid_groups", "hybrid_attention", "hybrid_groups",
            "hybrid_ring_plan"]

@@ -15,7 +15,7 @@ import contextlib
 
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from typing import Iterator, Optional, Union
+from typing import Iterator, Mapping, Optional, Union
 
 import torch.distributed as dist
 
@@ -23,6 +23,8 @@ from hf_ring.kernels.registry import registered_backends
 from hf_ring.distributed.active import active_state, set_active_state
 from hf_ring.distributed.groups import DEFAULT_CP_TIMEOUT, ProcessMesh, build_process_mesh, local_world_size
 from hf_ring.distributed.mesh import ParallelDims
+from hf_ring.patterns.auto import hybrid_sizes
+from hf_ring.patterns.hybrid import HybridGroups, build_hybrid_groups
 from hf_ring.patterns.plan import PATTERNS
 from hf_ring.sharding.layouts import check_layout
 from hf_ring.sharding.placement import check_placement
@@ -87,6 +89,9 @@ class ContextParallelState:
     timeout: Optional[timedelta] = field(default=None, compare=False)
     # The process-group backend the groups were built with (None: the default group's).
     dist_backend: Optional[str] = field(default=None, compare=False)
+    # The hybrid pattern's subgroups of the CP group by Ulysses group size, built up front
+    # for the sizes the pattern can use (patterns/hybrid.py); a forward never builds one.
+    hybrid: Mapping[int, HybridGroups] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         check_pattern(self.attention.pattern, self.attention.ulysses_size, self.cp_size)
@@ -270,19 +275,40 @@ def setup_context_parallel(
     ):
         if replace(active.attention, local_world_size=1) != attention:
             # Same groups, another layout, pattern or kernel: no collective needed.
-            active = active.with_attention(layout=layout, pattern=pattern, ulysses_size=ulysses_size, kernel=backend,
-                                           placement=placement, max_tokens_per_rank=max_tokens_per_rank)
+            active = _with_hybrid_groups(active.with_attention(
+                layout=layout, pattern=pattern, ulysses_size=ulysses_size, kernel=backend, placement=placement,
+                max_tokens_per_rank=max_tokens_per_rank))
             if activate:
                 set_active_state(active)
         return active
     world = dist.get_world_size()
     timeout = DEFAULT_CP_TIMEOUT if timeout is None else timeout
     mesh = build_process_mesh(ParallelDims(world, cp=cp_size, tp=tp_size), dist_backend, timeout)
-    state = ContextParallelState(mesh, replace(attention, local_world_size=local_world_size(world)),
-                                 world_group=dist.group.WORLD, timeout=timeout, dist_backend=dist_backend)
+    state = _with_hybrid_groups(
+        ContextParallelState(mesh, replace(attention, local_world_size=local_world_size(world)),
+                             world_group=dist.group.WORLD, timeout=timeout, dist_backend=dist_backend))
     if activate:
         set_active_state(state)
     return state
+
+
+def _with_hybrid_groups(state: ContextParallelState) -> ContextParallelState:
+    """``state`` holding the hybrid subgroups its pattern can use: ``"hybrid"``'s Ulysses group
+    size, or every size ``"auto"`` may pick for a CP group spanning nodes. Collective over the
+    whole default group when one is missing (as ``setup_context_parallel`` is)."""
+    if state.pattern == "hybrid":
+        sizes = [state.ulysses_size] if 1 < state.ulysses_size < state.cp_size else []
+    elif state.pattern == "auto":
+        sizes = hybrid_sizes(state.cp_size, state.local_world_size, state.first_rank, state.cp_rank_stride)
+    else:
+        sizes = []
+    missing = [u for u in sizes if u not in state.hybrid]
+    if state.pattern not in ("hybrid", "auto") or not (missing or state.cp_size < state.world_size):
+        return state
+    # Building is collective over the world: where there are several CP groups, one placed
+    # across nodes may need sizes that this one does not, so every rank takes part (its own
+    # list possibly empty) and the ranks build the union in one order.
+    return replace(state, hybrid={**state.hybrid, **build_hybrid_groups(state.cp_group, missing)})
 
 
 def as_timeout(timeout: Union[None, timedelta, float]) -> Optional[timedelta]:
