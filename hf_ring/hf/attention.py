@@ -48,6 +48,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from hf_ring.hf.compiled import compiled_attention
 from hf_ring.hf.attention_refusals import (
     is_causal, layer_name, refuse_dropout, refuse_softcap_on_packed, refuse_uncomputed,
     refuse_under_ring, refuse_without_context,
@@ -254,6 +255,12 @@ def ring_flash_attention_forward(
         ``(attn_output, None)``, attn_output ``(batch, seq_local, n_heads, head_dim)`` in the
         query's dtype.
     """
+    if torch.compiler.is_compiling():
+        # Traced by dynamo: the ring runs as one custom op whose body is this function, eagerly.
+        routed = compiled_attention(module, query, key, value, attention_mask, dropout, scaling, sliding_window,
+                                    softcap, kwargs)
+        if routed is not None:
+            return routed
     refuse_uncomputed(module, kwargs)
     context: Optional[ForwardContext] = kwargs.pop(CONTEXT_KWARG, None)
     chunk = None

@@ -37,6 +37,7 @@ import torch
 import torch.nn as nn
 
 from hf_ring.hf import sequence_features
+from hf_ring.hf.compiled import register_context, register_layers
 from hf_ring.hf.cp_inputs import (
     inputs_device, packed_document_lengths, rows_and_length, validate_cp_inputs,
 )
@@ -147,6 +148,10 @@ def _compute_dtype(model: nn.Module, device: torch.device) -> tuple[Optional[tor
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), None), False
 
 
+# The guard's hooks run once per forward and validate across ranks (collectives, host
+# syncs, Python-side checks): under torch.compile they run outside the compiled region,
+# one graph break each per forward, none inside a decoder layer (docs/performance.md).
+@torch.compiler.disable
 def _pre_forward(model: nn.Module, args: tuple, kwargs: dict):
     if model.__dict__.get(_UNGUARDED):
         return None
@@ -176,6 +181,9 @@ def _pre_forward(model: nn.Module, args: tuple, kwargs: dict):
         # A multimodal packed row's spans (Gemma 3's images), which the varlen ring computes.
         spans = shards.spans if shards is not None and doc_lens is not None else None
         context = ForwardContext(None, doc_lens, comm_stats, made_by_guard=True, spans=spans)
+        if doc_lens is not None:  # packed rows run the ring, compiled as an op (hf_ring.hf.compiled)
+            register_context(context)
+            register_layers(model, lambda: _attention_layers(model).values())
         if doc_lens is not None:
             # Packed rows run the ring (varlen) even without CP: the same model features apply.
             check_model_under_cp(model, 1, sum(doc_lens), doc_lens=doc_lens)
@@ -207,6 +215,8 @@ def _pre_forward(model: nn.Module, args: tuple, kwargs: dict):
                              causal_by_mask=shards is not None and shards.causal_by_mask, draws=draws,
                              generation=shards.generation if shards is not None else None,
                              placement=checked.placement)
+    register_context(context)  # the ring, compiled, finds it and the layers (hf_ring.hf.compiled)
+    register_layers(model, lambda: _attention_layers(model).values())
     kwargs = {**kwargs, CONTEXT_KWARG: context}
     if inputs.get("use_cache") is None and "use_cache" in signature.parameters:
         # A training forward under CP builds no cache (a forward asking for one is generation,
@@ -221,6 +231,7 @@ def _pre_forward(model: nn.Module, args: tuple, kwargs: dict):
 _PER_TOKEN_HEADS = ("ForCausalLM", "LMHeadModel", "GenerationDecoder", "ForTokenClassification", "ForQuestionAnswering")
 
 
+@torch.compiler.disable
 def _check_head_under_cp(model: nn.Module, args: tuple, kwargs: dict) -> None:
     """Pre-hook of the model around the base model (e.g. ``LlamaForCausalLM``): under CP
     the loss it computes from ``labels`` would be a mean over this rank's shard, and a
@@ -264,6 +275,7 @@ def _check_head_under_cp(model: nn.Module, args: tuple, kwargs: dict) -> None:
     return None
 
 
+@torch.compiler.disable
 def _post_forward(model: nn.Module, args: tuple, kwargs: dict, output: Any):
     context: Optional[ForwardContext] = kwargs.get(CONTEXT_KWARG)
     if context is None or (context.state is None and context.generation is None):

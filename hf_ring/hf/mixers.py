@@ -115,6 +115,12 @@ def run_layer(original, module: nn.Module, *args, **kwargs):
     cache would hold its shard's states only), but a generation prefill's (its states over
     the whole rows are handed to it: :func:`run_conv`, the delta rule's runner), and makes its
     context the active one."""
+    if torch.compiler.is_compiling() and _routing(kwargs) is not None:
+        # Traced, the mixers' CP ops would put their state exchanges in the graph: not a boundary yet.
+        raise NotImplementedError(
+            f"{type(module).__name__} under torch.compile {_where(_routing(kwargs))}: hf_ring's token-mixer ops "
+            "(convolution halo, recurrent state exchange) are not custom ops yet; run this model uncompiled"
+        )
     context = _routing(kwargs) or _CARRIED.get()
     if context is None:
         return original(module, *args, **kwargs)

@@ -207,6 +207,12 @@ class OneProcessDraws(TorchFunctionMode):
         """The placement of a draw about to be made of ``shape``, its generators checked; None
         (noted: the generators are compared after the forward) for a draw made as it is."""
         where = self.placement(shape, device, op_name(func))
+        if where is not None and torch.compiler.is_compiling():
+            # Inductor draws with its own generator, not torch's: the full-row draw would not be one
+            # process's eager draw, and the ranks' agreement was never checked for it.
+            self._refuse(op_name(func), shape, "inside torch.compile a compiled random op is not the eager "
+                         "one, and hf_ring checks its full-sequence draws eagerly only; set the model's dropout "
+                         "to 0 or train without torch_compile")
         if where is None:
             self.unplaced = True
         else:
