@@ -149,6 +149,9 @@ def build_parser(description: Optional[str] = __doc__) -> argparse.ArgumentParse
     p.add_argument("--bf16", action="store_true",
                    help="weights and compute in bfloat16 (no float32 master copy, no autocast)")
     p.add_argument("--disable_tqdm", action="store_true")
+    p.add_argument("--torch_compile", action="store_true",
+                   help="compile the model (TrainingArguments(torch_compile=True), inductor); under CP each "
+                        "attention layer's ring is one custom op in the compiled graph (docs/performance.md)")
     p.add_argument("--fsdp", default=None, choices=list(FSDP_MODES),
                    help="shard the weights with FSDP2: full_shard over every dp x cp process, or "
                         "hybrid_shard (HSDP: shard over the CP group, replicate over dp)")
@@ -295,6 +298,7 @@ def training_arguments(args: argparse.Namespace) -> TrainingArguments:
         report_to="none",
         ddp_find_unused_parameters=False,  # every parameter is used: spare DDP the graph walk
         disable_tqdm=args.disable_tqdm,
+        torch_compile=args.torch_compile,
         **fsdp_training_arguments(args.fsdp, args.cp_size),
         deepspeed=args.deepspeed,
     )

@@ -103,8 +103,9 @@ class RingTrainer(RingTrainerBase, Trainer):
     loss terms the model adds to its own loss other than an MoE router load-balancing loss of
     Mixtral's form (which is computed over the CP group's whole sequence and added as the
     stock loss adds it), a z-loss, a
-    quantised base model (QLoRA) with ``cp_size > 1``, ``torch_compile=True`` with
-    ``cp_size > 1`` (no compiled run checked against the uncompiled one yet).
+    quantised base model (QLoRA) with ``cp_size > 1``, and ``torch_compile=True`` with
+    ``cp_size > 1`` beyond what is compiled and checked (the ring, all-gather and Ulysses
+    patterns on dense and packed rows; the error names the rest: trainer_checks.py).
     """
 
     # compute_loss returns a share already normalised over the whole accumulated step.

@@ -16,6 +16,7 @@ from hf_ring.hf.support.router_balance import router_balance_of
 from hf_ring.hf.support.tensor_parallel import model_tp_ranks
 from hf_ring.patches import peft as peft_patches
 from hf_ring.patches import transformers as transformers_patches
+from hf_ring.patches.transformers.mixers import is_routed_layer
 from hf_ring.training import weight_sharding
 from hf_ring.training.collator import RingDataCollator
 from hf_ring.training.vision.collator import RingVisionDataCollator
@@ -158,6 +159,39 @@ def _check_tensor_parallel(trainer: Any, subclass_loss: bool) -> None:
                                   "load the model with DistributedConfig(tp_size=..., fsdp_size=...) instead")
 
 
+def _check_compile_under_cp(trainer: Any, state: Any) -> None:
+    """``TrainingArguments(torch_compile=True)`` under CP: each attention layer's ring runs as
+    one custom op in the compiled graph (hf_ring/hf/compiled.py), checked against the eager
+    run for the ring, all-gather and Ulysses patterns on dense and packed rows
+    (tests/test_compile_cp.py, tests/test_trainer_compile.py); what has not been is refused by name."""
+    args, model = trainer.args, trainer.model
+    untested = []
+    if state.pattern not in ("ring", "allgather", "ulysses"):
+        untested.append(f"pattern={state.pattern!r} (compiled: 'ring', 'allgather', 'ulysses')")
+    if state.placement != "sharded":
+        untested.append(f"placement={state.placement!r}")
+    if state.tp_size > 1:
+        untested.append(f"tensor parallelism (tp_size={state.tp_size})")
+    if getattr(args, "gradient_checkpointing", False):
+        # A checkpointed layer recomputed in the compiled backward runs after its forward's context is gone.
+        untested.append("gradient_checkpointing=True")
+    if getattr(args, "ddp_find_unused_parameters", None) is not False:
+        # DDP's search for unused parameters marked a gradient ready twice through the compiled graph.
+        untested.append("ddp_find_unused_parameters left on (pass ddp_find_unused_parameters=False)")
+    if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled", False):
+        untested.append("FSDP or DeepSpeed")
+    if any(is_routed_layer(m) for m in model.modules()):
+        untested.append("a model with token mixers (Mamba, gated delta rule, ...), whose CP ops are not custom ops yet")
+    if isinstance(trainer.data_collator, RingVisionDataCollator):
+        untested.append("image-text models")
+    if untested:
+        raise NotImplementedError(
+            f"TrainingArguments(torch_compile=True) under context parallelism (cp_size={state.cp_size}) is "
+            f"compiled and checked against the uncompiled run for the ring, all-gather and Ulysses patterns on "
+            f"dense and packed rows, not with {'; '.join(untested)}; set torch_compile=False, or drop what is named"
+        )
+
+
 def check_trainer_supported(trainer: Any, subclass_loss: bool) -> None:
     """Raise ValueError / NotImplementedError for what ``trainer`` (a Ring trainer whose
     Accelerator and ring state exist) cannot run exactly under context parallelism;
@@ -174,13 +208,7 @@ def check_trainer_supported(trainer: Any, subclass_loss: bool) -> None:
             )
         _refuse_quantized(trainer.model, state.cp_size)
         if getattr(args, "torch_compile", False):
-            raise NotImplementedError(
-                f"TrainingArguments(torch_compile=True) under context parallelism is not supported (cp_size="
-                f"{state.cp_size}): nothing in hf_ring is a compile boundary yet (no custom ops with fake "
-                "implementations), so the compiler would trace the ring's Python loop and its collectives, and no "
-                "compiled run has been checked against the uncompiled one; set torch_compile=False, or compile at "
-                "cp_size=1"
-            )
+            _check_compile_under_cp(trainer, state)
         if trainer.compute_metrics is not None:
             raise NotImplementedError(
                 "compute_metrics is not tested under context parallelism; drop it (the eval loss is exact) and "

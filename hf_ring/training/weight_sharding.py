@@ -196,6 +196,8 @@ def gradient_reduction(model: Any, *, fsdp_requested: bool = False, tp_size: int
             the model is not an FSDP2 module.
         NotImplementedError: FSDP1.
     """
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        model = model._orig_mod  # torch_compile=True: Accelerate compiles the DDP / FSDP2 module it wrapped
     world, world_ranks = _world()
     if isinstance(model, torch.nn.Module):
         _refuse_fsdp1(model)
