@@ -90,24 +90,22 @@ MODEL = dict(hidden=128, layers=2, vocab=259)
 def long_tail_lens(row: int, mult: int, seed: int = 0) -> list[int]:
     """A long-tailed packed row of ``row`` tokens, every length a multiple of ``mult``.
 
-    Documents are drawn (``random.Random(seed)``) until the row is full: with probability
-    0.2 a long one, uniform in [row / 4, row / 2]; otherwise a short one, log-uniform in
-    [32, row / 8]. The last is cut to what is left (a remainder under ``mult`` goes to the
-    one before). Most documents are under 1/8 of the row; a few long ones fill most of it.
+    Long documents, each uniform in [row / 8, row / 2], are drawn (``random.Random(seed)``)
+    until they hold at least 60 % of the row; short ones, log-uniform in [32, row / 16], fill
+    the rest (the last cut to what is left; a remainder under ``mult`` goes to the one
+    before); then the order is shuffled with the same generator. So most documents are
+    under 1/8 of the row and a few long ones fill most of it.
     """
     rng = random.Random(seed)
+    snap = lambda n, left: min(left, max(mult, round(n / mult) * mult))  # noqa: E731
     lens: list[int] = []
-    left = row
-    while left > 0:
-        if rng.random() < 0.2:
-            n = rng.uniform(row / 4, row / 2)
-        else:
-            n = math.exp(rng.uniform(math.log(32), math.log(max(33, row / 8))))
-        n = min(left, max(mult, round(n / mult) * mult))
-        if left - n < mult:
-            n = left
-        lens.append(n)
-        left -= n
+    while sum(lens) < 0.6 * row:
+        lens.append(snap(rng.uniform(row / 8, row / 2), row - sum(lens)))
+    while sum(lens) < row:
+        left = row - sum(lens)
+        n = snap(math.exp(rng.uniform(math.log(32), math.log(max(33, row / 16)))), left)
+        lens.append(left if left - n < mult else n)
+    rng.shuffle(lens)
     return lens
 
 
@@ -154,9 +152,12 @@ def default_model(seq_len: int, attn: str = "ring_flash", seed: int = 0):
 
 
 def _fit(ns: list[int], ts: list[float]) -> dict:
-    """Least squares of ``t = c + a n + b n^2``; ``crossover = a / (2 b)``."""
-    x = torch.tensor([[1.0, n, n * n] for n in ns], dtype=torch.float64)
-    c, a, b = torch.linalg.lstsq(x, torch.tensor(ts, dtype=torch.float64)[:, None]).solution[:, 0].tolist()
+    """Least squares of ``t = c + a n + b n^2`` in relative terms (each row divided by its
+    ``t``: the lengths span 32x, and plain squares would fit the longest alone, leaving the
+    short documents the plan mostly places 30 % off); ``crossover = a / (2 b)``."""
+    t = torch.tensor(ts, dtype=torch.float64)
+    x = torch.tensor([[1.0, n, n * n] for n in ns], dtype=torch.float64) / t[:, None]
+    c, a, b = torch.linalg.lstsq(x, torch.ones(len(ns), 1, dtype=torch.float64)).solution[:, 0].tolist()
     pred = [c + a * n + b * n * n for n in ns]
     return {"c_s": c, "a_s_per_token": a, "b_s_per_token2": b,
             "crossover": a / (2 * b) if b > 0 else math.inf,
@@ -499,6 +500,124 @@ def _step_rows(mix, doc_lens, cp, steps, cfg, load) -> list[dict]:
     return rows
 
 
+# ------------------------------------------------------- the GPU side, modelled (not measured)
+
+
+@dataclass(frozen=True)
+class GpuModel:
+    """Llama-3-8B on H100s, per layer, by arithmetic: modelled, not measured.
+
+    The assumptions, each stated: bf16 K/V on the wire, dK/dV in float32 (the ring's
+    accumulators travel); per pass, ``cp - 1`` K/V transfers forward and backward and ``cp``
+    dK/dV transfers (what the CPU run counts: ``bytes_over_local_kv``); GEMMs at
+    ``gemm_flops`` and FlashAttention at ``attn_flops`` (forward; backward 2.5x), on tiles of
+    ``tile`` query x key rows, so a block of ``m`` rows costs as if it had ``ceil(m / tile) *
+    tile`` (what a short document's pieces lose); ``launch_s`` per kernel call; a transfer
+    costs ``latency_s`` plus its bytes over ``link_bytes_s`` and hides behind the same step's
+    attention (whatever is longer is paid).
+    """
+
+    layers: int = 32
+    hidden: int = 4096
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    mlp: int = 14336
+    gemm_flops: float = 700e12
+    attn_flops: float = 400e12
+    tile: int = 128
+    launch_s: float = 5e-6
+    links: tuple = (("NVLink, inside a node", 450e9, 10e-6), ("InfiniBand, across nodes", 50e9, 20e-6))
+
+    @property
+    def token_s(self) -> float:
+        """One token's per-token layers, forward + backward (6 flops per weight)."""
+        weights = self.hidden * (2 * self.heads + 2 * self.kv_heads) * self.head_dim + 3 * self.hidden * self.mlp
+        return 6 * weights / self.gemm_flops
+
+    def attn_s(self, q_rows: int, k_rows: int, causal: bool) -> float:
+        """One block's forward + backward attention, tiles rounded up."""
+        tq, tk = (math.ceil(r / self.tile) * self.tile for r in (q_rows, k_rows))
+        pairs = tq * tk / (2 if causal else 1)
+        return 3.5 * 4 * self.heads * self.head_dim * pairs / self.attn_flops
+
+    @property
+    def crossover(self) -> float:
+        """``a / (2 b)`` of ``t(n) = a n + b n^2`` under this model (no tiles)."""
+        return self.token_s / (2 * 3.5 * 4 * self.heads * self.head_dim / 2 / self.attn_flops)
+
+
+def _ring_doc_s(m: GpuModel, n: int, cp: int) -> float:
+    """One rank's attention of a document of ``n`` tokens zigzag-sharded over ``cp``: two
+    chunks of ``n / 2cp`` rows against every chunk before them (2cp chunks in all)."""
+    c = n // (2 * cp)
+    # the rank's 2 query chunks see 2cp chunks' keys in all: 2 diagonal (causal) and 2cp - 1 full blocks
+    return 2 * m.attn_s(c, c, True) + (2 * cp - 1) * m.attn_s(c, c, False)
+
+
+def gpu_model(row: int, cp: int, m: GpuModel = GpuModel()) -> dict:
+    """Per layer, per rank, the long-tail mix of ``row`` tokens at ``cp`` under both placements."""
+    lens = long_tail_lens(row, 2 * cp)
+    kv_bytes = lambda tokens, size: 2 * tokens * m.kv_heads * m.head_dim * size  # noqa: E731
+    costs = PlacementCosts(crossover=m.crossover)
+    out = {"row": row, "cp": cp, "doc_lens": lens, "crossover": m.crossover, "model": "modelled, not measured",
+           "assumptions": GpuModel.__doc__.split("\n\n")[1].split(), "placements": {}}
+    for pl in PLACEMENTS:
+        p = place_by_length(tuple(lens), cp, costs=costs) if pl == "by_length" else None
+        sharded = [n for i, n in enumerate(lens) if p is None or p.owner[i] < 0]
+        local = sum(sharded) // cp
+        docs = []
+        for i, n in enumerate(lens):
+            whole = p is not None and p.owner[i] >= 0
+            docs.append({"tokens": n, "where": f"rank {p.owner[i]}" if whole else "sharded",
+                         "rows_per_rank": n if whole else n // cp, "ring_steps": 0 if whole else cp,
+                         "attn_s": m.attn_s(n, n, True) if whole else _ring_doc_s(m, n, cp)})
+        per_link = {}
+        for name, bw, lat in m.links:
+            fwd_step = lat + kv_bytes(local, 2) / bw
+            bwd_step = lat + (kv_bytes(local, 2) + kv_bytes(local, 4)) / bw
+            ring_attn = sum(d["attn_s"] for d in docs if d["ring_steps"])
+            # each step's transfer against that step's share of the ring's attention (fwd 1/3.5, bwd 2.5/3.5)
+            exposed = ((cp - 1) * max(0.0, fwd_step - ring_attn / 3.5 / cp)
+                       + cp * max(0.0, bwd_step - ring_attn * 2.5 / 3.5 / cp)) if local else 0.0
+            ranks = []
+            for r in range(cp):
+                tokens = local + sum(d["tokens"] for d in docs if d["where"] == f"rank {r}")
+                attn = ring_attn + sum(d["attn_s"] for d in docs if d["where"] == f"rank {r}")
+                calls = (2 * cp if local else 0) + (2 if any(d["where"] == f"rank {r}" for d in docs) else 0)
+                ranks.append({"tokens": tokens, "gemm_s": tokens * m.token_s, "attn_s": attn, "calls": calls,
+                              "comm_exposed_s": exposed, "total_s": tokens * m.token_s + attn + exposed
+                              + calls * m.launch_s})
+            per_link[name] = {"ranks": ranks, "slowest_s": max(r["total_s"] for r in ranks),
+                              "transfer_fwd_step_s": fwd_step if local else 0.0,
+                              "transfer_bwd_step_s": bwd_step if local else 0.0,
+                              "ring_attn_step_s": ring_attn / cp if local else 0.0}
+        out["placements"][pl] = {
+            "docs": docs, "sharded_tokens_per_rank": local, "work_imbalance": p.imbalance if p else 0.0,
+            "bytes_per_layer_per_rank": ((2 * (cp - 1)) * kv_bytes(local, 2) + cp * kv_bytes(local, 4)),
+            "links": per_link}
+    for name, *_ in m.links:
+        slow = {pl: out["placements"][pl]["links"][name]["slowest_s"] for pl in PLACEMENTS}
+        out.setdefault("speedup_by_length", {})[name] = slow["sharded"] / slow["by_length"]
+    return out
+
+
+def _print_gpu(g: dict) -> None:
+    print(f"# modelled, not measured: Llama-3-8B, cp {g['cp']}, long-tail row of {g['row']} tokens "
+          f"({len(g['doc_lens'])} documents), crossover {g['crossover']:.0f}; per layer, per rank")
+    for pl, x in g["placements"].items():
+        print(f"{pl}: {x['sharded_tokens_per_rank']} sharded tokens per rank, plan's work imbalance "
+              f"{100 * x['work_imbalance']:.1f} %, "
+              f"{x['bytes_per_layer_per_rank'] / 2**20:.1f} MiB sent per layer per rank")
+        for name, link in x["links"].items():
+            t = [r["total_s"] * 1e3 for r in link["ranks"]]
+            print(f"  {name:26} per ring step: transfer fwd {link['transfer_fwd_step_s'] * 1e6:.0f} / bwd "
+                  f"{link['transfer_bwd_step_s'] * 1e6:.0f} us vs attention {link['ring_attn_step_s'] * 1e6:.0f} us; "
+                  f"ranks {min(t):.2f}-{max(t):.2f} ms, exposed comm {link['ranks'][0]['comm_exposed_s'] * 1e3:.2f} ms, "
+                  f"calls {max(r['calls'] for r in link['ranks'])}")
+    print("by_length / sharded (slowest rank): " + ", ".join(f"{k} {v:.2f}x" for k, v in g["speedup_by_length"].items()))
+
+
 # ----------------------------------------------------------------------------- the driver
 
 
@@ -539,7 +658,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--tag", default="", help="suffix of the rows' file: placement{tag}.jsonl")
     p.add_argument("--tiny", action="store_true", help="smoke test: cp 2, a 256-token row, small heads, 1 repeat")
     p.add_argument("--json", action="store_true", help="print one JSON object per row")
+    p.add_argument("--gpu-model", action="store_true",
+                   help="only the GPU side, modelled (Llama-3-8B, cp 8, a long-tail row of 131072 tokens): "
+                        "placement_gpu_model.json")
     a = p.parse_args(argv)
+    if a.gpu_model:
+        g = gpu_model(131072, 8)
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "placement_gpu_model.json"), "w") as f:
+            json.dump(g, f, indent=2)
+        _print_gpu(g)
+        return 0
     cfg = BenchConfig(heads=8, kv_heads=2, head_dim=128, repeats=a.repeats, warmup=1)
     if a.tiny:
         a.cp, a.row, a.cost_lengths, a.cost_repeats = [2], 256, [64, 128, 256], 1
@@ -559,7 +688,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"crossover = a / (2 b) = {costs['crossover']:.0f} tokens (whole model: a {fm['a_s_per_token']:.3e} s/token, "
               f"b {fm['b_s_per_token2']:.3e} s/token^2, worst residual {100 * fm['max_rel_residual']:.1f} %); "
               f"from the split (model less attention / layers' attention): {costs['crossover_from_split']:.0f}; "
-              f"PlacementCosts' default {costs['default_crossover']:.0f}")
+              f"PlacementCosts' default {costs['default_crossover']:.0f}", file=sys.stderr if a.json else sys.stdout)
         if a.costs_only:
             return 0
     mult = 2 * max(a.cp)
