@@ -68,7 +68,14 @@ class PlacementCosts:
         tolerance: the most loaded rank may carry at most ``1 + tolerance`` times the mean.
     """
 
-    crossover: float = 2048.0
+    # Measured, not guessed: benchmarks/placement.py fits t(n) = c + a n + b n^2 to the example's
+    # default model (hidden 128, 2 layers) on one document of 256-8192 tokens, forward + backward,
+    # one thread of this project's 2-core CPU: a / (2 b) = 590 tokens (2026-12-07,
+    # benchmarks/results/placement_costs.json; 747 in a run under heavier load). The guess it
+    # replaces, 2048, weighed a long document's attention 3.5x too lightly. A larger model on a GPU
+    # has a larger one (Llama-3-8B on H100s: about 13,000 by the same arithmetic, modelled in
+    # docs/performance.md); place_by_length(..., costs=PlacementCosts(crossover=...)) takes it.
+    crossover: float = 600.0
     tolerance: float = 0.10
 
     def __post_init__(self) -> None:
