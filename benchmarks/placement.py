@@ -15,7 +15,7 @@ Two parts, both printed and written to ``benchmarks/results/`` (``--out``):
 2. **Side by side** (``placement.jsonl``), on the same rows under ``placement="sharded"``
    (every document zigzag-sharded over the group, what ``ring_flash_attn_varlen_func``
    runs) and ``"by_length"`` (``place_by_length``: each document whole on one rank or
-   sharded; ``hf_ring.patterns.placed.PlacedPlan``: the sharded documents through the ring,
+   sharded; ``hf_ring.patterns.run.PlacedPlan``: the sharded documents through the ring,
    the rank's whole ones through a plan of one process). Mixes of one row of ``--row``
    tokens: ``short`` (64-token documents), ``five`` (40/25/20/10/5 %, ring_efficiency's
    DOC_FRACTIONS), ``long_tail`` (:func:`long_tail_lens`, seeded) and ``one_long`` (a single
@@ -72,7 +72,7 @@ from pattern_efficiency import Counter, counting_transport  # noqa: E402
 from hf_ring.distributed.comm import CommWaitStats, VirtualRing, process_group_transport  # noqa: E402
 from hf_ring.kernels import get_backend  # noqa: E402
 from hf_ring.patterns import AttentionPlan, run_plan  # noqa: E402
-from hf_ring.patterns.placed import PlacedPlan  # noqa: E402
+from hf_ring.patterns.run import PlacedPlan  # noqa: E402
 from hf_ring.sharding.packed import packed_shard_indices  # noqa: E402
 from hf_ring.sharding.placement import PlacementCosts, place_by_length  # noqa: E402
 

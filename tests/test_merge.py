@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_ring.patterns.merge import merge_block_
+from hf_ring.patterns.ring.merge import merge_block_
 import pytest
 
 pytestmark = pytest.mark.quick  # in the 5-minute check (docs/testing.md)

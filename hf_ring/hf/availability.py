@@ -78,15 +78,39 @@ def register_if_installed() -> None:
         _error = error
     if _error is None:
         try:
-            from hf_ring.hf.registration import register
-
-            register()
+            _register()
             return
         except Exception as error:  # noqa: BLE001 - kept and re-raised by require()
             _error = error
     _register_refusal()
     warnings.warn(_message(f"attn_implementation={RING_FLASH!r} (and RingTrainer, the TRL trainers)"),
                   stacklevel=3)
+
+
+def _register() -> None:
+    """Register ``ring_flash`` with transformers: the attention function
+    (``AttentionInterface``), the mask builder (``AttentionMaskInterface``; without one
+    transformers would pass no padding mask), and the version-specific patches
+    (``hf_ring.patches.transformers``) that let the name load on transformers 5 and guard
+    every model that asks for it. Idempotent. Imports transformers and the integration here,
+    where a failure is kept (module docstring).
+
+    Raises:
+        hf_ring.patches.transformers.UnsupportedTransformersVersion: on a transformers
+            release the patches were not written for.
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from hf_ring.hf.attention import ring_flash_attention_forward
+    from hf_ring.hf.mask import ring_flash_mask
+    from hf_ring.hf.multimodal import guard_if_requested
+    from hf_ring.hf.support import check_model_supported
+    from hf_ring.patches import transformers as transformers_patches
+
+    transformers_patches.apply(not_flash={RING_FLASH}, model_hook=guard_if_requested, init_hook=check_model_supported)
+    AttentionInterface.register(RING_FLASH, ring_flash_attention_forward)
+    AttentionMaskInterface.register(RING_FLASH, ring_flash_mask)
 
 
 def registered() -> bool:

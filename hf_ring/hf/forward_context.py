@@ -28,7 +28,7 @@ from hf_ring.hf.randomness.draws import OneProcessDraws
 from hf_ring.hf.support.detectors import Handed
 from hf_ring.patterns.state import ContextParallelState
 from hf_ring.patterns.build import build_plan
-from hf_ring.patterns.placed import PlacedPlan
+from hf_ring.patterns.run import PlacedPlan
 from hf_ring.patterns.plan import AttentionPlan
 from hf_ring.patterns.ring.spans import BidirectionalSpans
 from hf_ring.sharding.placement import DocumentPlacement
@@ -99,7 +99,7 @@ class ForwardContext:
             ``use_bidirectional_attention``): they run the ring's causal plan with the spans.
         placement: under CP with ``placement="by_length"``, where each document of the
             packed row went (``hf_ring.sharding.placement``): the attention runs the sharded
-            documents over the group and this rank's whole ones alone (patterns/placed.py).
+            documents over the group and this rank's whole ones alone (patterns/run.py).
     """
 
     state: Optional[ContextParallelState]

@@ -38,9 +38,8 @@ import torch.nn as nn
 
 from hf_ring.hf import sequence_features
 from hf_ring.hf.compiled import register_context, register_layers
-from hf_ring.hf.cp_inputs import (
-    inputs_device, packed_document_lengths, rows_and_length, validate_cp_inputs,
-)
+from hf_ring.hf.cp_inputs import compute_dtype, inputs_device, validate_cp_inputs
+from hf_ring.hf.row_indices import packed_document_lengths, rows_and_length
 from hf_ring.hf.randomness.scope import install_draw_scopes, install_head_scope
 from hf_ring.hf.forward_context import COMM_STATS_KWARG, CONTEXT_KWARG, REFUSED_KWARG, SHARDED_KWARG, ForwardContext
 from hf_ring.hf.randomness.draws import OneProcessDraws, check_generators_after
@@ -140,14 +139,6 @@ def _check_guarded_model(model: nn.Module, cp_size: int, takes_kwargs: bool) -> 
         )
 
 
-def _compute_dtype(model: nn.Module, device: torch.device) -> tuple[Optional[torch.dtype], bool]:
-    """The dtype attention will run in (autocast's, else the first floating parameter's),
-    and whether autocast is on: ranks that differ would send messages of other sizes."""
-    if torch.is_autocast_enabled(device.type):
-        return torch.get_autocast_dtype(device.type), True
-    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None), False
-
-
 # The guard's hooks run once per forward and validate across ranks (collectives, host
 # syncs, Python-side checks): under torch.compile they run outside the compiled region,
 # one graph break each per forward, none inside a decoder layer (docs/performance.md).
@@ -196,12 +187,11 @@ def _pre_forward(model: nn.Module, args: tuple, kwargs: dict):
     check_tensor_parallel_layout(model, state)
     if state.tp_size > 1:
         check_mixers_beside_tp(model, state.tp_size, tuple(_mixer_layers(model)))
-    checked = validate_cp_inputs(inputs, state, *_compute_dtype(model, inputs_device(inputs)), shards=shards,
+    checked = validate_cp_inputs(inputs, state, *compute_dtype(model, inputs_device(inputs)), shards=shards,
                                  refused=refused)
     # After the collective check: every rank has the same lengths, so raises alike.
     rows, seq_local = rows_and_length(inputs)
-    # A packed row's full length is its documents' (under by-length placement the ranks'
-    # rows differ in length, so it is not seq_local * cp_size).
+    # A packed row's length is its documents' (placed by length, the ranks' rows differ).
     full_len = sum(checked.doc_lens) if checked.doc_lens else seq_local * state.cp_size
     check_model_under_cp(model, state.cp_size, full_len, doc_lens=checked.doc_lens)
     sequence_features.hand_max_position(model, checked.max_position)

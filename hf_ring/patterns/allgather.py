@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 
 from hf_ring.distributed.collectives import Collectives
-from hf_ring.patterns.merge import apply_sinks
+from hf_ring.patterns.ring.merge import apply_sinks
 from hf_ring.patterns.plan import AttentionPlan
 from hf_ring.patterns.ring.attention import (
     KVAttentionFunction, KVPasses, accum_dtype, add_block_dkv, backward_blocks, forward_blocks, unpack_kv,

@@ -16,7 +16,7 @@ head_dim a multiple of 8, up to 256 on sm90; on sm100/sm110 up to 128, or 256.
 Features: logit softcapping (``softcap``: scores become ``softcap * tanh(scores / softcap)``)
 in the kernel, forward and backward (not on sm100 with head_dim 256, where its backward
 lacks it: refused). Attention sinks need nothing from the kernel: the ring adds the sink
-logit to the final lse once (``hf_ring.patterns.merge.apply_sinks``), where passing
+logit to the final lse once (``hf_ring.patterns.ring.merge.apply_sinks``), where passing
 them to every block's kernel would count them once per block. Sliding windows: the
 kernel's ``window_size_left/right`` give the masked kernel, each window-edge mask cut into
 bands (:mod:`hf_ring.kernels.cuda.window_bands`).

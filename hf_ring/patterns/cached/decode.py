@@ -35,7 +35,7 @@ import torch.distributed as dist
 from hf_ring.distributed.collectives import GroupCollectives
 from hf_ring.kernels.reference import REFERENCE
 from hf_ring.kernels.value_heads import with_value_head_dim
-from hf_ring.patterns.merge import apply_sinks
+from hf_ring.patterns.ring.merge import apply_sinks
 
 
 def visible_entries(

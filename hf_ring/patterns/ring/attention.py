@@ -19,7 +19,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 import torch
 
 from hf_ring.distributed.comm import DKV_CHANNEL, KV_CHANNEL, BlockStream, DoubleBuffer
-from hf_ring.patterns.merge import apply_sinks, merge_block_, sinks_grad
+from hf_ring.patterns.ring.merge import apply_sinks, merge_block_, sinks_grad
 from hf_ring.patterns.ring.block_runs import BlockRun, key_ranges, key_rows, query_rows
 from hf_ring.patterns.ring.packed_step import backward_varlen, forward_varlen, varlen_groups
 from hf_ring.patterns.plan import AttentionPlan

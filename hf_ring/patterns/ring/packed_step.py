@@ -22,7 +22,7 @@ from typing import Optional, Union
 
 import torch
 
-from hf_ring.patterns.merge import merge_block_
+from hf_ring.patterns.ring.merge import merge_block_
 
 Rows = Union[slice, torch.Tensor]
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_ring.distributed.collectives import Collectives
-from hf_ring.patterns.merge import merge_block_
+from hf_ring.patterns.ring.merge import merge_block_
 from hf_ring.patterns.plan import AttentionPlan
 from hf_ring.patterns.ring.attention import accum_dtype, unpack_kv
 from hf_ring.patterns.ring.block_runs import Rows
