@@ -1,13 +1,14 @@
 """Adversarial cases of ``placement="by_length"`` (packed rows placed by length): what breaks
 because the CP ranks' rows differ in length, where under ``placement="sharded"`` they never do.
 
-1. A layer's plan for the documents a rank holds whole is built from that rank's own token
-   count: a sliding window is kept only where the rank's whole documents exceed it
-   (patterns/build.py: ``window if window < seq``), so a kernel without a masked kernel
-   (on CUDA: ``flash_attn``, ``torch_efficient``, ``torch_cudnn``; here a CPU stand-in, the
-   CPU flash op without its masked kernel) is refused on one rank only. That rank raises; the
-   others finish the forward and wait in the next collective (a training step hangs until
-   the timeout). Under ``"sharded"`` the same row is refused on every rank.
+1. A layer's plan for the documents a rank holds whole was built from that rank's own token
+   count: a sliding window was kept only where the rank's whole documents exceeded it, so a
+   kernel without a masked kernel (on CUDA: ``flash_attn``, ``torch_efficient``,
+   ``torch_cudnn``; here a CPU stand-in, the CPU flash op without its masked kernel) was
+   refused on one rank only, and the others waited in the next collective. Now the window is
+   decided from the row's longest document and the kernel checked for it on every rank
+   (``ForwardContext._placed_plan``): refused on every rank where a document is longer than
+   the window, run (equal to cp 1) where none is.
 2. ZeRO-3 with the tiled MLP: each rank tiles its own number of tokens, so the ranks run
    their MLPs' Linear layers a different number of times, each a ZeRO-3 parameter gather
    over the world: gloo aborts on a collective mismatch ("Received data size doesn't match
@@ -83,9 +84,6 @@ def _windowed_on_rank(rank: int, world: int, docs, window: int, placement: str):
             return f"{type(e).__name__}: {e}"
 
 
-@pytest.mark.xfail(strict=True, reason="by_length: the whole documents' plan keeps a window on the ranks whose whole "
-                                       "documents exceed it only, so a kernel without a masked kernel is refused on "
-                                       "one rank while the others run on (they then hang in the next collective)")
 @pytest.mark.parametrize("docs,window", WINDOW_CASES, ids=lambda v: str(v))
 def test_a_kernel_refusal_on_whole_documents_is_raised_on_every_rank_or_none(docs, window):
     placement = place_by_length(tuple(docs), 2)

@@ -156,8 +156,19 @@ class ForwardContext:
 
     def _placed_plan(self, features: dict) -> PlacedPlan:
         """The sharded documents' plan over the group and this rank's whole documents' plan
-        of one process (None where there are none)."""
+        of one process (None where there are none).
+
+        What the plans compute is decided from the whole row, alike on every rank: a window
+        (or chunk) of at least the longest document masks nothing in any document and is
+        dropped everywhere, and the kernel is checked once for the row's longest document
+        alone, so that a kernel a rank's part would refuse (a named backend without a
+        masked kernel) is refused on every rank, never on the ranks whose whole documents
+        are longer than the window only (the others would wait in the next collective)."""
         p, s = self.placement, self.state
+        longest = max(p.doc_lens)
+        features = {**features, **{name: None for name in ("window", "chunk")
+                                   if features[name] is not None and features[name] >= longest}}
+        self._build(None, (longest,), longest, **features)
         sharded, whole = p.sharded_lens, p.whole_lens(s.cp_rank)
         return PlacedPlan(
             sharded=self._build(s, tuple(n // s.cp_size for n in sharded), sum(sharded), **features) if sharded else None,
