@@ -9,13 +9,12 @@ because the CP ranks' rows differ in length, where under ``placement="sharded"``
    decided from the row's longest document and the kernel checked for it on every rank
    (``ForwardContext._placed_plan``): refused on every rank where a document is longer than
    the window, run (equal to cp 1) where none is.
-2. ZeRO-3 with the tiled MLP: each rank tiles its own number of tokens, so the ranks run
+2. ZeRO-3 with the tiled MLP: each rank tiled its own number of tokens, so the ranks ran
    their MLPs' Linear layers a different number of times, each a ZeRO-3 parameter gather
-   over the world: gloo aborts on a collective mismatch ("Received data size doesn't match
-   expected size"). Under ``"sharded"`` the same run equals cp 1 (measured 4.2e-7). The root
-   is the tiled MLP's data-dependent tile count under ZeRO-3: dp 2 x cp 1 with packed rows
-   aborts the same way (checked by hand); by_length makes every CP run meet it. ~20 s (two
-   launches of the example once it passes).
+   over the world: gloo aborted on a collective mismatch ("Received data size doesn't match
+   expected size"). The root was the tiled MLP's data-dependent tile count under ZeRO-3 (dp
+   2 x cp 1 with packed rows aborted the same way); now every rank runs the group's largest
+   count (hf_ring/memory/tiled_mlp.py). Two launches of the example, ~1-2 min.
 
 The contract either way: compute what one process computes, or raise on every rank.
 """
@@ -136,9 +135,6 @@ def _first_loss(tmp_path, name: str) -> float:
         return next(e["loss"] for e in json.load(f)["log_history"] if "loss" in e)
 
 
-@pytest.mark.xfail(strict=True, reason="by_length + ZeRO-3 + tiled MLP: each CP rank tiles its own token count, so "
-                                       "the ranks gather the MLP weights a different number of times: gloo aborts "
-                                       "on a collective mismatch (dp 2 x cp 1 too)")
 def test_zero3_with_tiled_mlp_on_rows_placed_by_length(tmp_path):
     pytest.importorskip("deepspeed")
     mix = str(tmp_path / "mix.jsonl")

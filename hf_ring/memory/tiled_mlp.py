@@ -10,7 +10,9 @@ tile's intermediates at a time in the forward and in the backward.
 Exact: a dense MLP is applied to each token on its own, so a tile computes the same rows
 (the weight gradient is summed over tiles instead of in one matmul: a few ulps). A module
 that mixes tokens (mixture-of-experts routing with capacity or load-balancing statistics,
-a convolution) cannot be tiled this way and is refused.
+a convolution) cannot be tiled this way and is refused. Under DeepSpeed ZeRO-3 every rank
+runs as many tiles as the rank with the most (empty ones where it has fewer), since each
+tile's Linear calls gather their weights across the ranks.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import functools
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
@@ -57,12 +60,30 @@ def _tiled_forward(mlp: nn.Module, forward: Any, tile_tokens: int, hidden: torch
         raise NotImplementedError(
             f"tiled MLP: {type(mlp).__name__} was called with more than the hidden states; drop the tiled-MLP option"
         )
-    if hidden.shape[-2] <= tile_tokens:
+    tiles = list(hidden.split(tile_tokens, dim=-2))
+    count = _tile_count(mlp, len(tiles), hidden.device)
+    if count == 1:
         return forward(hidden)
-    tiles = hidden.split(tile_tokens, dim=-2)
+    # Empty tiles bring a rank up to the group's count (they compute nothing, and gather and
+    # release ZeRO-3's weights as a tile does, in the forward and in the recompute).
+    tiles += [hidden.narrow(-2, 0, 0)] * (count - len(tiles))
     if not torch.is_grad_enabled():  # nothing is kept for a backward: no need to recompute
         return torch.cat([forward(t) for t in tiles], dim=-2)
     return torch.cat([checkpoint(forward, t, use_reentrant=False) for t in tiles], dim=-2)
+
+
+def _tile_count(mlp: nn.Module, tiles: int, device: torch.device) -> int:
+    """How many tiles this call runs: its own ``tiles``, or under DeepSpeed ZeRO-3 the most
+    any rank of the partition group has. Each Linear call of a ZeRO-3 model gathers its
+    weight over that group, so ranks whose rows differ in length (data-parallel batches,
+    rows placed by length) must call the MLP's layers equally often, or the gathers
+    mismatch (gloo aborts, NCCL hangs). One all-reduce of an int per MLP call, ZeRO-3 only."""
+    param = next((p for p in mlp.parameters() if hasattr(p, "ds_id")), None)
+    if param is None or not (dist.is_available() and dist.is_initialized()):
+        return tiles
+    count = torch.tensor([tiles], dtype=torch.int64, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=getattr(param, "ds_process_group", None))
+    return int(count.item())
 
 
 def tile_mlps(model: nn.Module, tile_tokens: int = 2048) -> int:
