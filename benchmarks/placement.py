@@ -26,9 +26,13 @@ Two parts, both printed and written to ``benchmarks/results/`` (``--out``):
      ring_efficiency's shape, 8 / 2 heads of 128, float32). ``efficiency`` = the fastest
      one-process way over the whole row (one call per document or one varlen call) / (cp x
      the slowest rank). ``virtual``: one process runs each rank's work in turn (process
-     clock, one thread; the ring's transfers are in-process copies, so this is the ranks'
-     compute alone); ``spawn``: ``cp`` gloo processes, one thread each, wall clock,
-     transfers included; rank 0 times the reference between rounds.
+     clock, one thread, the reference too; the ring's transfers are in-process copies, so
+     this is the ranks' compute alone); ``spawn``: ``cp`` gloo processes, one thread each,
+     transfers included; rank 0 times the reference between rounds. Spawned rows give wall
+     clock figures (``efficiency``: transfers and waits included, meaningful on an idle
+     machine) and CPU-time ones (``efficiency_cpu``, ``throughput_vs_sharded_cpu``: what each
+     rank computed, robust to other load on a shared machine, blind to waits for a peer,
+     which ``t_ranks_blocked_s`` gives apart).
    - ``step``: a whole training step of the example's default model (``ring_flash``, the
      ``RingDataCollator``'s rows, forward + backward + the gradients' all-reduce over the
      group + AdamW), in the same spawned processes; tokens/s per process and the ratio
@@ -59,7 +63,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -319,8 +323,8 @@ def measure_virtual(mix: str, doc_lens: list[int], cp: int, cfg: BenchConfig) ->
     refs = reference_units(pb, kernel, scale)
     times = {pl: [[] for _ in range(cp)] for pl in PLACEMENTS}
     for i in range(cfg.warmup + cfg.repeats):
-        for u in refs:
-            time_unit(u, cfg, keep=i >= cfg.warmup)
+        for u in refs:  # on the ranks' clock: CPU seconds of this one-thread process
+            time_unit(u, replace(cfg, clock="process"), keep=i >= cfg.warmup)
         for pl in PLACEMENTS if i % 2 == 0 else PLACEMENTS[::-1]:
             for r, w in enumerate(works[pl]):
                 t0 = time.process_time()
@@ -346,6 +350,7 @@ def _attention_row(mode, mix, doc_lens, cp, pl, ranks_s, ideal, ref_name, work, 
            "tokens_ranks": [len(w.indices) for w in works], "sharded_tokens_per_rank": works[0].sharded_tokens,
            "bytes_sent_per_layer_ranks": sent, "bytes_over_local_kv": max(s / b for s, b in zip(sent, kv_bytes)),
            "max_rel_err": err, "docs": len(doc_lens), "doc_lens": _brief(doc_lens),
+           "crossover": PlacementCosts().crossover, "tolerance": PlacementCosts().tolerance,
            "heads": cfg.heads, "kv_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "dtype": "float32",
            "backend": cfg.kernel().name, "repeats": cfg.repeats, "threads": 1,
            "clock": "process" if mode == "virtual" else "wall", "date": time.strftime("%Y-%m-%d")}
@@ -394,14 +399,18 @@ def _worker(rank: int, cp: int, mixes: dict, cfg: BenchConfig, step_row: int, ou
                     times[pl]["cpu"].append(time.process_time() - c0)
                     times[pl]["blocked"].append(stats[pl].seconds - b0)
             dist.barrier()
-            for u in refs:  # rank 0, while the others wait: one process's time on the whole row
-                time_unit(u, cfg, keep=i >= cfg.warmup)
+            for u in refs:  # rank 0, while the others wait: one process's time on the whole row, both clocks
+                c0, t0 = time.process_time(), time.perf_counter()
+                u.bwd(u.fwd())
+                if i >= cfg.warmup:
+                    u.fb_s.append(time.perf_counter() - t0)
+                    u.fwd_s.append(time.process_time() - c0)  # here: the CPU seconds of forward + backward
         result[("attention", mix)] = {
             "times": times, "sent": sent, "work": {pl: works[pl].work for pl in PLACEMENTS},
             "tokens": {pl: len(works[pl].indices) for pl in PLACEMENTS},
             "sharded_tokens": {pl: works[pl].sharded_tokens for pl in PLACEMENTS},
             "results": {pl: (works[pl].indices, res[pl]) for pl in PLACEMENTS},
-            "refs": [(u.name, u.fb_s) for u in refs]}
+            "refs": [(u.name, u.fb_s, u.fwd_s) for u in refs]}
         if step_row:
             result[("step", mix)] = _time_steps(rank, cp, doc_lens, cfg, step_row, dist, F, hf_ring)
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -461,16 +470,18 @@ def measure_spawn(cp: int, mixes: dict, cfg: BenchConfig, step_row: int, load: s
     for mix, doc_lens in mixes.items():
         att = [r[("attention", mix)] for r in ranks]
         pb = make_row(doc_lens, cfg)
-        ref_name, ref_s = min(att[0]["refs"], key=lambda nr: statistics.median(nr[1]))
+        ref_name, ref_s, ref_cpu = min(att[0]["refs"], key=lambda nr: statistics.median(nr[2]))
         ideal = statistics.median(ref_s) / cp
         for pl in PLACEMENTS:
             err = check_exact(pb, [a["results"][pl] for a in att], kernel, scale)
             ranks_s = [statistics.median(a["times"][pl]["wall"]) for a in att]
+            ranks_cpu = [statistics.median(a["times"][pl]["cpu"]) for a in att]
             works = [RankWork(a["results"][pl][0], None, None, a["work"][pl], a["sharded_tokens"][pl]) for a in att]
             rows.append(_attention_row(
                 "spawn", mix, doc_lens, cp, pl, ranks_s, ideal, ref_name, [a["work"][pl] for a in att],
                 [a["sent"][pl] for a in att], works, err, cfg,
-                t_ranks_cpu_s=[statistics.median(a["times"][pl]["cpu"]) for a in att],
+                t_ranks_cpu_s=ranks_cpu, t_ideal_cpu_s=statistics.median(ref_cpu) / cp,
+                efficiency_cpu=statistics.median(ref_cpu) / cp / max(ranks_cpu),
                 t_ranks_blocked_s=[statistics.median(a["times"][pl]["blocked"]) for a in att], load=load))
         if ("step", mix) in ranks[0]:
             rows += _step_rows(mix, doc_lens, cp, [r[("step", mix)] for r in ranks], cfg, load)
@@ -483,6 +494,9 @@ def _step_rows(mix, doc_lens, cp, steps, cfg, load) -> list[dict]:
     if diff > 1e-5:
         raise AssertionError(f"{mix}, cp {cp}: the first step's loss differs by placement: {losses}")
     slowest = {pl: max(statistics.median(s["times"][pl]["wall"]) for s in steps) for pl in PLACEMENTS}
+    # CPU seconds: what each rank computed, robust to other load on a shared machine, but blind to
+    # the time a rank waited for a peer (the blocked seconds, given apart)
+    cpu = {pl: max(statistics.median(s["times"][pl]["cpu"]) for s in steps) for pl in PLACEMENTS}
     rows = []
     for pl in PLACEMENTS:
         ranks_s = [statistics.median(s["times"][pl]["wall"]) for s in steps]
@@ -493,8 +507,10 @@ def _step_rows(mix, doc_lens, cp, steps, cfg, load) -> list[dict]:
             "t_ranks_blocked_s": [statistics.median(s["times"][pl]["blocked"]) for s in steps],
             "tokens_per_s_per_process": sum(doc_lens) / slowest[pl] / cp,
             "throughput_vs_sharded": slowest["sharded"] / slowest[pl],
+            "t_step_cpu_s": cpu[pl], "throughput_vs_sharded_cpu": cpu["sharded"] / cpu[pl],
             "tokens_ranks": [s["tokens"][pl] for s in steps], "first_loss": losses[pl],
             "loss_rel_diff": diff, "docs": len(doc_lens), "doc_lens": _brief(doc_lens),
+            "crossover": PlacementCosts().crossover,
             "model": MODEL, "repeats": cfg.repeats, "threads": 1, "clock": "wall", "load": load,
             "date": time.strftime("%Y-%m-%d")})
     return rows
@@ -555,9 +571,9 @@ def _ring_doc_s(m: GpuModel, n: int, cp: int) -> float:
     return 2 * m.attn_s(c, c, True) + (2 * cp - 1) * m.attn_s(c, c, False)
 
 
-def gpu_model(row: int, cp: int, m: GpuModel = GpuModel()) -> dict:
-    """Per layer, per rank, the long-tail mix of ``row`` tokens at ``cp`` under both placements."""
-    lens = long_tail_lens(row, 2 * cp)
+def gpu_model(lens: list[int], cp: int, m: GpuModel = GpuModel()) -> dict:
+    """Per layer, per rank, a packed row of documents ``lens`` at ``cp`` under both placements."""
+    row = sum(lens)
     kv_bytes = lambda tokens, size: 2 * tokens * m.kv_heads * m.head_dim * size  # noqa: E731
     costs = PlacementCosts(crossover=m.crossover)
     out = {"row": row, "cp": cp, "doc_lens": lens, "crossover": m.crossover, "model": "modelled, not measured",
@@ -659,15 +675,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--tiny", action="store_true", help="smoke test: cp 2, a 256-token row, small heads, 1 repeat")
     p.add_argument("--json", action="store_true", help="print one JSON object per row")
     p.add_argument("--gpu-model", action="store_true",
-                   help="only the GPU side, modelled (Llama-3-8B, cp 8, a long-tail row of 131072 tokens): "
-                        "placement_gpu_model.json")
+                   help="only the GPU side, modelled (Llama-3-8B, cp 8; a long-tail row of 131072 tokens and one "
+                        "of 64 x 2048): placement_gpu_model.json")
     a = p.parse_args(argv)
     if a.gpu_model:
-        g = gpu_model(131072, 8)
+        # the long-tail mix at 128K tokens, and a row of 2K-token documents (where sharding cuts blocks finest)
+        rows = {"long_tail": long_tail_lens(131072, 16), "64 x 2048": [2048] * 64}
+        g = {name: gpu_model(lens, 8) for name, lens in rows.items()}
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "placement_gpu_model.json"), "w") as f:
             json.dump(g, f, indent=2)
-        _print_gpu(g)
+        for one in g.values():
+            _print_gpu(one)
         return 0
     cfg = BenchConfig(heads=8, kv_heads=2, head_dim=128, repeats=a.repeats, warmup=1)
     if a.tiny:
