@@ -619,7 +619,7 @@ def gpu_model(lens: list[int], cp: int, m: GpuModel = GpuModel()) -> dict:
 
 
 def _print_gpu(g: dict) -> None:
-    print(f"# modelled, not measured: Llama-3-8B, cp {g['cp']}, long-tail row of {g['row']} tokens "
+    print(f"# modelled, not measured: Llama-3-8B, cp {g['cp']}, a row of {g['row']} tokens "
           f"({len(g['doc_lens'])} documents), crossover {g['crossover']:.0f}; per layer, per rank")
     for pl, x in g["placements"].items():
         print(f"{pl}: {x['sharded_tokens_per_rank']} sharded tokens per rank, plan's work imbalance "
