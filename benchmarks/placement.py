@@ -670,6 +670,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--no-costs", action="store_true", help="part 2 only")
     p.add_argument("--no-virtual", action="store_true")
     p.add_argument("--no-step", action="store_true", help="attention only over gloo")
+    p.add_argument("--no-spawn", action="store_true", help="no gloo processes: the virtual rows alone")
     p.add_argument("--out", default="benchmarks/results", help="folder for placement_costs.json, placement.jsonl")
     p.add_argument("--tag", default="", help="suffix of the rows' file: placement{tag}.jsonl")
     p.add_argument("--tiny", action="store_true", help="smoke test: cp 2, a 256-token row, small heads, 1 repeat")
@@ -718,8 +719,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             for mix, lens in mixes.items():
                 rows += measure_virtual(mix, lens, cp, cfg)
                 print(f"virtual cp {cp} {mix}: done", file=sys.stderr, flush=True)
-        rows += measure_spawn(cp, mixes, cfg, 0 if a.no_step else a.row, _load())
-        print(f"gloo cp {cp}: done", file=sys.stderr, flush=True)
+        if not a.no_spawn:
+            rows += measure_spawn(cp, mixes, cfg, 0 if a.no_step else a.row, _load())
+            print(f"gloo cp {cp}: done", file=sys.stderr, flush=True)
     for r in rows:
         r["command"] = command
     with open(os.path.join(a.out, f"placement{a.tag}.jsonl"), "a") as f:

@@ -31,7 +31,11 @@ def test_placement_benchmark_tiny(tmp_path):
     costs = json.loads((tmp_path / "placement_costs.json").read_text())
     fit = costs["fit_model"]
     assert len(costs["model_s"]) == len(costs["lengths"]) == 3 and all(t > 0 for t in costs["model_s"])
-    assert math.isclose(costs["crossover"], fit["a_s_per_token"] / (2 * fit["b_s_per_token2"]), rel_tol=1e-12)
+    # Tiny lengths on a loaded machine may fit no quadratic term (b <= 0): then no crossover.
+    if fit["b_s_per_token2"] > 0:
+        assert math.isclose(costs["crossover"], fit["a_s_per_token"] / (2 * fit["b_s_per_token2"]), rel_tol=1e-12)
+    else:
+        assert costs["crossover"] == math.inf
 
     keys = {(r["part"], r["mode"], r["mix"], r["placement"]) for r in rows}
     assert keys == {(part, mode, mix, pl) for part, mode in (("attention", "virtual"), ("attention", "spawn"),
