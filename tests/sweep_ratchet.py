@@ -107,3 +107,17 @@ def compare(summary: dict[str, Any], families: dict[str, dict[str, str]], *,
     if not changes:
         return "ok", ""
     return "fail", f"{name}: " + "\n".join(changes) + f"\nIf this change is meant, {update}"
+
+
+def lost_support(summary: dict[str, Any], families: dict[str, dict[str, str]], recorded_on: str,
+                 installed: str) -> Optional[str]:
+    """On a newer release than the record's (the upstream canary), what the record cannot
+    check one by one (refusals may rightly change wording) but must not pass silently: a
+    family recorded exact on every path that is no longer exact. None otherwise."""
+    name = summary["name"]
+    before = families.get(name)
+    if before is None or any(v != "exact" for v in before.values()) or summary["outcome"] == "exact":
+        return None
+    return (f"{name} was exact on transformers {recorded_on} (cp=2 and without CP) and is {summary['outcome']} "
+            f"on {installed}: {summary.get('detail', '')[:300]}")
+

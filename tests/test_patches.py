@@ -14,6 +14,7 @@ from packaging.version import Version
 from torch.utils.data import DataLoader
 
 from hf_ring.patches import accelerate as acc_patches
+from hf_ring.patches import versions
 from hf_ring.patches import torch as torch_patches
 from hf_ring.patches import transformers as tf_patches
 
@@ -48,12 +49,12 @@ class _AcceleratorWithOtherSignature:
 
 
 # Every release whose source was read (patches/accelerate.py's docstring), then newer ones of the line.
-_READ = ("1.10.0", "1.10.1", "1.11.0", "1.12.0", "1.13.0", "1.14.0", "1.15.0")
+_READ = ("1.10.0", "1.10.1", "1.11.0", "1.12.0", "1.13.0", "1.14.0", "1.15.0", "1.16.0")
 
 
-@pytest.mark.parametrize("version", _READ + ("1.15.1", "1.16.0.dev0", "1.16.0", "1.40.2"))
+@pytest.mark.parametrize("version", _READ + ("1.16.1", "1.17.0.dev0", "1.17.0", "1.40.2"))
 def test_accelerate_versions_of_its_line_are_accepted(version):
-    # Past 1.15.0 with one warning (tests/test_versions.py); the shape checks below still apply.
+    # Past 1.16.0 with one warning (tests/test_versions.py); the shape checks below still apply.
     assert acc_patches.check_version(version) == version
 
 
@@ -63,7 +64,7 @@ def test_accelerate_versions_outside_its_range_are_refused(version):
         acc_patches.check_version(version)
     message = str(error.value)
     assert f"accelerate {version}" in message
-    assert "tested 1.10.0 to 1.15.0" in message, message
+    assert f"tested {versions.TESTED['accelerate'].tested_text()}" in message, message
     assert 'pip install "accelerate>=1.10.0,<2"' in message
 
 
