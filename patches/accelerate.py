@@ -16,16 +16,18 @@ the one place in hf_ring that knows those names:
 - ``register_data_loader`` / ``is_prepared``: ``_dataloaders`` and
   ``_is_accelerate_prepared``;
 - ``enable_fsdp_on_cpu``: ``AcceleratorState.__init__`` keeps an FSDP request on CPU, which
-  accelerate 1.15 drops silently (its own section below; written for 1.15.0 only).
+  accelerate 1.15 and 1.16 drop silently (its own section below; written for 1.15.0 and 1.16.0).
 - ``allow_parallelism_config_on_cpu``: ``ParallelismConfig._validate_accelerator`` accepts a
   CPU state, for a tensor-parallel model that the Trainer gives a parallelism config (its
-  own section below; written for 1.15.0 only).
+  own section below; written for 1.15.0 and 1.16.0).
 
-Written for accelerate 1.10.0 to 1.15.0: the source of ``Accelerator.prepare_data_loader``,
+Written for accelerate 1.10.0 to 1.16.0: the source of ``Accelerator.prepare_data_loader``,
 of ``accelerate.data_loader.prepare_data_loader``'s signature, of ``_dataloaders``'s
 creation and of the ``prepare`` path that calls ``self.prepare_data_loader`` was read in
-every release from 1.10.0 to 1.15.0 (1.10.0, 1.10.1, 1.11.0, 1.12.0, 1.13.0, 1.14.0,
-1.15.0) and is the same in each. A newer 1.x is accepted with one warning (the table of
+every release from 1.10.0 to 1.16.0 (1.10.0, 1.10.1, 1.11.0, 1.12.0, 1.13.0, 1.14.0,
+1.15.0, 1.16.0) and is the same in each (1.16.0's ``prepare`` remaps optimizer parameters
+on every backend, not only XLA, and no longer requires an optimizer beside an FSDP2
+model; neither touches the data loaders). A newer 1.x is accepted with one warning (the table of
 tested ranges: ``hf_ring.patches.versions``); a version outside 1.10.0 to 1.x is refused,
 with an error that names the tested range. Each function also checks that what it touches
 has the shape it was written for, and raises ``UnsupportedAccelerateVersion`` otherwise.
@@ -219,11 +221,12 @@ def install_prepare_data_loader(accelerator: Any, prepare: PrepareDataLoader) ->
 # distributed types; on CPU the state stays MULTI_CPU, the plugin is never kept and
 # prepare() wraps the model in plain DDP, with correct-looking losses. PyTorch's FSDP2 runs
 # on CPU with gloo, so the same request is honoured here the way the GPU branch of
-# ``AcceleratorState.__init__`` honours it (that branch's source was read in 1.15.0 only;
+# ``AcceleratorState.__init__`` honours it (that branch's source was read in 1.15.0 and
+# 1.16.0, the same but for an fp8 error message;
 # older releases are refused, newer 1.x accepted behind the shape check of
 # ``enable_fsdp_on_cpu``: a release that keeps the request itself leaves nothing to patch,
 # since the wrapper acts only on a state that stayed MULTI_CPU).
-_CPU_FSDP_WRITTEN_FOR = ("1.15.0",)
+_CPU_FSDP_WRITTEN_FOR = ("1.15.0", "1.16.0")
 _CPU_FSDP_MARK = "_hf_ring_cpu_fsdp"
 
 
@@ -295,7 +298,7 @@ def enable_fsdp_on_cpu() -> None:
 # on CPU (MULTI_CPU, gloo) it raises, though the model owns its placement and gradient
 # reduction and nothing of that config needs a GPU. The check is run as for a GPU state;
 # everything else it checks (sizes against the world, FSDP's dimensions) still runs. Read in
-# accelerate 1.15.0 only (the versions of the CPU FSDP patch above).
+# accelerate 1.15.0 and 1.16.0 (the same there; the versions of the CPU FSDP patch above).
 _CPU_PARALLELISM_MARK = "_hf_ring_cpu_parallelism"
 
 

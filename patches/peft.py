@@ -10,7 +10,8 @@ that needs two things PEFT does not say in one public call:
   forward now: the active adapter's trained copy, or the original head when adapters are
   disabled or the active one has no copy. Read from the wrapper's attributes
   (``disable_adapters``, ``active_adapters``, ``_adapters``, ``modules_to_save``,
-  ``original_module``), as its ``forward`` reads them (peft 0.21.2, ``peft/utils/other.py``).
+  ``original_module``), as its ``forward`` reads them (peft 0.21.2 and 0.22.0, the same in
+  both: ``peft/utils/other.py``).
 
 A wrapper without those attributes (another PEFT release changed them) is refused with an
 error naming what is missing, never guessed at. The version is checked where a PEFT object

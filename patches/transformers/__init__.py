@@ -1,9 +1,10 @@
 """Monkey-patches of transformers internals that ``attn_implementation="ring_flash"`` needs,
 and every private internal of transformers that hf_ring reads.
 
-Written for transformers 4.57.6 (the last 4.x, the oldest with the attention registry)
-and 5.24.0; applied to the release lines they belong to (4.57.x and 5.x; a 5.x newer than
-5.24.0 with one warning, behind the shape checks below) and refused, with an error that
+Written for transformers 4.57.6 (the last 4.x, the oldest with the attention registry),
+5.24.0 and 5.25.0 (re-read: what changed is said where it is read, in ``mixers`` and
+``sources``); applied to the release lines they belong to (4.57.x and 5.x; a 5.x newer than
+the highest tested with one warning, behind the shape checks below) and refused, with an error that
 says what to install, on any other version (``versions``; the table of tested ranges is
 ``hf_ring.patches.versions``).
 

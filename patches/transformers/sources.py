@@ -1,7 +1,7 @@
 """What hf_ring reads from how transformers writes its modeling code: the source of a
 forward, and the names a modeling module defines. How a modeling file is written is an
 implementation detail of each release, hence here, gated on the releases it was read in
-(4.57.6 and 5.24.0).
+(4.57.6, 5.24.0 and 5.25.0).
 
 - ``logit_transform(model, head_attr)``: what a causal LM's forward does to its LM head's
   output before returning it (the chunked loss recomputes it);
