@@ -12,7 +12,8 @@ where it matters:
 
 - every case starts from the state a fresh process has: the random generators (torch,
   Python, NumPy) as they were when the rank started, no context-parallel state active, one
-  thread, float32 default dtype, grad mode on, the environment as it was;
+  thread, float32 default dtype, grad mode on, the environment as it was, Accelerate's
+  shared states reset;
 - a case that breaks its world is followed by a new one: an exception on any rank (its
   peers may be waiting in a collective), a rank that died, a default process group that
   was destroyed or replaced;
@@ -105,6 +106,12 @@ class _FreshState:
         state_module = sys.modules.get("hf_ring.patterns.state")
         if state_module is not None:
             state_module.set_context_parallel_state(None)
+        # Accelerate's shared states outlive a case: one whose TrainingArguments asked for
+        # torch_compile left a dynamo plugin that compiled the next case's prepared model.
+        accelerate_state = sys.modules.get("accelerate.state")
+        if accelerate_state is not None:
+            accelerate_state.AcceleratorState._reset_state(reset_partial_state=True)
+            accelerate_state.GradientState._reset_state()
 
     @staticmethod
     def registered_backends() -> Optional[tuple[str, ...]]:
