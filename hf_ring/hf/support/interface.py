@@ -21,7 +21,8 @@ from typing import Any, Iterator, Optional
 import torch.nn as nn
 
 from hf_ring.hf.support.reading import RING_FLASH, Modules, attention_modules, listed, text_stack
-from hf_ring.patches.transformers import attention_class_tables, forward_reads_keywords, uses_attention_interface
+from hf_ring.patches.transformers import (attention_class_tables, forward_reads_keywords, release_line,
+                                          uses_attention_interface)
 
 
 def class_table(model: nn.Module) -> Optional[str]:
@@ -73,7 +74,14 @@ def _carriers(modules: Modules) -> list[nn.Module]:
 def dropped_keywords(config: Any, modules: Modules) -> Iterator[str]:
     """One refusal (formatted with ``{where}``) naming the classes on the way to the
     attention modules whose forwards take ``**kwargs`` and drop them (or take none below the
-    root), so the guard's context never reaches the ring."""
+    root), so the guard's context never reaches the ring. Read on transformers 5 only: its
+    forwards hand ``**kwargs`` down by name, which is what the reading checks; 4.57's MoE
+    forwards hand them on under other names (Qwen2-MoE, PhiMoE were read as dropping them
+    while they run exactly under CP: the oldest leg's tests)."""
+    import transformers
+
+    if release_line(transformers.__version__) != "5":
+        return
     dropping = list(dict.fromkeys(
         f"{type(m).__name__}.forward" for m in _carriers(modules) if forward_reads_keywords(type(m)) is False
     ))
