@@ -29,15 +29,15 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import hf_ring
 from backend_registry import registered
-from closeness import grads, grads_rel_err
+from closeness import grads_rel_err
 from distributed import free_port, run_world
 from hf_ring.kernels.torch_cpu import TORCH_CPU_FLASH
 from hf_ring.sharding.placement import SHARDED, place_by_length
 from test_hf_attention import VOCAB, tiny_config, tiny_model
+from test_placement import _loss_and_grads
 
 TOL = 1e-5
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -60,14 +60,6 @@ def _features(docs: tuple[int, ...]) -> list[dict]:
 
 def _batch(docs, cp: int, rank: int, placement: str) -> dict:
     return hf_ring.RingDataCollator(0, cp_size=cp, cp_rank=rank, packing=True, placement=placement)(_features(docs))
-
-
-def _loss_and_grads(model, batch: dict, tokens: int) -> tuple[float, dict]:
-    keep = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
-    logits = model(**keep).logits
-    loss = F.cross_entropy(logits[0].float(), batch["shift_labels"][0], reduction="sum") / tokens
-    loss.backward()
-    return float(loss.detach()), grads(model)
 
 
 def _windowed_on_rank(rank: int, world: int, docs, window: int, placement: str):
