@@ -31,6 +31,9 @@ FORBIDDEN = {
     "wrap": ("transformers", "accelerate", "hf_ring.hf", "hf_ring.memory", "hf_ring.training", "hf_ring.trl"),
     "hf": ("trl", "hf_ring.training", "hf_ring.memory", "hf_ring.trl"),
     "memory": ("trl", "hf_ring.training", "hf_ring.trl"),
+    # Below the trainer: of the training layer only its loss arithmetic (torch only).
+    "pipeline": ("trl", "accelerate", "hf_ring.trl", *(f"hf_ring.training.{m}" for m in (
+        "trainer", "trainer_base", "trainer_checks", "plugin", "collator", "trl", "vision", "deepspeed_support"))),
 }
 MAX_LINES = 350
 MAX_MODULES = 12

@@ -38,9 +38,10 @@ class AxisGroup:
     ranks: tuple[int, ...]
 
 
-# The axes a ProcessMesh builds groups for: cp and tp of the mesh, and two flattened ones
-# (mesh.py): batch (the data-parallel ranks fed different batches) and loss (dp x cp).
-BUILT_AXES = ("cp", "tp", "batch", "loss")
+# The axes a ProcessMesh builds groups for: pp, cp and tp of the mesh, and two flattened ones
+# (mesh.py): batch (the data-parallel ranks fed different batches) and loss (dp x cp). With
+# pp > 1 every other group lies inside one pipeline stage (pp is the outermost axis).
+BUILT_AXES = ("pp", "cp", "tp", "batch", "loss")
 
 
 @dataclass(frozen=True)
@@ -137,11 +138,12 @@ def build_process_mesh(dims: ParallelDims, dist_backend: Optional[str], timeout:
         return AxisGroup(group, mine.index(rank), len(mine), mine)
 
     # cp and dp are always real groups (the patterns and the data path pass them to
-    # collectives); tp and loss are built only when they are not the whole world or a
-    # single rank.
+    # collectives); pp (the pipeline's point-to-point sends), tp and loss are built only when
+    # they are not the whole world or a single rank.
     cp, dp = build("cp", True), build("batch", True)
     tp = build("tp", False) if dims.tp > 1 else AxisGroup(None, 0, 1, (rank,))
-    return ProcessMesh(dims, {"cp": cp, "tp": tp, "batch": dp, "loss": build("loss", False)})
+    pp = build("pp", False) if dims.pp > 1 else AxisGroup(None, 0, 1, (rank,))
+    return ProcessMesh(dims, {"pp": pp, "cp": cp, "tp": tp, "batch": dp, "loss": build("loss", False)})
 
 
 __all__ = ["BUILT_AXES", "DEFAULT_CP_TIMEOUT", "AxisGroup", "ProcessMesh", "build_process_mesh", "group_coords",

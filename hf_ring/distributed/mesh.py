@@ -67,7 +67,7 @@ class ParallelDims:
         tp: tensor-parallel ranks (heads and MLP columns split ``tp`` ways).
         dp_replicate: data-parallel replicas (DDP, or HSDP's replicate dimension).
         dp_shard: data-parallel ranks that shard weights (FSDP); -1: whatever fills the world.
-        pp: pipeline stages (the mesh holds the axis; hf_ring trains with ``pp == 1`` only).
+        pp: pipeline stages, the outermost axis (``hf_ring.pipeline`` runs PyTorch's schedules over it).
     """
 
     world_size: int

@@ -191,6 +191,7 @@ def setup_context_parallel(
     tp_size: int = 1,
     placement: str = "sharded",
     max_tokens_per_rank: Optional[int] = None,
+    pp_size: int = 1,
 ) -> ContextParallelState:
     """Build (or reuse) the dp x cp (x tp) groups over the initialised default process group.
 
@@ -234,6 +235,8 @@ def setup_context_parallel(
             (``hf_ring.sharding.placement``; the collator must place alike:
             ``RingDataCollator.for_state``). Dense rows are refused under ``"by_length"``.
         max_tokens_per_rank: ``"by_length"`` only: the most tokens one rank may hold.
+        pp_size: pipeline stages, the outermost mesh axis: every other group lies inside one
+            stage, whose ranks are a whole dp x cp x tp block (``hf_ring.pipeline``).
 
     Every process of the world must call this with the same arguments (group creation is
     collective). Calling it again with the same ``cp_size`` over the same default group
@@ -244,8 +247,9 @@ def setup_context_parallel(
     """
     if not isinstance(cp_size, int) or cp_size < 1:
         raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
-    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
-        raise ValueError(f"tp_size must be a positive int, got {tp_size!r}")
+    for name, size in (("tp_size", tp_size), ("pp_size", pp_size)):
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"{name} must be a positive int, got {size!r}")
     timeout = as_timeout(timeout)
     check_layout(layout)
     check_pattern(pattern, ulysses_size, cp_size)
@@ -253,14 +257,14 @@ def setup_context_parallel(
     attention = AttentionSettings(layout, pattern, ulysses_size, backend, placement=placement,
                                   max_tokens_per_rank=max_tokens_per_rank)
     if not dist.is_available() or not dist.is_initialized():
-        if cp_size == 1 and tp_size == 1:
+        if cp_size == 1 and tp_size == 1 and pp_size == 1:
             state = ContextParallelState(ProcessMesh.single(), attention)
             if activate:
                 set_active_state(state)
             return state
         raise RuntimeError(
-            f"setup_context_parallel(cp_size={cp_size}, tp_size={tp_size}) needs an initialised default process "
-            "group: launch with `accelerate launch` or `torchrun` and call "
+            f"setup_context_parallel(cp_size={cp_size}, tp_size={tp_size}, pp_size={pp_size}) needs an initialised "
+            "default process group: launch with `accelerate launch` or `torchrun` and call "
             "torch.distributed.init_process_group() (Accelerator() does it) first"
         )
     active = active_state()
@@ -268,6 +272,7 @@ def setup_context_parallel(
         active is not None
         and active.cp_size == cp_size
         and active.tp_size == tp_size
+        and active.mesh.dims.pp == pp_size
         and active.world_group is dist.group.WORLD
         and active.world_size == dist.get_world_size()
         and timeout in (None, active.timeout)
@@ -283,7 +288,7 @@ def setup_context_parallel(
         return active
     world = dist.get_world_size()
     timeout = DEFAULT_CP_TIMEOUT if timeout is None else timeout
-    mesh = build_process_mesh(ParallelDims(world, cp=cp_size, tp=tp_size), dist_backend, timeout)
+    mesh = build_process_mesh(ParallelDims(world, cp=cp_size, tp=tp_size, pp=pp_size), dist_backend, timeout)
     state = _with_hybrid_groups(
         ContextParallelState(mesh, replace(attention, local_world_size=local_world_size(world)),
                              world_group=dist.group.WORLD, timeout=timeout, dist_backend=dist_backend))

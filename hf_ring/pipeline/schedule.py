@@ -1,0 +1,166 @@
+"""PyTorch's pipeline schedules over hf_ring's stages, with the token-sum loss on the last stage.
+
+Why it is PyTorch's engine and not one of our own: the schedules
+(``torch.distributed.pipelining``: GPipe, 1F1B, interleaved 1F1B, zero-bubble) order the
+forwards, backwards and point-to-point sends of every micro-batch so that nothing deadlocks
+and the bubble is what its paper says; hf_ring only gives them stages and a loss.
+
+The loss of a micro-batch on the last stage is its share of the step's token mean,
+``sum of its token losses on this CP shard / the step's valid tokens over dp x cp and every
+micro-batch`` (``hf_ring.training.loss``). Those shares add up, over micro-batches and the
+stage's dp x cp ranks, to one process's loss, and their gradients to its gradients, so the
+schedule is built with ``scale_grads=False``: its default divides every gradient by the
+number of micro-batches, which is right only for a loss averaged per micro-batch.
+
+Every rank of a stage's CP group runs the same schedule on its shard of the same
+micro-batches, so the ring's collectives inside a stage meet in the same order on every
+rank; the sends between stages go over the ``pp`` group of the mesh (ranks of one dp, cp and
+tp coordinate). Stages are built with their input and output shapes given (PyTorch's
+static mode: no forward is run to infer them), once per shape of micro-batch.
+
+Must not import accelerate, TRL, or hf_ring's training layer but its loss arithmetic.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.nn as nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+from hf_ring.patterns.state import ContextParallelState
+from hf_ring.pipeline.split import stage_layer_ranges, stages_of_rank
+from hf_ring.pipeline.stages import StageModule, build_stage_modules
+from hf_ring.training.loss import loss_share, token_loss_sum
+
+# PyTorch's schedule names hf_ring runs; with their stages per rank (V-shaped: two a rank).
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")
+_V_SHAPED = ("ZBVZeroBubble",)
+
+
+def schedule_class(name: str) -> type:
+    """PyTorch's class for the schedule ``name`` (one of :data:`SCHEDULES`, case as written)."""
+    if name not in SCHEDULES:
+        raise ValueError(f"pp_schedule={name!r} is not one of the schedules hf_ring runs: {', '.join(SCHEDULES)} "
+                         "(PyTorch's names, torch.distributed.pipelining)")
+    return get_schedule_class(name)
+
+
+def stages_per_rank_of(name: str, requested: Optional[int] = None) -> int:
+    """How many stages each rank holds under ``name``: 1 for a single-stage schedule, else
+    ``requested`` (default 2; the V-shaped ones exactly 2)."""
+    if issubclass(schedule_class(name), PipelineScheduleSingle):
+        if requested not in (None, 1):
+            raise ValueError(f"pp_schedule={name!r} runs one stage per rank, not {requested}; use an interleaved "
+                             "schedule (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble) for several")
+        return 1
+    value = 2 if requested is None else requested
+    if isinstance(value, bool) or not isinstance(value, int) or value < 2 or (name in _V_SHAPED and value != 2):
+        raise ValueError(f"pp_schedule={name!r} needs {'exactly 2' if name in _V_SHAPED else 'at least 2'} stages "
+                         f"per rank, got {requested!r}")
+    return value
+
+
+class TokenShareLoss:
+    """The schedule's ``loss_fn``: a micro-batch's token-loss sum on this CP shard over the
+    step's valid tokens (:attr:`global_count`, set before every step)."""
+
+    def __init__(self) -> None:
+        self.global_count: Optional[torch.Tensor] = None
+
+    def __call__(self, logits: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:
+        if self.global_count is None:
+            raise RuntimeError("the pipeline's loss has no token count: call PipelineRunner.step")
+        return loss_share(token_loss_sum(logits, shift_labels), self.global_count)
+
+
+class PipelineRunner:
+    """This rank's stages of ``model`` and the schedule that trains them.
+
+    Args:
+        model: a causal LM (``attn_implementation="ring_flash"`` under CP), pruned here to
+            this rank's stages.
+        state: the context-parallel state built with ``pp_size`` (its mesh's ``pp`` axis).
+        schedule: one of :data:`SCHEDULES`.
+        n_microbatches: micro-batches per step.
+        stages_per_rank: interleaved schedules: stages on each rank (default 2).
+        pp_layers: decoder layers per stage, in stage order (default: an even split).
+    """
+
+    def __init__(self, model: nn.Module, state: ContextParallelState, schedule: str = "1F1B",
+                 n_microbatches: int = 2, stages_per_rank: Optional[int] = None,
+                 pp_layers: Optional[Sequence[int]] = None):
+        self.schedule_name = schedule
+        self.v_per_rank = stages_per_rank_of(schedule, stages_per_rank)
+        if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches < 1:
+            raise ValueError(f"pp_microbatches must be a positive int, got {n_microbatches!r}")
+        self.n_microbatches = n_microbatches
+        self.state = state
+        self.pp_size, self.pp_rank = state.mesh.size("pp"), state.mesh.rank("pp")
+        self.num_stages = self.pp_size * self.v_per_rank
+        self.ranges = stage_layer_ranges(len(model.base_model.layers), self.num_stages, pp_layers)
+        self.stage_ids = stages_of_rank(self.pp_rank, self.pp_size, self.v_per_rank, schedule in _V_SHAPED)
+        self.stages: dict[int, StageModule] = build_stage_modules(model, self.stage_ids, self.ranges)
+        self.loss = TokenShareLoss()
+        self._schedules: dict[tuple, Any] = {}
+
+    @property
+    def has_first(self) -> bool:
+        return 0 in self.stages
+
+    @property
+    def has_last(self) -> bool:
+        return self.num_stages - 1 in self.stages
+
+    def _schedule_for(self, rows: int, local_len: int, hidden: int, vocab: int, dtype: torch.dtype,
+                      device: torch.device) -> Any:
+        """The schedule for micro-batches of ``rows x local_len`` tokens (built on first use)."""
+        key = (rows, local_len, dtype, device)
+        if key not in self._schedules:
+            pipeline_stages = []
+            for s, module in self.stages.items():
+                hidden_states = torch.empty(rows, local_len, hidden, dtype=dtype, device="meta", requires_grad=True)
+                inputs = torch.empty(rows, local_len, dtype=torch.long, device="meta") if s == 0 else hidden_states
+                outputs = torch.empty(rows, local_len, vocab, dtype=dtype, device="meta") if module.is_last \
+                    else hidden_states
+                pipeline_stages.append(PipelineStage(module, s, self.num_stages, device, input_args=inputs,
+                                                     output_args=outputs, group=self.state.mesh.group("pp")))
+            cls = schedule_class(self.schedule_name)
+            first = pipeline_stages[0] if issubclass(cls, PipelineScheduleSingle) else pipeline_stages
+            self._schedules[key] = cls(first, n_microbatches=self.n_microbatches, loss_fn=self.loss,
+                                       scale_grads=False)
+        return self._schedules[key]
+
+    def step(self, batch: dict[str, Any], global_count: torch.Tensor) -> Optional[torch.Tensor]:
+        """Run one step's forwards and backwards over ``batch`` (this rank's CP shard: ``input_ids``,
+        ``position_ids``, ``shift_labels`` and for packed rows ``doc_bounds``, micro-batches along
+        dim 0). ``global_count``: the step's valid tokens over the stage's dp x cp ranks.
+
+        Returns the sum of the micro-batches' loss shares on a rank holding the last stage
+        (this CP shard's part of the step's loss), else None. Gradients accumulate in the
+        model's parameters (not reduced over dp x cp: the caller's wrapper or loop does)."""
+        ids, positions, labels = batch["input_ids"], batch["position_ids"], batch["shift_labels"]
+        if ids.shape[0] % self.n_microbatches:
+            raise ValueError(f"a batch of {ids.shape[0]} rows does not split into pp_microbatches="
+                             f"{self.n_microbatches} micro-batches of equal size")
+        any_module = next(iter(self.stages.values())).lm
+        param = next(any_module.parameters())
+        head = getattr(any_module, "lm_head", None)
+        vocab = getattr(head, "out_features", None) or any_module.config.vocab_size
+        schedule = self._schedule_for(ids.shape[0] // self.n_microbatches, ids.shape[1], any_module.config.hidden_size,
+                                      vocab, param.dtype, param.device)
+        self.loss.global_count = global_count
+        kwargs = {"position_ids": positions}
+        if batch.get("doc_bounds") is not None:
+            kwargs["doc_bounds"] = batch["doc_bounds"]
+        losses: list = []
+        args = (ids,) if self.has_first else ()
+        target = labels if self.has_last else None
+        schedule.step(*args, target=target, losses=losses if self.has_last else None, return_outputs=False, **kwargs)
+        self.loss.global_count = None
+        return torch.stack(losses).sum() if self.has_last else None
+
+
+__all__ = ["SCHEDULES", "PipelineRunner", "TokenShareLoss", "schedule_class", "stages_per_rank_of"]
