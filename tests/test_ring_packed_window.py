@@ -33,7 +33,7 @@ from hf_ring.sharding import shard_packed, unshard_packed
 from closeness import rel_err
 from reference_attention import feature_attention
 from backend_registry import registered
-from varlen_standin import looped_varlen_backward, looped_varlen_forward
+from varlen_standin import counted, looped_varlen_backward, looped_varlen_forward
 
 DOC_LENS = (24, 8, 16, 40)  # multiples of 2 * cp_size for cp 1, 2 and 4
 CU = torch.tensor([0, *torch.tensor(DOC_LENS).cumsum(0).tolist()])
@@ -43,10 +43,7 @@ CALLS = {"varlen": 0, "masked": 0, "plain": 0}
 
 
 def _counted(kind: str, fn):
-    def call(*args, **kwargs):
-        CALLS[kind] += 1
-        return fn(*args, **kwargs)
-    return call
+    return counted(CALLS, kind, fn)
 
 
 VARLEN = AttentionBackend(

@@ -13,6 +13,14 @@ from hf_ring.kernels.reference import reference_backward, reference_forward
 from kernel_checks import is_fake
 
 
+def counted(calls: dict, kind: str, fn):
+    """``fn`` that adds one to ``calls[kind]`` at each call (tests count which kernels ran)."""
+    def call(*args, **kwargs):
+        calls[kind] += 1
+        return fn(*args, **kwargs)
+    return call
+
+
 def _accum(dtype: torch.dtype) -> torch.dtype:
     """The lse's dtype for hf_ring's reference backward (float64 inputs keep float64)."""
     return torch.float64 if dtype == torch.float64 else torch.float32

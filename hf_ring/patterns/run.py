@@ -11,8 +11,9 @@ the pattern's op.
 (the same number of tokens on every rank: the front of the row), then the documents it
 holds whole. Documents never attend to each other, so the row's attention is exactly the
 two parts' side by side: the front through the group's packed plan (any pattern), the back
-through a plan of one process (the same varlen kernels, no communication); autograd carries
-the gradients back through the split.
+through a plan of one process, run as the reference runs it (``ring/one_process.py``: the
+kernel on each run of equal documents, or one varlen call; no communication, no
+accumulators); autograd carries the gradients back through the split.
 
 Must not import transformers, accelerate, or hf_ring's integration or training layers.
 """
@@ -28,6 +29,7 @@ from hf_ring.patterns.allgather import allgather_attention
 from hf_ring.patterns.hybrid import hybrid_attention
 from hf_ring.patterns.plan import AttentionPlan
 from hf_ring.patterns.ring.attention import ring_attention
+from hf_ring.patterns.ring.one_process import one_process_attention, one_process_calls
 from hf_ring.patterns.ulysses import ulysses_attention
 
 
@@ -112,6 +114,10 @@ def run_plan(
         return run_placed(q, k, v, plan, sinks)
     if plan.spans is not None:
         plan.spans.check_batch(q.shape[0])
+    if plan.world == 1:
+        blocks = one_process_calls(plan, q.shape[1])
+        if blocks is not None:
+            return one_process_attention(q, k, v, plan, blocks, sinks)
     if plan.world == 1 or plan.pattern == "ring":
         return ring_attention(q, k, v, plan, sinks)
     if plan.pattern == "allgather":
