@@ -219,3 +219,89 @@ def test_what_is_not_composed_is_refused_by_name():
         check_pipeline_model(routed)
     with pytest.raises(ValueError, match="multiple of pp_microbatches"):
         deal([1, 2, 3], 2)
+
+
+def _training_case(rank: int, world: int, schedule: str, packed: bool, steps: int) -> dict:
+    """``steps`` optimizer steps (SGD, the gradient clipped to norm 0.5) at pp 2 x cp 2 through the
+    plugin, in a loop of one's own: every step's whole-model gradient norm, and the weights after."""
+    import hf_ring
+    from hf_ring.pipeline import clip_pipeline_grad_norm_, reduce_stage_gradients
+    from hf_ring.pipeline.microbatches import packed_micro_batches
+    from hf_ring.training.loss import count_valid_tokens
+
+    plugin = hf_ring.RingAttentionPlugin(cp_size=2, pp_size=2, pp_schedule=schedule, pp_microbatches=2)
+    model = _model(torch.float64, "ring_flash")
+    runner = plugin.make_pipeline(model)
+    collate = plugin.make_collator(pad_token_id=0, packing=packed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    norms, losses = [], []
+    for step in range(steps):
+        features = [{"input_ids": r[step:]} for r in ROWS]
+        batch = packed_micro_batches(collate, features, 2, collate.config.multiple, 0) if packed else collate(features)
+        loss = runner.step(batch, plugin.global_token_count(count_valid_tokens(batch["shift_labels"])))
+        reduce_stage_gradients(model.parameters(), plugin.state)
+        norms.append(clip_pipeline_grad_norm_(model.parameters(), 0.5, plugin.state).item())
+        losses.append(None if loss is None else plugin.global_token_count(loss).item())
+        optimizer.step()
+        optimizer.zero_grad()
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()} if plugin.state.cp_rank == 0 else {}
+    return {"norms": norms, "losses": losses, "weights": weights, "describe": plugin.describe()}
+
+
+def _training_reference(steps: int) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+    from hf_ring.training.loss import token_loss_sum
+
+    model = _model(torch.float64, "sdpa")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    norms, losses = [], []
+    for step in range(steps):
+        total, count = 0.0, 0
+        for row in ROWS:
+            ids = torch.tensor([row[step:]])
+            shift = torch.full_like(ids, -100)
+            shift[:, :-1] = ids[:, 1:]
+            total = total + token_loss_sum(model(input_ids=ids).logits, shift)
+            count += int(shift.ne(-100).sum())
+        (total / count).backward()
+        losses.append((total / count).item())
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item())
+        optimizer.step()
+        optimizer.zero_grad()
+    return norms, losses, {n: p.detach() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("schedule,packed", [("Interleaved1F1B", False), ("1F1B", True)])
+def test_a_training_loop_through_the_plugin_matches_one_process(schedule, packed):
+    """Two SGD steps with the gradient clipped: every step's loss (1e-6) and whole-model
+    gradient norm, and every weight after (1e-10, float64), against one process."""
+    from closeness import max_rel
+
+    results = run_world(4, _training_case, schedule, packed, 2)
+    norms, losses, weights = _training_reference(2)
+    assert "pp_rank 1/2" in results[3]["describe"]
+    got = {}
+    for r in results:
+        got.update(r["weights"])
+        assert max(abs(a - b) / b for a, b in zip(r["norms"], norms)) < TOL
+        assert r["losses"][0] is None or max(abs(a - b) / b for a, b in zip(r["losses"], losses)) < LOSS_TOL
+    assert norms[0] > 0.5  # the clipping ran
+    worst = max(max_rel(got[n], weights[n]) for n in weights)
+    print(f"{schedule} {'packed' if packed else 'padded'}, 2 steps: worst weight {worst:.1e}")
+    assert sorted(got) == sorted(weights) and worst < TOL
+
+
+def test_the_ring_trainers_refuse_pipeline_parallelism_by_name():
+    from types import SimpleNamespace
+
+    from hf_ring import ContextParallelState
+    from hf_ring.distributed.groups import BUILT_AXES, AxisGroup, ProcessMesh
+    from hf_ring.distributed.mesh import ParallelDims
+    from hf_ring.training.trainer_checks import check_trainer_supported
+
+    dims = ParallelDims(4, cp=2, pp=2)
+    mesh = ProcessMesh(dims, {a: AxisGroup(None, dims.coord(a, 0), dims.size(a), dims.group_ranks(a, 0))
+                              for a in BUILT_AXES})
+    trainer = SimpleNamespace(ring_state=ContextParallelState(mesh), args=None)
+    with pytest.raises(NotImplementedError, match=r"pipeline parallelism \(pp_size=2\) is not composed yet.*"
+                                                  r"plugin.make_pipeline\(model\)"):
+        check_trainer_supported(trainer, subclass_loss=False)

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from hf_ring.patches.transformers.mixers import is_routed_layer
-
 
 def _refuse(model: nn.Module, what: str, todo: str) -> None:
     raise NotImplementedError(f"pipeline parallelism (pp_size > 1) for {type(model).__name__}: {what} is not composed "
@@ -29,6 +27,8 @@ def _refuse(model: nn.Module, what: str, todo: str) -> None:
 
 def check_pipeline_model(model: nn.Module) -> None:
     """Raise NotImplementedError for a causal LM hf_ring cannot cut into pipeline stages."""
+    from hf_ring.patches.transformers.mixers import is_routed_layer  # transformers: only where a model is cut
+
     base = getattr(model, "base_model", None)
     config = getattr(model, "config", None)
     if base is None or base is model or config is None or not isinstance(getattr(model, "lm_head", None), nn.Module):

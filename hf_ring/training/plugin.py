@@ -82,6 +82,14 @@ class RingAttentionPlugin:
             group) or ``"by_length"`` (short documents whole on one rank, long ones sharded,
             the ranks' work balanced; docs/packed.md). ``make_collator`` places alike.
         max_tokens_per_rank: ``"by_length"`` only: the most tokens one rank may hold.
+        pp_size: pipeline stages, the outermost mesh axis (each stage's ranks a whole
+            dp x cp x tp block with its own CP and TP groups); ``cp_size * tp_size * pp_size``
+            must divide the processes. Trained by :meth:`make_pipeline`'s runner in your own
+            loop; the Ring trainers refuse ``pp_size > 1`` (docs/parallelism.md).
+        pp_schedule: PyTorch's schedule name (``hf_ring.pipeline.SCHEDULES``: ``"GPipe"``,
+            ``"1F1B"``, ``"Interleaved1F1B"``, ``"LoopedBFS"``, ``"InterleavedZeroBubble"``,
+            ``"ZBVZeroBubble"``).
+        pp_microbatches: micro-batches per step (they must split the step's batch evenly).
     """
 
     cp_size: int = 1
@@ -93,9 +101,12 @@ class RingAttentionPlugin:
     timeout: Optional[float | timedelta] = None
     placement: str = "sharded"
     max_tokens_per_rank: Optional[int] = None
+    pp_size: int = 1
+    pp_schedule: str = "1F1B"
+    pp_microbatches: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("cp_size", "tp_size"):
+        for name in ("cp_size", "tp_size", "pp_size", "pp_microbatches"):
             size = getattr(self, name)
             if not isinstance(size, int) or isinstance(size, bool) or size < 1:
                 raise ValueError(f"{name} must be a positive int, got {size!r}")
@@ -104,6 +115,9 @@ class RingAttentionPlugin:
         check_kernel_name(self.backend)
         AttentionSettings(self.layout, placement=self.placement, max_tokens_per_rank=self.max_tokens_per_rank)
         self.timeout = as_timeout(self.timeout)
+        from hf_ring.pipeline.schedule import schedule_class  # torch only; the stages need transformers
+
+        schedule_class(self.pp_schedule)
         self._state: Optional[ContextParallelState] = None
 
     @classmethod
@@ -129,7 +143,7 @@ class RingAttentionPlugin:
             return self._state
         _ensure_process_group()
         world = dist.get_world_size() if dist.is_initialized() else 1
-        block = self.cp_size * self.tp_size
+        block = self.cp_size * self.tp_size * self.pp_size
         if world % block != 0:
             hint = ""
             if world == 1:
@@ -139,14 +153,15 @@ class RingAttentionPlugin:
                     "(it then starts N processes with torchrun and hf_ring uses gloo); `torchrun "
                     "--nproc_per_node N` works too."
                 )
-            what = f"cp_size={self.cp_size}" + (f" x tp_size={self.tp_size}" if self.tp_size > 1 else "")
+            what = f"cp_size={self.cp_size}" + (f" x tp_size={self.tp_size}" if self.tp_size > 1 else "") + (
+                f" x pp_size={self.pp_size}" if self.pp_size > 1 else "")
             raise ValueError(f"{what} needs a multiple of {block} processes, but the world has {world}.{hint}")
         # ring_flash shards in the state's layout; make_collator cuts sequences the same way.
         self._state = setup_context_parallel(self.cp_size, tp_size=self.tp_size, layout=self.layout,
                                              pattern=self.pattern,
                                              ulysses_size=self.ulysses_size, backend=self.backend,
                                              timeout=self.timeout, placement=self.placement,
-                                             max_tokens_per_rank=self.max_tokens_per_rank)
+                                             max_tokens_per_rank=self.max_tokens_per_rank, pp_size=self.pp_size)
         if importlib.util.find_spec("transformers") is not None:
             # DeepSpeed configs reach hf_ring through transformers. Before the model exists:
             # ZeRO-3 partitions it as it is created, over DeepSpeed's world.
@@ -174,10 +189,19 @@ class RingAttentionPlugin:
         return (
             f"rank {rank}/{s.world_size} (dist_backend {dist_backend}): dp_rank {s.dp_rank}/{s.dp_size}, "
             f"cp_rank {s.cp_rank}/{s.cp_size}, " + (f"tp_rank {s.tp_rank}/{s.tp_size}, " if s.tp_size > 1 else "")
+            + (f"pp_rank {s.mesh.rank('pp')}/{s.mesh.size('pp')}, " if s.mesh.size("pp") > 1 else "")
             + f"layout {s.layout}, pattern {s.pattern}"
             + (f" (ulysses_size {s.ulysses_size})" if s.ulysses_size else "") + f", kernel {s.kernel}"
             + (f", placement {s.placement}" if s.placement != "sharded" else "")
         )
+
+    def make_pipeline(self, model: Any, stages_per_rank: Optional[int] = None,
+                      pp_layers: Optional[list[int]] = None) -> Any:
+        """This rank's stages of ``model`` (pruned to them) and the schedule that trains them
+        (``hf_ring.pipeline.PipelineRunner``): ``pp_schedule``, ``pp_microbatches``."""
+        from hf_ring.pipeline import PipelineRunner
+
+        return PipelineRunner(model, self.setup(), self.pp_schedule, self.pp_microbatches, stages_per_rank, pp_layers)
 
     # ---- data ----
 

@@ -197,6 +197,13 @@ def check_trainer_supported(trainer: Any, subclass_loss: bool) -> None:
     Accelerator and ring state exist) cannot run exactly under context parallelism;
     ``subclass_loss``: a subclass (the TRL trainers) computes the loss its own way."""
     state, args = trainer.ring_state, trainer.args
+    if state.mesh.size("pp") > 1:
+        raise NotImplementedError(
+            f"{type(trainer).__name__} with pipeline parallelism (pp_size={state.mesh.size('pp')}) is not composed yet: "
+            "the Trainer's forward and backward, its DDP over the world, gradient clipping, evaluation and saving are "
+            "not the pipeline schedule's. Train the stages in your own loop (plugin.make_pipeline(model), "
+            "PipelineRunner.step, hf_ring.pipeline.reduce_stage_gradients and clip_pipeline_grad_norm_; "
+            "docs/parallelism.md), or use pp_size=1")
     if state.cp_size > 1:
         config = getattr(trainer.model, "config", None)
         impl = transformers_patches.attn_implementation(config) if config is not None else None
