@@ -60,6 +60,7 @@ _SEQ_DIM = 1  # hidden states are (batch, sequence, hidden) between transformers
 # Leaf modules that act on each token alone and may run on a piece.
 _PER_TOKEN_LEAVES = ("Norm", "Identity", "Dropout")
 _BLOCKS = ("self_attn", "mlp")
+_OWN = "_hf_ring_own_weights"  # a norm's weights while its forward runs on the grad-summed views
 
 
 @dataclass(frozen=True)
@@ -178,16 +179,18 @@ def _gather_output(coll: GroupCollectives, base: nn.Module, args: tuple, kwargs:
     return output
 
 
-def _grad_summed_forward(module: nn.Module, forward: Any, group: dist.ProcessGroup, *args: Any, **kwargs: Any):
-    """``forward`` with ``module``'s own weights' gradients summed over ``group``."""
-    own = dict(module._parameters)
-    try:
-        for name, param in own.items():
-            if param is not None:
-                module._parameters[name] = grad_summed_over(param, group)
-        return forward(*args, **kwargs)
-    finally:
-        module._parameters.update(own)
+def _sum_grads(group: dist.ProcessGroup, module: nn.Module, args: tuple) -> None:
+    """Forward pre-hook: for this call, ``module``'s own weights are views whose gradients
+    are summed over ``group`` (the originals put back by :func:`_put_back`)."""
+    own = {name: param for name, param in module._parameters.items() if param is not None}
+    module.__dict__[_OWN] = own
+    for name, param in own.items():
+        module._parameters[name] = grad_summed_over(param, group)
+
+
+def _put_back(module: nn.Module, args: tuple, output: Any) -> None:
+    """Forward hook (run after a failed forward too): ``module``'s own weights again."""
+    module._parameters.update(module.__dict__.pop(_OWN, {}))
 
 
 def enable_sequence_parallel(model: nn.Module) -> SequenceParallelPlan:
@@ -220,9 +223,6 @@ def enable_sequence_parallel(model: nn.Module) -> SequenceParallelPlan:
         raise _refuse(f"{type(decoder).__name__} has no decoder 'layers'")
     weighted = [w for i, layer in enumerate(layers) for w in _check_layer(f"layers.{i}", layer)]
     weighted.append(_base_norm(decoder))
-    for label, module in weighted:
-        if "forward" in vars(module):
-            raise _refuse(f"{label}.forward is replaced on the instance by something else")
     coll = GroupCollectives(group, names=TP_GROUP)
     layers[0].register_forward_pre_hook(functools.partial(_split_input, coll), with_kwargs=True)
     for layer in layers:
@@ -230,8 +230,12 @@ def enable_sequence_parallel(model: nn.Module) -> SequenceParallelPlan:
             block = getattr(layer, name)
             block.register_forward_pre_hook(functools.partial(_gather_input, coll), with_kwargs=True)
             block.register_forward_hook(functools.partial(_cut_output, coll))
+    # Hooks, not a replaced forward: transformers (5.25 on) kernelizes its models again at every
+    # train() / eval() (``kernels``), which resets the forward of every norm it may swap for a
+    # hub kernel and would drop a replaced one, and the norms' gradients with it (1.4 off).
     for _, module in weighted:
-        module.forward = functools.partial(_grad_summed_forward, module, type(module).forward.__get__(module), group)
+        module.register_forward_pre_hook(functools.partial(_sum_grads, group))
+        module.register_forward_hook(_put_back, always_call=True)
     decoder.register_forward_hook(functools.partial(_gather_output, coll), with_kwargs=True)
     plan = SequenceParallelPlan(coll.world, len(layers), tuple(label for label, _ in weighted))
     decoder.__dict__[_PLAN] = plan
