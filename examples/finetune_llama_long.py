@@ -165,8 +165,8 @@ def build_parser(description: Optional[str] = __doc__) -> argparse.ArgumentParse
     p.add_argument("--lora_init_seed", type=int, default=None,
                    help="--lora_r: draw each adapter's A from a generator seeded by this and the weight's name, the "
                         "whole matrix on every rank (each keeps its part; B stays 0), so that the adapter starts the "
-                        "same at any tp / cp size. PEFT's own draw depends on how the model was loaded and, beside "
-                        "tensor parallelism, on each rank's part of the layer")
+                        "same at any tp / cp size. PEFT 0.21's own draw depends on how the model was loaded and, "
+                        "beside tensor parallelism, on each rank's part of the layer")
     p.add_argument("--pad_to_multiple_of", type=int, default=None,
                    help="pad rows (or packed documents) to a multiple of this (default: what the layout needs, "
                         "2 x cp_size for zigzag); with dropout, runs at other cp sizes compare step for step only "
@@ -361,7 +361,8 @@ def _load_distributed(path: str, args: argparse.Namespace, attn_implementation: 
     sizes = dict(ep_size=args.ep_size) if args.ep_size > 1 else {}
     if args.sequence_parallel:
         sizes["enable_sequence_parallel"] = True
-    # A LoRA's frozen base weights replicated over the dp x cp ranks: PEFT sizes adapters from an FSDP2 shard.
+    # A LoRA's frozen base weights replicated over the dp x cp ranks: PEFT 0.21 sizes adapters from an FSDP2
+    # shard (PEFT 0.22 runs either load).
     sizes["dp_replicate_size" if args.lora_r else "fsdp_size"] = world // args.tp_size
     config = DistributedConfig(tp_size=args.tp_size, **sizes)
     return AutoModelForCausalLM.from_pretrained(path, distributed_config=config,

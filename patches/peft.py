@@ -20,14 +20,31 @@ tested range is used with one warning, behind those shape checks; another major 
 a release older than the tested range is refused. ``import hf_ring``, and a model without
 adapters, never check it.
 
-Beside transformers' tensor parallelism, PEFT 0.21.2 splits a LoRA adapter as its base layer
-is split (``lora_B`` column-wise under a column-parallel layer, ``lora_A`` row-wise under a
-row-parallel one) and installs transformers' forward on it, but builds the split module
-with its *local* width in ``in_features`` / ``out_features``, where transformers 5.24's
-forwards read the *global* width there (``_from_local_last_dim_shard``): a row-parallel
-adapter then fails on its first call. :func:`mend_tensor_parallel_widths` sets the global
-widths, read from the base layer. PEFT is imported only when installed and
-only when a function runs: ``import hf_ring`` does not need it.
+Beside transformers' tensor parallelism, PEFT splits a LoRA adapter as its base layer is split
+(``lora_B`` column-wise under a column-parallel layer, ``lora_A`` row-wise under a row-parallel
+one) and installs transformers' forward on it. The two tested releases build it differently
+(``peft/tuners/tuners_utils.py``'s ``_get_in_out_features``, ``peft/tuners/lora/model.py``'s
+``add_lora_tp_hooks_dtensor``):
+
+- PEFT 0.21.2 sizes the adapter from the local shard of the base weight (``to_local()``) and
+  wraps it as a DTensor, leaving that *local* width in ``in_features`` / ``out_features``,
+  where transformers' forwards read the *global* width there (``_from_local_last_dim_shard``):
+  a row-parallel adapter then fails on its first call. Under a load-time FSDP2 shard
+  (``DistributedConfig(fsdp_size=...)``) that local shard is FSDP2's too, and the adapters
+  come out the wrong size (every ``lora_B``: its output width).
+- PEFT 0.22.0 sizes it from the base layer's whole widths and splits it with transformers'
+  own ``shard_param`` (``distribute_tensor(..., src_data_rank=None)``: each rank keeps its
+  part of its *own* draw), then broadcasts the unsplit half over the TP group
+  (``LoraLayer._sync_tp_replicated_lora_weights``). The widths are global and right under
+  ``fsdp_size`` as well. With every process seeded alike, each rank's draw is the whole
+  one-process draw and the adapter starts as on one process; seeded otherwise, the split
+  parts differ between the dp x cp ranks of one TP coordinate (nothing in PEFT syncs over
+  them), which ``hf_ring.training.adapters`` refuses.
+
+:func:`mend_tensor_parallel_widths` sets the global widths, read from the base layer (on
+0.22.0 they are already), and refuses by their shape the adapters sized from an FSDP2 shard.
+PEFT is imported only when installed and only when a function runs: ``import hf_ring`` does
+not need it.
 
 Must not import hf_ring's other layers.
 """
@@ -137,7 +154,7 @@ def mend_tensor_parallel_widths(model: nn.Module) -> int:
 
     Raises:
         NotImplementedError: adapters PEFT sized from an FSDP2 shard of their base layer
-            (PEFT reads the local weight's shape of a model sharded over ``fsdp_size`` at load).
+            (PEFT 0.21 reads the local weight's shape of a model sharded over ``fsdp_size`` at load).
         UnsupportedPEFTVersion: a LoRA layer without ``get_base_layer``, ``lora_A`` or ``lora_B``.
     """
     peft = _peft()
@@ -171,7 +188,8 @@ def mend_tensor_parallel_widths(model: nn.Module) -> int:
             f"PEFT {peft.__version__} sized {len(wrong)} LoRA weights from their base layer's local FSDP2 shard, not "
             f"its whole width ({', '.join(wrong[:2])}{' ...' if len(wrong) > 2 else ''}): transformers had sharded the "
             "model over fsdp_size ranks as it loaded it. Load it with DistributedConfig(tp_size=T, "
-            "dp_replicate_size=<dp x cp>) instead (the frozen base weights replicated, only TP splitting them)")
+            "dp_replicate_size=<dp x cp>) instead (the frozen base weights replicated, only TP splitting them), or "
+            "install PEFT >= 0.22.0, which sizes them from the whole layer")
     return mended
 
 

@@ -184,27 +184,58 @@ def _tp_cp_case(rank: int, world: int, path: str) -> dict:
 LORA_TARGETS = ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"]  # column- and row-parallel layers
 
 
-def _lora(model, draw: bool = True):
-    """``model`` with a rank-4 LoRA on :data:`LORA_TARGETS`; with ``draw`` every adapter weight
-    drawn from a generator seeded by its name (``lora_B`` too, so that the adapters move the
-    output), split as the TP adapter's own placement says."""
+def _lora(model, draw: bool = True, seed: int | None = None):
+    """``model`` with a rank-4 LoRA on :data:`LORA_TARGETS`, PEFT's own initialisation drawn
+    from the global generator (seeded by ``seed`` on every rank alike, or as each rank's own
+    is); with ``draw`` every adapter weight then drawn again by :func:`_draw_lora`."""
+    from peft import LoraConfig, get_peft_model
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=LORA_TARGETS))
+    return _draw_lora(model) if draw else model
+
+
+def _draw_lora(model):
+    """Every adapter weight of ``model`` drawn from a generator seeded by its name (``lora_B``
+    too, so that the adapters move the output), the whole weight on every rank, each keeping
+    its part as the TP adapter's own placement says."""
     import zlib
 
-    from peft import LoraConfig, get_peft_model
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    model = get_peft_model(model, LoraConfig(r=4, target_modules=LORA_TARGETS))
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "lora_" in name and draw:
+            if "lora_" in name:
                 full = torch.randn(p.shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode()))) / 4
                 p.copy_(distribute_tensor(full, p.device_mesh, p.placements) if isinstance(p, DTensor) else full)
     return model
 
 
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _peft_sizes_whole_layers() -> bool:
+    """Whether the installed PEFT sizes a TP adapter from its base layer's whole widths and
+    lets transformers split it (0.22.0 on), not from the local shard of the base weight (0.21)."""
+    import peft
+    from packaging.version import Version
+
+    return Version(peft.__version__) >= Version("0.22.0")
+
+
 def _lora_case(path: str) -> dict:
     """A LoRA on the TP model at tp2 x cp2 (ring), prepared as RingTrainer prepares it, against
-    the same LoRA on one process: the adapters' gradients, relative to the largest value."""
+    the same LoRA on one process: the adapters' gradients, relative to the largest value.
+
+    Loaded with the base replicated over the CP ranks (``dp_replicate_size``), and with it
+    sharded over them by FSDP2 (``fsdp_size``): PEFT 0.21 sizes an adapter there from its base
+    layer's local FSDP2 shard (refused by name); PEFT 0.22 sizes it from the whole layer and
+    transformers splits it, so it must compute what one process computes too, its own
+    initialisation drawn on each rank's generator must be refused by the alike check (the
+    split ``lora_A`` of the row-parallel layers differ), and drawn on generators seeded alike
+    must be the one-process initialisation."""
     import hf_ring
     from transformers import LlamaForCausalLM
     from transformers.distributed import DistributedConfig
@@ -217,38 +248,57 @@ def _lora_case(path: str) -> dict:
     ids, shift = _batch()
     logits = reference(input_ids=ids).logits
     torch.nn.functional.cross_entropy(logits.flatten(0, 1), shift.flatten()).backward()
+    want = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
     load = dict(attn_implementation="ring_flash", dtype=torch.float32)
-    try:  # PEFT sizes an adapter from its base layer's FSDP2 shard: refused by name
-        prepare_adapters(_lora(LlamaForCausalLM.from_pretrained(
-            path, distributed_config=DistributedConfig(tp_size=2, fsdp_size=2), **load), draw=False), state)
-        sharded = "prepared"
-    except NotImplementedError as e:
-        sharded = str(e)
-    # The base weights replicated over the CP ranks (frozen: no optimizer state to shard).
-    model = _lora(LlamaForCausalLM.from_pretrained(
-        path, distributed_config=DistributedConfig(tp_size=2, dp_replicate_size=2), **load))
-    averaged = prepare_adapters(model, state)
 
     def shard(t: torch.Tensor) -> torch.Tensor:
         return shard_sequence(t, 2, state.cp_rank, dim=1, layout=state.layout)
 
-    local = model(input_ids=shard(ids), position_ids=shard(torch.arange(SEQ)[None])).logits
-    loss = torch.nn.functional.cross_entropy(local.flatten(0, 1), shard(shift).flatten(), reduction="sum")
-    (loss / (shift != -100).sum() * 2).backward()  # the adapters' gradients are averaged over the 2 CP ranks
-    want = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
-    grads = {n: _relative(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad, want[n])
-             for n, p in model.named_parameters() if p.requires_grad}
+    def run(model) -> tuple[float, dict[str, float]]:
+        """``model``'s logits and adapter gradients at tp2 x cp2, relative to one process's."""
+        local = model(input_ids=shard(ids), position_ids=shard(torch.arange(SEQ)[None])).logits
+        loss = torch.nn.functional.cross_entropy(local.flatten(0, 1), shard(shift).flatten(), reduction="sum")
+        (loss / (shift != -100).sum() * 2).backward()  # the adapters' gradients are averaged over the 2 CP ranks
+        return _relative(local.detach(), shard(logits.detach())), {
+            n: _relative(_whole(p.grad), want[n]) for n, p in model.named_parameters() if p.requires_grad}
+
+    def sharded_model():
+        return LlamaForCausalLM.from_pretrained(
+            path, distributed_config=DistributedConfig(tp_size=2, fsdp_size=2), **load)
+
+    out = {}
+    # PEFT's own initialisation, each rank's generator seeded otherwise (processes launched
+    # without a common seed): PEFT 0.21 sizes adapters from the FSDP2 shard, refused by name;
+    # PEFT 0.22 sizes them right, and the split ones differ between the CP ranks.
+    torch.manual_seed(1000 + torch.distributed.get_rank())
+    try:
+        prepare_adapters(_lora(sharded_model(), draw=False), state)
+        out["sharded"] = "prepared"
+    except (NotImplementedError, ValueError) as e:
+        out["sharded"] = str(e)
+    if _peft_sizes_whole_layers():
+        seeded = _lora(sharded_model(), draw=False, seed=7)  # every rank seeded alike
+        prepare_adapters(seeded, state)
+        plain = dict(_lora(LlamaForCausalLM.from_pretrained(path, dtype=torch.float32), draw=False,
+                           seed=7).named_parameters())
+        out["sharded_init"] = max((_whole(p.detach()) - plain[n]).abs().max().item()
+                                  for n, p in seeded.named_parameters() if p.requires_grad)
+        out["sharded_logits"], out["sharded_grads"] = run(_draw_lora(seeded))
+    # The base weights replicated over the CP ranks (frozen: no optimizer state to shard).
+    model = _lora(LlamaForCausalLM.from_pretrained(
+        path, distributed_config=DistributedConfig(tp_size=2, dp_replicate_size=2), **load))
+    out["averaged"] = prepare_adapters(model, state)
+    out["logits"], out["grads"] = run(model)
     # PEFT's default recipes keep lora_dropout > 0: beside TP its draw on a head-split input is refused.
     for module in model.modules():
         if hasattr(module, "lora_dropout"):  # PEFT puts an Identity there for lora_dropout=0
             module.lora_dropout["default"] = torch.nn.Dropout(0.1)
     try:
         model.train()(input_ids=shard(ids), position_ids=shard(torch.arange(SEQ)[None]))
-        dropout = "ran"
+        out["dropout"] = "ran"
     except NotImplementedError as e:
-        dropout = str(e)
-    return {"averaged": averaged, "sharded": sharded, "dropout": dropout,
-            "logits": _relative(local.detach(), shard(logits.detach())), "grads": grads}
+        out["dropout"] = str(e)
+    return out
 
 
 # Hybrid families beside TP: Qwen3.5 (gated delta nets, every projection gathered by its TP
@@ -398,12 +448,25 @@ def test_lora_on_a_tp_model_tp2_cp2_computes_what_one_process_computes(model_dir
     row-wise); hf_ring mends their widths and averages their gradients over the CP ranks,
     which transformers' load-time FSDP2 does not hold. Tolerance as above (measured: logits
     2.9e-7, gradients <= 2.4e-6); without the averaging each CP rank keeps its own tokens'
-    gradient: off by 0.55 to 3.5. Loaded with fsdp_size=2 instead, PEFT sizes the adapters from
-    the FSDP2 shards of their base layers: refused by name. So is LoRA dropout beside TP."""
+    gradient: off by 0.55 to 3.5. Loaded with fsdp_size=2 instead, PEFT 0.21 sizes the adapters
+    from the FSDP2 shards of their base layers: refused by name; PEFT 0.22 sizes them from the
+    whole layers: exact as well (measured: logits 2.9e-7, gradients <= 2.1e-6), its own
+    initialisation the one-process one when every rank is seeded alike, and refused by name
+    when the ranks drew it from generators seeded otherwise. LoRA dropout beside TP is refused."""
+    whole = _peft_sizes_whole_layers()
     for rank, r in enumerate(r["lora"] for r in _tp_cp_results(model_dir)):
-        # every lora_B (the output width); the lora_A PEFT happens to size right
-        assert "sized 10 LoRA weights from their base layer's local FSDP2 shard" in r["sharded"], r["sharded"]
-        assert "dp_replicate_size=<dp x cp>" in r["sharded"]
+        if not whole:
+            # every lora_B (the output width); the lora_A PEFT happens to size right
+            assert "sized 10 LoRA weights from their base layer's local FSDP2 shard" in r["sharded"], r["sharded"]
+            assert "dp_replicate_size=<dp x cp>" in r["sharded"]
+        else:
+            # the split lora_A of o_proj and down_proj in 2 layers (lora_B starts at 0 everywhere)
+            assert "4 weights differ between the ranks of the data-parallel x context-parallel group" in r["sharded"], r
+            assert "o_proj.lora_A" in r["sharded"] and "seed every process the same way" in r["sharded"]
+            assert r["sharded_init"] == 0.0, (rank, r["sharded_init"])
+            assert r["sharded_logits"] < TOL, (rank, r["sharded_logits"])
+            worst = max(r["sharded_grads"], key=r["sharded_grads"].get)
+            assert len(r["sharded_grads"]) == 20 and r["sharded_grads"][worst] < TOL, (rank, worst, r["sharded_grads"])
         assert r["averaged"] == 20 and len(r["grads"]) == 20, r  # 2 layers x 5 targets x (A, B)
         assert "beside tensor parallelism (tp_size=2)" in r["dropout"] and "lora_dropout" in r["dropout"], r["dropout"]
         assert r["logits"] < TOL, (rank, r["logits"])

@@ -61,7 +61,7 @@ def prepare_adapters(model: Any, state: Any) -> int:
         raise NotImplementedError(
             f"modules_to_save ({', '.join(copies[:3])}) on a model transformers sharded as it loaded it: the "
             "trained copies would run the original modules' weights; adapt those modules with LoRA instead")
-    peft_patches.mend_tensor_parallel_widths(model)  # and refuses adapters sized from an FSDP2 shard
+    peft_patches.mend_tensor_parallel_widths(model)  # and refuses adapters sized from an FSDP2 shard (PEFT 0.21)
     trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
     # The Trainer broadcasts the plain ones from rank 0 as training starts; the split ones nobody does.
     split = {name: p for name, p in trainable.items() if hasattr(p, "to_local")}
