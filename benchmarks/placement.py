@@ -16,7 +16,9 @@ Two parts, both printed and written to ``benchmarks/results/`` (``--out``):
    (every document zigzag-sharded over the group, what ``ring_flash_attn_varlen_func``
    runs) and ``"by_length"`` (``place_by_length``: each document whole on one rank or
    sharded; ``hf_ring.patterns.run.PlacedPlan``: the sharded documents through the ring,
-   the rank's whole ones through a plan of one process). Mixes of one row of ``--row``
+   the rank's whole ones through a plan of one process) and ``"auto"`` (``place_auto``:
+   that plan or every document sharded, whichever the cost model with the ring's overhead
+   makes cheaper; ``benchmarks/ring_overhead.py`` measures that overhead). Mixes of one row of ``--row``
    tokens: ``short`` (64-token documents), ``five`` (40/25/20/10/5 %, ring_efficiency's
    DOC_FRACTIONS), ``long_tail`` (:func:`long_tail_lens`, seeded) and ``one_long`` (a single
    document).
@@ -79,8 +81,9 @@ from hf_ring.patterns import AttentionPlan, run_plan  # noqa: E402
 from hf_ring.patterns.run import PlacedPlan  # noqa: E402
 from hf_ring.sharding.packed import packed_shard_indices  # noqa: E402
 from hf_ring.sharding.placement import PlacementCosts, place_by_length  # noqa: E402
+from hf_ring.sharding.placement_auto import place_auto  # noqa: E402
 
-PLACEMENTS = ("sharded", "by_length")
+PLACEMENTS = ("sharded", "by_length", "auto")
 MIXES = ("short", "five", "long_tail", "one_long")
 SHORT_LEN = 64
 # The example's default model (examples/finetune_llama_long.py, _default_config): hidden 128,
@@ -241,7 +244,7 @@ def rank_work(placement: str, doc_lens: list[int], cp: int, rank: int, kernel, s
         cu = torch.tensor([0, *torch.tensor(doc_lens).cumsum(0).tolist()])
         work = sum(costs.work(n) for n in doc_lens) / cp
         return RankWork(packed_shard_indices(cu, cp, rank), plan, counter, work, sum(doc_lens) // cp)
-    p = place_by_length(tuple(doc_lens), cp, costs=costs)
+    p = (place_by_length if placement == "by_length" else place_auto)(tuple(doc_lens), cp, costs=costs)
     sharded, whole = p.sharded_lens, p.whole_lens(rank)
     ring, counter = ring_plan(n // cp for n in sharded) if sharded else (None, None)
     local = AttentionPlan(None, 0, 1, "zigzag", True, scale, kernel, local_doc_lens=tuple(whole)) if whole else None
@@ -417,18 +420,18 @@ def _worker(rank: int, cp: int, mixes: dict, cfg: BenchConfig, step_row: int, ou
     dist.destroy_process_group()
 
 
-def _time_steps(rank, cp, doc_lens, cfg, step_row, dist, F, hf_ring) -> dict:
-    """Training steps of the default model under both placements, from the same weights."""
+def _time_steps(rank, cp, doc_lens, cfg, step_row, dist, F, hf_ring, placements=PLACEMENTS) -> dict:
+    """Training steps of the default model under each of ``placements``, from the same weights."""
     batches = _step_batches(doc_lens, cp, rank, MODEL["vocab"])
     count = torch.tensor(float((batches["sharded"]["shift_labels"] != -100).sum()))
     dist.all_reduce(count)  # the row's valid tokens: the loss is their mean over every rank
-    models = {pl: default_model(step_row) for pl in PLACEMENTS}
+    models = {pl: default_model(step_row) for pl in placements}
     opts = {pl: torch.optim.AdamW(m.parameters(), lr=1e-4) for pl, m in models.items()}
-    stats = {pl: CommWaitStats() for pl in PLACEMENTS}
-    times = {pl: {"wall": [], "cpu": [], "blocked": []} for pl in PLACEMENTS}
+    stats = {pl: CommWaitStats() for pl in placements}
+    times = {pl: {"wall": [], "cpu": [], "blocked": []} for pl in placements}
     first_loss = {}
     for i in range(cfg.warmup + cfg.repeats):
-        for pl in PLACEMENTS if i % 2 == 0 else PLACEMENTS[::-1]:
+        for pl in placements if i % 2 == 0 else placements[::-1]:
             hf_ring.setup_context_parallel(cp, placement=pl)
             batch = batches[pl]
             keep = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
@@ -455,7 +458,7 @@ def _time_steps(rank, cp, doc_lens, cfg, step_row, dist, F, hf_ring) -> dict:
                 dist.all_reduce(total)
                 first_loss[pl] = float(total)
     return {"times": times, "first_loss": first_loss, "tokens": {pl: batches[pl]["input_ids"].shape[1]
-                                                                 for pl in PLACEMENTS}}
+                                                                 for pl in placements}}
 
 
 def measure_spawn(cp: int, mixes: dict, cfg: BenchConfig, step_row: int, load: str) -> list[dict]:
@@ -490,7 +493,7 @@ def measure_spawn(cp: int, mixes: dict, cfg: BenchConfig, step_row: int, load: s
 
 def _step_rows(mix, doc_lens, cp, steps, cfg, load) -> list[dict]:
     losses = steps[0]["first_loss"]
-    diff = abs(losses["by_length"] - losses["sharded"]) / abs(losses["sharded"])
+    diff = max(abs(losses[pl] - losses["sharded"]) / abs(losses["sharded"]) for pl in PLACEMENTS)
     if diff > 1e-5:
         raise AssertionError(f"{mix}, cp {cp}: the first step's loss differs by placement: {losses}")
     slowest = {pl: max(statistics.median(s["times"][pl]["wall"]) for s in steps) for pl in PLACEMENTS}
@@ -578,7 +581,7 @@ def gpu_model(lens: list[int], cp: int, m: GpuModel = GpuModel()) -> dict:
     costs = PlacementCosts(crossover=m.crossover)
     out = {"row": row, "cp": cp, "doc_lens": lens, "crossover": m.crossover, "model": "modelled, not measured",
            "assumptions": GpuModel.__doc__.split("\n\n")[1].split(), "placements": {}}
-    for pl in PLACEMENTS:
+    for pl in ("sharded", "by_length"):  # auto's ring coefficients are this CPU's, not a GPU's
         p = place_by_length(tuple(lens), cp, costs=costs) if pl == "by_length" else None
         sharded = [n for i, n in enumerate(lens) if p is None or p.owner[i] < 0]
         local = sum(sharded) // cp
@@ -613,7 +616,7 @@ def gpu_model(lens: list[int], cp: int, m: GpuModel = GpuModel()) -> dict:
             "bytes_per_layer_per_rank": ((2 * (cp - 1)) * kv_bytes(local, 2) + cp * kv_bytes(local, 4)),
             "links": per_link}
     for name, *_ in m.links:
-        slow = {pl: out["placements"][pl]["links"][name]["slowest_s"] for pl in PLACEMENTS}
+        slow = {pl: out["placements"][pl]["links"][name]["slowest_s"] for pl in out["placements"]}
         out.setdefault("speedup_by_length", {})[name] = slow["sharded"] / slow["by_length"]
     return out
 

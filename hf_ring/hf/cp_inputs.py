@@ -39,7 +39,7 @@ from hf_ring.patterns.validation import check_agreement, dtype_code, layout_code
 from hf_ring.hf.row_indices import (
     document_bounds, expected_positions, global_indices, packed_document_lengths, placed_documents, rows_and_length,
 )
-from hf_ring.sharding.placement import PLACEMENTS, DocumentPlacement
+from hf_ring.sharding.placement import PLACEMENTS, DocumentPlacement, places_documents
 
 _PATTERN_CODES = (*PATTERNS, "auto")
 _HINT = (
@@ -267,7 +267,7 @@ def validate_cp_inputs(
     try:
         rows = check_agreement(state.cp_group, fields, device, "the model's inputs", _HINT,
                                ignore=("refused", "positions_not_global", "max_position", "generators")
-                               + (("local_seq",) if state.placement == "by_length" else ()), values=header)
+                               + (("local_seq",) if places_documents(state.placement) else ()), values=header)
     except RuntimeError as e:
         if not peer_failed(e):
             raise

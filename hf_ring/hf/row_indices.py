@@ -18,7 +18,8 @@ from hf_ring.hf.forward_context import FullBatchShards
 from hf_ring.patterns.state import ContextParallelState
 from hf_ring.sharding.layouts import shard_indices
 from hf_ring.sharding.packed import check_cu_seqlens, packed_shard_indices
-from hf_ring.sharding.placement import DocumentPlacement, place_by_length
+from hf_ring.sharding.placement import DocumentPlacement, places_documents
+from hf_ring.sharding.placement_auto import plan_placement
 
 
 def rows_and_length(inputs: dict[str, Any]) -> tuple[int, int]:
@@ -65,18 +66,19 @@ def placed_documents(
     doc_lens: Optional[tuple[int, ...]], seq_local: int, state: ContextParallelState,
     shards: Optional[FullBatchShards],
 ) -> Optional[DocumentPlacement]:
-    """Under ``placement="by_length"``, where the packed row's documents went (the plan the
-    collator cut the row by, computed again from the same lengths); None otherwise."""
-    if state.placement != "by_length":
+    """Under ``placement="by_length"`` or ``"auto"``, where the packed row's documents went
+    (the plan the collator cut the row by, computed again from the same lengths); None
+    otherwise."""
+    if not places_documents(state.placement):
         return None
     if doc_lens is None or shards is not None:
         what = "an image-text model's full batch, sharded by hf_ring" if shards is not None else "dense rows"
         raise NotImplementedError(
-            f"placement='by_length' places the documents of packed rows (cu_seq_lens_q given); this forward has "
+            f"placement={state.placement!r} places the documents of packed rows (cu_seq_lens_q given); this forward has "
             f"{what}, which are not placed by length yet. Pack the batch (RingDataCollator(packing=True), "
             "plugin.make_collator(..., packing=True)) or use placement='sharded'"
         )
-    placement = place_by_length(doc_lens, state.cp_size, state.max_tokens_per_rank)
+    placement = plan_placement(state.placement, doc_lens, state.cp_size, state.max_tokens_per_rank)
     expected = placement.local_len(state.cp_rank)
     if seq_local != expected:
         raise ValueError(

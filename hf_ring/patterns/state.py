@@ -27,7 +27,7 @@ from hf_ring.patterns.auto import hybrid_sizes
 from hf_ring.patterns.hybrid import HybridGroups, build_hybrid_groups
 from hf_ring.patterns.plan import PATTERNS
 from hf_ring.sharding.layouts import check_layout
-from hf_ring.sharding.placement import check_placement
+from hf_ring.sharding.placement import check_placement_settings
 
 # Process-group backend names: passed as backend= they meant the old argument, now dist_backend=.
 _DIST_BACKENDS = ("nccl", "gloo", "mpi", "ucc", "xccl", "hccl", "cpu:gloo,cuda:nccl")
@@ -50,23 +50,16 @@ class AttentionSettings:
     kernel: str = "auto"
     # Processes per node (LOCAL_WORLD_SIZE when launched by torchrun / accelerate).
     local_world_size: int = 1
-    # Packed rows: "sharded" (every document over the group) or "by_length" (short documents
-    # whole on one rank: hf_ring/sharding/placement.py), with its bound on a rank's tokens.
+    # Packed rows: "sharded" (every document over the group), "by_length" (short documents
+    # whole on one rank: hf_ring/sharding/placement.py) or "auto" (whichever of the two
+    # plans the ring's overhead makes cheaper, per row), with a bound on a rank's tokens.
     placement: str = "sharded"
     max_tokens_per_rank: Optional[int] = None
 
     def __post_init__(self) -> None:
         check_layout(self.layout)
         check_kernel_name(self.kernel)
-        check_placement(self.placement)
-        if self.placement == "by_length" and self.layout != "zigzag":
-            raise ValueError(f"placement='by_length' shards the long documents of packed rows in the zigzag layout, "
-                             f"got layout={self.layout!r}; use layout='zigzag'")
-        if self.max_tokens_per_rank is not None and (
-                self.placement != "by_length" or isinstance(self.max_tokens_per_rank, bool)
-                or not isinstance(self.max_tokens_per_rank, int) or self.max_tokens_per_rank < 1):
-            raise ValueError(f"max_tokens_per_rank must be a positive int, with placement='by_length' only; got "
-                             f"{self.max_tokens_per_rank!r} with placement={self.placement!r}")
+        check_placement_settings(self.placement, self.max_tokens_per_rank, self.layout)
         if self.local_world_size < 1:
             raise ValueError(f"local_world_size must be >= 1, got {self.local_world_size}")
 
@@ -231,10 +224,11 @@ def setup_context_parallel(
             ``RingAttentionPlugin(cp_size=C, tp_size=T)`` (docs/parallelism.md).
         placement: packed rows only: ``"sharded"`` cuts every document over the CP group;
             ``"by_length"`` keeps short documents whole on one rank (no communication) and
-            shards only the long ones, the ranks' work balanced
-            (``hf_ring.sharding.placement``; the collator must place alike:
-            ``RingDataCollator.for_state``). Dense rows are refused under ``"by_length"``.
-        max_tokens_per_rank: ``"by_length"`` only: the most tokens one rank may hold.
+            shards only the long ones, the ranks' work balanced; ``"auto"`` plans each row
+            as ``"by_length"`` or as ``"sharded"``, whichever the cost model (with the ring's
+            overhead) makes cheaper (``hf_ring.sharding.placement``; the collator must place
+            alike: ``RingDataCollator.for_state``). Dense rows are refused under both.
+        max_tokens_per_rank: ``"by_length"`` and ``"auto"`` only: the most tokens one rank may hold.
         pp_size: pipeline stages, the outermost mesh axis: every other group lies inside one
             stage, whose ranks are a whole dp x cp x tp block (``hf_ring.pipeline``).
 

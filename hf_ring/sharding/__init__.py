@@ -8,6 +8,7 @@ Must not import torch.distributed or any other layer of hf_ring.
 from hf_ring.sharding.layouts import LAYOUTS, required_multiple, shard_indices, shard_sequence, unshard_sequence
 from hf_ring.sharding.packed import local_cu_seqlens, packed_shard_indices, shard_packed, unshard_packed
 from hf_ring.sharding.placement import DocumentPlacement, PlacementCosts, place_by_length, shard_placed
+from hf_ring.sharding.placement_auto import place_auto
 
 __all__ = [
     "LAYOUTS",
@@ -21,6 +22,7 @@ __all__ = [
     "unshard_packed",
     "DocumentPlacement",
     "PlacementCosts",
+    "place_auto",
     "place_by_length",
     "shard_placed",
 ]

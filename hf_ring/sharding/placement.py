@@ -30,6 +30,14 @@ loaded rank is within ``tolerance`` of the mean wins. Sharding every document (`
 today's layout, always balanced, so a plan always exists unless the tokens alone exceed
 ``max_tokens_per_rank``. Sub-groups (a document over 2 of 4 ranks) are not planned yet.
 
+``placement="auto"`` (``placement_auto.py``) weighs what sharding costs beyond the work itself:
+each sharded document adds, on every rank, ``cp_size * ring_doc_step`` (a ring step's
+kernel call, merge and transfer latency for its block, per step) and ``ring_token`` per
+token of its K/V the rank receives (``(cp_size - 1) * n / cp_size``); both measured
+(``benchmarks/ring_overhead.py``). Of the by-length plan and sharding every document it
+takes the one whose most loaded rank costs less, so it never models a plan dearer than
+either; logged like the by-length plan.
+
 Must not import torch.distributed or any other layer of hf_ring.
 """
 
@@ -45,15 +53,43 @@ import torch
 
 from hf_ring.sharding.layouts import shard_indices
 
-PLACEMENTS = ("sharded", "by_length")
+PLACEMENTS = ("sharded", "by_length", "auto")
 # Whole on no rank: sharded over the group.
 SHARDED = -1
+# PlacementCosts' ring overhead defaults (see there): benchmarks/ring_overhead.py on this project's
+# 2-core CPU over gloo, 2026-12-07, load average 4-5 from other work: per document and ring step
+# fitted to 0 (the per-token term explains the rows), per token 0.99 of a token's per-token work,
+# most of it the ranks waiting on each other at every ring step (by_length's whole documents
+# never wait): a quieter machine, or NVLink, would give less.
+RING_DOC_STEP = 0.0
+RING_TOKEN = 1.0
 logger = logging.getLogger("hf_ring")
 
 
 def check_placement(placement: str) -> None:
     if placement not in PLACEMENTS:
         raise ValueError(f"unknown placement {placement!r}; choose one of {', '.join(PLACEMENTS)}")
+
+
+def check_placement_settings(placement: str, max_tokens_per_rank: Optional[int], layout: str = "zigzag") -> None:
+    """A placement, its token bound and the layout it shards in, checked (ValueError)."""
+    check_placement(placement)
+    if places_documents(placement) and layout != "zigzag":
+        raise ValueError(f"placement={placement!r} shards the long documents of packed rows in the zigzag layout, "
+                         f"got layout={layout!r}; use layout='zigzag'")
+    if max_tokens_per_rank is not None:
+        if isinstance(max_tokens_per_rank, bool) or not isinstance(max_tokens_per_rank, int) or max_tokens_per_rank < 1:
+            raise ValueError(f"max_tokens_per_rank must be a positive int or None, got {max_tokens_per_rank!r}")
+        if not places_documents(placement):
+            raise ValueError(f"max_tokens_per_rank bounds a placed row only, got placement={placement!r}; pass "
+                             "placement='by_length' or 'auto'")
+
+
+def places_documents(placement: str) -> bool:
+    """Whether ``placement`` plans each packed row (``"by_length"``, ``"auto"``): the ranks'
+    rows then follow a :class:`DocumentPlacement`, not the per-document zigzag of ``"sharded"``."""
+    check_placement(placement)
+    return placement != "sharded"
 
 
 @dataclass(frozen=True)
@@ -66,6 +102,11 @@ class PlacementCosts:
             ``benchmarks/placement.py`` (docs/performance.md); larger models have a larger
             one (more per-token work per attention flop).
         tolerance: the most loaded rank may carry at most ``1 + tolerance`` times the mean.
+        ring_doc_step: ``placement="auto"``: what one sharded document's block costs a rank
+            per ring step beyond its attention (kernel call, merge, transfer latency), in
+            tokens of per-token work.
+        ring_token: ``placement="auto"``: what a rank pays per token of a sharded document's
+            K/V it receives (and sends back as dK/dV), in tokens of per-token work.
     """
 
     # Measured, not guessed: benchmarks/placement.py fits t(n) = c + a n + b n^2 to the example's
@@ -77,16 +118,29 @@ class PlacementCosts:
     # docs/performance.md); place_by_length(..., costs=PlacementCosts(crossover=...)) takes it.
     crossover: float = 600.0
     tolerance: float = 0.10
+    # Measured by benchmarks/ring_overhead.py (benchmarks/results/ring_overhead.json): the
+    # example's default model, a whole training step over gloo, rows of equal documents of
+    # 64-1024 tokens at cp 2 and 4, sharded against each document whole.
+    ring_doc_step: float = RING_DOC_STEP
+    ring_token: float = RING_TOKEN
 
     def __post_init__(self) -> None:
         if not self.crossover > 0:
             raise ValueError(f"crossover must be a positive number of tokens, got {self.crossover!r}")
         if not 0 <= self.tolerance < 1:
             raise ValueError(f"tolerance must be in [0, 1), got {self.tolerance!r}")
+        for name in ("ring_doc_step", "ring_token"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be a non-negative number of tokens, got {getattr(self, name)!r}")
 
     def work(self, n: int) -> float:
         """The work of one whole document of ``n`` tokens."""
         return n + n * n / (2.0 * self.crossover)
+
+    def ring_cost(self, n: int, cp_size: int) -> float:
+        """What sharding a document of ``n`` tokens over ``cp_size`` ranks adds on each rank
+        beyond ``work(n) / cp_size`` (the module docstring)."""
+        return cp_size * self.ring_doc_step + (cp_size - 1) * n / cp_size * self.ring_token
 
 
 @dataclass(frozen=True)
@@ -155,7 +209,7 @@ def _local_indices(placement: DocumentPlacement, rank: int) -> torch.Tensor:
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
 
-def _assign(order: list[int], doc_lens: Sequence[int], work: list[float], k: int, cp_size: int,
+def assign_documents(order: list[int], doc_lens: Sequence[int], work: list[float], k: int, cp_size: int,
             max_tokens: Optional[int]) -> Optional[tuple[tuple[int, ...], tuple[float, ...]]]:
     """The ``k`` heaviest documents of ``order`` sharded, the rest whole, heaviest first on
     the least-loaded rank with room; None when one does not fit under ``max_tokens``."""
@@ -203,15 +257,14 @@ def place_by_length(doc_lens: tuple[int, ...], cp_size: int, max_tokens_per_rank
 @functools.lru_cache(maxsize=256)
 def _place(doc_lens: tuple[int, ...], cp_size: int, max_tokens_per_rank: Optional[int],
            costs: PlacementCosts) -> DocumentPlacement:
-    placement = _search(doc_lens, cp_size, max_tokens_per_rank, costs)
+    placement = search_by_length(doc_lens, cp_size, max_tokens_per_rank, costs)
     # The first plan of a process at INFO (what the run does), every new row shape after it at DEBUG.
     first = _place.cache_info().currsize == 0
     logger.log(logging.INFO if first else logging.DEBUG, "[hf_ring] placement by length: %s", placement.describe())
     return placement
 
 
-def _search(doc_lens: tuple[int, ...], cp_size: int, max_tokens_per_rank: Optional[int],
-            costs: PlacementCosts) -> DocumentPlacement:
+def check_row(doc_lens: tuple[int, ...], cp_size: int, max_tokens_per_rank: Optional[int]) -> None:
     if not isinstance(cp_size, int) or cp_size < 1:
         raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
     for i, n in enumerate(doc_lens):
@@ -222,17 +275,23 @@ def _search(doc_lens: tuple[int, ...], cp_size: int, max_tokens_per_rank: Option
         raise ValueError(f"the packed row holds {sum(doc_lens)} tokens, more than cp_size x max_tokens_per_rank = "
                          f"{cp_size} x {max_tokens_per_rank}: raise max_tokens_per_rank or put fewer documents in a "
                          "batch")
+
+
+def search_by_length(doc_lens: tuple[int, ...], cp_size: int, max_tokens_per_rank: Optional[int],
+                     costs: PlacementCosts) -> DocumentPlacement:
+    """:func:`place_by_length`'s search itself (module docstring), neither cached nor logged."""
+    check_row(doc_lens, cp_size, max_tokens_per_rank)
     work = [costs.work(n) for n in doc_lens]
     order = sorted(range(len(doc_lens)), key=lambda i: (-work[i], i))
     mean = sum(work) / cp_size
     # A document heavier than the most one rank may carry cannot stay whole.
     k = sum(1 for w in work if w > (1 + costs.tolerance) * mean)
     while k < len(doc_lens):
-        found = _assign(order, doc_lens, work, k, cp_size, max_tokens_per_rank)
+        found = assign_documents(order, doc_lens, work, k, cp_size, max_tokens_per_rank)
         if found is not None and max(found[1]) <= (1 + costs.tolerance) * mean:
             return DocumentPlacement(doc_lens, cp_size, *found)
         k += 1
-    owner, loads = _assign(order, doc_lens, work, len(doc_lens), cp_size, max_tokens_per_rank)
+    owner, loads = assign_documents(order, doc_lens, work, len(doc_lens), cp_size, max_tokens_per_rank)
     return DocumentPlacement(doc_lens, cp_size, owner, loads)
 
 
@@ -245,5 +304,6 @@ def shard_placed(x: torch.Tensor, placement: DocumentPlacement, rank: int, dim: 
     return x.index_select(dim, placement.local_indices(rank).to(x.device))
 
 
-__all__ = ["PLACEMENTS", "SHARDED", "DocumentPlacement", "PlacementCosts", "check_placement", "place_by_length",
+__all__ = ["PLACEMENTS", "SHARDED", "DocumentPlacement", "PlacementCosts", "assign_documents", "check_placement",
+           "check_placement_settings", "check_row", "place_by_length", "places_documents", "search_by_length",
            "shard_placed"]

@@ -16,7 +16,8 @@ Two modes:
   ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (int32, identical on every rank), which
   ``ring_flash`` reads from the model's kwargs (``hf_ring.hf.attention``). With
   ``placement="by_length"`` short documents stay whole on one rank and only long ones are
-  sharded (``hf_ring.sharding.placement``): the ranks' rows then differ in length.
+  sharded (``hf_ring.sharding.placement``): the ranks' rows then differ in length;
+  ``placement="auto"`` plans each row so, or shards every document, whichever is modelled cheaper.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from hf_ring.patterns.state import ContextParallelState
 from hf_ring.sharding import required_multiple, shard_packed, shard_sequence
 from hf_ring.sharding.labels import IGNORE_INDEX
 from hf_ring.sharding.layouts import check_layout
-from hf_ring.sharding.placement import check_placement, place_by_length, shard_placed
+from hf_ring.sharding.placement import check_placement_settings, places_documents, shard_placed
+from hf_ring.sharding.placement_auto import plan_placement
 
 
 @dataclass(frozen=True)
@@ -50,8 +52,9 @@ class RingCollatorConfig:
             is to leave it out.
         placement: ``"sharded"`` (every packed document cut over the CP group) or
             ``"by_length"`` (short documents whole on one rank, long ones sharded, balanced:
-            ``hf_ring.sharding.placement``); must match the state's. Packing only.
-        max_tokens_per_rank: ``by_length`` only: the most tokens one rank may hold (None: no bound).
+            ``hf_ring.sharding.placement``) or ``"auto"`` (per row, by length or every
+            document sharded, whichever is modelled cheaper); must match the state's. Packing only.
+        max_tokens_per_rank: ``by_length`` and ``auto`` only: the most tokens one rank may hold (None: no bound).
     """
 
     pad_token_id: int
@@ -80,10 +83,10 @@ class RingCollatorConfig:
                 "return_attention_mask=False"
             )
         check_placement_settings(self.placement, self.max_tokens_per_rank)
-        if self.placement == "by_length" and not self.packing and self.cp_size > 1:
+        if places_documents(self.placement) and not self.packing and self.cp_size > 1:
             raise ValueError(
-                "placement='by_length' places the documents of a packed row; padded batches (one document a "
-                "row) are not placed by length yet: pass packing=True (or placement='sharded')"
+                f"placement={self.placement!r} places the documents of a packed row; padded batches (one document "
+                "a row) are not placed by length yet: pass packing=True (or placement='sharded')"
             )
         base = self.base_multiple
         if self.pad_to_multiple_of is not None:
@@ -114,16 +117,6 @@ def check_coordinates(config: Any) -> None:
     if not isinstance(config.cp_rank, int) or not 0 <= config.cp_rank < config.cp_size:
         raise ValueError(f"cp_rank must be an int in [0, {config.cp_size}), got {config.cp_rank!r}")
     check_layout(config.layout)
-
-
-def check_placement_settings(placement: str, max_tokens_per_rank: Optional[int]) -> None:
-    """A placement name and its token bound, checked (ValueError)."""
-    check_placement(placement)
-    if max_tokens_per_rank is not None:
-        if isinstance(max_tokens_per_rank, bool) or not isinstance(max_tokens_per_rank, int) or max_tokens_per_rank < 1:
-            raise ValueError(f"max_tokens_per_rank must be a positive int or None, got {max_tokens_per_rank!r}")
-        if placement != "by_length":
-            raise ValueError("max_tokens_per_rank bounds the by-length placement only; pass placement='by_length'")
 
 
 def shards_as(config: Any, state: ContextParallelState) -> bool:
@@ -291,10 +284,10 @@ class RingDataCollator:
     def _shard(self, full: dict[str, Any]) -> dict[str, Any]:
         cfg = self.config
         placement = None
-        if cfg.packing and cfg.placement == "by_length":
+        if cfg.packing and places_documents(cfg.placement):
             bounds = full["cu_seq_lens_q"].tolist()
             doc_lens = tuple(b - a for a, b in zip(bounds, bounds[1:]))
-            placement = place_by_length(doc_lens, cfg.cp_size, cfg.max_tokens_per_rank)
+            placement = plan_placement(cfg.placement, doc_lens, cfg.cp_size, cfg.max_tokens_per_rank)
         out = {}
         for key, value in full.items():
             if not (isinstance(value, torch.Tensor) and value.dim() == 2):

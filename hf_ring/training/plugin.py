@@ -79,9 +79,11 @@ class RingAttentionPlugin:
             (``setup_context_parallel``'s ``timeout``). Raise it where a rank may be slow
             for long, e.g. the main process saving a large checkpoint while the others wait.
         placement: packed rows: ``"sharded"`` (default: every document cut over the CP
-            group) or ``"by_length"`` (short documents whole on one rank, long ones sharded,
-            the ranks' work balanced; docs/packed.md). ``make_collator`` places alike.
-        max_tokens_per_rank: ``"by_length"`` only: the most tokens one rank may hold.
+            group), ``"by_length"`` (short documents whole on one rank, long ones sharded,
+            the ranks' work balanced) or ``"auto"`` (per row, whichever of the two the cost
+            model, the ring's overhead included, makes cheaper; docs/packed.md).
+            ``make_collator`` places alike.
+        max_tokens_per_rank: ``"by_length"`` and ``"auto"`` only: the most tokens one rank may hold.
         pp_size: pipeline stages, the outermost mesh axis (each stage's ranks a whole
             dp x cp x tp block with its own CP and TP groups); ``cp_size * tp_size * pp_size``
             must divide the processes. Trained by :meth:`make_pipeline`'s runner in your own
