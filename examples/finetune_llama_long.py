@@ -87,11 +87,12 @@ def build_parser(description: Optional[str] = __doc__) -> argparse.ArgumentParse
                         "this device) or a name from hf_ring.kernels.available_backends(device, dtype)")
     p.add_argument("--seq_len", type=int, default=8192, help="longest example, in tokens")
     p.add_argument("--packing", action="store_true", help="pack each batch's examples into one row")
-    p.add_argument("--cp_placement", default="sharded", choices=["sharded", "by_length"],
-                   help="--packing: cut every document over the CP group (sharded), or keep short documents whole "
-                        "on one rank and shard only the long ones, balanced (by_length; docs/packed.md)")
+    p.add_argument("--cp_placement", default="sharded", choices=["sharded", "by_length", "auto"],
+                   help="--packing: cut every document over the CP group (sharded), keep short documents whole "
+                        "on one rank and shard only the long ones, balanced (by_length), or per batch whichever "
+                        "of the two the cost model makes cheaper (auto; docs/packed.md)")
     p.add_argument("--max_tokens_per_rank", type=int, default=None,
-                   help="--cp_placement by_length: the most tokens one rank may hold")
+                   help="--cp_placement by_length or auto: the most tokens one rank may hold")
     p.add_argument("--max_steps", type=int, default=60)
     p.add_argument("--output_dir", default="output/finetune_llama_long")
     p.add_argument("--model_name_or_path", default=None, help="a real checkpoint instead of the tiny default model")
