@@ -18,7 +18,7 @@ import warm_launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIXES = {"short", "five", "long_tail", "one_long"}
-PLACEMENTS = {"sharded", "by_length"}
+PLACEMENTS = {"sharded", "by_length", "auto"}
 
 
 def test_placement_benchmark_tiny(tmp_path):
@@ -56,10 +56,14 @@ def test_placement_benchmark_tiny(tmp_path):
             assert math.isclose(r["tokens_per_s_per_process"], 256 / r["t_step_s"] / 2, rel_tol=1e-12), r
     by = {(r["part"], r["mode"], r["mix"], r["placement"]): r for r in rows}
     for mix in MIXES:
-        sharded, placed = by[("attention", "spawn", mix, "sharded")], by[("attention", "spawn", mix, "by_length")]
-        # The ring carries only the sharded documents' K/V: never more bytes than sharding all.
-        assert all(p <= s for p, s in zip(placed["bytes_sent_per_layer_ranks"], sharded["bytes_sent_per_layer_ranks"]))
-        assert sharded["work_imbalance"] < 1e-9 and placed["work_imbalance"] <= 0.10 + 1e-9
+        sharded = by[("attention", "spawn", mix, "sharded")]
+        assert sharded["work_imbalance"] < 1e-9
+        for pl in ("by_length", "auto"):
+            placed = by[("attention", "spawn", mix, pl)]
+            # The ring carries only the sharded documents' K/V: never more bytes than sharding all.
+            assert all(p <= s for p, s in zip(placed["bytes_sent_per_layer_ranks"],
+                                              sharded["bytes_sent_per_layer_ranks"]))
+            assert placed["work_imbalance"] <= 0.10 + 1e-9  # auto is the by-length plan or sharded's
         for pl in PLACEMENTS:  # the virtual ring counts what the real one sends
             assert by[("attention", "virtual", mix, pl)]["bytes_sent_per_layer_ranks"] == \
                 by[("attention", "spawn", mix, pl)]["bytes_sent_per_layer_ranks"]
@@ -67,4 +71,39 @@ def test_placement_benchmark_tiny(tmp_path):
     # 64-token documents stay whole: nothing is sent; one long document is sharded either way.
     assert by[("attention", "spawn", "short", "by_length")]["bytes_sent_per_layer_ranks"] == [0, 0]
     one = [by[("attention", "spawn", "one_long", pl)]["bytes_sent_per_layer_ranks"] for pl in PLACEMENTS]
-    assert one[0] == one[1] and min(one[0]) > 0
+    assert all(o == one[0] for o in one) and min(one[0]) > 0
+
+
+def test_ring_overhead_fit_recovers_its_coefficients():
+    """benchmarks/ring_overhead.py's fit: rows made from known coefficients give them back;
+    a term the rows make negative is dropped and the other refitted (never a negative cost)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from ring_overhead import fit
+
+    a = 4e-5
+    made = lambda step, token: [  # noqa: E731
+        {"cp": cp, "n": n, "overhead_per_doc_s": cp * step + (cp - 1) / cp * n * token}
+        for cp in (2, 4) for n in (64, 256, 1024)]
+    got = fit(made(2e-4, 3e-6), a)
+    assert math.isclose(got["ring_doc_step"], 2e-4 / a, rel_tol=1e-9)
+    assert math.isclose(got["ring_token"], 3e-6 / a, rel_tol=1e-9) and got["max_abs_residual_s"] < 1e-12
+    rows = made(0.0, 3e-6)
+    rows[0]["overhead_per_doc_s"] -= 1e-3  # noise that drives the per-step term below 0
+    got = fit(rows, a)
+    assert got["ring_doc_step"] == 0.0 and got["ring_token"] > 0
+
+
+def test_headline_placement_plot_draws_the_committed_rows(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import headline_plots
+
+    results = os.path.join(ROOT, "benchmarks", "results")
+    drawn = headline_plots.plot_placement(results, str(tmp_path))
+    assert (tmp_path / "packed_placement.png").stat().st_size > 0
+    with open(os.path.join(results, headline_plots.PLACEMENT_SOURCE)) as f:
+        rows = [json.loads(line) for line in f]
+    want = {(r["mix"], r["cp"], r["placement"]): r["efficiency"] for r in rows
+            if r["part"] == "attention" and r["mode"] == "virtual"}
+    assert {(m, c, pl): e for (m, c), by_pl in drawn.items() for pl, e in by_pl.items()} == want
+    with open(os.path.join(ROOT, "README.md")) as f:
+        assert "(benchmarks/results/packed_placement.png)" in f.read()

@@ -171,7 +171,8 @@ def runs(tmp_path_factory):
     by_length = ["--cp_placement", "by_length"]
     configs.update({"mix_cp1": (1, on_mix),
                     "mix_cp2_by_length": (2, [*on_mix, *by_length, "--cp_size", "2"]),
-                    "mix_tp2_cp2_by_length": (4, [*on_mix, *by_length, "--cp_size", "2", "--tp_size", "2"])})
+                    "mix_tp2_cp2_by_length": (4, [*on_mix, *by_length, "--cp_size", "2", "--tp_size", "2"]),
+                    "mix_cp2_auto": (2, [*on_mix, "--cp_placement", "auto", "--cp_size", "2"])})
     # What proves the run took the path it names (beside the ranks every launch checks).
     # Beside TP the loss is chunked on each TP rank's vocabulary rows (memory/vocab_parallel.py).
     expect = {name: ("gradients: fsdp2 mesh (2,) over 2 processes", "cp_rank 1/2, tp_rank 1/2",
@@ -183,6 +184,7 @@ def runs(tmp_path_factory):
     placed = ("kernel auto, placement by_length", "over 2 ranks: 1 sharded")
     expect["mix_cp2_by_length"] = placed
     expect["mix_tp2_cp2_by_length"] = (*placed, "gradients: fsdp2 mesh (2,) over 2 processes", "tp_rank 1/2")
+    expect["mix_cp2_auto"] = ("kernel auto, placement auto", "[hf_ring] placement auto: ")
     expect["launch_cp2"] = ("gradients: fsdp2 mesh (2,) over 2 processes", "cp_rank 1/2, layout zigzag")
     for name in ("file_cp1", "file_cp2"):
         expect[name] = ("37 documents, ", "truncated to --seq_len 256; eval: 4 documents")
@@ -270,10 +272,12 @@ def test_packed_same_losses_as_without_cp(runs, name):
     _assert_same_logs(got, ref, name)
 
 
-@pytest.mark.parametrize("name", ["mix_cp2_by_length", pytest.param("mix_tp2_cp2_by_length", marks=NEEDS_TP)])
+@pytest.mark.parametrize("name", ["mix_cp2_by_length", pytest.param("mix_tp2_cp2_by_length", marks=NEEDS_TP),
+                                  "mix_cp2_auto"])
 def test_rows_placed_by_length_log_what_cp1_logs(runs, name):
     """A long-tail mix from --train_file, packed and placed by length (a row's long document
-    over the CP group, its short ones whole on one rank each; the plan is in the log)."""
+    over the CP group, its short ones whole on one rank each; the plan is in the log), or by
+    ``auto`` (per row, that plan or every document sharded; its choice is in the log)."""
     ref, got = runs("mix_cp1"), runs(name)
     _assert_same_logs(got, ref, name)
     assert any("eval_loss" in e for e in got["log_history"])
