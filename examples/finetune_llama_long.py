@@ -16,6 +16,9 @@ One process per device; the sequence of every batch is split over ``--cp_size`` 
     # weights sharded with FSDP2 over every process (or --fsdp hybrid_shard: HSDP), CPU or GPU:
     accelerate launch --config_file examples/accelerate_fsdp_cpu.yaml examples/finetune_llama_long.py --cp_size 2
     torchrun --nproc_per_node 4 examples/finetune_llama_long.py --cp_size 2 --fsdp full_shard
+    # pipeline parallelism beside CP, 4 processes: pp 2 (PyTorch's 1F1B, 2 micro-batches a step) x cp 2:
+    accelerate launch --multi_gpu --num_processes 4 examples/finetune_llama_long.py --pp_size 2 --cp_size 2 \
+        --pp_schedule 1F1B --pp_microbatches 2 --per_device_train_batch_size 2
     # tensor parallelism beside CP, 4 processes: tp 2 x cp 2 (the model loaded with transformers'
     # DistributedConfig(tp_size=2, fsdp_size=2): FSDP2 over the CP ranks, TP innermost):
     accelerate launch --multi_gpu --num_processes 4 examples/finetune_llama_long.py --tp_size 2 --cp_size 2
@@ -77,6 +80,16 @@ def build_parser(description: Optional[str] = __doc__) -> argparse.ArgumentParse
     p.add_argument("--sequence_parallel", action="store_true",
                    help="with --tp_size > 1: each TP rank keeps 1/tp_size of its tokens between the attention and "
                         "MLP blocks (DistributedConfig(enable_sequence_parallel=True), run by hf_ring)")
+    p.add_argument("--pp_size", type=int, default=1,
+                   help="pipeline stages (the outermost axis): the model's decoder layers cut into stages, trained "
+                        "by PyTorch's schedule (--pp_schedule) over --pp_microbatches micro-batches a step")
+    p.add_argument("--pp_schedule", default="1F1B",
+                   choices=["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble"],
+                   help="--pp_size > 1: PyTorch's schedule (the interleaved and zero-bubble ones hold two stages a "
+                        "rank: give --num_layers at least 2 x pp_size)")
+    p.add_argument("--pp_microbatches", type=int, default=None,
+                   help="--pp_size > 1: micro-batches a step (default: pp_size; the 1F1B family needs at least as "
+                        "many as stages); each takes per_device_train_batch_size / pp_microbatches examples")
     p.add_argument("--layout", default="zigzag", choices=["zigzag", "stripe", "contiguous"],
                    help="how each sequence is split over a CP group (packing needs zigzag)")
     p.add_argument("--cp_pattern", default="ring", choices=["ring", "allgather", "ulysses", "hybrid", "auto"],
@@ -232,6 +245,7 @@ def parse_args(
     if not 0 <= args.generate_eval <= args.num_eval_examples:
         parser.error(f"--generate_eval {args.generate_eval} answers that many of the --num_eval_examples "
                      f"{args.num_eval_examples} eval prompts: 0 to {args.num_eval_examples}")
+    _check_pipeline_flags(parser, args)
     if args.sequence_parallel and args.tp_size < 2:
         parser.error("--sequence_parallel splits each TP group's tokens: it needs --tp_size 2 or more")
     if args.ep_size > 1 and args.tp_size > 1:
@@ -250,6 +264,32 @@ def parse_args(
                          "beside tensor or expert parallelism (the weights are sharded by transformers' "
                          "DistributedConfig: FSDP2 over the dp x cp ranks)")
     return args
+
+
+def _check_pipeline_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--pp_size / --pp_microbatches checked, and what is not composed with pipeline stages yet
+    refused (hf_ring.training.pp.checks says why for each)."""
+    if args.pp_size < 1:
+        parser.error(f"--pp_size must be >= 1, got {args.pp_size}")
+    if args.pp_microbatches is None:
+        args.pp_microbatches = args.pp_size
+    if args.pp_size == 1:
+        return
+    if args.pp_microbatches < 1 or args.per_device_train_batch_size % args.pp_microbatches:
+        parser.error(f"--pp_microbatches {args.pp_microbatches} must divide --per_device_train_batch_size "
+                     f"{args.per_device_train_batch_size} (each micro-batch the same number of examples)")
+    given = [flag for flag, value in (
+        ("--tp_size", args.tp_size > 1), ("--ep_size", args.ep_size > 1), ("--fsdp", args.fsdp),
+        ("--deepspeed", args.deepspeed), ("--lora_r", args.lora_r), ("--offload_checkpoints", args.offload_checkpoints),
+        ("--tiled_mlp", args.tiled_mlp), ("--torch_compile", args.torch_compile), ("--save_steps", args.save_steps),
+        ("--resume_from_checkpoint", args.resume_from_checkpoint), ("--generate_eval", args.generate_eval),
+        ("--moe_experts", args.moe_experts), ("--tie_word_embeddings", args.tie_word_embeddings),
+        ("--chunked_loss on", args.chunked_loss == "on"), ("--stock_trainer", args.stock_trainer),
+        ("--cp_pattern " + args.cp_pattern, args.cp_pattern != "ring"),
+        ("--cp_placement " + args.cp_placement, args.cp_placement != "sharded")) if value]
+    if given:
+        parser.error(f"--pp_size {args.pp_size} with {', '.join(given)}: not composed with pipeline stages yet "
+                     "(docs/parallelism.md, 'Pipeline parallelism x context parallelism'); drop them or use --pp_size 1")
 
 
 def _sizes_from_launch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -430,12 +470,15 @@ def start_plugin(args: argparse.Namespace) -> hf_ring.RingAttentionPlugin:
     plugin = hf_ring.RingAttentionPlugin(cp_size=args.cp_size, tp_size=args.tp_size, layout=args.layout,
                                          pattern=args.cp_pattern, ulysses_size=args.ulysses_size,
                                          backend=args.attn_backend, placement=args.cp_placement,
-                                         max_tokens_per_rank=args.max_tokens_per_rank)
+                                         max_tokens_per_rank=args.max_tokens_per_rank, pp_size=args.pp_size,
+                                         pp_schedule=args.pp_schedule, pp_microbatches=args.pp_microbatches)
     state = plugin.setup()
     grid = f"dp_size {state.dp_size} x cp_size {state.cp_size}" + (f" x tp_size {state.tp_size}" if state.tp_size > 1
                                                                      else "")
     if args.ep_size > 1:
         grid += f"; experts over ep_size {args.ep_size}"
+    if args.pp_size > 1:
+        grid = f"pp_size {args.pp_size} ({args.pp_schedule}, {args.pp_microbatches} micro-batches) x " + grid
     print(f"[hf_ring] {plugin.describe()} ({grid})", flush=True)
     return plugin
 

@@ -11,6 +11,7 @@ the one place in hf_ring that knows those names:
 
 - ``install_prepare_data_loader``: puts another DataLoader preparation on one Accelerator,
   so that ``accelerator.prepare(loader)`` (the HF Trainer's path too) runs it;
+  ``keep_model_unwrapped``: one model prepared without DDP (pipeline stages);
 - ``prepare_data_loader``: ``Accelerator.prepare_data_loader`` with the process
   coordinates given by the caller instead of the world's;
 - ``register_data_loader`` / ``is_prepared``: ``_dataloaders`` and
@@ -21,16 +22,16 @@ the one place in hf_ring that knows those names:
   CPU state, for a tensor-parallel model that the Trainer gives a parallelism config (its
   own section below; written for 1.15.0 and 1.16.0).
 
-Written for accelerate 1.10.0 to 1.16.0: the source of ``Accelerator.prepare_data_loader``,
-of ``accelerate.data_loader.prepare_data_loader``'s signature, of ``_dataloaders``'s
-creation and of the ``prepare`` path that calls ``self.prepare_data_loader`` was read in
-every release from 1.10.0 to 1.16.0 (1.10.0, 1.10.1, 1.11.0, 1.12.0, 1.13.0, 1.14.0,
-1.15.0, 1.16.0) and is the same in each (1.16.0's ``prepare`` remaps optimizer parameters
-on every backend, not only XLA, and no longer requires an optimizer beside an FSDP2
-model; neither touches the data loaders). A newer 1.x is accepted with one warning (the table of
-tested ranges: ``hf_ring.patches.versions``); a version outside 1.10.0 to 1.x is refused,
-with an error that names the tested range. Each function also checks that what it touches
-has the shape it was written for, and raises ``UnsupportedAccelerateVersion`` otherwise.
+Written for accelerate 1.10.0 to 1.16.0: the source of ``Accelerator.prepare_data_loader``, of
+``accelerate.data_loader.prepare_data_loader``'s signature, of ``_dataloaders``'s creation and of
+the ``prepare`` path that calls ``self.prepare_data_loader`` was read in every release from 1.10.0
+to 1.16.0 (1.10.0, 1.10.1, 1.11.0, 1.12.0, 1.13.0, 1.14.0, 1.15.0, 1.16.0) and is the same in each
+(1.16.0's ``prepare`` remaps optimizer parameters on every backend, not only XLA, and no longer
+requires an optimizer beside an FSDP2 model; neither touches the data loaders). A newer 1.x is
+accepted with one warning (the table of tested ranges: ``hf_ring.patches.versions``); a version
+outside 1.10.0 to 1.x is refused, with an error that names the tested range. Each function also
+checks that what it touches has the shape it was written for, and raises
+``UnsupportedAccelerateVersion`` otherwise.
 
 accelerate is imported only when a function runs: ``import hf_ring`` needs only torch.
 """
@@ -212,6 +213,19 @@ def install_prepare_data_loader(accelerator: Any, prepare: PrepareDataLoader) ->
         return prepare(data_loader, device_placement, slice_fn_for_dispatch)
 
     accelerator.prepare_data_loader = prepare_data_loader
+
+
+def keep_model_unwrapped(accelerator: Any, model: Any) -> None:
+    """``accelerator.prepare`` (via ``self.prepare_model``, read in 1.16.0) wraps ``model`` in no DDP."""
+    version = check_version()
+    method = getattr(type(accelerator), "prepare_model", None)
+    if not callable(method) or "evaluation_mode" not in inspect.signature(method).parameters:
+        raise _fail(f"{type(accelerator).__name__}.prepare_model takes no evaluation_mode", version)
+
+    def prepare_model(obj: Any, device_placement: Optional[bool] = None, evaluation_mode: bool = False) -> Any:
+        return method(accelerator, obj, device_placement, evaluation_mode or obj is model)
+
+    accelerator.prepare_model = prepare_model
 
 
 # ---- FSDP on CPU (MULTI_CPU) ----

@@ -226,18 +226,17 @@ def _training_case(rank: int, world: int, schedule: str, packed: bool, steps: in
     plugin, in a loop of one's own: every step's whole-model gradient norm, and the weights after."""
     import hf_ring
     from hf_ring.pipeline import clip_pipeline_grad_norm_, reduce_stage_gradients
-    from hf_ring.pipeline.microbatches import packed_micro_batches
     from hf_ring.training.loss import count_valid_tokens
 
     plugin = hf_ring.RingAttentionPlugin(cp_size=2, pp_size=2, pp_schedule=schedule, pp_microbatches=2)
     model = _model(torch.float64, "ring_flash")
     runner = plugin.make_pipeline(model)
-    collate = plugin.make_collator(pad_token_id=0, packing=packed)
+    collate = plugin.make_collator(pad_token_id=0, packing=packed)  # packed: each micro-batch its own row
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     norms, losses = [], []
     for step in range(steps):
         features = [{"input_ids": r[step:]} for r in ROWS]
-        batch = packed_micro_batches(collate, features, 2, collate.config.multiple, 0) if packed else collate(features)
+        batch = collate(features)
         loss = runner.step(batch, plugin.global_token_count(count_valid_tokens(batch["shift_labels"])))
         reduce_stage_gradients(model.parameters(), plugin.state)
         norms.append(clip_pipeline_grad_norm_(model.parameters(), 0.5, plugin.state).item())
@@ -290,7 +289,9 @@ def test_a_training_loop_through_the_plugin_matches_one_process(schedule, packed
     assert sorted(got) == sorted(weights) and worst < TOL
 
 
-def test_the_ring_trainers_refuse_pipeline_parallelism_by_name():
+def test_the_trl_trainers_refuse_pipeline_parallelism_by_name():
+    """RingTrainer runs under pp_size > 1 (tests/test_trainer_pp.py); a trainer with a loss of
+    its own (the TRL trainers) is refused by name."""
     from types import SimpleNamespace
 
     from hf_ring import ContextParallelState
@@ -302,6 +303,6 @@ def test_the_ring_trainers_refuse_pipeline_parallelism_by_name():
     mesh = ProcessMesh(dims, {a: AxisGroup(None, dims.coord(a, 0), dims.size(a), dims.group_ranks(a, 0))
                               for a in BUILT_AXES})
     trainer = SimpleNamespace(ring_state=ContextParallelState(mesh), args=None)
-    with pytest.raises(NotImplementedError, match=r"pipeline parallelism \(pp_size=2\) is not composed yet.*"
-                                                  r"plugin.make_pipeline\(model\)"):
-        check_trainer_supported(trainer, subclass_loss=False)
+    with pytest.raises(NotImplementedError, match=r"pipeline parallelism \(pp_size=2\): a loss of the trainer's own "
+                                                  r"\(the TRL trainers"):
+        check_trainer_supported(trainer, subclass_loss=True)

@@ -38,6 +38,10 @@ from hf_ring.training.loss import loss_share, token_loss_sum
 # PyTorch's schedule names hf_ring runs; with their stages per rank (V-shaped: two a rank).
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")
 _V_SHAPED = ("ZBVZeroBubble",)
+# Evaluation (forward only, ``schedule.eval``): PyTorch's zero-bubble schedules run their split
+# backward actions in eval too (torch 2.13: "can't steal_bwd_input"), so the looped one evaluates
+# with the interleaved schedule over the same stages; the V-shaped one has no forward-only peer.
+_EVAL_SCHEDULE = {"InterleavedZeroBubble": "Interleaved1F1B"}
 
 
 def schedule_class(name: str) -> type:
@@ -115,9 +119,11 @@ class PipelineRunner:
         return self.num_stages - 1 in self.stages
 
     def _schedule_for(self, rows: int, local_len: int, hidden: int, vocab: int, dtype: torch.dtype,
-                      device: torch.device) -> Any:
-        """The schedule for micro-batches of ``rows x local_len`` tokens (built on first use)."""
-        key = (rows, local_len, dtype, device)
+                      device: torch.device, training: bool = True) -> Any:
+        """The schedule for micro-batches of ``rows x local_len`` tokens (built on first use);
+        a forward-only one (``training=False``: its own stages, run by ``schedule.eval``) apart,
+        so that evaluation never switches a training schedule's buffers."""
+        key = (rows, local_len, dtype, device, training)
         if key not in self._schedules:
             pipeline_stages = []
             for s, module in self.stages.items():
@@ -127,20 +133,14 @@ class PipelineRunner:
                     else hidden_states
                 pipeline_stages.append(PipelineStage(module, s, self.num_stages, device, input_args=inputs,
                                                      output_args=outputs, group=self.state.mesh.group("pp")))
-            cls = schedule_class(self.schedule_name)
+            cls = schedule_class(self.schedule_name if training else _EVAL_SCHEDULE.get(self.schedule_name,
+                                                                                         self.schedule_name))
             first = pipeline_stages[0] if issubclass(cls, PipelineScheduleSingle) else pipeline_stages
             self._schedules[key] = cls(first, n_microbatches=self.n_microbatches, loss_fn=self.loss,
                                        scale_grads=False)
         return self._schedules[key]
 
-    def step(self, batch: dict[str, Any], global_count: torch.Tensor) -> Optional[torch.Tensor]:
-        """Run one step's forwards and backwards over ``batch`` (this rank's CP shard: ``input_ids``,
-        ``position_ids``, ``shift_labels`` and for packed rows ``doc_bounds``, micro-batches along
-        dim 0). ``global_count``: the step's valid tokens over the stage's dp x cp ranks.
-
-        Returns the sum of the micro-batches' loss shares on a rank holding the last stage
-        (this CP shard's part of the step's loss), else None. Gradients accumulate in the
-        model's parameters (not reduced over dp x cp: the caller's wrapper or loop does)."""
+    def _run(self, batch: dict[str, Any], global_count: torch.Tensor, training: bool) -> Optional[torch.Tensor]:
         ids, positions, labels = batch["input_ids"], batch["position_ids"], batch["shift_labels"]
         if ids.shape[0] % self.n_microbatches:
             raise ValueError(f"a batch of {ids.shape[0]} rows does not split into pp_microbatches="
@@ -150,7 +150,7 @@ class PipelineRunner:
         head = getattr(any_module, "lm_head", None)
         vocab = getattr(head, "out_features", None) or any_module.config.vocab_size
         schedule = self._schedule_for(ids.shape[0] // self.n_microbatches, ids.shape[1], any_module.config.hidden_size,
-                                      vocab, param.dtype, param.device)
+                                      vocab, param.dtype, param.device, training)
         self.loss.global_count = global_count
         kwargs = {"position_ids": positions}
         if batch.get("doc_bounds") is not None:
@@ -158,9 +158,32 @@ class PipelineRunner:
         losses: list = []
         args = (ids,) if self.has_first else ()
         target = labels if self.has_last else None
-        schedule.step(*args, target=target, losses=losses if self.has_last else None, return_outputs=False, **kwargs)
-        self.loss.global_count = None
+        try:
+            run = schedule.step if training else schedule.eval
+            run(*args, target=target, losses=losses if self.has_last else None, return_outputs=False, **kwargs)
+        finally:
+            self.loss.global_count = None
         return torch.stack(losses).sum() if self.has_last else None
+
+    def step(self, batch: dict[str, Any], global_count: torch.Tensor) -> Optional[torch.Tensor]:
+        """Run one step's forwards and backwards over ``batch`` (this rank's CP shard: ``input_ids``,
+        ``position_ids``, ``shift_labels`` and for packed rows ``doc_bounds``, micro-batches along
+        dim 0). ``global_count``: the step's valid tokens over the stage's dp x cp ranks.
+
+        Returns the sum of the micro-batches' loss shares on a rank holding the last stage
+        (this CP shard's part of the step's loss), else None. Gradients accumulate in the
+        model's parameters (not reduced over dp x cp: the caller's wrapper or loop does)."""
+        return self._run(batch, global_count, training=True)
+
+    def evaluate(self, batch: dict[str, Any]) -> Optional[torch.Tensor]:
+        """Forwards only (PyTorch's ``schedule.eval``) over ``batch``, as :meth:`step` takes it:
+        on a rank holding the last stage the float32 sum of this CP shard's token losses over
+        every micro-batch, else None. Run it under ``torch.no_grad()``. Not under ``ZBVZeroBubble``
+        (PyTorch's runs its backward actions in eval too: evaluate with another schedule)."""
+        if self.schedule_name in _V_SHAPED:
+            raise NotImplementedError(f"evaluation under pp_schedule={self.schedule_name!r} is not composed (PyTorch's "
+                                      "schedule runs its backward actions in eval too); evaluate with another schedule")
+        return self._run(batch, torch.ones((), dtype=torch.float32), training=False)
 
 
 __all__ = ["SCHEDULES", "PipelineRunner", "TokenShareLoss", "schedule_class", "stages_per_rank_of"]

@@ -86,8 +86,9 @@ class RingAttentionPlugin:
         max_tokens_per_rank: ``"by_length"`` and ``"auto"`` only: the most tokens one rank may hold.
         pp_size: pipeline stages, the outermost mesh axis (each stage's ranks a whole
             dp x cp x tp block with its own CP and TP groups); ``cp_size * tp_size * pp_size``
-            must divide the processes. Trained by :meth:`make_pipeline`'s runner in your own
-            loop; the Ring trainers refuse ``pp_size > 1`` (docs/parallelism.md).
+            must divide the processes. Trained by ``RingTrainer`` (its steps through the
+            schedule) or by :meth:`make_pipeline`'s runner in your own loop; the TRL trainers
+            refuse ``pp_size > 1`` (docs/parallelism.md).
         pp_schedule: PyTorch's schedule name (``hf_ring.pipeline.SCHEDULES``: ``"GPipe"``,
             ``"1F1B"``, ``"Interleaved1F1B"``, ``"LoopedBFS"``, ``"InterleavedZeroBubble"``,
             ``"ZBVZeroBubble"``).
@@ -209,8 +210,13 @@ class RingAttentionPlugin:
 
     def make_collator(self, pad_token_id: int, **kwargs: Any) -> RingDataCollator:
         """A :class:`RingDataCollator` built from the context-parallel state (CP size, rank and
-        layout), which owns them."""
+        layout), which owns them; with ``pp_size > 1`` one that packs each of the
+        ``pp_microbatches`` micro-batches into its own row (``hf_ring.training.pp.collator``)."""
         s = self.setup()
+        if self.pp_size > 1:
+            from hf_ring.training.pp.collator import PipelineDataCollator
+
+            return PipelineDataCollator.for_state(s, pad_token_id, micro_batches=self.pp_microbatches, **kwargs)
         return RingDataCollator.for_state(s, pad_token_id, **kwargs)
 
     def make_vision_collator(self, pad_token_id: int, image_token_id: int, **kwargs: Any) -> RingVisionDataCollator:

@@ -32,6 +32,7 @@ import torch
 from transformers import Trainer
 from transformers.utils import logging as hf_logging
 
+from hf_ring.distributed.errors import raise_together
 from hf_ring.distributed.rows import gather_rows
 from hf_ring.hf.support.router_balance import router_balance_loss, router_balance_of
 from hf_ring.memory.chunked_loss import ChunkedLossConfig, model_token_loss_sum
@@ -47,6 +48,7 @@ from hf_ring.training.loss import (
 )
 from hf_ring.training.collator import RingCollatorConfig
 from hf_ring.training.plugin import RingAttentionPlugin
+from hf_ring.training.pp.trainer import TrainerPipeline
 from hf_ring.training.trainer_base import RingTrainerBase
 from hf_ring.patches import transformers as transformers_patches
 
@@ -140,6 +142,14 @@ class RingTrainer(RingTrainerBase, Trainer):
                 f"{self.router_balance.model}'s router load-balancing loss counts the tokens an attention_mask "
                 "marks (padding out, as with the stock collator) and runs on padded rows only; build the collator "
                 "with make_collator(..., packing=False, return_attention_mask=True)")
+        # Pipeline parallelism: this rank's stages and the schedule (hf_ring.training.pp), the model cut now.
+        self.pipeline: Optional[TrainerPipeline] = None
+        if self.ring_state.mesh.size("pp") > 1:
+            raise_together(self._build_pipeline)
+
+    def _build_pipeline(self) -> None:
+        self.pipeline = TrainerPipeline(self)
+        logger.info(f"[hf_ring] {self.pipeline.describe()}; the loss is not chunked on the last stage")
 
     def _computes_token_loss(self) -> bool:
         return type(self).compute_loss is RingTrainer.compute_loss
@@ -158,6 +168,24 @@ class RingTrainer(RingTrainerBase, Trainer):
             return batch_samples, None
         local = sum(count_valid_tokens(_shift_labels(b)).to(device) for b in batch_samples)
         return batch_samples, self.ring_plugin.global_token_count(local)
+
+    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any],
+                      num_items_in_batch: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The stock step; under pipeline parallelism the batch through the schedule
+        (:class:`~hf_ring.training.pp.trainer.TrainerPipeline`), its loss the same on every rank."""
+        if self.pipeline is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        model.train()
+        inputs = transformers_patches.prepare_inputs(self, inputs)
+        _shift_labels(inputs)
+        return self.pipeline.train_step(inputs, num_items_in_batch, self.accelerator.sync_gradients)
+
+    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+        """The stock ``save_model`` (and the base's); under pipeline parallelism one whole model
+        gathered from the stages (call on every rank)."""
+        if self.pipeline is not None:
+            return self.pipeline.save(self, output_dir)
+        return super().save_model(output_dir, _internal_call)
 
     def compute_loss(
         self,
@@ -268,6 +296,12 @@ class RingTrainer(RingTrainerBase, Trainer):
         CP group in token order (:meth:`_whole_rows`).
         """
         inputs = transformers_patches.prepare_inputs(self, inputs)
+        if self.pipeline is not None:
+            if not prediction_loss_only:
+                raise NotImplementedError("predictions (logits) under pipeline parallelism are not composed yet (the "
+                                          "last stage alone holds them); evaluate the loss, or predict with pp_size=1")
+            token_sum = self.pipeline.eval_token_sum(inputs)
+            return self._record_eval_batch(token_sum, count_valid_tokens(_shift_labels(inputs))), None, None
         kwargs, shift_labels = _model_inputs(inputs, getattr(self.model, "config", None))
         with torch.no_grad():
             # Predictions need the full logits; the loss alone does not.

@@ -230,7 +230,7 @@ class RingTrainerBase:
         the token mean over the whole set, when the batches had tokens to count."""
         self._eval_totals = LossTotals()
         gather = self.gather_function
-        if self.ring_state.cp_size > 1:
+        if self.ring_state.cp_size > 1 or self.ring_state.mesh.size("pp") > 1:
             gather = data_parallel_gather(self.accelerator, self.ring_state)
         try:
             with transformers_patches.eval_gather_replaced(self, gather):

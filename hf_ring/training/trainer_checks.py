@@ -14,6 +14,7 @@ from typing import Any, Optional
 from hf_ring.hf.support import unrouted_token_mixers
 from hf_ring.hf.support.router_balance import router_balance_of
 from hf_ring.hf.support.tensor_parallel import model_tp_ranks
+from hf_ring.training.pp.checks import check_pipeline_trainer
 from hf_ring.patches import peft as peft_patches
 from hf_ring.patches import transformers as transformers_patches
 from hf_ring.patches.transformers.mixers import is_routed_layer
@@ -197,13 +198,7 @@ def check_trainer_supported(trainer: Any, subclass_loss: bool) -> None:
     Accelerator and ring state exist) cannot run exactly under context parallelism;
     ``subclass_loss``: a subclass (the TRL trainers) computes the loss its own way."""
     state, args = trainer.ring_state, trainer.args
-    if state.mesh.size("pp") > 1:
-        raise NotImplementedError(
-            f"{type(trainer).__name__} with pipeline parallelism (pp_size={state.mesh.size('pp')}) is not composed yet: "
-            "the Trainer's forward and backward, its DDP over the world, gradient clipping, evaluation and saving are "
-            "not the pipeline schedule's. Train the stages in your own loop (plugin.make_pipeline(model), "
-            "PipelineRunner.step, hf_ring.pipeline.reduce_stage_gradients and clip_pipeline_grad_norm_; "
-            "docs/parallelism.md), or use pp_size=1")
+    check_pipeline_trainer(trainer, subclass_loss)  # pp_size > 1: what is not composed with the stages
     if state.cp_size > 1:
         config = getattr(trainer.model, "config", None)
         impl = transformers_patches.attn_implementation(config) if config is not None else None

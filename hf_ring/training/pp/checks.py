@@ -1,0 +1,79 @@
+"""What a Ring trainer cannot run under pipeline parallelism yet, refused by name.
+
+Why its own module: the list of what is not composed with the stages stays in one place that
+docs/parallelism.md cites, and every refusal is raised at construction on every rank
+together (``RingTrainerBase`` runs it through ``raise_together``), before any stage is
+built or any rank waits for a peer in a send. What the model itself cannot be cut into
+stages for (image-text models, hybrid token mixers, tied embeddings, the MoE router's loss,
+expert parallelism) is refused by ``hf_ring.pipeline.refusals`` when the stages are built.
+
+Must not import TRL or ``hf_ring.training.trainer``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hf_ring.training import weight_sharding
+from hf_ring.training.collator import RingCollatorConfig
+
+
+def _refuse(trainer: Any, what: str, todo: str) -> None:
+    pp = trainer.ring_state.mesh.size("pp")
+    raise NotImplementedError(f"{type(trainer).__name__} with pipeline parallelism (pp_size={pp}): {what} is not "
+                              f"composed with the pipeline stages yet; {todo}")
+
+
+def check_pipeline_trainer(trainer: Any, subclass_loss: bool) -> None:
+    """Raise NotImplementedError for what ``trainer`` (its Accelerator and ring state built, the
+    model not yet cut) cannot run under ``pp_size > 1``; nothing when ``pp_size == 1``.
+    ``subclass_loss``: the trainer computes its loss its own way (the TRL trainers)."""
+    state, args = trainer.ring_state, trainer.args
+    if state.mesh.size("pp") == 1:
+        return
+    if subclass_loss:
+        _refuse(trainer, "a loss of the trainer's own (the TRL trainers, a compute_loss override: the schedule runs "
+                "RingTrainer's token loss on the last stage)", "train with RingTrainer, or with pp_size=1")
+    if state.tp_size > 1:
+        _refuse(trainer, f"tensor parallelism inside a stage (tp_size={state.tp_size})", "use tp_size=1 or pp_size=1")
+    if getattr(trainer, "is_deepspeed_enabled", False) or weight_sharding.fsdp_requested(args, trainer.accelerator):
+        _refuse(trainer, "FSDP2 or DeepSpeed inside a stage (each stage's weights are whole on its ranks, their "
+                "gradients summed over the stage's dp x cp ranks)", "drop fsdp / deepspeed, or use pp_size=1")
+    if state.pattern != "ring" or state.placement != "sharded":
+        _refuse(trainer, f"pattern={state.pattern!r} / placement={state.placement!r} (checked: the ring, every "
+                "document sharded)", "use pattern='ring' and placement='sharded', or pp_size=1")
+    model = trainer.model
+    if hasattr(model, "peft_config"):
+        _refuse(trainer, "a PEFT (LoRA) model", "train the whole model, or use pp_size=1")
+    if getattr(args, "gradient_checkpointing", False) or getattr(model, "is_gradient_checkpointing", False):
+        _refuse(trainer, "gradient checkpointing inside a stage", "set gradient_checkpointing=False, or pp_size=1")
+    if getattr(args, "torch_compile", False):
+        _refuse(trainer, "torch.compile of the stages", "set torch_compile=False, or use pp_size=1")
+    if getattr(trainer.accelerator, "scaler", None) is not None:
+        _refuse(trainer, "fp16 mixed precision (a gradient scaler)", "use bf16 or float32, or pp_size=1")
+    chunked = getattr(trainer, "chunked_loss", None)
+    if chunked is not None and chunked.enabled:
+        _refuse(trainer, "the chunked loss on the last stage (the schedule's loss takes the stage's logits)",
+                "pass chunked_loss=None or False, or use pp_size=1")
+    strategy = getattr(args, "save_strategy", "no")
+    if getattr(strategy, "value", strategy) != "no":
+        _refuse(trainer, "checkpoints during training (each rank's optimizer holds its own stage's state, which "
+                "the Trainer's checkpoint would write from one rank; resuming is not composed)",
+                "set save_strategy='no' and save the final model with trainer.save_model() (one whole model, "
+                "gathered from the stages), or use pp_size=1")
+    if getattr(trainer, "eval_dataset", None) is not None and trainer.ring_plugin.pp_schedule == "ZBVZeroBubble":
+        _refuse(trainer, "evaluation under ZBVZeroBubble (PyTorch's runs its backward actions in eval too)",
+                "train with another schedule (InterleavedZeroBubble evaluates), or without an eval_dataset")
+    collator = getattr(trainer.data_collator, "config", None)
+    if isinstance(collator, RingCollatorConfig):
+        from hf_ring.training.pp.collator import PipelineDataCollator
+
+        if collator.packing and not isinstance(trainer.data_collator, PipelineDataCollator):
+            _refuse(trainer, "packed rows from a RingDataCollator (one packed row a batch: the schedule needs one "
+                    "a micro-batch)", "build the collator with plugin.make_collator(..., packing=True)")
+        if collator.return_attention_mask:
+            _refuse(trainer, "an attention_mask (the stages take input_ids, positions and document bounds)",
+                    "build the collator with return_attention_mask=False")
+
+
+__all__ = ["check_pipeline_trainer"]
