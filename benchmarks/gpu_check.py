@@ -24,6 +24,9 @@ or a slow compile in one still lets the others run:
 4. patterns: every context-parallel pattern's virtual efficiency and bytes sent per rank
    (pattern_efficiency.py via gpu_patterns.py) on the first backend in auto's order.
 5. overlap: time to move one K/V block against one ring step's compute.
+6. placement (gpu_placement.py): issue 50's side by side, ``sharded`` / ``by_length`` /
+   ``auto`` on placement.py's four mixes, virtual ranks at cp 8 on rows of 32768 tokens
+   (``--quick``: 16384), Llama-3-8B's attention shape (32 / 8 heads of 128), bf16.
 
 As soon as correctness ends, prints one ``PASS`` / ``FAIL`` / ``SKIP`` (not runnable here,
 and why) line per backend and writes them to the JSON report (--out, rewritten after each
@@ -57,6 +60,7 @@ sys.path[:0] = [_HERE, os.path.dirname(_HERE)]
 import gpu_check_budget as budgets  # noqa: E402
 import gpu_check_kernels as kernels  # noqa: E402
 import gpu_patterns  # noqa: E402
+import gpu_placement  # noqa: E402
 import ring_efficiency as bench  # noqa: E402
 
 from hf_ring.kernels import available_backends, get_backend, registry  # noqa: E402
@@ -282,11 +286,13 @@ def _sizes(a: argparse.Namespace) -> dict[str, Any]:
         # Every backend through every section, at the least work: one dtype each, the core
         # causal case and one with q_len != k_len, one timed repeat.
         return dict(block_len=24, ring_len=24, throughput_seq=64, cp=[2], spr=[32], repeats=1, all_dtypes=False,
-                    block_cases=[kernels.BLOCK_CASES[0], kernels.BLOCK_CASES[-1]])
+                    block_cases=[kernels.BLOCK_CASES[0], kernels.BLOCK_CASES[-1]],
+                    placement=dict(cp=2, row=256, heads=a.heads, kv_heads=a.kv_heads))
     # --quick: each backend's first dtype and three block cases (MHA, GQA, head_dim 64).
     return dict(block_len=200, ring_len=200, throughput_seq=4096 if a.quick else 8192, cp=a.cp, spr=a.seq_per_rank,
                 repeats=5, all_dtypes=not a.quick,
-                block_cases=kernels.BLOCK_CASES[:3] if a.quick else kernels.BLOCK_CASES)
+                block_cases=kernels.BLOCK_CASES[:3] if a.quick else kernels.BLOCK_CASES,
+                placement=dict(cp=8, row=16384 if a.quick else 32768, heads=32, kv_heads=8))
 
 
 def _run(a: argparse.Namespace, budget: budgets.Budget) -> int:
@@ -335,6 +341,9 @@ def _run(a: argparse.Namespace, budget: budgets.Budget) -> int:
                                              min(3, sizes["repeats"])),
         "overlap": lambda dl, res: overlap(device, names, sizes["spr"], a.heads, a.kv_heads, dl, res,
                                            4 * sizes["repeats"]),
+        "placement": lambda dl, res: gpu_placement.placement(
+            device, [n for n in report["auto_order"] if n in names] or names, dl, res,
+            repeats=min(3, sizes["repeats"]), **sizes["placement"]),
     }
     skip = tuple(a.skip)
     for section, fn in sections.items():

@@ -71,8 +71,8 @@ from typing import Optional
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ring_efficiency import DOC_FRACTIONS, Problem, _kernel_unit, _varlen_unit, time_unit  # noqa: E402
-from ring_efficiency import BenchConfig  # noqa: E402
+from ring_efficiency import DOC_FRACTIONS, DTYPES, Problem, _kernel_unit, _sync, _varlen_unit, time_unit  # noqa: E402
+from ring_efficiency import CLOCKS, BenchConfig  # noqa: E402
 from pattern_efficiency import Counter, counting_transport  # noqa: E402
 
 from hf_ring.distributed.comm import CommWaitStats, VirtualRing, process_group_transport  # noqa: E402
@@ -256,8 +256,8 @@ def make_row(doc_lens: list[int], cfg: BenchConfig, seed: int = 0) -> Problem:
     """The full row's q, k, v and output gradient ``(1, S, heads, head_dim)``."""
     g = torch.Generator().manual_seed(seed)
     total = sum(doc_lens)
-    t = [torch.randn(1, total, h, cfg.head_dim, generator=g) for h in (cfg.heads, cfg.kv_heads, cfg.kv_heads,
-                                                                         cfg.heads)]
+    t = [torch.randn(1, total, h, cfg.head_dim, generator=g).to(device=cfg.device, dtype=DTYPES[cfg.dtype])
+         for h in (cfg.heads, cfg.kv_heads, cfg.kv_heads, cfg.heads)]
     return Problem("packed", 1, *t, shards=[], doc_lens=list(doc_lens))
 
 
@@ -304,7 +304,9 @@ def check_exact(pb: Problem, per_rank: list[tuple[torch.Tensor, dict]], kernel, 
 
 
 def measure_virtual(mix: str, doc_lens: list[int], cp: int, cfg: BenchConfig) -> list[dict]:
-    """Attention rows of one mix at one cp, every rank run in turn in this process."""
+    """Attention rows of one mix at one cp, every rank run in turn in this process: on the
+    CPU on its process clock (one thread), on a GPU on the wall clock, synchronised
+    (``benchmarks/gpu_placement.py`` runs it there)."""
     kernel, scale = cfg.kernel(), 1 / math.sqrt(cfg.head_dim)
     pb = make_row(doc_lens, cfg)
     works = {}
@@ -325,15 +327,19 @@ def measure_virtual(mix: str, doc_lens: list[int], cp: int, cfg: BenchConfig) ->
     sent = {pl: [w.sent.sent if w.sent else 0 for w in works[pl]] for pl in PLACEMENTS}
     refs = reference_units(pb, kernel, scale)
     times = {pl: [[] for _ in range(cp)] for pl in PLACEMENTS}
+    clock = "process" if cfg.device == "cpu" else "wall"  # a GPU's work is not this process's CPU time
+    now = CLOCKS[clock]
     for i in range(cfg.warmup + cfg.repeats):
-        for u in refs:  # on the ranks' clock: CPU seconds of this one-thread process
-            time_unit(u, replace(cfg, clock="process"), keep=i >= cfg.warmup)
+        for u in refs:  # on the ranks' clock
+            time_unit(u, replace(cfg, clock=clock), keep=i >= cfg.warmup)
         for pl in PLACEMENTS if i % 2 == 0 else PLACEMENTS[::-1]:
             for r, w in enumerate(works[pl]):
-                t0 = time.process_time()
+                _sync(cfg.device)
+                t0 = now()
                 run_rank(pb, w)
+                _sync(cfg.device)
                 if i >= cfg.warmup:
-                    times[pl][r].append(time.process_time() - t0)
+                    times[pl][r].append(now() - t0)
     ref = min(refs, key=lambda u: statistics.median(u.fb_s))
     ideal = statistics.median(ref.fb_s) / cp
     return [_attention_row("virtual", mix, doc_lens, cp, pl, [statistics.median(t) for t in times[pl]], ideal,
@@ -343,7 +349,7 @@ def measure_virtual(mix: str, doc_lens: list[int], cp: int, cfg: BenchConfig) ->
 
 def _attention_row(mode, mix, doc_lens, cp, pl, ranks_s, ideal, ref_name, work, sent, works, err, cfg,
                    **extra) -> dict:
-    kv_bytes = [2 * len(w.indices) * cfg.kv_heads * cfg.head_dim * 4 for w in works]
+    kv_bytes = [2 * len(w.indices) * cfg.kv_heads * cfg.head_dim * DTYPES[cfg.dtype].itemsize for w in works]
     mean = sum(work) / cp
     row = {"part": "attention", "mode": mode, "mix": mix, "cp": cp, "placement": pl,
            "efficiency": ideal / max(ranks_s), "t_ideal_s": ideal, "reference": ref_name,
@@ -354,9 +360,10 @@ def _attention_row(mode, mix, doc_lens, cp, pl, ranks_s, ideal, ref_name, work, 
            "bytes_sent_per_layer_ranks": sent, "bytes_over_local_kv": max(s / b for s, b in zip(sent, kv_bytes)),
            "max_rel_err": err, "docs": len(doc_lens), "doc_lens": _brief(doc_lens),
            "crossover": PlacementCosts().crossover, "tolerance": PlacementCosts().tolerance,
-           "heads": cfg.heads, "kv_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "dtype": "float32",
-           "backend": cfg.kernel().name, "repeats": cfg.repeats, "threads": 1,
-           "clock": "process" if mode == "virtual" else "wall", "date": time.strftime("%Y-%m-%d")}
+           "heads": cfg.heads, "kv_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "dtype": cfg.dtype,
+           "backend": cfg.kernel().name, "repeats": cfg.repeats, "threads": 1, "device": cfg.device,
+           "clock": "process" if mode == "virtual" and cfg.device == "cpu" else "wall",
+           "date": time.strftime("%Y-%m-%d")}
     return row | extra
 
 

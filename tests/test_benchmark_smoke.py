@@ -100,7 +100,12 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     assert any(line.startswith("backend='auto' order here:") for line in lines)
     report = json.loads(out.read_text())
     assert not any("error" in report[s] or "interrupted" in report[s]
-                   for s in ("correctness", "throughput", "efficiency", "patterns", "overlap"))
+                   for s in ("correctness", "throughput", "efficiency", "patterns", "overlap", "placement"))
+    # Issue 50's side by side: every mix under every placement, each equal to one process.
+    placed = report["placement"]["rows"]
+    assert {(r["mix"], r["placement"]) for r in placed} == {(m, p) for m in ("short", "five", "long_tail", "one_long")
+                                                           for p in ("sharded", "by_length", "auto")}
+    assert all(r["max_rel_err"] < 2e-2 and r["dtype"] == "bfloat16" for r in placed), placed
     assert list(report["verdicts"]) == list(names)
     assert all(report["verdicts"][n].startswith(f"PASS {n}: ") for n in names), report["verdicts"]
     planned = report["budget"]
