@@ -40,8 +40,8 @@ def place_auto(doc_lens: tuple[int, ...], cp_size: int, max_tokens_per_rank: Opt
                costs: PlacementCosts = PlacementCosts()) -> DocumentPlacement:
     """``placement="auto"``'s plan of a packed row (module docstring): the by-length plan or
     every document sharded, whichever costs less with the ring's overhead counted; cached
-    per row shape and logged as
-    :func:`place_by_length` logs, with the modelled cost against sharding every document.
+    per row shape and logged as :func:`place_by_length` logs, with the modelled cost
+    against sharding every document.
     Arguments and errors as :func:`place_by_length`'s."""
     return _place_auto(tuple(doc_lens), cp_size, max_tokens_per_rank, costs)
 
@@ -69,9 +69,14 @@ def _cheapest(doc_lens: tuple[int, ...], cp_size: int, max_tokens_per_rank: Opti
     every = DocumentPlacement(doc_lens, cp_size, *assign_documents(order, doc_lens, work, len(doc_lens), cp_size,
                                                                    max_tokens_per_rank))
     by_length = search_by_length(doc_lens, cp_size, max_tokens_per_rank, costs)
-    cost = {id(p): max(p.loads) + sum(costs.ring_cost(n, cp_size) for n in p.sharded_lens) for p in (every, by_length)}
-    best = by_length if cost[id(by_length)] < cost[id(every)] else every
-    return best, cost[id(best)], cost[id(every)]
+
+    def modelled(p: DocumentPlacement) -> float:
+        return max(p.loads) + sum(costs.ring_cost(n, cp_size) for n in p.sharded_lens)
+
+    every_cost, by_length_cost = modelled(every), modelled(by_length)
+    if by_length_cost < every_cost:
+        return by_length, by_length_cost, every_cost
+    return every, every_cost, every_cost
 
 
 def plan_placement(placement: str, doc_lens: tuple[int, ...], cp_size: int,
