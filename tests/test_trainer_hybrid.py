@@ -251,11 +251,16 @@ def test_packed_reference_keeps_documents_apart(family):
 
 def _in_quarters(original, along: tuple[str, ...], dim: int, calls: list):
     """``original`` run on each quarter of the sequence from a zero state (what a CP op that
-    passes no state between the 4 zigzag chunks of cp 2 would compute)."""
-    signature = inspect.signature(original)
+    passes no state between the 4 zigzag chunks of cp 2 would compute). On transformers 5.25
+    ``original`` is a ``kernels`` ``Func`` module taking ``(*args, **kwargs)``: the arguments
+    are named by the function it calls."""
+    from hf_ring.patches.transformers.mixers import _function_of
+
+    function = _function_of(original) or original
+    signature = inspect.signature(function)
 
     def cut(*args, **kwargs):
-        calls.append(original.__name__)
+        calls.append(function.__name__)
         length = signature.bind(*args, **kwargs).arguments[along[0]].shape[dim]
         bounds = [length * i // 4 for i in range(5)]
         outs = []
