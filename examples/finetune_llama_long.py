@@ -18,7 +18,7 @@ One process per device; the sequence of every batch is split over ``--cp_size`` 
     torchrun --nproc_per_node 4 examples/finetune_llama_long.py --cp_size 2 --fsdp full_shard
     # pipeline parallelism beside CP, 4 processes: pp 2 (PyTorch's 1F1B, 2 micro-batches a step) x cp 2:
     accelerate launch --multi_gpu --num_processes 4 examples/finetune_llama_long.py --pp_size 2 --cp_size 2 \
-        --pp_schedule 1F1B --pp_microbatches 2 --per_device_train_batch_size 2
+        --pp_schedule 1F1B --pp_microbatches 2 --per_device_train_batch_size 2  # --fsdp full_shard: FSDP2 in each stage
     # tensor parallelism beside CP, 4 processes: tp 2 x cp 2 (the model loaded with transformers'
     # DistributedConfig(tp_size=2, fsdp_size=2): FSDP2 over the CP ranks, TP innermost):
     accelerate launch --multi_gpu --num_processes 4 examples/finetune_llama_long.py --tp_size 2 --cp_size 2
@@ -168,7 +168,8 @@ def build_parser(description: Optional[str] = __doc__) -> argparse.ArgumentParse
                         "attention layer's ring is one custom op in the compiled graph (docs/performance.md)")
     p.add_argument("--fsdp", default=None, choices=list(FSDP_MODES),
                    help="shard the weights with FSDP2: full_shard over every dp x cp process, or "
-                        "hybrid_shard (HSDP: shard over the CP group, replicate over dp)")
+                        "hybrid_shard (HSDP: shard over the CP group, replicate over dp); with --pp_size > 1, "
+                        "full_shard shards each stage over its own dp x cp processes (the plugin's pp_fsdp)")
     p.add_argument("--deepspeed", default=None,
                    help="a DeepSpeed config (JSON), e.g. examples/ds_zero3.json: ZeRO shards the weights")
     p.add_argument("--lora_r", type=int, default=0,
@@ -279,7 +280,8 @@ def _check_pipeline_flags(parser: argparse.ArgumentParser, args: argparse.Namesp
         parser.error(f"--pp_microbatches {args.pp_microbatches} must divide --per_device_train_batch_size "
                      f"{args.per_device_train_batch_size} (each micro-batch the same number of examples)")
     given = [flag for flag, value in (
-        ("--tp_size", args.tp_size > 1), ("--ep_size", args.ep_size > 1), ("--fsdp", args.fsdp),
+        ("--tp_size", args.tp_size > 1), ("--ep_size", args.ep_size > 1),
+        ("--fsdp hybrid_shard", args.fsdp == "hybrid_shard"),  # full_shard: each stage over its own dp x cp ranks
         ("--deepspeed", args.deepspeed), ("--lora_r", args.lora_r), ("--offload_checkpoints", args.offload_checkpoints),
         ("--tiled_mlp", args.tiled_mlp), ("--torch_compile", args.torch_compile), ("--save_steps", args.save_steps),
         ("--resume_from_checkpoint", args.resume_from_checkpoint), ("--generate_eval", args.generate_eval),
@@ -340,7 +342,7 @@ def training_arguments(args: argparse.Namespace) -> TrainingArguments:
         ddp_find_unused_parameters=False,  # every parameter is used: spare DDP the graph walk
         disable_tqdm=args.disable_tqdm,
         torch_compile=args.torch_compile,
-        **fsdp_training_arguments(args.fsdp, args.cp_size),
+        **fsdp_training_arguments(args.fsdp if args.pp_size == 1 else None, args.cp_size),  # PP: the plugin's pp_fsdp
         deepspeed=args.deepspeed,
     )
 
@@ -471,14 +473,16 @@ def start_plugin(args: argparse.Namespace) -> hf_ring.RingAttentionPlugin:
                                          pattern=args.cp_pattern, ulysses_size=args.ulysses_size,
                                          backend=args.attn_backend, placement=args.cp_placement,
                                          max_tokens_per_rank=args.max_tokens_per_rank, pp_size=args.pp_size,
-                                         pp_schedule=args.pp_schedule, pp_microbatches=args.pp_microbatches)
+                                         pp_schedule=args.pp_schedule, pp_microbatches=args.pp_microbatches,
+                                         pp_fsdp=args.pp_size > 1 and args.fsdp == "full_shard")
     state = plugin.setup()
     grid = f"dp_size {state.dp_size} x cp_size {state.cp_size}" + (f" x tp_size {state.tp_size}" if state.tp_size > 1
                                                                      else "")
     if args.ep_size > 1:
         grid += f"; experts over ep_size {args.ep_size}"
     if args.pp_size > 1:
-        grid = f"pp_size {args.pp_size} ({args.pp_schedule}, {args.pp_microbatches} micro-batches) x " + grid
+        grid = f"pp_size {args.pp_size} ({args.pp_schedule}, {args.pp_microbatches} micro-batches) x " + grid + (
+            ", FSDP2 inside each stage" if plugin.pp_fsdp else "")
     print(f"[hf_ring] {plugin.describe()} ({grid})", flush=True)
     return plugin
 

@@ -7,12 +7,18 @@ gradient norm of every step and the eval loss (forward only through the stages),
 relative (REL_TOL, the Trainer suite's). Every run sees the same 4 examples a step (2 a
 micro-step x gradient accumulation 2; at pp 2 each micro-step is PyTorch's schedule over 2
 micro-batches). A 4-layer Llama: 2 stages of 2 layers (1F1B), or 4 stages of one, two a rank
-(Interleaved1F1B, InterleavedZeroBubble). Measured on 2026-12-07: worst 3.8e-7 relative over
-loss, grad_norm and eval_loss (float32 sums in another order).
+(Interleaved1F1B with FSDP2 inside each stage, over its 2 CP ranks: ``--fsdp full_shard``;
+InterleavedZeroBubble). Measured on 2026-12-07: worst 3.8e-7 relative over
+loss, grad_norm and eval_loss (float32 sums in another order; with FSDP2 3.0e-7).
 
-The final model the pp 2 x cp 2 run saves (its stages gathered) loads in one process, holds
-every weight of the model, and evaluates there to the eval_loss the run logged through its
-stages (1e-4, float32 forwards in another order).
+The final model the 1F1B and the FSDP2 runs save (their stages gathered, each weight whole)
+loads in one process, holds every weight of the model, and evaluates there to the eval_loss
+the run logged through its stages (1e-4, float32 forwards in another order).
+
+On the shared gloo world of 4 (float64, no launch): the Trainer's step through
+``TrainerPipeline`` (two accumulation micro-steps, clipping), without and with FSDP2, equals
+one process's, and defects planted in it (the gradients averaged or summed over the wrong
+ranks, reduced at every micro-step, scaled by the micro-batch count twice) are caught.
 
 In-process: what is not composed with the stages is refused by name (the trainer's
 construction, the model's cut, the example's flags).
@@ -43,12 +49,13 @@ def runs(tmp_path_factory):
     configs = {
         "cp1": (1, PP), "packed_cp1": (1, [*PP, "--packing"]),
         "pp2_cp2": (4, [*PP, *pp, "--pp_schedule", "1F1B"]),
-        "pp2_cp2_interleaved": (4, [*PP, *pp, "--pp_schedule", "Interleaved1F1B", "--no_save_model"]),
+        "pp2_cp2_interleaved_fsdp": (4, [*PP, *pp, "--pp_schedule", "Interleaved1F1B", "--fsdp", "full_shard"]),
         "packed_pp2_cp2_zero_bubble": (4, [*PP, *pp, "--pp_schedule", "InterleavedZeroBubble", "--packing",
                                            "--no_save_model"]),
     }
     expect = {"pp2_cp2": ("pp_rank 1/2", "pipeline: 1F1B, 2 stages (this rank: [1], layers [(2, 4)])"),
-              "pp2_cp2_interleaved": ("pipeline: Interleaved1F1B, 4 stages (this rank: [1, 3]",),
+              "pp2_cp2_interleaved_fsdp": ("pipeline: Interleaved1F1B, 4 stages (this rank: [1, 3]",
+                                           "FSDP2 over each stage's 2 dp x cp ranks"),
               "packed_pp2_cp2_zero_bubble": ("pipeline: InterleavedZeroBubble, 4 stages (this rank: [0, 2]",)}
 
     def get(name: str) -> dict:
@@ -62,7 +69,7 @@ def runs(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("name,ref", [("pp2_cp2", "cp1"), ("pp2_cp2_interleaved", "cp1"),
+@pytest.mark.parametrize("name,ref", [("pp2_cp2", "cp1"), ("pp2_cp2_interleaved_fsdp", "cp1"),
                                       ("packed_pp2_cp2_zero_bubble", "packed_cp1")])
 def test_pp2_cp2_logs_what_one_process_logs(runs, name, ref):
     got, want = runs(name), runs(ref)
@@ -73,9 +80,11 @@ def test_pp2_cp2_logs_what_one_process_logs(runs, name, ref):
     print(f"{name} against {ref}: worst of {len(pairs)} logged figures {max(abs(a - b) / abs(b) for a, b in pairs):.1e}")
 
 
-def test_the_saved_model_is_whole_and_loads_in_one_process(runs):
-    """The 1F1B run's final model (its stages gathered) loads in one process with every weight
-    the one-process run's model has, and evaluates there, on the example's eval set (SDPA, each
+@pytest.mark.parametrize("name", ["pp2_cp2", "pp2_cp2_interleaved_fsdp"])
+def test_the_saved_model_is_whole_and_loads_in_one_process(runs, name):
+    """The final model of the 1F1B run and of the interleaved run with FSDP2 inside the stages
+    (its stages gathered, each weight whole) loads in one process with every weight the
+    one-process run's model has, and evaluates there, on the example's eval set (SDPA, each
     example alone), to the eval_loss the run logged at its last step through the stages."""
     from transformers import AutoModelForCausalLM
 
@@ -84,7 +93,7 @@ def test_the_saved_model_is_whole_and_loads_in_one_process(runs):
 
     from hf_ring.training.loss import token_loss_sum
 
-    run = runs("pp2_cp2")
+    run = runs(name)
     got = AutoModelForCausalLM.from_pretrained(run["_output_dir"], attn_implementation="sdpa").eval()
     want = AutoModelForCausalLM.from_pretrained(runs("cp1")["_output_dir"]).state_dict()
     assert sorted(got.state_dict()) == sorted(want) and any("layers.3." in name for name in want)
@@ -96,8 +105,148 @@ def test_the_saved_model_is_whole_and_loads_in_one_process(runs):
             shift[:, :-1] = labels[:, 1:]
             losses.append((token_loss_sum(got(input_ids=ids).logits, shift) / shift.ne(-100).sum()).item())
     logged = _eval_losses(run)[STEPS]
-    print(f"the saved pp2 x cp2 model's eval loss in one process: {sum(losses) / len(losses)} (logged {logged})")
+    print(f"the saved {name} model's eval loss in one process: {sum(losses) / len(losses)} (logged {logged})")
     assert abs(sum(losses) / len(losses) - logged) <= REL_TOL * abs(logged)
+
+
+# ---- the Trainer's step on the shared world of 4, and defects planted in it ----
+
+
+class _Accelerator:
+    """What ``TrainerPipeline`` reads of the Accelerator: ``prepare_model`` (to keep the model
+    unwrapped) and a ``clip_grad_norm_`` slot it replaces."""
+
+    def prepare_model(self, model, device_placement=None, evaluation_mode=False):
+        return model
+
+
+def _mean_over_stage(parameters, state):
+    """Planted: the gradients averaged over the stage's dp x cp ranks, as DDP averages."""
+    import torch.distributed as dist
+
+    for p in parameters:
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=state.loss_group)
+            p.grad.div_(state.loss_size)
+
+
+def _flat_over_world(parameters, state):
+    """Planted: every rank's gradients summed over the whole world, as one flat bucket (padded to
+    the longest rank's, so that the stages' different parameter lists cannot hang the sum)."""
+    import torch.distributed as dist
+
+    grads = [p.grad for p in parameters if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    longest = torch.tensor([flat.numel()])
+    dist.all_reduce(longest, op=dist.ReduceOp.MAX)
+    padded = torch.cat([flat, flat.new_zeros(int(longest) - flat.numel())])
+    dist.all_reduce(padded)
+    for g, piece in zip(grads, padded[:flat.numel()].split([g.numel() for g in grads])):
+        g.copy_(piece.view_as(g))
+
+
+def _fsdp_mean(shard_stages):
+    """Planted: FSDP2's default reduction inside the stages, the mean over the stage's ranks."""
+    def planted(stages, state, *args, **kwargs):
+        mesh = shard_stages(stages, state, *args, **kwargs)
+        for stage in stages.values():
+            for module in stage.modules():
+                if hasattr(module, "set_gradient_divide_factor"):
+                    module.set_gradient_divide_factor(float(state.loss_size))
+        return mesh
+
+    return planted
+
+
+def _trainer_step_case(rank: int, world: int, cases: list) -> list:
+    """One optimizer step's gradients through ``TrainerPipeline`` at pp 2 x cp 2 (1F1B, float64):
+    two accumulation micro-steps of 2 rows (each the schedule over 2 micro-batches, the
+    gradients reduced at the second; the two of different lengths, so the second builds a
+    schedule of its own), then the clipping to 0.5 over every stage. Per case
+    ``(pp_fsdp, defect)`` (defect None: none), the logged loss, the norm and the clipped
+    gradients (whole, from CP rank 0)."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import hf_ring
+    from hf_ring.pipeline import fsdp
+    from hf_ring.training.loss import count_valid_tokens
+    from hf_ring.training.pp import trainer as pp_trainer
+    from test_pipeline_cp import ROWS, _DefaultScaling, _model
+
+    plugins = {sharded: hf_ring.RingAttentionPlugin(cp_size=2, pp_size=2, pp_schedule="1F1B", pp_microbatches=2,
+                                                    pp_fsdp=sharded) for sharded in (False, True)}
+    for plugin in plugins.values():
+        plugin.setup()
+    collate = plugins[False].make_collator(pad_token_id=0)
+    batches = [collate([{"input_ids": r} for r in ROWS[i:i + 2]]) for i in (0, 2)]
+    count = plugins[False].global_token_count(sum(count_valid_tokens(b["shift_labels"]) for b in batches))
+    original, original_shard, out = pp_trainer.reduce_stage_gradients, fsdp.shard_stages, []
+    for sharded, defect in cases:
+        pp_trainer.reduce_stage_gradients = {"mean_over_stage": _mean_over_stage,
+                                             "flat_over_world": _flat_over_world}.get(defect, original)
+        fsdp.shard_stages = _fsdp_mean(original_shard) if defect == "fsdp_mean" else original_shard
+        try:
+            with _DefaultScaling() if defect == "scale_grads" else contextlib.nullcontext():
+                model = _model(torch.float64, "ring_flash")
+                stand_in = SimpleNamespace(ring_state=plugins[sharded].state, loss_mean="tokens", model=model,
+                                           ring_plugin=plugins[sharded], accelerator=_Accelerator())
+                pipeline = pp_trainer.TrainerPipeline(stand_in)
+                loss = sum(pipeline.train_step(dict(b), count, sync=defect == "reduce_every_micro_step" or i == 1)
+                           .item() for i, b in enumerate(batches))
+                norm = stand_in.accelerator.clip_grad_norm_(model.parameters(), 0.5).item()
+        finally:
+            pp_trainer.reduce_stage_gradients, fsdp.shard_stages = original, original_shard
+        grads = {n: p.grad.full_tensor() if sharded else p.grad for n, p in model.named_parameters()
+                 if p.grad is not None}  # under FSDP2 collective over the stage's ranks
+        out.append({"loss": loss, "norm": norm, "grads": grads if plugins[sharded].state.cp_rank == 0 else {}})
+    return out
+
+
+TRAINER_CASES = [(False, None), (False, "mean_over_stage"), (False, "flat_over_world"),
+                 (False, "reduce_every_micro_step"), (False, "scale_grads"), (True, None), (True, "fsdp_mean")]
+
+
+def test_the_trainer_step_matches_one_process_and_planted_defects_are_caught():
+    """``TrainerPipeline``'s step (what RingTrainer runs under PP), without and with FSDP2 inside
+    the stages, in float64 on the shared world of 4: loss, whole-model norm and every clipped
+    gradient as one process's (1e-10; the loss 1e-6: hf_ring's cross-entropy sums in float32).
+    Each planted defect is caught, by a margin far outside those tolerances and the runs'
+    1e-4: the gradients averaged over the stage (DDP's mean; under FSDP2 its default divide
+    factor), summed over the whole world, reduced at every accumulation micro-step, or scaled
+    by the micro-batch count a second time (the schedule's default scale_grads=True). The
+    clipping rescales a gradient scaled by a constant back to norm 0.5, so the norm (the
+    logged grad_norm) is what catches those."""
+    from closeness import max_rel
+    from distributed import run_world
+    from test_pipeline_cp import LOSS_TOL, ROWS, TOL, _model
+
+    from hf_ring.training.loss import token_loss_sum
+
+    model, total, count = _model(torch.float64, "sdpa"), 0.0, 0
+    for row in ROWS:
+        ids = torch.tensor([row])
+        shift = torch.full_like(ids, -100)
+        shift[:, :-1] = ids[:, 1:]
+        total, count = total + token_loss_sum(model(input_ids=ids).logits, shift), count + int(shift.ne(-100).sum())
+    (total / count).backward()
+    want_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item()
+    want = {n: p.grad for n, p in model.named_parameters()}
+    results = run_world(4, _trainer_step_case, TRAINER_CASES)
+    for i, (sharded, defect) in enumerate(TRAINER_CASES):
+        got = {}
+        for r in results:
+            got.update(r[i]["grads"])
+        assert sorted(got) == sorted(want)
+        grad = max(max_rel(got[n], want[n]) for n in want)
+        norm = max(abs(r[i]["norm"] - want_norm) / want_norm for r in results)
+        loss = max(abs(r[i]["loss"] - (total / count).item()) / (total / count).item() for r in results)
+        print(f"{'FSDP2, ' if sharded else ''}{defect or 'no defect'}: gradients {grad:.1e}, norm {norm:.1e}, "
+              f"loss {loss:.1e}")
+        if defect is None:
+            assert grad < TOL and norm < TOL and loss < LOSS_TOL and want_norm > 0.5  # the clipping ran
+        else:
+            assert max(grad, norm) > 0.1, defect
 
 
 # ---- refusals, in process ----
@@ -126,8 +275,8 @@ def _trainer(**changes):
 @pytest.mark.parametrize("change,subclass_loss,match", [
     ({}, True, r"a loss of the trainer's own \(the TRL trainers"),
     ({"tp": 2, "world": 8}, False, r"tensor parallelism inside a stage \(tp_size=2\)"),
-    ({"fsdp": "full_shard"}, False, "FSDP2 or DeepSpeed inside a stage"),
-    ({"is_deepspeed_enabled": True}, False, "FSDP2 or DeepSpeed inside a stage"),
+    ({"fsdp": "full_shard"}, False, r"TrainingArguments' fsdp .*RingAttentionPlugin\(pp_fsdp=True\)"),
+    ({"is_deepspeed_enabled": True}, False, "TrainingArguments' fsdp .* or DeepSpeed"),
     ({"gradient_checkpointing": True}, False, "gradient checkpointing inside a stage"),
     ({"torch_compile": True}, False, "torch.compile of the stages"),
     ({"chunked_loss": SimpleNamespace(enabled=True)}, False, "the chunked loss on the last stage"),
@@ -141,6 +290,15 @@ def test_what_the_stages_do_not_compose_is_refused_by_name(change, subclass_loss
     check_pipeline_trainer(_trainer(), subclass_loss=False)  # the stand-in itself passes
     with pytest.raises(NotImplementedError, match=r"with pipeline parallelism \(pp_size=2\): " + match):
         check_pipeline_trainer(_trainer(**change), subclass_loss=subclass_loss)
+
+
+def test_fsdp_inside_a_stage_refuses_what_it_does_not_compose():
+    from hf_ring.pipeline.fsdp import stage_mesh
+
+    with pytest.raises(ValueError, match="True only with pp_size > 1"):
+        __import__("hf_ring").RingAttentionPlugin(cp_size=2, pp_fsdp=True)
+    with pytest.raises(NotImplementedError, match=r"tp_size=2 are not composed with it yet"):
+        stage_mesh(_trainer(tp=2, world=8).ring_state, "cpu")
 
 
 def test_collators_the_stages_cannot_take_are_refused():
@@ -189,7 +347,8 @@ def test_the_example_refuses_what_the_stages_do_not_compose():
     base = ["--pp_size", "2", "--cp_size", "2", "--per_device_train_batch_size", "2"]
     args = finetune_llama_long.parse_args(base)
     assert (args.pp_microbatches, args.pp_schedule) == (2, "1F1B")
-    for extra in (["--tp_size", "2"], ["--fsdp", "full_shard"], ["--lora_r", "4"], ["--offload_checkpoints"],
+    assert finetune_llama_long.parse_args([*base, "--fsdp", "full_shard"]).fsdp == "full_shard"  # pp_fsdp
+    for extra in (["--tp_size", "2"], ["--fsdp", "hybrid_shard"], ["--lora_r", "4"], ["--offload_checkpoints"],
                   ["--save_steps", "2"], ["--cp_pattern", "ulysses"], ["--pp_microbatches", "3"]):
         with pytest.raises(SystemExit):
             finetune_llama_long.parse_args([*base, *extra])

@@ -8,7 +8,8 @@ stage holds), ``refusals`` (what is not composed yet, refused on every rank), ``
 stage as a view of the model, run through the model's own forward), ``microbatches`` (a
 step's batch as equal micro-batches, packed rows too), ``schedule`` (PyTorch's schedules, the
 token-sum loss on the last stage, ``scale_grads=False``), ``grads`` (gradients summed over a
-stage's dp x cp ranks, their norm and clipping over every stage).
+stage's dp x cp ranks, their norm and clipping over every stage), ``fsdp`` (FSDP2 inside a
+stage: its weights sharded over its own dp x cp ranks, the plugin's ``pp_fsdp``).
 
 Sits above the transformers integration and the memory layer and below the trainer, which
 builds on it. Must not import accelerate, TRL, or hf_ring's training layer, except its loss

@@ -19,24 +19,42 @@ from typing import Iterable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from hf_ring.patterns.state import ContextParallelState
 
 
+def _sharded(grads: list[torch.Tensor]) -> bool:
+    """Whether the stages are sharded by FSDP2 (``hf_ring.pipeline.fsdp``): every gradient a
+    DTensor shard, already summed over the stage's dp x cp ranks by its reduce-scatter."""
+    kinds = {isinstance(g, DTensor) for g in grads}
+    if len(kinds) > 1:
+        raise ValueError("some of the stage's gradients are DTensors and some are not: shard every weight of the "
+                         "stages (hf_ring.pipeline.fsdp.shard_stages) or none")
+    return kinds == {True}
+
+
 def reduce_stage_gradients(parameters: Iterable[torch.nn.Parameter], state: ContextParallelState) -> None:
-    """Sum every gradient over the stage's dp x cp ranks, in place (collective over them)."""
-    for p in parameters:
-        if p.grad is not None and state.loss_size > 1:
-            dist.all_reduce(p.grad, group=state.loss_group)
+    """Sum every gradient over the stage's dp x cp ranks, in place (collective over them).
+    Under FSDP2 inside the stages nothing is left to do: their reduce-scatter summed them."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if state.loss_size > 1 and not _sharded(grads):
+        for g in grads:
+            dist.all_reduce(g, group=state.loss_group)
 
 
 def pipeline_grad_norm(parameters: Iterable[torch.nn.Parameter], state: ContextParallelState) -> torch.Tensor:
     """The 2-norm of the whole model's gradient (float32 or wider), the same on every rank:
-    this rank's stages' squares summed over the ``pp`` group (collective over it)."""
+    this rank's stages' squares (under FSDP2 its shards', summed over the stage's dp x cp
+    ranks first) summed over the ``pp`` group (collective over them)."""
     grads = [p.grad for p in parameters if p.grad is not None]
+    sharded = _sharded(grads)
+    grads = [g.to_local() for g in grads] if sharded else grads
     device = grads[0].device if grads else torch.device("cpu")
     dtype = torch.promote_types(grads[0].dtype, torch.float32) if grads else torch.float32
     square = sum((g.to(dtype).pow(2).sum() for g in grads), torch.zeros((), dtype=dtype, device=device))
+    if sharded:
+        dist.all_reduce(square, group=state.loss_group)
     if state.mesh.size("pp") > 1:
         dist.all_reduce(square, group=state.mesh.group("pp"))
     return square.sqrt()
@@ -50,7 +68,8 @@ def clip_pipeline_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm:
     norm = pipeline_grad_norm(parameters, state)
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     for p in parameters:
-        p.grad.mul_(scale.to(p.grad.dtype))
+        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        grad.mul_(scale.to(grad.dtype))
     return norm
 
 

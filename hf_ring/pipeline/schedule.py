@@ -28,6 +28,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
 from hf_ring.patterns.state import ContextParallelState
@@ -149,8 +150,15 @@ class PipelineRunner:
         param = next(any_module.parameters())
         head = getattr(any_module, "lm_head", None)
         vocab = getattr(head, "out_features", None) or any_module.config.vocab_size
+        built = len(self._schedules)
         schedule = self._schedule_for(ids.shape[0] // self.n_microbatches, ids.shape[1], any_module.config.hidden_size,
                                       vocab, param.dtype, param.device, training)
+        # A schedule's first step ends its set-up by setting every FSDP2 module's gradients to None
+        # (torch 2.13: _post_metadata_inference_cleanup, static shapes too): a schedule built for a new
+        # micro-batch shape in the middle of an accumulated step would drop the step's gradients so far.
+        # They are kept here and added back after the step (no copy: the cleanup only unsets .grad).
+        kept = {p: p.grad for stage in self.stages.values() for p in stage.parameters()
+                if p.grad is not None and isinstance(p.grad, DTensor)} if len(self._schedules) > built else {}
         self.loss.global_count = global_count
         kwargs = {"position_ids": positions}
         if batch.get("doc_bounds") is not None:
@@ -163,6 +171,8 @@ class PipelineRunner:
             run(*args, target=target, losses=losses if self.has_last else None, return_outputs=False, **kwargs)
         finally:
             self.loss.global_count = None
+            for p, grad in kept.items():
+                p.grad = grad if p.grad is None else p.grad.add_(grad)
         return torch.stack(losses).sum() if self.has_last else None
 
     def step(self, batch: dict[str, Any], global_count: torch.Tensor) -> Optional[torch.Tensor]:

@@ -47,13 +47,14 @@ def _view(module: nn.Module) -> nn.Module:
     return view
 
 
-def _child_name(parent: nn.Module, child: nn.Module) -> str:
+def _child_name(parent: nn.Module, child: nn.Module, which: str = "input") -> str:
     for name, module in parent._modules.items():
         if module is child:
             return name
     raise NotImplementedError(
-        f"{type(parent).__name__}'s input embedding is not one of its own modules, so hf_ring cannot place it on the "
-        "first pipeline stage; this model is not supported under pipeline parallelism")
+        f"{type(parent).__name__}'s {which} embedding is not one of its own modules, so hf_ring cannot place it on "
+        f"the {'first' if which == 'input' else 'last'} pipeline stage; this model is not supported under pipeline "
+        "parallelism")
 
 
 class StageModule(nn.Module):
@@ -110,11 +111,12 @@ def build_stage_modules(model: nn.Module, stage_ids: list[int],
         if i not in owned:
             layers[i] = SkippedLayer()
     embed_name = _child_name(base, base.get_input_embeddings())
+    head_name = _child_name(model, model.get_output_embeddings(), "output")
     if 0 not in stage_ids:
         setattr(base, embed_name, SkippedLayer())
     if num_stages - 1 not in stage_ids:
         base.norm = SkippedLayer()
-        model.lm_head = SkippedLayer()
+        setattr(model, head_name, SkippedLayer())
     stages = {}
     for s in stage_ids:
         start, end = ranges[s]
@@ -123,9 +125,10 @@ def build_stage_modules(model: nn.Module, stage_ids: list[int],
             [layers[i] if start <= i < end else SkippedLayer() for i in range(len(layers))])
         if s != 0:
             base_view.__dict__["_modules"][embed_name] = SkippedLayer()
-        if s != num_stages - 1:
-            base_view.__dict__["_modules"]["norm"] = SkippedLayer()
         lm_view = _view(model)
+        if s != num_stages - 1:  # a stage's module tree holds its own weights only (FSDP2 shards each stage's)
+            base_view.__dict__["_modules"]["norm"] = SkippedLayer()
+            lm_view.__dict__["_modules"][head_name] = SkippedLayer()
         lm_view.__dict__["_modules"][model.base_model_prefix] = base_view
         stages[s] = StageModule(lm_view, s, num_stages)
     return stages

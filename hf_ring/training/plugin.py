@@ -93,6 +93,9 @@ class RingAttentionPlugin:
             ``"1F1B"``, ``"Interleaved1F1B"``, ``"LoopedBFS"``, ``"InterleavedZeroBubble"``,
             ``"ZBVZeroBubble"``).
         pp_microbatches: micro-batches per step (they must split the step's batch evenly).
+        pp_fsdp: FSDP2 inside each stage: its weights sharded over the stage's own dp x cp
+            ranks (``hf_ring.pipeline.fsdp``), the gradients reduce-scattered as sums. Not
+            TrainingArguments' ``fsdp``, whose mesh is the whole world (refused under PP).
     """
 
     cp_size: int = 1
@@ -107,6 +110,7 @@ class RingAttentionPlugin:
     pp_size: int = 1
     pp_schedule: str = "1F1B"
     pp_microbatches: int = 1
+    pp_fsdp: bool = False
 
     def __post_init__(self) -> None:
         for name in ("cp_size", "tp_size", "pp_size", "pp_microbatches"):
@@ -121,6 +125,9 @@ class RingAttentionPlugin:
         from hf_ring.pipeline.schedule import schedule_class  # torch only; the stages need transformers
 
         schedule_class(self.pp_schedule)
+        if not isinstance(self.pp_fsdp, bool) or (self.pp_fsdp and self.pp_size == 1):
+            raise ValueError(f"pp_fsdp={self.pp_fsdp!r} shards the weights inside pipeline stages: a bool, True only "
+                             "with pp_size > 1 (without PP, FSDP2 comes from TrainingArguments' fsdp)")
         self._state: Optional[ContextParallelState] = None
 
     @classmethod
@@ -201,10 +208,16 @@ class RingAttentionPlugin:
     def make_pipeline(self, model: Any, stages_per_rank: Optional[int] = None,
                       pp_layers: Optional[list[int]] = None) -> Any:
         """This rank's stages of ``model`` (pruned to them) and the schedule that trains them
-        (``hf_ring.pipeline.PipelineRunner``): ``pp_schedule``, ``pp_microbatches``."""
+        (``hf_ring.pipeline.PipelineRunner``): ``pp_schedule``, ``pp_microbatches``; with
+        ``pp_fsdp`` each stage sharded over its dp x cp ranks (``hf_ring.pipeline.fsdp``)."""
         from hf_ring.pipeline import PipelineRunner
 
-        return PipelineRunner(model, self.setup(), self.pp_schedule, self.pp_microbatches, stages_per_rank, pp_layers)
+        runner = PipelineRunner(model, self.setup(), self.pp_schedule, self.pp_microbatches, stages_per_rank, pp_layers)
+        if self.pp_fsdp:
+            from hf_ring.pipeline.fsdp import shard_stages
+
+            shard_stages(runner.stages, self._state)
+        return runner
 
     # ---- data ----
 

@@ -37,8 +37,9 @@ def check_pipeline_trainer(trainer: Any, subclass_loss: bool) -> None:
     if state.tp_size > 1:
         _refuse(trainer, f"tensor parallelism inside a stage (tp_size={state.tp_size})", "use tp_size=1 or pp_size=1")
     if getattr(trainer, "is_deepspeed_enabled", False) or weight_sharding.fsdp_requested(args, trainer.accelerator):
-        _refuse(trainer, "FSDP2 or DeepSpeed inside a stage (each stage's weights are whole on its ranks, their "
-                "gradients summed over the stage's dp x cp ranks)", "drop fsdp / deepspeed, or use pp_size=1")
+        _refuse(trainer, "TrainingArguments' fsdp (Accelerate's FSDP2 mesh: the whole world, across stages holding "
+                "other layers) or DeepSpeed", "shard each stage over its own dp x cp ranks with "
+                "RingAttentionPlugin(pp_fsdp=True) and no fsdp / deepspeed in TrainingArguments, or use pp_size=1")
     if state.pattern != "ring" or state.placement != "sharded":
         _refuse(trainer, f"pattern={state.pattern!r} / placement={state.placement!r} (checked: the ring, every "
                 "document sharded)", "use pattern='ring' and placement='sharded', or pp_size=1")

@@ -25,7 +25,11 @@ What changes against ``pp_size == 1``, and why:
   first row that carry no label (no token of the loss); packed rows come filled from
   :class:`~hf_ring.training.pp.collator.PipelineDataCollator`;
 - ``save_model``: the stages' weights gathered to the first process, written as one whole
-  model that ``from_pretrained`` loads in one process.
+  model that ``from_pretrained`` loads in one process;
+- with ``RingAttentionPlugin(pp_fsdp=True)`` each stage is sharded by FSDP2 over its own dp x
+  cp ranks (``hf_ring.pipeline.fsdp``): its reduce-scatter sums the gradients at the end of
+  every schedule step, so nothing is left to reduce at the last micro-step; the norm sums
+  the shards' squares, and saving gathers each weight whole first.
 
 Must not import TRL or ``hf_ring.training.trainer``.
 """
@@ -37,6 +41,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from hf_ring.patches import accelerate as accelerate_patches
 from hf_ring.pipeline import clip_pipeline_grad_norm_, reduce_stage_gradients
@@ -76,13 +81,15 @@ class TrainerPipeline:
                 f"(loss_mean='tokens'), not loss_mean={trainer.loss_mean!r}: pass loss_mean='tokens', or use pp_size=1")
         self.model = trainer.model
         self.runner = trainer.ring_plugin.make_pipeline(self.model)
+        self.sharded = bool(getattr(trainer.ring_plugin, "pp_fsdp", False))  # FSDP2 inside each stage
         accelerate_patches.keep_model_unwrapped(trainer.accelerator, self.model)
         trainer.accelerator.clip_grad_norm_ = self.clip_grad_norm_
 
     def describe(self) -> str:
         r = self.runner
         return (f"pipeline: {r.schedule_name}, {r.num_stages} stages (this rank: {sorted(r.stages)}, layers "
-                f"{[r.ranges[s] for s in sorted(r.stages)]}), {r.n_microbatches} micro-batches a step")
+                f"{[r.ranges[s] for s in sorted(r.stages)]}), {r.n_microbatches} micro-batches a step"
+                + (f", FSDP2 over each stage's {self.state.loss_size} dp x cp ranks" if self.sharded else ""))
 
     def _mode(self, training: bool) -> None:
         for stage in self.runner.stages.values():
@@ -128,8 +135,10 @@ class TrainerPipeline:
         output_dir = output_dir if output_dir is not None else trainer.args.output_dir
         pp_group = self.state.mesh.group("pp")
         rank = dist.get_rank()
+        # Under FSDP2 inside the stages each weight is whole once gathered over its stage's ranks (collective).
+        own = {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
+               for name, t in self.model.state_dict().items()}
         if 0 in dist.get_process_group_ranks(pp_group):  # one rank of each stage: the first's dp x cp x tp block
-            own = {name: tensor.detach().cpu() for name, tensor in self.model.state_dict().items()}
             gathered: Optional[list] = [None] * dist.get_world_size(pp_group) if rank == 0 else None
             dist.gather_object(own, gathered, dst=0, group=pp_group)
             if rank == 0:
