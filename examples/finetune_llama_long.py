@@ -282,6 +282,8 @@ def _check_pipeline_flags(parser: argparse.ArgumentParser, args: argparse.Namesp
     given = [flag for flag, value in (
         ("--tp_size", args.tp_size > 1), ("--ep_size", args.ep_size > 1),
         ("--fsdp hybrid_shard", args.fsdp == "hybrid_shard"),  # full_shard: each stage over its own dp x cp ranks
+        (f"--fsdp full_shard under --pp_schedule {args.pp_schedule}",
+         args.fsdp == "full_shard" and args.pp_schedule in ("InterleavedZeroBubble", "ZBVZeroBubble")),
         ("--deepspeed", args.deepspeed), ("--lora_r", args.lora_r), ("--offload_checkpoints", args.offload_checkpoints),
         ("--tiled_mlp", args.tiled_mlp), ("--torch_compile", args.torch_compile), ("--save_steps", args.save_steps),
         ("--resume_from_checkpoint", args.resume_from_checkpoint), ("--generate_eval", args.generate_eval),

@@ -90,3 +90,25 @@ def test_the_cost_model_runs_and_reports_every_axis():
     cp_only = nd_cost_model.communication(m, nd_cost_model.parse_layout("cp8"), a)
     assert tp_only["cp"] == 0 and tp_only["tp"] > 0
     assert cp_only["tp"] == 0 and cp_only["cp"] > 0 and cp_only["fsdp"] > 0
+
+
+def test_the_pipeline_lines_follow_their_stated_terms():
+    """benchmarks/pp_cost_model.py (modelled): the bubbles are the formulas benchmarks/pipeline.py
+    measures the schedules against; under 1F1B the first rank's checkpoints in flight (min(m, p)
+    micro-batches of L / p layers) are the whole model's for one micro-batch at every pp <= m;
+    the state per rank falls with pp; the p2p bytes are m x 4 x n x hidden a step; a 1F1B step
+    is (m + p - 1) micro-batch stage times."""
+    import pipeline
+    import pp_cost_model
+
+    m, a = pp_cost_model.MODELS["llama3_70b"], nd_cost_model.Assumptions()
+    rows = {p: pp_cost_model.evaluate(m, "tp8xcp4", p, 16, a) for p in (1, 2, 4, 8)}
+    for p, row in rows.items():
+        for name, v in (("1F1B", 1), ("Interleaved1F1B", 2)):
+            assert abs(row.bubble[name] - (pipeline.FORMULA[name](p, 16, v) if p > 1 else 0)) < 1e-12
+        assert abs(row.memory_gib["checkpoints_1f1b"] - rows[1].memory_gib["checkpoints_1f1b"]) < 1e-9
+        assert abs(row.seconds["1F1B"] - (16 + p - 1) * row.seconds["micro_batch_stage"]) < 1e-9
+    assert rows[8].p2p_gb["1F1B"] == 16 * 4 * (131072 // 4) * 8192 / nd_cost_model.GB and rows[1].p2p_gb["1F1B"] == 0
+    states = [rows[p].memory_gib["state"] for p in (1, 2, 4, 8)]
+    assert states == sorted(states, reverse=True) and states[3] < states[0] / 7
+    assert rows[2].memory_gib["GPipe"] > rows[2].memory_gib["Interleaved1F1B"] > rows[2].memory_gib["1F1B"]

@@ -120,16 +120,6 @@ class _Accelerator:
         return model
 
 
-def _mean_over_stage(parameters, state):
-    """Planted: the gradients averaged over the stage's dp x cp ranks, as DDP averages."""
-    import torch.distributed as dist
-
-    for p in parameters:
-        if p.grad is not None:
-            dist.all_reduce(p.grad, group=state.loss_group)
-            p.grad.div_(state.loss_size)
-
-
 def _flat_over_world(parameters, state):
     """Planted: every rank's gradients summed over the whole world, as one flat bucket (padded to
     the longest rank's, so that the stages' different parameter lists cannot hang the sum)."""
@@ -174,23 +164,25 @@ def _trainer_step_case(rank: int, world: int, cases: list) -> list:
     from hf_ring.training.pp import trainer as pp_trainer
     from test_pipeline_cp import ROWS, _DefaultScaling, _model
 
-    plugins = {sharded: hf_ring.RingAttentionPlugin(cp_size=2, pp_size=2, pp_schedule="1F1B", pp_microbatches=2,
-                                                    pp_fsdp=sharded) for sharded in (False, True)}
+    plugins = {(schedule, sharded): hf_ring.RingAttentionPlugin(cp_size=2, pp_size=2, pp_schedule=schedule,
+                                                                pp_microbatches=2, pp_fsdp=sharded)
+               for schedule, sharded, _ in cases}
     for plugin in plugins.values():
         plugin.setup()
-    collate = plugins[False].make_collator(pad_token_id=0)
+    plugin = next(iter(plugins.values()))
+    collate = plugin.make_collator(pad_token_id=0)
     batches = [collate([{"input_ids": r} for r in ROWS[i:i + 2]]) for i in (0, 2)]
-    count = plugins[False].global_token_count(sum(count_valid_tokens(b["shift_labels"]) for b in batches))
+    count = plugin.global_token_count(sum(count_valid_tokens(b["shift_labels"]) for b in batches))
     original, original_shard, out = pp_trainer.reduce_stage_gradients, fsdp.shard_stages, []
-    for sharded, defect in cases:
-        pp_trainer.reduce_stage_gradients = {"mean_over_stage": _mean_over_stage,
-                                             "flat_over_world": _flat_over_world}.get(defect, original)
+    for schedule, sharded, defect in cases:
+        plugin = plugins[(schedule, sharded)]
+        pp_trainer.reduce_stage_gradients = _flat_over_world if defect == "flat_over_world" else original
         fsdp.shard_stages = _fsdp_mean(original_shard) if defect == "fsdp_mean" else original_shard
         try:
             with _DefaultScaling() if defect == "scale_grads" else contextlib.nullcontext():
                 model = _model(torch.float64, "ring_flash")
-                stand_in = SimpleNamespace(ring_state=plugins[sharded].state, loss_mean="tokens", model=model,
-                                           ring_plugin=plugins[sharded], accelerator=_Accelerator())
+                stand_in = SimpleNamespace(ring_state=plugin.state, loss_mean="tokens", model=model,
+                                           ring_plugin=plugin, accelerator=_Accelerator())
                 pipeline = pp_trainer.TrainerPipeline(stand_in)
                 loss = sum(pipeline.train_step(dict(b), count, sync=defect == "reduce_every_micro_step" or i == 1)
                            .item() for i, b in enumerate(batches))
@@ -199,12 +191,15 @@ def _trainer_step_case(rank: int, world: int, cases: list) -> list:
             pp_trainer.reduce_stage_gradients, fsdp.shard_stages = original, original_shard
         grads = {n: p.grad.full_tensor() if sharded else p.grad for n, p in model.named_parameters()
                  if p.grad is not None}  # under FSDP2 collective over the stage's ranks
-        out.append({"loss": loss, "norm": norm, "grads": grads if plugins[sharded].state.cp_rank == 0 else {}})
+        out.append({"loss": loss, "norm": norm, "grads": grads if plugin.state.cp_rank == 0 else {}})
     return out
 
 
-TRAINER_CASES = [(False, None), (False, "mean_over_stage"), (False, "flat_over_world"),
-                 (False, "reduce_every_micro_step"), (False, "scale_grads"), (True, None), (True, "fsdp_mean")]
+# FSDP2 under a schedule of one stage a rank (1F1B) and of two (LoopedBFS); GPipe and Interleaved1F1B
+# run the same stage code (the Trainer's FSDP2 run is Interleaved1F1B); the zero-bubble ones are refused.
+TRAINER_CASES = [("1F1B", False, None), ("1F1B", False, "flat_over_world"), ("1F1B", False, "reduce_every_micro_step"),
+                 ("1F1B", False, "scale_grads"), ("1F1B", True, None), ("1F1B", True, "fsdp_mean"),
+                 ("LoopedBFS", True, None)]
 
 
 def test_the_trainer_step_matches_one_process_and_planted_defects_are_caught():
@@ -212,9 +207,9 @@ def test_the_trainer_step_matches_one_process_and_planted_defects_are_caught():
     the stages, in float64 on the shared world of 4: loss, whole-model norm and every clipped
     gradient as one process's (1e-10; the loss 1e-6: hf_ring's cross-entropy sums in float32).
     Each planted defect is caught, by a margin far outside those tolerances and the runs'
-    1e-4: the gradients averaged over the stage (DDP's mean; under FSDP2 its default divide
-    factor), summed over the whole world, reduced at every accumulation micro-step, or scaled
-    by the micro-batch count a second time (the schedule's default scale_grads=True). The
+    1e-4: the gradients summed over the whole world, reduced at every accumulation micro-step,
+    scaled by the micro-batch count a second time (the schedule's default scale_grads=True),
+    or averaged over the stage (FSDP2's default divide factor). The
     clipping rescales a gradient scaled by a constant back to norm 0.5, so the norm (the
     logged grad_norm) is what catches those."""
     from closeness import max_rel
@@ -233,7 +228,7 @@ def test_the_trainer_step_matches_one_process_and_planted_defects_are_caught():
     want_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item()
     want = {n: p.grad for n, p in model.named_parameters()}
     results = run_world(4, _trainer_step_case, TRAINER_CASES)
-    for i, (sharded, defect) in enumerate(TRAINER_CASES):
+    for i, (schedule, sharded, defect) in enumerate(TRAINER_CASES):
         got = {}
         for r in results:
             got.update(r[i]["grads"])
@@ -241,7 +236,7 @@ def test_the_trainer_step_matches_one_process_and_planted_defects_are_caught():
         grad = max(max_rel(got[n], want[n]) for n in want)
         norm = max(abs(r[i]["norm"] - want_norm) / want_norm for r in results)
         loss = max(abs(r[i]["loss"] - (total / count).item()) / (total / count).item() for r in results)
-        print(f"{'FSDP2, ' if sharded else ''}{defect or 'no defect'}: gradients {grad:.1e}, norm {norm:.1e}, "
+        print(f"{schedule}{', FSDP2' if sharded else ''}, {defect or 'no defect'}: gradients {grad:.1e}, norm {norm:.1e}, "
               f"loss {loss:.1e}")
         if defect is None:
             assert grad < TOL and norm < TOL and loss < LOSS_TOL and want_norm > 0.5  # the clipping ran
@@ -295,8 +290,13 @@ def test_what_the_stages_do_not_compose_is_refused_by_name(change, subclass_loss
 def test_fsdp_inside_a_stage_refuses_what_it_does_not_compose():
     from hf_ring.pipeline.fsdp import stage_mesh
 
+    import hf_ring
+
     with pytest.raises(ValueError, match="True only with pp_size > 1"):
-        __import__("hf_ring").RingAttentionPlugin(cp_size=2, pp_fsdp=True)
+        hf_ring.RingAttentionPlugin(cp_size=2, pp_fsdp=True)
+    for schedule in ("InterleavedZeroBubble", "ZBVZeroBubble"):
+        with pytest.raises(NotImplementedError, match=f"pp_fsdp=True.*{schedule}' is not composed"):
+            hf_ring.RingAttentionPlugin(cp_size=2, pp_size=2, pp_schedule=schedule, pp_fsdp=True)
     with pytest.raises(NotImplementedError, match=r"tp_size=2 are not composed with it yet"):
         stage_mesh(_trainer(tp=2, world=8).ring_state, "cpu")
 
@@ -349,6 +349,7 @@ def test_the_example_refuses_what_the_stages_do_not_compose():
     assert (args.pp_microbatches, args.pp_schedule) == (2, "1F1B")
     assert finetune_llama_long.parse_args([*base, "--fsdp", "full_shard"]).fsdp == "full_shard"  # pp_fsdp
     for extra in (["--tp_size", "2"], ["--fsdp", "hybrid_shard"], ["--lora_r", "4"], ["--offload_checkpoints"],
-                  ["--save_steps", "2"], ["--cp_pattern", "ulysses"], ["--pp_microbatches", "3"]):
+                  ["--save_steps", "2"], ["--cp_pattern", "ulysses"], ["--pp_microbatches", "3"],
+                  ["--fsdp", "full_shard", "--pp_schedule", "InterleavedZeroBubble"]):
         with pytest.raises(SystemExit):
             finetune_llama_long.parse_args([*base, *extra])

@@ -28,6 +28,22 @@ from torch.distributed.fsdp import fully_shard
 from hf_ring.patterns.state import ContextParallelState
 
 
+# PyTorch's zero-bubble schedules split each backward into an input-gradient and a weight-gradient
+# action; with FSDP2 inside the stages the weight gradients of a rank's later stage came back wrong
+# after one step (torch 2.13, pp2 x cp2 InterleavedZeroBubble: every weight of rank 0's stage 2; its
+# stage 0 right): refused until understood. GPipe, 1F1B, Interleaved1F1B and LoopedBFS are exact.
+UNCOMPOSED_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble")
+
+
+def check_fsdp_schedule(schedule: str) -> None:
+    """Refuse FSDP2 inside the stages under a schedule it is not composed with."""
+    if schedule in UNCOMPOSED_SCHEDULES:
+        raise NotImplementedError(
+            f"FSDP2 inside pipeline stages (pp_fsdp=True) under pp_schedule={schedule!r} is not composed: with "
+            "PyTorch's split weight-gradient actions the sharded gradients of a rank's later stage came out wrong; "
+            "use 1F1B, Interleaved1F1B, GPipe or LoopedBFS, or pp_fsdp=False")
+
+
 def stage_mesh(state: ContextParallelState, device_type: str) -> DeviceMesh:
     """The stage's dp x cp ranks (its ``loss`` group) as a one-dimensional device mesh."""
     if state.mesh.dims.dp_replicate > 1 or state.tp_size > 1:
@@ -58,4 +74,4 @@ def shard_stages(stages: dict[int, Any], state: ContextParallelState, reshard_af
     return mesh
 
 
-__all__ = ["shard_stages", "stage_mesh"]
+__all__ = ["UNCOMPOSED_SCHEDULES", "check_fsdp_schedule", "shard_stages", "stage_mesh"]

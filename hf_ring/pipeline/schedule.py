@@ -156,7 +156,8 @@ class PipelineRunner:
         # A schedule's first step ends its set-up by setting every FSDP2 module's gradients to None
         # (torch 2.13: _post_metadata_inference_cleanup, static shapes too): a schedule built for a new
         # micro-batch shape in the middle of an accumulated step would drop the step's gradients so far.
-        # They are kept here and added back after the step (no copy: the cleanup only unsets .grad).
+        # They are kept here and added back after the step (no copy: the cleanup only unsets .grad); a
+        # release that leaves them lets FSDP2 accumulate into the same objects, which are then left alone.
         kept = {p: p.grad for stage in self.stages.values() for p in stage.parameters()
                 if p.grad is not None and isinstance(p.grad, DTensor)} if len(self._schedules) > built else {}
         self.loss.global_count = global_count
@@ -171,8 +172,11 @@ class PipelineRunner:
             run(*args, target=target, losses=losses if self.has_last else None, return_outputs=False, **kwargs)
         finally:
             self.loss.global_count = None
-            for p, grad in kept.items():
-                p.grad = grad if p.grad is None else p.grad.add_(grad)
+            for p, grad in kept.items():  # unset: put back; a new gradient: add; the same object: left as it is
+                if p.grad is None:
+                    p.grad = grad
+                elif p.grad is not grad:
+                    p.grad.add_(grad)
         return torch.stack(losses).sum() if self.has_last else None
 
     def step(self, batch: dict[str, Any], global_count: torch.Tensor) -> Optional[torch.Tensor]:
@@ -182,7 +186,8 @@ class PipelineRunner:
 
         Returns the sum of the micro-batches' loss shares on a rank holding the last stage
         (this CP shard's part of the step's loss), else None. Gradients accumulate in the
-        model's parameters (not reduced over dp x cp: the caller's wrapper or loop does)."""
+        model's parameters (not reduced over dp x cp: the caller's wrapper or loop does; under
+        the plugin's ``pp_fsdp`` FSDP2's reduce-scatter has summed them)."""
         return self._run(batch, global_count, training=True)
 
     def evaluate(self, batch: dict[str, Any]) -> Optional[torch.Tensor]:

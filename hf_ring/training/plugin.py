@@ -128,6 +128,10 @@ class RingAttentionPlugin:
         if not isinstance(self.pp_fsdp, bool) or (self.pp_fsdp and self.pp_size == 1):
             raise ValueError(f"pp_fsdp={self.pp_fsdp!r} shards the weights inside pipeline stages: a bool, True only "
                              "with pp_size > 1 (without PP, FSDP2 comes from TrainingArguments' fsdp)")
+        if self.pp_fsdp:
+            from hf_ring.pipeline.fsdp import check_fsdp_schedule
+
+            check_fsdp_schedule(self.pp_schedule)
         self._state: Optional[ContextParallelState] = None
 
     @classmethod
