@@ -33,8 +33,9 @@
   covers the batches of every data-parallel rank, not of their ``efsdp`` group), and the
   loss multiplier must match what each gradient is really divided by.
 
-Written for torch 2.13.0 (``Module.__init__`` and ``register_forward_hook`` were read
-there: ``_forward_hooks`` is an ``OrderedDict`` from handle id to hook). torch is not
+Written for torch 2.13.0 and read again on 2.14.1 (``Module.__init__`` and
+``register_forward_hook``: ``_forward_hooks`` is an ``OrderedDict`` from handle id to hook
+in both). torch is not
 refused by version here, since pyproject's range (``torch>=2.5``) is what hf_ring supports;
 instead each accessor checks that the attribute has the shape it was written for and
 raises ``UnsupportedTorchVersion`` otherwise.
@@ -53,7 +54,7 @@ from typing import Iterator
 import torch
 import torch.nn as nn
 
-WRITTEN_FOR = ("2.13.0",)
+WRITTEN_FOR = ("2.13.0", "2.14.1")
 
 
 class UnsupportedTorchVersion(RuntimeError):

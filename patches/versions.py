@@ -141,22 +141,23 @@ TESTED: dict[str, TestedRange] = {
     r.package: r
     for r in (
         # 4.57.x is the last 4.x and the oldest with the attention registry.
-        TestedRange("transformers", lowest="4.57.6", highest="5.24.0", lines=("4.57", "5"), floor="4.57.0",
+        TestedRange("transformers", lowest="4.57.6", highest="5.25.0", lines=("4.57", "5"), floor="4.57.0",
                     hint='pip install "transformers>=4.57,<6"', checked_by="hf_ring.patches.transformers",
                     role="patched (ring_flash registration, model hooks, CP token mixers) and read"),
-        TestedRange("accelerate", lowest="1.10.0", highest="1.15.0", checked_by="hf_ring.patches.accelerate",
+        TestedRange("accelerate", lowest="1.10.0", highest="1.16.0", checked_by="hf_ring.patches.accelerate",
                     role="data loaders fed per CP group, FSDP on CPU"),
         # hf_ring.training.trl also needs transformers >= 5.19 (checked there).
         TestedRange("trl", lowest="1.16.0", highest="1.16.0", hint='pip install "hf_ring[trl]" (trl>=1.16,<2)',
                     checked_by="hf_ring.patches.trl", role="hf_ring.trl's trainers"),
-        TestedRange("peft", lowest="0.21.2", highest="0.21.2", checked_by="hf_ring.patches.peft",
+        TestedRange("peft", lowest="0.21.2", highest="0.22.0", checked_by="hf_ring.patches.peft",
                     role="LoRA models: the head the chunked loss runs, TP adapter widths"),
         TestedRange("deepspeed", lowest="0.19.8", highest="0.19.8", hint='DS_BUILD_OPS=0 pip install "deepspeed>=0.19.8,<1"',
                     checked_by="hf_ring.patches.deepspeed", role="ZeRO-2/3 under CP"),
-        # pyproject admits torch >= 2.5; the suite runs on 2.13.0 only (the CPU build on disk).
+        # pyproject admits torch >= 2.5; the suite runs on 2.14.1 (newest leg, the CUDA build on
+        # disk, run on the CPU) and 2.13.0 (oldest leg, the CPU build on disk).
         # Nothing in hf_ring checks torch's version (pip applies pyproject's range); its
         # accessors (patches/torch.py) check each internal's shape.
-        TestedRange("torch", lowest="2.13.0", highest="2.13.0", floor="2.5.0",
+        TestedRange("torch", lowest="2.13.0", highest="2.14.1", floor="2.5.0",
                     role="required; forward hooks and FSDP2 internals read, shapes checked"),
     )
 }

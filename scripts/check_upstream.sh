@@ -6,8 +6,9 @@
 #   bash scripts/check_upstream.sh [--pre] [--dir DIR]
 #
 # Builds a virtual environment in DIR (default: a new temporary directory) with the newest
-# releases the registry serves (--pre: pre-releases too) on top of torch 2.13.0 (the CPU
-# build on this project's machines' disk; TORCH_SPEC overrides), installs hf_ring into it
+# releases the registry serves (--pre: pre-releases too) on top of the torch CI's newest leg
+# pins (.ci/constraints-newest.txt: 2.14.1, on this project's machines' disk; TORCH_SPEC
+# overrides), installs hf_ring into it
 # without dependencies, runs the tests that touch those packages and prints one line per
 # package: its version against the tested range, and the accessor, model family or test
 # that broke. Exits 1 when something broke.
@@ -30,7 +31,7 @@ echo "check_upstream: environment in ${VENV}"
 if [[ ! -x "${PY}" ]]; then
     "${PYTHON:-python3}" -m venv "${VENV}"
 fi
-"${PY}" -m pip install --quiet "${TORCH_SPEC:-torch==2.13.0}"
+"${PY}" -m pip install --quiet "${TORCH_SPEC:-$(grep '^torch==' "${ROOT}/.ci/constraints-newest.txt")}"
 # --upgrade only the packages named; torch stays (it satisfies every one's range).
 DS_BUILD_OPS=0 "${PY}" -m pip install --quiet --upgrade "${PRE[@]}" \
     transformers accelerate trl peft deepspeed datasets "pytest>=8" matplotlib packaging tqdm

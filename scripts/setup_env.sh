@@ -2,10 +2,10 @@
 # Creates (or reuses) the virtual environment .venv with hf_ring and what its tests and
 # examples need. Idempotent: a second run installs nothing new.
 #
-# PyTorch: 2.13.0 is pinned here because that is the CPU build this project's machines
-# carry on disk; on a GPU machine install the torch build for your CUDA first (an already
-# installed torch that satisfies pyproject's range is kept: only the first install below
-# applies the constraints file's torch pin).
+# PyTorch: the constraints file pins 2.14.1, the newest build this project's machines carry on
+# disk (a CUDA build, run on the CPU here); on a GPU machine install the torch build for your
+# CUDA first (an already installed torch that satisfies pyproject's range is kept: only the
+# first install below applies the constraints file's torch pin).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${HF_RING_VENV:-.venv}"
@@ -19,8 +19,9 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
-  echo "[setup] installing torch==2.13.0"
-  "$VENV/bin/python" -m pip install -q -c "$CONSTRAINTS" "torch==2.13.0"
+  torch_pin="$(grep '^torch==' "$CONSTRAINTS")"
+  echo "[setup] installing $torch_pin"
+  "$VENV/bin/python" -m pip install -q -c "$CONSTRAINTS" "$torch_pin"
 fi
 # Reinstalled when the constraints changed since this venv was built, or a package is missing.
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ] \

@@ -39,7 +39,7 @@ from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-WRITTEN_FOR = "5.24.0"  # the transformers release these tables were written against
+WRITTEN_FOR = "5.25.0"  # the transformers release these tables were written against
 SEQ = 32  # tokens per row in the sweep; windows and chunks below are shorter
 WINDOW = 8
 

@@ -44,19 +44,20 @@ def test_every_package_has_one_entry():
 
 
 @pytest.mark.parametrize("package,version", [
-    ("transformers", "4.57.6"), ("transformers", "5.24.0"), ("transformers", "5.3.0"),
-    ("accelerate", "1.10.0"), ("accelerate", "1.12.0"), ("accelerate", "1.15.0"),
-    ("trl", "1.16.0"), ("deepspeed", "0.19.8"), ("torch", "2.13.0+cpu"),
+    ("transformers", "4.57.6"), ("transformers", "5.24.0"), ("transformers", "5.25.0"), ("transformers", "5.3.0"),
+    ("accelerate", "1.10.0"), ("accelerate", "1.12.0"), ("accelerate", "1.16.0"),
+    ("trl", "1.16.0"), ("deepspeed", "0.19.8"), ("peft", "0.21.2"), ("peft", "0.22.0"),
+    ("torch", "2.13.0+cpu"), ("torch", "2.14.1"),
 ])
 def test_inside_the_tested_range_no_warning(no_warning_yet, package, version):
     assert _check(package, version) == []
 
 
 @pytest.mark.parametrize("package,version,tested", [
-    ("transformers", "5.25.0", "4.57.6 to 5.24.0"),
-    ("transformers", "5.25.0.dev0", "4.57.6 to 5.24.0"),
-    ("transformers", "4.57.1", "4.57.6 to 5.24.0"),
-    ("accelerate", "1.16.0", "1.10.0 to 1.15.0"),
+    ("transformers", "5.26.0", "4.57.6 to 5.25.0"),
+    ("transformers", "5.26.0.dev0", "4.57.6 to 5.25.0"),
+    ("transformers", "4.57.1", "4.57.6 to 5.25.0"),
+    ("accelerate", "1.17.0", "1.10.0 to 1.16.0"),
     ("trl", "1.17.0", "1.16.0"),
     ("trl", "1.99.0rc1", "1.16.0"),
     ("deepspeed", "0.19.9", "0.19.8"),
@@ -65,8 +66,8 @@ def test_inside_the_tested_range_no_warning(no_warning_yet, package, version):
     # its number alone).
     ("deepspeed", "0.20.0", "0.19.8"),
     ("deepspeed", "0.99.1", "0.19.8"),
-    ("peft", "0.21.3", "0.21.2"),
-    ("peft", "0.23.0", "0.21.2"),
+    ("peft", "0.22.1", "0.21.2 to 0.22.0"),
+    ("peft", "0.23.0", "0.21.2 to 0.22.0"),
 ])
 def test_newer_in_the_line_is_accepted_with_one_warning(no_warning_yet, package, version, tested):
     first = _check(package, version)
@@ -80,7 +81,7 @@ def test_newer_in_the_line_is_accepted_with_one_warning(no_warning_yet, package,
 
 def test_one_warning_per_package(no_warning_yet):
     assert len(_check("trl", "1.17.0")) == 1
-    assert len(_check("accelerate", "1.16.0")) == 1
+    assert len(_check("accelerate", "1.17.0")) == 1
     assert _check("trl", "1.18.0") == []
 
 
