@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from hf_ring.sharding.labels import IGNORE_INDEX
+from hf_ring.memory.chunked_loss_compiled import compiled_chunked_loss, register_labels
 from hf_ring.memory.lm_head import TURN_OFF, head_input_recorded, head_of
 from hf_ring.memory.vocab_parallel import VocabParallelCrossEntropy, VocabShard, vocab_shard_of
 from hf_ring.patches import deepspeed as deepspeed_patches
@@ -261,6 +262,30 @@ def chunked_token_loss_sum(
     return ChunkedLinearCrossEntropy.apply(flat_hidden, weight, bias, labels, chunk_tokens, transform, state, shard)
 
 
+@dataclass(frozen=True, eq=False)
+class _HeadLoss:
+    """The loss computed inside the head's call, where FSDP2 / ZeRO-3 hold its whole weight
+    (TP: this rank's rows). An object, not a closure: under torch.compile the head's call is
+    traced and guarded on what it calls (lm_head.HeadRecorder).
+    The labels reach a compiled head by handle only."""
+
+    shift_labels: torch.Tensor
+    chunk_tokens: int
+    transform: LogitTransform
+    labels_handle: torch.Tensor  # compiled, the op reads the labels by it (chunked_loss_compiled.py)
+
+    def __call__(self, hidden: torch.Tensor, head_linear: nn.Linear) -> torch.Tensor:
+        weight, bias = head_linear.weight, head_linear.bias
+        shard = vocab_shard_of(weight)
+        if shard is not None:
+            weight, bias = weight.to_local(), bias.to_local() if bias is not None else None
+        if torch.compiler.is_compiling():  # one custom op whose body is ChunkedLinearCrossEntropy
+            return compiled_chunked_loss(hidden, weight, bias, self.labels_handle, self.chunk_tokens,
+                                         self.transform, shard)
+        return chunked_token_loss_sum(hidden, self.shift_labels, weight, bias, chunk_tokens=self.chunk_tokens,
+                                      transform=self.transform, shard=shard)
+
+
 def model_token_loss_sum(
     model: Callable[..., Any],
     language_model: nn.Module,
@@ -283,6 +308,9 @@ def model_token_loss_sum(
         NotImplementedError: a model whose logits cannot be recomputed exactly by chunks
             (the message says how to turn chunking off).
     """
+    if isinstance(language_model, torch._dynamo.eval_frame.OptimizedModule):
+        # torch_compile=True beside FSDP2: the Trainer's model is the compiled FSDP2 module.
+        language_model = language_model._orig_mod
     language_model = peft_patches.base_model(language_model)
     attr, head, linear = head_of(language_model)
     transform = LogitTransform.of_model(language_model, attr)
@@ -290,15 +318,7 @@ def model_token_loss_sum(
         raise ValueError(f"chunked loss: logits_to_keep={kwargs['logits_to_keep']!r}; the loss needs every token's logits")
     chunk_tokens = config.rows_per_chunk(linear.out_features)  # the weight's shape: a partition under ZeRO-3
 
-    def loss(hidden: torch.Tensor, head_linear: nn.Linear) -> torch.Tensor:
-        # Inside the head's call: FSDP2 / ZeRO-3 hold its whole weight here (TP: this rank's rows).
-        weight, bias = head_linear.weight, head_linear.bias
-        shard = vocab_shard_of(weight)
-        if shard is not None:
-            weight, bias = weight.to_local(), bias.to_local() if bias is not None else None
-        return chunked_token_loss_sum(hidden, shift_labels, weight, bias, chunk_tokens=chunk_tokens,
-                                      transform=transform, shard=shard)
-
+    loss = _HeadLoss(shift_labels, chunk_tokens, transform, register_labels(shift_labels))
     with head_input_recorded(head, linear, loss) as recorded:
         outputs = model(**kwargs)
     if len(recorded) != 1:

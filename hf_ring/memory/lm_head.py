@@ -89,6 +89,33 @@ class SkippedHead(torch.autograd.Function):
         return None, None, None
 
 
+# Where a head keeps its recorder between calls (its instance __dict__, not a submodule).
+_RECORDER = "_hf_ring_head_recorder"
+
+
+class HeadRecorder:
+    """The head's forward while the loss is recorded: one object per head, kept across calls
+    and given each call's loss, linear and list. Under ``torch.compile`` the head's forward is
+    traced, and the compiled graph is guarded on that forward's identity: a new function each
+    call (a closure) recompiled the graph after the head at every step, and after 8 steps
+    dynamo gave up compiling it. ``loss`` must itself be an object whose class defines
+    ``__call__`` (a closure would be new each call again)."""
+
+    def __init__(self) -> None:
+        self.loss: Optional[Callable[[torch.Tensor, nn.Linear], torch.Tensor]] = None
+        self.linear: Optional[nn.Linear] = None
+        self.recorded: Optional[list[torch.Tensor]] = None
+
+    def open(self, loss, linear, recorded) -> None:
+        self.loss, self.linear, self.recorded = loss, linear, recorded
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recorded is None:
+            raise RuntimeError("the chunked loss's recorder of the LM head ran outside model_token_loss_sum")
+        self.recorded.append(self.loss(x, self.linear))
+        return SkippedHead.apply(x, self.linear.weight, self.linear.bias)
+
+
 @contextlib.contextmanager
 def head_input_recorded(
     head: nn.Module, linear: nn.Linear, loss: Callable[[torch.Tensor, nn.Linear], torch.Tensor]
@@ -102,17 +129,17 @@ def head_input_recorded(
     graph. DDP with ``find_unused_parameters=True`` (the Trainer's default without gradient
     checkpointing) would otherwise take the weight for unused, mark it ready after the
     forward, and fail when the chunks' backward reaches it."""
+    recorder = vars(head).get(_RECORDER)
+    if recorder is None:
+        recorder = vars(head)[_RECORDER] = HeadRecorder()
     recorded: list[torch.Tensor] = []
-
-    def record(x: torch.Tensor) -> torch.Tensor:
-        recorded.append(loss(x, linear))
-        return SkippedHead.apply(x, linear.weight, linear.bias)
-
     installed = vars(head).get("forward")  # tensor parallelism's, put back after
-    head.forward = record
+    recorder.open(loss, linear, recorded)
+    head.forward = recorder
     try:
         yield recorded
     finally:
+        recorder.open(None, None, None)
         if installed is not None:
             head.forward = installed
         else:
