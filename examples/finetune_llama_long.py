@@ -166,6 +166,8 @@ def build_parser(description: Optional[str] = __doc__) -> argparse.ArgumentParse
     p.add_argument("--torch_compile", action="store_true",
                    help="compile the model (TrainingArguments(torch_compile=True), inductor); under CP each "
                         "attention layer's ring is one custom op in the compiled graph (docs/performance.md)")
+    p.add_argument("--torch_compile_backend", default="inductor",
+                   help="--torch_compile: the torch.compile backend (aot_eager: the same graphs without code generation)")
     p.add_argument("--fsdp", default=None, choices=list(FSDP_MODES),
                    help="shard the weights with FSDP2: full_shard over every dp x cp process, or "
                         "hybrid_shard (HSDP: shard over the CP group, replicate over dp); with --pp_size > 1, "
@@ -324,6 +326,11 @@ def refuse_memory_options(parser: argparse.ArgumentParser, args: argparse.Namesp
 
 def training_arguments(args: argparse.Namespace) -> TrainingArguments:
     evaluate = evaluates(args) and args.eval_steps > 0
+    if args.torch_compile and args.fsdp:
+        # FSDP2 splits a whole compiled model at every unit's hooks: compile each decoder layer (Accelerate's
+        # regional compilation, torchtitan's recipe), as hf_ring requires under CP (docs/performance.md). Set,
+        # not defaulted: accelerate launch always passes its own (False unless configured).
+        os.environ["ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION"] = "1"
     return TrainingArguments(
         output_dir=args.output_dir,
         max_steps=args.max_steps,
@@ -344,6 +351,7 @@ def training_arguments(args: argparse.Namespace) -> TrainingArguments:
         ddp_find_unused_parameters=False,  # every parameter is used: spare DDP the graph walk
         disable_tqdm=args.disable_tqdm,
         torch_compile=args.torch_compile,
+        torch_compile_backend=args.torch_compile_backend if args.torch_compile else None,
         **fsdp_training_arguments(args.fsdp if args.pp_size == 1 else None, args.cp_size),  # PP: the plugin's pp_fsdp
         deepspeed=args.deepspeed,
     )

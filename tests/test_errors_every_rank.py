@@ -8,7 +8,9 @@ transport's "connection closed by peer"). Then the case users met: ``RingTrainer
 rank 1's collator shards for rank 0, and both ranks raise the collator error. Last, a LoRA
 model whose base carries the markers transformers sets when it loads one with bitsandbytes
 4-bit (``is_quantized``, ``quantization_method``, ``is_loaded_in_4bit``, ``hf_quantizer``,
-``config.quantization_config``), on rank 1 only: QLoRA under CP is refused on both ranks.
+``config.quantization_config``), on rank 1 only: QLoRA under CP is refused on both ranks; and
+``torch_compile=True`` beside gradient checkpointing, and beside FSDP2 with the whole model
+compiled, is refused on both.
 """
 
 from __future__ import annotations
@@ -17,8 +19,13 @@ import os
 
 import torch
 
-from distributed import free_port, run_world
 import pytest
+import transformers
+from packaging.version import Version
+
+from distributed import free_port, run_world
+
+TRANSFORMERS_5 = Version(transformers.__version__) >= Version("5")
 
 pytestmark = pytest.mark.quick  # in the 5-minute check (docs/testing.md)
 
@@ -100,6 +107,14 @@ def _rank_main(rank: int, world: int, tmp: str, port: int) -> dict:
     except NotImplementedError as e:
         out["compiled"] = str(e)
     try:
+        # FSDP2 with the whole model compiled: refused, pointing to per-layer (regional) compilation.
+        from hf_ring.training.weight_sharding import fsdp_training_arguments
+        _trainer(tmp, _tiny_ring_llama(), hf_ring.RingDataCollator(0, cp_size=2, cp_rank=rank), torch_compile=True,
+                 ddp_find_unused_parameters=False, **fsdp_training_arguments("full_shard", 2, world))
+        out["compiled_fsdp"] = "no error"
+    except NotImplementedError as e:
+        out["compiled_fsdp"] = str(e)
+    try:
         _quantised_lora_on_rank_one(rank, tmp)
         out["quantised"] = "no error"
     except NotImplementedError as e:
@@ -116,6 +131,9 @@ def test_one_ranks_refusal_is_raised_on_every_rank(tmp_path):
     for r in ranks:  # refused where every rank sees it, so on every rank at once
         assert "TrainingArguments(torch_compile=True) under context parallelism" in r["compiled"], r["compiled"]
         assert "not with gradient_checkpointing=True" in r["compiled"], r["compiled"]
+        if TRANSFORMERS_5:  # FSDP2 through TrainingArguments (on 4.x refused before, by weight_sharding)
+            assert "FSDP2 with the whole model compiled" in r["compiled_fsdp"], r["compiled_fsdp"]
+            assert "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION=1" in r["compiled_fsdp"], r["compiled_fsdp"]
     refusal = ranks[1]["quantised"]
     for words in ("quantization_method='bitsandbytes'", "is_loaded_in_4bit", "not tested under context parallelism",
                   "cp_size=2", "cp_size=1", "load it unquantised"):

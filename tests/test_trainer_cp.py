@@ -13,7 +13,8 @@ accumulation 2), so all of them must log the same losses:
 
 The passkey data masks the prompt, so most shards hold no valid label (nothing may be NaN).
 Equal losses at every step after 8 AdamW steps also mean equal gradients. A packed variant
-(cp 2 against cp 1) and a resume from a checkpoint complete the picture.
+(cp 2 against cp 1) and a resume from a checkpoint complete the picture, and ``--torch_compile``
+at cp 2 (padded under DDP, packed under FSDP2) logs what the eager runs log.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import warm_launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "finetune_llama_long.py")
+COMPILE_DRIVER = os.path.join(ROOT, "tests", "compile_trainer_run.py")
 # FSDP2 on CPU through accelerate launch needs transformers 5 (hf_ring.training.weight_sharding).
 NEEDS_FSDP2 = pytest.mark.skipif(Version(transformers.__version__) < Version("5"), reason="FSDP2 needs transformers 5")
 STEPS = 8
@@ -66,17 +68,21 @@ def _run(nproc: int, script: list[str], launch: tuple[str, ...] = ("--multi_gpu"
 
 
 def _launch(nproc: int, out_dir: str, args: list[str], expect: tuple[str, ...] = (),
-            launch: tuple[str, ...] = ("--multi_gpu",)) -> dict:
-    """Run the example on ``nproc`` processes; return its trainer_state.json. ``expect``: lines
-    its output must contain (which code path ran)."""
-    log = _run(nproc, [EXAMPLE, "--output_dir", out_dir, *COMMON, *args], launch)
+            launch: tuple[str, ...] = ("--multi_gpu",), script: str = EXAMPLE) -> dict:
+    """Run the example (or ``script``, a driver around it) on ``nproc`` processes; return its
+    trainer_state.json, and a driver's output under ``"_log"``. ``expect``: lines its output
+    must contain (which code path ran)."""
+    log = _run(nproc, [script, "--output_dir", out_dir, *COMMON, *args], launch)
     # Every process reports where it sits in the dp x cp grid: proof that nproc really ran.
     ranks = re.findall(rf"\[hf_ring\] rank (\d+)/{nproc} \(dist_backend", log)
     assert sorted(map(int, ranks)) == list(range(nproc)), log[-3000:]
     for line in expect:
         assert line in log, (line, log[-3000:])
     with open(os.path.join(out_dir, "trainer_state.json")) as f:
-        return json.load(f)
+        state = json.load(f)
+    if script != EXAMPLE:
+        state["_log"] = log
+    return state
 
 
 def _losses(state: dict) -> dict[int, float]:
@@ -173,6 +179,15 @@ def runs(tmp_path_factory):
                     "mix_cp2_by_length": (2, [*on_mix, *by_length, "--cp_size", "2"]),
                     "mix_tp2_cp2_by_length": (4, [*on_mix, *by_length, "--cp_size", "2", "--tp_size", "2"]),
                     "mix_cp2_auto": (2, [*on_mix, "--cp_placement", "auto", "--cp_size", "2"])})
+    # --torch_compile (aot_eager: inductor's graphs without its code generation, ~10 s a compile
+    # on 2 cores; tests/test_compile_cp.py runs inductor) through tests/compile_trainer_run.py,
+    # which fails a run that dynamo recompiles past its limit and reports the custom ops' calls.
+    # Packed at cp 2 beside FSDP2, compiled layer by layer (the example's --fsdp sets it).
+    compile_flags = ["--torch_compile", "--torch_compile_backend", "aot_eager", "--per_device_train_batch_size", "2"]
+    configs.update({"compiled_cp1": (1, compile_flags), "compiled_cp2": (2, [*compile_flags, "--cp_size", "2"]),
+                    "compiled_packed_cp2_fsdp": (2, [*compile_flags, "--packing", "--cp_size", "2",
+                                                     "--fsdp", "full_shard"])})
+    scripts = {name: COMPILE_DRIVER for name in configs if name.startswith("compiled_")}
     # What proves the run took the path it names (beside the ranks every launch checks).
     # Beside TP the loss is chunked on each TP rank's vocabulary rows (memory/vocab_parallel.py).
     expect = {name: ("gradients: fsdp2 mesh (2,) over 2 processes", "cp_rank 1/2, tp_rank 1/2",
@@ -186,6 +201,9 @@ def runs(tmp_path_factory):
     expect["mix_tp2_cp2_by_length"] = (*placed, "gradients: fsdp2 mesh (2,) over 2 processes", "tp_rank 1/2")
     expect["mix_cp2_auto"] = ("kernel auto, placement auto", "[hf_ring] placement auto: ")
     expect["launch_cp2"] = ("gradients: fsdp2 mesh (2,) over 2 processes", "cp_rank 1/2, layout zigzag")
+    expect["compiled_cp2"] = ("gradients: ddp over 2 processes", "chunked loss on (weights sharded by: none)")
+    expect["compiled_packed_cp2_fsdp"] = ("gradients: fsdp2 mesh (2,) over 2 processes",
+                                          "chunked loss on (weights sharded by: fsdp2)")
     for name in ("file_cp1", "file_cp2"):
         expect[name] = ("37 documents, ", "truncated to --seq_len 256; eval: 4 documents")
 
@@ -193,7 +211,8 @@ def runs(tmp_path_factory):
         if name not in cache:
             nproc, args = configs[name]
             out = str(tmp_path_factory.mktemp(name))
-            cache[name] = _launch(nproc, out, args, expect.get(name, ()), launch.get(name, ("--multi_gpu",)))
+            cache[name] = _launch(nproc, out, args, expect.get(name, ()), launch.get(name, ("--multi_gpu",)),
+                                  scripts.get(name, EXAMPLE))
             cache[name]["_output_dir"] = out
         return cache[name]
 
@@ -288,6 +307,42 @@ def test_rows_placed_by_length_log_what_cp1_logs(runs, name):
     reason="transformers 4.x resumes a multi-process run with torch.load(map_location=args.device), "
     "which is 'cpu:0' on CPU and which torch cannot restore; any DDP run on CPU fails there, CP or not",
 )
+def _compile_reports(state: dict, nproc: int) -> list[dict]:
+    reports = re.findall(r"\[compile_trainer_run\] rank (\d+): (\{.*?\})", state["_log"])
+    assert sorted(int(rank) for rank, _ in reports) == list(range(nproc)), state["_log"][-3000:]
+    return [json.loads(report) for _, report in reports]
+
+
+# compiled run at cp 2: (the eager run at cp 2, the run at cp 1) it must log. The compiled cp 1
+# run is launched for padded rows only (~30 s a compiled launch); packed, cp 1 is the eager run.
+COMPILED = {"compiled_cp2": ("cp2", "compiled_cp1"), "compiled_packed_cp2_fsdp": ("packed_cp2", "packed_cp1")}
+
+
+# FSDP2 through TrainingArguments needs transformers 5; the padded run, like tests/test_compile_cp.py,
+# runs on the newest leg only (the oldest leg's share of the budget: ~1 minute a compiled launch there).
+@pytest.mark.skipif(Version(transformers.__version__) < Version("5"),
+                    reason="torch.compile under CP is checked on the newest leg (FSDP2 there needs transformers 5)")
+@pytest.mark.parametrize("name", list(COMPILED))
+def test_torch_compile_at_cp2_logs_what_eager_cp2_and_compiled_cp1_log(runs, name):
+    """--torch_compile at cp 2 (TrainingArguments(torch_compile=True) in RingTrainer, under DDP on
+    padded rows, under FSDP2 on packed ones, the chunked loss on): 8 steps' training loss, gradient
+    norm and eval loss within 1e-4 (the Trainer parity tolerance) of the eager cp 2 run's and of
+    the cp 1 run's. Not a run that fell back to eager: every training forward ran the ring's op
+    in each of the 2 attention layers and the chunked loss's op once (eager forwards call
+    neither), and no frame was recompiled past dynamo's limit (the driver fails the run then)."""
+    eager, cp1 = COMPILED[name]
+    got = runs(name)
+    _assert_same_logs(got, runs(eager), f"{name} against {eager}")
+    _assert_same_logs(got, runs(cp1), f"{name} against {cp1}")
+    forwards = STEPS * 2  # gradient accumulation 2; under FSDP2 the evaluations run compiled too
+    for report in _compile_reports(got, 2):
+        assert report["steps"] == STEPS and report["loss_op_calls"] >= forwards, report
+        assert report["ring_op_calls"] == 2 * report["loss_op_calls"], report
+    if cp1.startswith("compiled_"):
+        for report in _compile_reports(runs(cp1), 1):  # sdpa, unchunked: dynamo compiled graphs
+            assert report["steps"] == STEPS and report["graphs"] >= 1 and report["ring_op_calls"] == 0, report
+
+
 def test_resume_from_checkpoint(runs, tmp_path):
     """Resuming the CP run from its step-4 checkpoint logs the same steps 5-8."""
     full = runs("cp2")
