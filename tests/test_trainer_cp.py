@@ -302,11 +302,6 @@ def test_rows_placed_by_length_log_what_cp1_logs(runs, name):
     assert any("eval_loss" in e for e in got["log_history"])
 
 
-@pytest.mark.skipif(
-    Version(transformers.__version__) < Version("5"),
-    reason="transformers 4.x resumes a multi-process run with torch.load(map_location=args.device), "
-    "which is 'cpu:0' on CPU and which torch cannot restore; any DDP run on CPU fails there, CP or not",
-)
 def _compile_reports(state: dict, nproc: int) -> list[dict]:
     reports = re.findall(r"\[compile_trainer_run\] rank (\d+): (\{.*?\})", state["_log"])
     assert sorted(int(rank) for rank, _ in reports) == list(range(nproc)), state["_log"][-3000:]
@@ -343,6 +338,11 @@ def test_torch_compile_at_cp2_logs_what_eager_cp2_and_compiled_cp1_log(runs, nam
             assert report["steps"] == STEPS and report["graphs"] >= 1 and report["ring_op_calls"] == 0, report
 
 
+@pytest.mark.skipif(
+    Version(transformers.__version__) < Version("5"),
+    reason="transformers 4.x resumes a multi-process run with torch.load(map_location=args.device), "
+    "which is 'cpu:0' on CPU and which torch cannot restore; any DDP run on CPU fails there, CP or not",
+)
 def test_resume_from_checkpoint(runs, tmp_path):
     """Resuming the CP run from its step-4 checkpoint logs the same steps 5-8."""
     full = runs("cp2")
