@@ -27,6 +27,9 @@ or a slow compile in one still lets the others run:
 6. placement (gpu_placement.py): issue 50's side by side, ``sharded`` / ``by_length`` /
    ``auto`` on placement.py's four mixes, virtual ranks at cp 8 on rows of 32768 tokens
    (``--quick``: 16384), Llama-3-8B's attention shape (32 / 8 heads of 128), bf16.
+7. compile (gpu_compile.py): a ring_flash Llama's training step on a packed row of 8192
+   tokens (the ring's varlen path without a group), eager against each decoder layer
+   compiled with inductor, and the compiled step's loss and gradients against eager's.
 
 As soon as correctness ends, prints one ``PASS`` / ``FAIL`` / ``SKIP`` (not runnable here,
 and why) line per backend and writes them to the JSON report (--out, rewritten after each
@@ -59,6 +62,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_HERE, os.path.dirname(_HERE)]
 import gpu_check_budget as budgets  # noqa: E402
 import gpu_check_kernels as kernels  # noqa: E402
+import gpu_compile  # noqa: E402
 import gpu_patterns  # noqa: E402
 import gpu_placement  # noqa: E402
 import ring_efficiency as bench  # noqa: E402
@@ -344,6 +348,7 @@ def _run(a: argparse.Namespace, budget: budgets.Budget) -> int:
         "placement": lambda dl, res: gpu_placement.placement(
             device, [n for n in report["auto_order"] if n in names] or names, dl, res,
             repeats=min(3, sizes["repeats"]), **sizes["placement"]),
+        "compile": lambda dl, res: gpu_compile.compiled_step(device, a.dry_run_cpu, dl, res, sizes["repeats"]),
     }
     skip = tuple(a.skip)
     for section, fn in sections.items():
@@ -368,7 +373,9 @@ def _run(a: argparse.Namespace, budget: budgets.Budget) -> int:
     report["seconds"] = time.monotonic() - budget.start
     _write(report, a.out)
     _print_verdicts(report)
-    failed = any(v.startswith("FAIL") for v in report["verdicts"].values()) or "error" in correctness
+    compiled = report.get("compile", {})  # a compiled step that differs from eager, or lost its ring op, fails
+    failed = (any(v.startswith("FAIL") for v in report["verdicts"].values()) or "error" in correctness
+              or compiled.get("pass") is False or "error" in compiled)
     print(f"gpu_check: {'FAIL' if failed else 'PASS'} in {report['seconds']:.0f}s (budget {budget.total_s:.0f}s); "
           f"report in {a.out}", flush=True)
     return 1 if failed else 0

@@ -100,7 +100,9 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     assert any(line.startswith("backend='auto' order here:") for line in lines)
     report = json.loads(out.read_text())
     assert not any("error" in report[s] or "interrupted" in report[s]
-                   for s in ("correctness", "throughput", "efficiency", "patterns", "overlap", "placement"))
+                   for s in ("correctness", "throughput", "efficiency", "patterns", "overlap", "placement", "compile"))
+    # The compiled step (gpu_compile.py, aot_eager here): equal to eager, the ring's op in both layers.
+    assert report["compile"]["pass"] and report["compile"]["op_calls_per_forward"] == 2, report["compile"]
     # Issue 50's side by side: every mix under every placement, each equal to one process.
     placed = report["placement"]["rows"]
     assert {(r["mix"], r["placement"]) for r in placed} == {(m, p) for m in ("short", "five", "long_tail", "one_long")
