@@ -50,11 +50,26 @@ def _set(var: ContextVar, value) -> Iterator[None]:
         var.reset(token)
 
 
+@torch.compiler.disable
+def _refuse_compiled(module: nn.Module, context: ForwardContext) -> None:
+    """Raise, at run time, for a routed layer (or carrier) that dynamo traced. Called only from
+    traced code: a ``raise`` there is not an error to dynamo but a graph break, after which the
+    frame ran uncompiled and the refusal never fired (the layers' mixers then ran eagerly
+    between compiled graphs); a disabled function's call runs, and its error reaches the caller."""
+    raise NotImplementedError(
+        f"{type(module).__name__} under torch.compile {_where(context)}: hf_ring's token-mixer ops (convolution "
+        "halo, recurrent state exchange) are not custom ops yet (their layer reaches them through context "
+        "variables, which dynamo does not trace); run this model uncompiled"
+    )
+
+
 def run_carrier(original, module: nn.Module, *args, **kwargs):
     """The carrier's forward: hands its context to the mixers it calls without it."""
     context = _routing(kwargs)
     if context is None:
         return original(module, *args, **kwargs)
+    if torch.compiler.is_compiling():
+        _refuse_compiled(module, context)
     # A carrier that is a checkpointed layer itself (Jamba's) reruns with its kwargs; a base
     # model (Mamba's) runs checkpointed blocks that get none.
     if isinstance(module, PreTrainedModel) and module.is_gradient_checkpointing and module.training \
@@ -89,11 +104,7 @@ def run_layer(original, module: nn.Module, *args, **kwargs):
     the whole rows are handed to it: :func:`run_conv`, the delta rule's runner), and makes its
     context the active one."""
     if torch.compiler.is_compiling() and _routing(kwargs) is not None:
-        # Traced, the mixers' CP ops would put their state exchanges in the graph: not a boundary yet.
-        raise NotImplementedError(
-            f"{type(module).__name__} under torch.compile {_where(_routing(kwargs))}: hf_ring's token-mixer ops "
-            "(convolution halo, recurrent state exchange) are not custom ops yet; run this model uncompiled"
-        )
+        _refuse_compiled(module, _routing(kwargs))
     context = _routing(kwargs) or _CARRIED.get()
     if context is None:
         return original(module, *args, **kwargs)
