@@ -1,6 +1,6 @@
 """The chunked LM-head loss under ``torch.compile``, in one process (no CP: chunking forced on).
 
-``model_token_loss_sum`` on a compiled tiny Llama, four steps of other sequence lengths,
+``model_token_loss_sum`` on a compiled tiny Llama, three steps of other sequence lengths,
 against the same call on an uncompiled copy: the loss and every gradient equal within 1e-6
 relative (measured 0: the op's body is the eager autograd Function and ``aot_eager`` runs
 the same aten ops around it; the bound leaves room for a reordered float32 sum, not for a
@@ -22,7 +22,7 @@ from closeness import grads, rel_err
 from test_hf_attention import VOCAB, tiny_config, tiny_model
 
 TOL = 1e-6
-LENGTHS = (16, 12, 20, 24)  # the second changes the length (one recompile), the rest compile nothing
+LENGTHS = (16, 12, 20)  # the second changes the length (one recompile), the third compiles nothing
 
 
 def _step(model, params, ids, labels):
@@ -43,7 +43,7 @@ def test_compiled_chunked_loss_equals_eager_and_compiles_once_per_shape_kind():
 
     torch._dynamo.reset()
     counters.clear()
-    config = tiny_config("llama", num_hidden_layers=2)
+    config = tiny_config("llama", num_hidden_layers=1)
     model, eager = (tiny_model(config, "sdpa", seed=3).train() for _ in range(2))
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(model, backend=counter)
@@ -62,7 +62,7 @@ def test_compiled_chunked_loss_equals_eager_and_compiles_once_per_shape_kind():
         assert set(errors) == set(want_grads) and max(errors.values()) <= TOL, errors
         frames.append(counter.frame_count)
         assert not counters["graph_break"], dict(counters["graph_break"])  # one graph per compiled frame
-    assert frames == [1, 2, 2, 2], frames
+    assert frames == [1, 2, 2], frames
     with torch.no_grad():  # evaluation: the op runs without recording a tape
         from hf_ring.memory.chunked_loss import ChunkedLossConfig, model_token_loss_sum
 
