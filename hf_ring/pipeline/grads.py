@@ -19,6 +19,7 @@ from typing import Iterable
 
 import torch
 import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor
 
 from hf_ring.patterns.state import ContextParallelState
@@ -39,8 +40,16 @@ def reduce_stage_gradients(parameters: Iterable[torch.nn.Parameter], state: Cont
     Under FSDP2 inside the stages nothing is left to do: their reduce-scatter summed them."""
     grads = [p.grad for p in parameters if p.grad is not None]
     if state.loss_size > 1 and not _sharded(grads):
+        # One collective per dtype and device, not one per parameter: a sum is elementwise, so the
+        # flat bucket gives each gradient what its own all-reduce would.
+        buckets: dict[tuple, list[torch.Tensor]] = {}
         for g in grads:
-            dist.all_reduce(g, group=state.loss_group)
+            buckets.setdefault((g.dtype, g.device), []).append(g)
+        for bucket in buckets.values():
+            flat = _flatten_dense_tensors(bucket)
+            dist.all_reduce(flat, group=state.loss_group)
+            for g, summed in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                g.copy_(summed)
 
 
 def pipeline_grad_norm(parameters: Iterable[torch.nn.Parameter], state: ContextParallelState) -> torch.Tensor:
