@@ -253,10 +253,11 @@ def _in_quarters(original, along: tuple[str, ...], dim: int, calls: list):
     """``original`` run on each quarter of the sequence from a zero state (what a CP op that
     passes no state between the 4 zigzag chunks of cp 2 would compute). On transformers 5.25
     ``original`` is a ``kernels`` ``Func`` module taking ``(*args, **kwargs)``: the arguments
-    are named by the function it calls."""
-    from hf_ring.patches.transformers.mixers import _function_of
+    are named by the function it calls. Once a ring_flash model of the family was built in
+    this process, ``original`` is hf_ring's router around that name: read through it."""
+    from hf_ring.patches.transformers.mixers import _function_of, _unwrapped
 
-    function = _function_of(original) or original
+    function = _function_of(_unwrapped(original)) or original
     signature = inspect.signature(function)
 
     def cut(*args, **kwargs):
