@@ -2,8 +2,8 @@
 
 ``TrainingArguments(torch_compile=True)``: ``RingTrainer``'s check
 (``trainer_checks._check_compile_under_cp``) on a trainer that names each unchecked
-composition in turn, and on the checked ones (DDP, FSDP2 compiled layer by layer), which
-must pass: the refusal is raised alike on every rank (tests/test_errors_every_rank.py
+composition in turn, and on the checked ones (DDP, FSDP2 compiled layer by layer; every
+pattern; placement by length and auto), which must pass: the refusal is raised alike on every rank (tests/test_errors_every_rank.py
 shows two of them there). ``torch.compile(model)`` by hand on a model with token mixers (a
 packed row without CP routes them as CP does): dynamo took the refusal raised in the traced
 layer for a graph break and ran the frame uncompiled, so nothing was refused; it is now
@@ -39,10 +39,6 @@ def _state(**over) -> SimpleNamespace:
 
 
 CASES = {  # name: (trainer, state, words the refusal must say)
-    "hybrid pattern": (_trainer(), _state(pattern="hybrid"), "pattern='hybrid'"),
-    "auto pattern": (_trainer(), _state(pattern="auto"), "pattern='auto'"),
-    "placed by length": (_trainer(), _state(placement="by_length"), "placement='by_length'"),
-    "placement auto": (_trainer(), _state(placement="auto"), "placement='auto'"),
     "tensor parallelism": (_trainer(), _state(tp_size=2), "tensor parallelism (tp_size=2)"),
     "gradient checkpointing": (_trainer(gradient_checkpointing=True), _state(), "gradient_checkpointing=True"),
     "DDP's unused-parameter search": (_trainer(ddp_find_unused_parameters=None), _state(),
@@ -67,9 +63,10 @@ def test_each_unchecked_composition_is_refused_by_name(case):
 @pytest.mark.parametrize("trainer", [_trainer(), _trainer(is_fsdp_enabled=True, regional=True)],
                          ids=["DDP", "FSDP2 by layer"])
 def test_the_checked_compositions_pass(trainer):
-    _check_compile_under_cp(trainer, _state())
-    _check_compile_under_cp(trainer, _state(pattern="allgather"))
-    _check_compile_under_cp(trainer, _state(pattern="ulysses"))
+    for pattern in ("ring", "allgather", "ulysses", "hybrid", "auto"):  # tests/test_compile_cp.py
+        _check_compile_under_cp(trainer, _state(pattern=pattern))
+    for placement in ("by_length", "auto"):
+        _check_compile_under_cp(trainer, _state(placement=placement))
 
 
 NEEDS_ROUTED_MIXERS = pytest.mark.skipif(release_line(__import__("transformers").__version__) != "5",
