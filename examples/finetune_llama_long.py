@@ -287,8 +287,8 @@ def _check_pipeline_flags(parser: argparse.ArgumentParser, args: argparse.Namesp
         (f"--fsdp full_shard under --pp_schedule {args.pp_schedule}",
          args.fsdp == "full_shard" and args.pp_schedule in ("InterleavedZeroBubble", "ZBVZeroBubble")),
         ("--deepspeed", args.deepspeed), ("--lora_r", args.lora_r), ("--offload_checkpoints", args.offload_checkpoints),
-        ("--tiled_mlp", args.tiled_mlp), ("--torch_compile", args.torch_compile), ("--save_steps", args.save_steps),
-        ("--resume_from_checkpoint", args.resume_from_checkpoint), ("--generate_eval", args.generate_eval),
+        ("--tiled_mlp", args.tiled_mlp), ("--torch_compile", args.torch_compile),  # --save_steps, resuming: composed
+        ("--generate_eval", args.generate_eval),
         ("--moe_experts", args.moe_experts), ("--tie_word_embeddings", args.tie_word_embeddings),
         ("--chunked_loss on", args.chunked_loss == "on"), ("--stock_trainer", args.stock_trainer),
         ("--cp_pattern " + args.cp_pattern, args.cp_pattern != "ring"),

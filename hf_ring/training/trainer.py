@@ -19,7 +19,8 @@ What changes against the stock Trainer, and why:
 
 Works with transformers 4.57 and 5.x (it overrides only public or long-stable methods:
 ``compute_loss``, ``get_batch_samples``, ``prediction_step``, and in the base
-``evaluation_loop``, ``get_total_train_batch_size``, ``save_model``). The Trainer's and the
+``evaluation_loop``, ``get_total_train_batch_size``, ``save_model``; under pipeline
+parallelism the checkpoint steps, :mod:`hf_ring.training.pp.checkpoint`). The Trainer's and the
 config's private attributes it needs are read through :mod:`hf_ring.patches.transformers`,
 which checks them against the versions it was written for.
 """
@@ -48,6 +49,7 @@ from hf_ring.training.loss import (
 )
 from hf_ring.training.collator import RingCollatorConfig
 from hf_ring.training.plugin import RingAttentionPlugin
+from hf_ring.training.pp.checkpoint import PipelineCheckpoints
 from hf_ring.training.pp.trainer import TrainerPipeline
 from hf_ring.training.trainer_base import RingTrainerBase
 from hf_ring.patches import transformers as transformers_patches
@@ -76,7 +78,7 @@ def _model_inputs(inputs: dict[str, Any], config: Any) -> tuple[dict[str, Any], 
     return kwargs, shift_labels
 
 
-class RingTrainer(RingTrainerBase, Trainer):
+class RingTrainer(PipelineCheckpoints, RingTrainerBase, Trainer):
     """``transformers.Trainer`` for context-parallel training.
 
     Args:
@@ -148,6 +150,7 @@ class RingTrainer(RingTrainerBase, Trainer):
             raise_together(self._build_pipeline)
 
     def _build_pipeline(self) -> None:
+        transformers_patches.check_checkpoint_methods(Trainer)  # the checkpoint steps PipelineCheckpoints overrides
         self.pipeline = TrainerPipeline(self)
         logger.info(f"[hf_ring] {self.pipeline.describe()}; the loss is not chunked on the last stage")
 

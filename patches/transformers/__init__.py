@@ -54,7 +54,10 @@ in 4.57.6 and 5.24.0):
   the forward tensor parallelism installs on a module (``tensor_parallel_forward``: the
   chunked loss runs in place of the LM head's, vocabulary-sharded, and puts it back), and
   whether that forward leaves a module's input and output whole (``tensor_parallel_output_whole``:
-  which token mixers and vision towers TP leaves whole, read from what was applied);
+  which token mixers and vision towers TP leaves whole, read from what was applied), and the
+  Trainer's checkpoint steps a Ring trainer overrides under pipeline parallelism
+  (``check_checkpoint_methods``: ``_load_from_checkpoint``, ``_save_optimizer_and_scheduler``,
+  ``_load_optimizer_and_scheduler``);
 - ``sources``: what is read from the modeling code itself: a causal LM's logit transform
   (``logit_transform``, for the chunked loss), whether a forward passes a keyword
   (``forward_passes_keyword``), a modeling module's attention-class tables and whether it
@@ -79,6 +82,7 @@ transformers is imported only when a function runs: ``import hf_ring`` needs onl
 
 from .attributes import (
     attn_implementation,
+    check_checkpoint_methods,
     distributed_config_takes_sizes,
     drop_absent_no_split_modules,
     eval_gather_replaced,
@@ -107,6 +111,7 @@ __all__ = [
     "apply",
     "attention_class_tables",
     "attn_implementation",
+    "check_checkpoint_methods",
     "distributed_config_takes_sizes",
     "drop_absent_no_split_modules",
     "eval_gather_replaced",

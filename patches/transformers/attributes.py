@@ -4,7 +4,8 @@ first (the same in 4.57.6 and 5.24.0).
 
 Owns: ``attn_implementation``, ``train_batch_size``, ``prepare_inputs``,
 ``set_checkpoint_function``, ``wrap_checkpoint_function``, ``drop_absent_no_split_modules``, ``eval_gather_replaced``,
-``tensor_parallel_forward``, ``tensor_parallel_output_whole``, ``distributed_config_takes_sizes``. Imports nothing of transformers itself (it is handed the objects).
+``tensor_parallel_forward``, ``tensor_parallel_output_whole``, ``distributed_config_takes_sizes``,
+``check_checkpoint_methods``. Imports nothing of transformers itself (it is handed the objects).
 """
 
 from __future__ import annotations
@@ -204,3 +205,30 @@ def tensor_parallel_output_whole(module: Any) -> "bool | None":
             layout is not None and layout.is_replicate() for layout in layouts):
         return True
     return False
+
+
+# The Trainer's checkpoint steps a Ring trainer overrides under pipeline parallelism
+# (hf_ring.training.pp.checkpoint), with their parameters: the same in 4.57.6 and 5.25.0.
+_CHECKPOINT_METHODS = {
+    "_load_from_checkpoint": ["self", "resume_from_checkpoint", "model"],
+    "_save_optimizer_and_scheduler": ["self", "output_dir"],
+    "_load_optimizer_and_scheduler": ["self", "checkpoint"],
+}
+
+
+def check_checkpoint_methods(trainer_class: type) -> None:
+    """Check that ``trainer_class`` (transformers' ``Trainer``) has the private checkpoint
+    steps a Ring trainer overrides under pipeline parallelism, with the parameters it
+    overrides them with: renamed ones would no longer be called, and the stock steps would
+    write the first stage's optimizer state alone and load it into every stage.
+
+    Raises:
+        UnsupportedTransformersVersion: an unsupported version, or a step missing or with
+            other parameters.
+    """
+    version = installed_version()
+    for name, want in _CHECKPOINT_METHODS.items():
+        method = getattr(trainer_class, name, None)
+        params = list(inspect.signature(method).parameters) if callable(method) else None
+        if params != want:
+            raise fail(f"{trainer_class.__name__}.{name} has parameters {params}, not {want}", version)

@@ -56,12 +56,11 @@ def check_pipeline_trainer(trainer: Any, subclass_loss: bool) -> None:
     if chunked is not None and chunked.enabled:
         _refuse(trainer, "the chunked loss on the last stage (the schedule's loss takes the stage's logits)",
                 "pass chunked_loss=None or False, or use pp_size=1")
-    strategy = getattr(args, "save_strategy", "no")
-    if getattr(strategy, "value", strategy) != "no":
-        _refuse(trainer, "checkpoints during training (each rank's optimizer holds its own stage's state, which "
-                "the Trainer's checkpoint would write from one rank; resuming is not composed)",
-                "set save_strategy='no' and save the final model with trainer.save_model() (one whole model, "
-                "gathered from the stages), or use pp_size=1")
+    # Checkpoints are composed (hf_ring.training.pp.checkpoint); reloading the best one at the end is not.
+    if getattr(args, "load_best_model_at_end", False):
+        _refuse(trainer, "load_best_model_at_end (the stock reload of the best checkpoint loads the whole model "
+                "into every stage)", "set load_best_model_at_end=False and load the best checkpoint's model "
+                "with from_pretrained after training (each checkpoint holds one whole model), or use pp_size=1")
     if getattr(trainer, "eval_dataset", None) is not None and trainer.ring_plugin.pp_schedule == "ZBVZeroBubble":
         _refuse(trainer, "evaluation under ZBVZeroBubble (PyTorch's runs its backward actions in eval too)",
                 "train with another schedule (InterleavedZeroBubble evaluates), or without an eval_dataset")

@@ -25,7 +25,8 @@ What changes against ``pp_size == 1``, and why:
   first row that carry no label (no token of the loss); packed rows come filled from
   :class:`~hf_ring.training.pp.collator.PipelineDataCollator`;
 - ``save_model``: the stages' weights gathered to the first process, written as one whole
-  model that ``from_pretrained`` loads in one process;
+  model that ``from_pretrained`` loads in one process (a checkpoint's model too; its
+  optimizer states and resuming: ``hf_ring.training.pp.checkpoint``);
 - with ``RingAttentionPlugin(pp_fsdp=True)`` each stage is sharded by FSDP2 over its own dp x
   cp ranks (``hf_ring.pipeline.fsdp``): its reduce-scatter sums the gradients at the end of
   every schedule step, so nothing is left to reduce at the last micro-step; the norm sums
