@@ -4,11 +4,12 @@
 (``trainer_checks._check_compile_under_cp``) on a trainer that names each unchecked
 composition in turn, and on the checked ones (DDP, FSDP2 compiled layer by layer; every
 pattern; placement by length and auto), which must pass: the refusal is raised alike on every rank (tests/test_errors_every_rank.py
-shows two of them there). ``torch.compile(model)`` by hand on a model with token mixers (a
-packed row without CP routes them as CP does): dynamo took the refusal raised in the traced
-layer for a graph break and ran the frame uncompiled, so nothing was refused; it is now
-raised at run time, for a layer the model's forward reaches with its keyword arguments
-(Qwen3-Next's gated delta net) and for a carrier of Mamba-1 blocks (MambaModel).
+shows two of them there). ``torch.compile(model)`` by hand on a model whose Mamba blocks
+run without keyword arguments (a packed row without CP routes them as CP does): dynamo
+took a refusal raised in traced code for a graph break and ran the frame uncompiled, so
+nothing was refused; it is raised at run time, for the carrier a decoder layer is
+(Jamba's) and for the one a base model is (MambaModel). Routed layers called with their
+keyword arguments compile, one op each (tests/test_compile_mixers.py).
 """
 
 from __future__ import annotations
@@ -81,21 +82,22 @@ def _tiny(family: str) -> nn.Module:
 
 
 @NEEDS_ROUTED_MIXERS
-def test_a_model_with_token_mixers_is_refused_by_the_trainer():
-    with pytest.raises(NotImplementedError, match="token mixers \\(Mamba, gated delta rule, ...\\), whose CP ops"):
-        _check_compile_under_cp(_trainer(model=_tiny("qwen3_next")), _state())
+def test_carried_token_mixers_are_refused_by_the_trainer_and_routed_layers_pass():
+    with pytest.raises(NotImplementedError, match="Mamba blocks run without keyword arguments \\(JambaMambaDecoderLayer"):
+        _check_compile_under_cp(_trainer(model=_tiny("jamba")), _state())
+    _check_compile_under_cp(_trainer(model=_tiny("qwen3_next")), _state())  # tests/test_compile_mixers.py
 
 
 @NEEDS_ROUTED_MIXERS
-@pytest.mark.parametrize("family, layer", [("qwen3_next", "Qwen3NextGatedDeltaNet"), ("mamba", "MambaModel")])
-def test_compiling_a_model_with_token_mixers_by_hand_is_refused(family, layer):
+@pytest.mark.parametrize("family, layer", [("jamba", "JambaMambaDecoderLayer"), ("mamba", "MambaModel")])
+def test_compiling_a_model_with_carried_token_mixers_by_hand_is_refused(family, layer):
     torch._dynamo.reset()
     model = _tiny(family)
     lens = [6, 10, 8]
     cu = torch.tensor([0, 6, 16, 24], dtype=torch.int32)
     positions = torch.cat([torch.arange(n) for n in lens])[None]
-    with pytest.raises(NotImplementedError, match=f"{layer} under torch.compile on packed rows: .* run this model "
-                                                  "uncompiled"):
+    with pytest.raises(NotImplementedError, match=f"{layer} under torch.compile on packed rows: it runs its Mamba "
+                                                  "blocks without keyword arguments.* run this model uncompiled"):
         torch.compile(model, backend="aot_eager")(torch.randint(3, model.config.vocab_size, (1, 24)),
                                                   position_ids=positions, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
                                                   max_length_q=10, max_length_k=10)

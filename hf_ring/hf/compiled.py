@@ -14,8 +14,9 @@ and every refusal and check of the eager path holds.
 What cannot travel into a custom op travels by handle: the forward's
 :class:`~hf_ring.hf.forward_context.ForwardContext` is registered by the guard's pre-forward
 hook (which runs outside the compiled region) under a 0-d int64 tensor handle (a graph
-input, so a new forward recompiles nothing), and every guarded attention layer under an
-int slot given at the model's first forward (a constant of the graph). The op notes the layer
+input, so a new forward recompiles nothing), and every guarded attention layer (and routed
+token-mixer layer, whose op is ``hf_ring.hf.mixers.compiled``'s) under an int slot given at
+the model's first forward (a constant of the graph). The op notes the layer
 in the context's ``ran_ring`` as the eager path does, so the guard's check after the
 forward sees a compiled model whose attention did not run the op.
 
@@ -78,7 +79,8 @@ def register_layers(model: nn.Module, layers: Callable[[], Iterable[nn.Module]])
     model.__dict__[_SLOTS_OWNER] = id(model)
 
 
-def _context(handle: torch.Tensor) -> ForwardContext:
+def context_of(handle: torch.Tensor) -> ForwardContext:
+    """The forward's context registered under ``handle`` (:func:`register_context`)."""
     context = _CONTEXTS.get(int(handle))
     if context is None:
         raise RuntimeError("a compiled ring_flash layer ran without its forward's context (the forward that "
@@ -87,7 +89,8 @@ def _context(handle: torch.Tensor) -> ForwardContext:
     return context
 
 
-def _layer(slot: int) -> nn.Module:
+def layer_of(slot: int) -> nn.Module:
+    """The live layer holding compile slot ``slot`` (:func:`register_layers`)."""
     ref = _LAYERS.get(slot)
     module = ref() if ref is not None else None
     if module is None:
@@ -129,7 +132,7 @@ def ring_flash_attention_op(
         ``out`` ``(batch, seq_local, n_heads, value_dim)`` in q's dtype, contiguous, and the tape id
         (0-d int64).
     """
-    context, module = _context(handle), _layer(layer)
+    context, module = context_of(handle), layer_of(layer)
     OP_CALLS[layer] += 1
 
     def run(q, k, v, s):
@@ -215,4 +218,5 @@ def compiled_attention(
     return out, None
 
 
-__all__ = ["OP_CALLS", "compiled_attention", "register_context", "register_layers", "ring_flash_attention_op"]
+__all__ = ["HANDLE_ATTR", "OP_CALLS", "SLOT_ATTR", "compiled_attention", "context_of", "layer_of", "register_context",
+           "register_layers", "ring_flash_attention_op"]

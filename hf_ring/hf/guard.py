@@ -174,7 +174,7 @@ def _pre_forward(model: nn.Module, args: tuple, kwargs: dict):
         context = ForwardContext(None, doc_lens, comm_stats, made_by_guard=True, spans=spans)
         if doc_lens is not None:  # packed rows run the ring, compiled as an op (hf_ring.hf.compiled)
             register_context(context)
-            register_layers(model, lambda: _attention_layers(model).values())
+            register_layers(model, lambda: [*_attention_layers(model).values(), *_mixer_layers(model).values()])
         if doc_lens is not None:
             # Packed rows run the ring (varlen) even without CP: the same model features apply.
             check_model_under_cp(model, 1, sum(doc_lens), doc_lens=doc_lens)
@@ -206,7 +206,7 @@ def _pre_forward(model: nn.Module, args: tuple, kwargs: dict):
                              generation=shards.generation if shards is not None else None,
                              placement=checked.placement)
     register_context(context)  # the ring, compiled, finds it and the layers (hf_ring.hf.compiled)
-    register_layers(model, lambda: _attention_layers(model).values())
+    register_layers(model, lambda: [*_attention_layers(model).values(), *_mixer_layers(model).values()])
     kwargs = {**kwargs, CONTEXT_KWARG: context}
     if inputs.get("use_cache") is None and "use_cache" in signature.parameters:
         # A training forward under CP builds no cache (a forward asking for one is generation,

@@ -17,7 +17,7 @@ from hf_ring.hf.support.tensor_parallel import model_tp_ranks
 from hf_ring.training.pp.checks import check_pipeline_trainer
 from hf_ring.patches import peft as peft_patches
 from hf_ring.patches import transformers as transformers_patches
-from hf_ring.patches.transformers.mixers import is_routed_layer
+from hf_ring.patches.transformers.mixers import is_routed_layer, route_of
 from hf_ring.training import weight_sharding
 from hf_ring.training.collator import RingDataCollator
 from hf_ring.training.vision.collator import RingVisionDataCollator
@@ -165,8 +165,9 @@ def _check_compile_under_cp(trainer: Any, state: Any) -> None:
     one custom op in the compiled graph (hf_ring/hf/compiled.py), checked against the eager
     run for every pattern (ring, all-gather, Ulysses, hybrid, auto) on dense and packed rows,
     packed rows placed by length, under DDP and FSDP2 compiled layer by layer, with the
-    chunked loss (tests/test_compile_cp.py, tests/test_trainer_cp.py); what has not been is
-    refused by name."""
+    chunked loss, and for the routed token-mixer layers, one op each
+    (tests/test_compile_cp.py, tests/test_compile_mixers.py, tests/test_trainer_cp.py); what
+    has not been is refused by name."""
     args, model = trainer.args, trainer.model
     untested = []
     if state.tp_size > 1:
@@ -187,8 +188,11 @@ def _check_compile_under_cp(trainer: Any, state: Any) -> None:
         untested.append("FSDP2 with the whole model compiled (compile each decoder layer: "
                         "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION=1, or dynamo_use_regional_compilation: true "
                         "in the Accelerate config; examples/finetune_llama_long.py --fsdp sets it)")
-    if any(is_routed_layer(m) for m in model.modules()):
-        untested.append("a model with token mixers (Mamba, gated delta rule, ...), whose CP ops are not custom ops yet")
+    carriers = {route_of(type(m)).carrier for m in model.modules() if is_routed_layer(m)} - {None}
+    carried = sorted({type(m).__name__ for m in model.modules() if type(m).__name__ in carriers})
+    if carried:
+        untested.append(f"Mamba blocks run without keyword arguments ({', '.join(carried)}: their token mixers "
+                        "cannot be handed their forward's context inside the compiled graph)")
     if isinstance(trainer.data_collator, RingVisionDataCollator):
         untested.append("image-text models")
     if untested:

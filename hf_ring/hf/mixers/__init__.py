@@ -21,8 +21,11 @@ cache: the delta rule returns each row's state after the row (its padding column
 leave it as it is) and the convolution puts each row's last inputs together, which the
 generation's exit gives the cache; decode steps run the originals on whole rows.
 
+Under ``torch.compile`` a routed layer's call is one custom op whose body runs the layer as
+above (``compiled.py``).
+
 Owns: ``route_mixers``, ``required_steps``; the layers' forwards and ``head_inputs``
-(``layers.py``), the runners (``runners.py``). Must not import: Trainer, TRL, hf_ring's
+(``layers.py``), the runners (``runners.py``), the compiled layer's op (``compiled.py``). Must not import: Trainer, TRL, hf_ring's
 training or memory layers.
 """
 
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from hf_ring.hf.mixers.compiled import note_forward_names
 from hf_ring.hf.mixers.layers import HEAD_INPUT_NAMES, head_inputs, run_carrier, run_head, run_layer
 from hf_ring.hf.mixers.runners import RUNNERS
 from hf_ring.patches.transformers.mixers import is_routed_layer, mark_routed, route, route_of
@@ -47,6 +51,7 @@ def route_mixers(model: nn.Module) -> list[nn.Module]:
     layers = [m for m in model.modules() if type(m) in routed]
     for m in layers:
         mark_routed(m)
+        note_forward_names(m)
     return layers
 
 

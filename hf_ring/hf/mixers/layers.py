@@ -18,6 +18,7 @@ import torch.nn as nn
 from transformers import PreTrainedModel
 
 from hf_ring.hf.forward_context import CONTEXT_KWARG, ForwardContext
+from hf_ring.hf.mixers.compiled import compiled_mixer_layer
 
 # The routed layer running now and its context (set only for the layer's call).
 _ACTIVE: ContextVar[Optional[tuple[ForwardContext, int]]] = ContextVar("hf_ring_mixer_layer", default=None)
@@ -52,14 +53,15 @@ def _set(var: ContextVar, value) -> Iterator[None]:
 
 @torch.compiler.disable
 def _refuse_compiled(module: nn.Module, context: ForwardContext) -> None:
-    """Raise, at run time, for a routed layer (or carrier) that dynamo traced. Called only from
-    traced code: a ``raise`` there is not an error to dynamo but a graph break, after which the
-    frame ran uncompiled and the refusal never fired (the layers' mixers then ran eagerly
-    between compiled graphs); a disabled function's call runs, and its error reaches the caller."""
+    """Raise, at run time, for a carrier that dynamo traced. Called only from traced code: a
+    ``raise`` there is not an error to dynamo but a graph break, after which the frame ran
+    uncompiled and the refusal never fired (the layers' mixers then ran eagerly between
+    compiled graphs); a disabled function's call runs, and its error reaches the caller."""
     raise NotImplementedError(
-        f"{type(module).__name__} under torch.compile {_where(context)}: hf_ring's token-mixer ops (convolution "
-        "halo, recurrent state exchange) are not custom ops yet (their layer reaches them through context "
-        "variables, which dynamo does not trace); run this model uncompiled"
+        f"{type(module).__name__} under torch.compile {_where(context)}: it runs its Mamba blocks without keyword "
+        "arguments, so their token mixers cannot be handed their forward's context inside the compiled graph "
+        "(routed mixer layers called with it run as one op each: hf_ring.hf.mixers.compiled); run this model "
+        "uncompiled"
     )
 
 
@@ -104,7 +106,8 @@ def run_layer(original, module: nn.Module, *args, **kwargs):
     the whole rows are handed to it: :func:`run_conv`, the delta rule's runner), and makes its
     context the active one."""
     if torch.compiler.is_compiling() and _routing(kwargs) is not None:
-        _refuse_compiled(module, _routing(kwargs))
+        # Traced: the whole layer one custom op, whose body comes back here uncompiled.
+        return compiled_mixer_layer(module, args, kwargs, _routing(kwargs))
     context = _routing(kwargs) or _CARRIED.get()
     if context is None:
         return original(module, *args, **kwargs)
