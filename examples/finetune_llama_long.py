@@ -290,7 +290,7 @@ def _check_pipeline_flags(parser: argparse.ArgumentParser, args: argparse.Namesp
         ("--tiled_mlp", args.tiled_mlp), ("--torch_compile", args.torch_compile),  # --save_steps, resuming: composed
         ("--generate_eval", args.generate_eval),
         ("--moe_experts", args.moe_experts), ("--tie_word_embeddings", args.tie_word_embeddings),
-        ("--chunked_loss on", args.chunked_loss == "on"), ("--stock_trainer", args.stock_trainer),
+        ("--stock_trainer", args.stock_trainer),
         ("--cp_pattern " + args.cp_pattern, args.cp_pattern != "ring"),
         ("--cp_placement " + args.cp_placement, args.cp_placement != "sharded")) if value]
     if given:

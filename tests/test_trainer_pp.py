@@ -9,7 +9,9 @@ micro-step x gradient accumulation 2; at pp 2 each micro-step is PyTorch's sched
 micro-batches). A 4-layer Llama: 2 stages of 2 layers (1F1B), or 4 stages of one, two a rank
 (Interleaved1F1B with FSDP2 inside each stage, over its 2 CP ranks: ``--fsdp full_shard``;
 InterleavedZeroBubble). Measured on 2026-12-07: worst 3.8e-7 relative over
-loss, grad_norm and eval_loss (float32 sums in another order; with FSDP2 3.0e-7).
+loss, grad_norm and eval_loss (float32 sums in another order; with FSDP2 3.0e-7). At cp 2 the
+runs take the chunked loss's default (on under CP), so the last stage computes the loss by
+chunks against cp 1's full logits (the packed zero-bubble run, measured again with it: 3.0e-7).
 
 The final model the 1F1B and the FSDP2 runs save (their stages gathered, each weight whole)
 loads in one process, holds every weight of the model, and evaluates there to the eval_loss
@@ -23,9 +25,10 @@ norm are the same: they come before the first resumed update). The FSDP2 case's 
 tests/test_pp_checkpoint.py's, on the shared world.
 
 On the shared gloo world of 4 (float64, no launch): the Trainer's step through
-``TrainerPipeline`` (two accumulation micro-steps, clipping), without and with FSDP2, equals
-one process's, and defects planted in it (the gradients averaged or summed over the wrong
-ranks, reduced at every micro-step, scaled by the micro-batch count twice) are caught.
+``TrainerPipeline`` (two accumulation micro-steps, clipping, an evaluation), without and with
+FSDP2, with the chunked loss and gradient checkpointing inside the stages, equals one
+process's, and defects planted in it (the gradients averaged or summed over the wrong ranks,
+reduced at every micro-step, scaled by the micro-batch count twice) are caught.
 
 In-process: what is not composed with the stages is refused by name (the trainer's
 construction, the model's cut, the example's flags).
@@ -63,7 +66,9 @@ def runs(tmp_path_factory):
     expect = {"pp2_cp2": ("pp_rank 1/2", "pipeline: 1F1B, 2 stages (this rank: [1], layers [(2, 4)])"),
               "pp2_cp2_interleaved_fsdp": ("pipeline: Interleaved1F1B, 4 stages (this rank: [1, 3]",
                                            "FSDP2 over each stage's 2 dp x cp ranks"),
-              "packed_pp2_cp2_zero_bubble": ("pipeline: InterleavedZeroBubble, 4 stages (this rank: [0, 2]",)}
+              # The chunked loss's default (on under CP) on the last stage: compared with cp 1's full logits.
+              "packed_pp2_cp2_zero_bubble": ("pipeline: InterleavedZeroBubble, 4 stages (this rank: [0, 2]",
+                                             "the loss chunked on the last stage (no logits)")}
 
     def get(name: str) -> dict:
         if name not in cache:
@@ -185,17 +190,34 @@ def _fsdp_mean(shard_stages):
     return planted
 
 
+def _counting(module, name: str, counts: list):
+    """``module.<name>`` wrapped to count its calls in ``counts[0]``; returns the original."""
+    original = getattr(module, name)
+
+    def counted(*args, **kwargs):
+        counts[0] += 1
+        return original(*args, **kwargs)
+
+    setattr(module, name, counted)
+    return original
+
+
 def _trainer_step_case(rank: int, world: int, cases: list) -> list:
-    """One optimizer step's gradients through ``TrainerPipeline`` at pp 2 x cp 2 (1F1B, float64):
+    """One optimizer step's gradients through ``TrainerPipeline`` at pp 2 x cp 2 (float64):
     two accumulation micro-steps of 2 rows (each the schedule over 2 micro-batches, the
     gradients reduced at the second; the two of different lengths, so the second builds a
-    schedule of its own), then the clipping to 0.5 over every stage. Per case
-    ``(pp_fsdp, defect)`` (defect None: none), the logged loss, the norm and the clipped
-    gradients (whole, from CP rank 0)."""
+    schedule of its own), then the clipping to 0.5 over every stage, then the first batch
+    evaluated through the stages. Per case ``(schedule, pp_fsdp, defect, options)`` (defect
+    None: none; options: "chunked", the chunked loss in 3-token chunks on the last stage;
+    "checkpointing" / "reentrant", gradient checkpointing turned on as the Trainer does, after
+    the stages are built), the logged loss, the norm, the clipped gradients (whole, from CP
+    rank 0), this CP shard's eval token sum, and the calls to the chunked loss and to the
+    attention modules of this rank's layers."""
     import contextlib
     from types import SimpleNamespace
 
     import hf_ring
+    from hf_ring.memory import chunked_loss
     from hf_ring.pipeline import fsdp
     from hf_ring.training.loss import count_valid_tokens
     from hf_ring.training.pp import trainer as pp_trainer
@@ -203,7 +225,7 @@ def _trainer_step_case(rank: int, world: int, cases: list) -> list:
 
     plugins = {(schedule, sharded): hf_ring.RingAttentionPlugin(cp_size=2, pp_size=2, pp_schedule=schedule,
                                                                 pp_microbatches=2, pp_fsdp=sharded)
-               for schedule, sharded, _ in cases}
+               for schedule, sharded, _, _ in cases}
     for plugin in plugins.values():
         plugin.setup()
     plugin = next(iter(plugins.values()))
@@ -211,32 +233,55 @@ def _trainer_step_case(rank: int, world: int, cases: list) -> list:
     batches = [collate([{"input_ids": r} for r in ROWS[i:i + 2]]) for i in (0, 2)]
     count = plugin.global_token_count(sum(count_valid_tokens(b["shift_labels"]) for b in batches))
     original, original_shard, out = pp_trainer.reduce_stage_gradients, fsdp.shard_stages, []
-    for schedule, sharded, defect in cases:
+    for schedule, sharded, defect, options in cases:
         plugin = plugins[(schedule, sharded)]
         pp_trainer.reduce_stage_gradients = _flat_over_world if defect == "flat_over_world" else original
         fsdp.shard_stages = _fsdp_mean(original_shard) if defect == "fsdp_mean" else original_shard
+        chunk_calls, attn_calls = [0], [0]
+        counted = _counting(chunked_loss, "chunked_token_loss_sum", chunk_calls)
         try:
             with _DefaultScaling() if defect == "scale_grads" else contextlib.nullcontext():
                 model = _model(torch.float64, "ring_flash")
+                # The trainer's own ChunkedLossConfig: False keeps the logits path checked too.
+                chunked = chunked_loss.ChunkedLossConfig("chunked" in options, chunk_tokens=3)
                 stand_in = SimpleNamespace(ring_state=plugin.state, loss_mean="tokens", model=model,
-                                           ring_plugin=plugin, accelerator=_Accelerator())
+                                           ring_plugin=plugin, accelerator=_Accelerator(), chunked_loss=chunked)
                 pipeline = pp_trainer.TrainerPipeline(stand_in)
+                if "checkpointing" in options or "reentrant" in options:  # as Trainer.train: on the pruned model
+                    model.activation_checkpointing_enable(
+                        activation_checkpointing_kwargs={"use_reentrant": True} if "reentrant" in options else None)
+                # This rank's layers' attention in the training steps; a recompute runs the module again.
+                hooks = [layer.self_attn.register_forward_hook(lambda *_: attn_calls.__setitem__(0, attn_calls[0] + 1))
+                         for layer in model.base_model.layers if hasattr(layer, "self_attn")]
                 loss = sum(pipeline.train_step(dict(b), count, sync=defect == "reduce_every_micro_step" or i == 1)
                            .item() for i, b in enumerate(batches))
+                for hook in hooks:
+                    hook.remove()
                 norm = stand_in.accelerator.clip_grad_norm_(model.parameters(), 0.5).item()
+                eval_sum = pipeline.eval_token_sum(dict(batches[0])).item()  # no_grad: leaves the gradients
         finally:
             pp_trainer.reduce_stage_gradients, fsdp.shard_stages = original, original_shard
+            chunked_loss.chunked_token_loss_sum = counted
         grads = {n: p.grad.full_tensor() if sharded else p.grad for n, p in model.named_parameters()
                  if p.grad is not None}  # under FSDP2 collective over the stage's ranks
-        out.append({"loss": loss, "norm": norm, "grads": grads if plugin.state.cp_rank == 0 else {}})
+        out.append({"loss": loss, "norm": norm, "grads": grads if plugin.state.cp_rank == 0 else {},
+                    "eval": eval_sum, "chunk_calls": chunk_calls[0],
+                    "attn_calls": attn_calls[0], "describe": pipeline.describe()})
     return out
 
 
 # FSDP2 under a schedule of one stage a rank (1F1B) and of two (LoopedBFS); GPipe and Interleaved1F1B
 # run the same stage code (the Trainer's FSDP2 run is Interleaved1F1B); the zero-bubble ones are refused.
-TRAINER_CASES = [("1F1B", False, None), ("1F1B", False, "flat_over_world"), ("1F1B", False, "reduce_every_micro_step"),
-                 ("1F1B", False, "scale_grads"), ("1F1B", True, None), ("1F1B", True, "fsdp_mean"),
-                 ("LoopedBFS", True, None)]
+# The chunked loss and gradient checkpointing (PyTorch's default non-reentrant one; the reentrant one,
+# which accumulates the layers' weight gradients inside the input-gradient pass) alone and together,
+# with FSDP2, and under a zero-bubble schedule (its backward split into input- and weight-gradient
+# actions, each of which recomputes a checkpointed layer).
+TRAINER_CASES = [("1F1B", False, None, ()), ("1F1B", False, "flat_over_world", ()),
+                 ("1F1B", False, "reduce_every_micro_step", ()), ("1F1B", False, "scale_grads", ()),
+                 ("1F1B", True, None, ()), ("1F1B", True, "fsdp_mean", ()), ("LoopedBFS", True, None, ()),
+                 ("1F1B", False, None, ("chunked",)), ("1F1B", False, None, ("checkpointing",)),
+                 ("1F1B", False, None, ("reentrant", "chunked")), ("1F1B", True, None, ("checkpointing", "chunked")),
+                 ("InterleavedZeroBubble", False, None, ("checkpointing", "chunked"))]
 
 
 def test_the_trainer_step_matches_one_process_and_planted_defects_are_caught():
@@ -248,24 +293,37 @@ def test_the_trainer_step_matches_one_process_and_planted_defects_are_caught():
     scaled by the micro-batch count a second time (the schedule's default scale_grads=True),
     or averaged over the stage (FSDP2's default divide factor). The
     clipping rescales a gradient scaled by a constant back to norm 0.5, so the norm (the
-    logged grad_norm) is what catches those."""
+    logged grad_norm) is what catches those.
+
+    With the chunked loss on the last stage and gradient checkpointing inside the stages
+    (alone and together; with FSDP2; under a zero-bubble schedule, whose split backward
+    recomputes a checkpointed layer in each of its two actions) the same tolerances hold
+    against the one process's full logits and uncheckpointed layers: the chunks compute the
+    same float32 cross-entropy per token, the recompute the same layer (measured 2026-12-07:
+    gradients 7.0e-16, FSDP2 6.2e-16, norm 1.2e-16, loss 1.4e-7, as without). That they ran is
+    checked too: the chunked loss called on the last stage's ranks only, and each checkpointed
+    layer's attention run again in the backward. The first batch evaluated after the step
+    (forward only through the stages) sums to one process's token losses (1e-6; 8.5e-8)."""
     from closeness import max_rel
     from distributed import run_world
     from test_pipeline_cp import LOSS_TOL, ROWS, TOL, _model
 
     from hf_ring.training.loss import token_loss_sum
 
-    model, total, count = _model(torch.float64, "sdpa"), 0.0, 0
-    for row in ROWS:
+    model, total, count, first_batch = _model(torch.float64, "sdpa"), 0.0, 0, 0.0
+    for i, row in enumerate(ROWS):
         ids = torch.tensor([row])
         shift = torch.full_like(ids, -100)
         shift[:, :-1] = ids[:, 1:]
         total, count = total + token_loss_sum(model(input_ids=ids).logits, shift), count + int(shift.ne(-100).sum())
+        if i == 1:  # rows 0 and 1: the batch evaluated after the step (the weights unchanged)
+            first_batch = total.item()
     (total / count).backward()
     want_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item()
     want = {n: p.grad for n, p in model.named_parameters()}
     results = run_world(4, _trainer_step_case, TRAINER_CASES)
-    for i, (schedule, sharded, defect) in enumerate(TRAINER_CASES):
+    plain_attn = [r[0]["attn_calls"] for r in results]  # no checkpointing: each layer's attention once a forward
+    for i, (schedule, sharded, defect, options) in enumerate(TRAINER_CASES):
         got = {}
         for r in results:
             got.update(r[i]["grads"])
@@ -273,10 +331,20 @@ def test_the_trainer_step_matches_one_process_and_planted_defects_are_caught():
         grad = max(max_rel(got[n], want[n]) for n in want)
         norm = max(abs(r[i]["norm"] - want_norm) / want_norm for r in results)
         loss = max(abs(r[i]["loss"] - (total / count).item()) / (total / count).item() for r in results)
-        print(f"{schedule}{', FSDP2' if sharded else ''}, {defect or 'no defect'}: gradients {grad:.1e}, norm {norm:.1e}, "
-              f"loss {loss:.1e}")
+        # Every stage's eval sum is its CP shard's (handed over the pp group): ranks 0, 1 hold both shards.
+        evaluated = abs(sum(r[i]["eval"] for r in results[:2]) - first_batch) / first_batch
+        print(f"{schedule}{', FSDP2' if sharded else ''}, {defect or 'no defect'}{', ' if options else ''}"
+              f"{', '.join(options)}: gradients {grad:.1e}, norm {norm:.1e}, loss {loss:.1e}, eval {evaluated:.1e}")
+        # The chunked loss ran on the last stage's ranks (2 micro-batches x 2 micro-steps, and the eval's 2), and
+        # only there; a checkpointed layer's attention ran again in the backward (more under a split backward).
+        assert [r[i]["chunk_calls"] for r in results] == ([0, 0, 6, 6] if "chunked" in options else [0, 0, 0, 0])
+        assert ("chunked on the last stage" in results[0][i]["describe"]) == ("chunked" in options)
+        checkpointed = "checkpointing" in options or "reentrant" in options
+        for r, plain in zip(results, plain_attn):
+            assert r[i]["attn_calls"] >= 2 * plain if checkpointed else r[i]["attn_calls"] == plain, (options, r[i])
         if defect is None:
             assert grad < TOL and norm < TOL and loss < LOSS_TOL and want_norm > 0.5  # the clipping ran
+            assert evaluated < LOSS_TOL
         else:
             assert max(grad, norm) > 0.1, defect
 
@@ -299,6 +367,7 @@ def _trainer(**changes):
                               accelerator=SimpleNamespace(scaler=None, state=SimpleNamespace()),
                               chunked_loss=SimpleNamespace(enabled=None), eval_dataset=None,
                               ring_plugin=SimpleNamespace(pp_schedule="1F1B"), data_collator=None)
+    args.gradient_checkpointing_kwargs = None  # TrainingArguments' default
     for key, value in changes.items():
         target = args if hasattr(args, key) else trainer
         setattr(target, key, value)
@@ -310,12 +379,13 @@ def _trainer(**changes):
     ({"tp": 2, "world": 8}, False, r"tensor parallelism inside a stage \(tp_size=2\)"),
     ({"fsdp": "full_shard"}, False, r"TrainingArguments' fsdp .*RingAttentionPlugin\(pp_fsdp=True\)"),
     ({"is_deepspeed_enabled": True}, False, "TrainingArguments' fsdp .* or DeepSpeed"),
-    ({"gradient_checkpointing": True}, False, "gradient checkpointing inside a stage"),
     ({"torch_compile": True}, False, "torch.compile of the stages"),
-    ({"chunked_loss": SimpleNamespace(enabled=True)}, False, "the chunked loss on the last stage"),
     ({"load_best_model_at_end": True}, False, r"load_best_model_at_end .*from_pretrained after training"),
     ({"eval_dataset": [1], "ring_plugin": SimpleNamespace(pp_schedule="ZBVZeroBubble")}, False,
      "evaluation under ZBVZeroBubble"),
+    ({"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": True},
+      "ring_plugin": SimpleNamespace(pp_schedule="InterleavedZeroBubble")}, False,
+     r"reentrant gradient checkpointing \(use_reentrant=True\) under pp_schedule='InterleavedZeroBubble'"),
 ])
 def test_what_the_stages_do_not_compose_is_refused_by_name(change, subclass_loss, match):
     from hf_ring.training.pp.checks import check_pipeline_trainer
@@ -323,6 +393,20 @@ def test_what_the_stages_do_not_compose_is_refused_by_name(change, subclass_loss
     check_pipeline_trainer(_trainer(), subclass_loss=False)  # the stand-in itself passes
     with pytest.raises(NotImplementedError, match=r"with pipeline parallelism \(pp_size=2\): " + match):
         check_pipeline_trainer(_trainer(**change), subclass_loss=subclass_loss)
+
+
+def test_gradient_checkpointing_and_the_chunked_loss_pass_the_checks():
+    """Composed (the step above checks them against one process): not refused, the reentrant
+    checkpoint under a schedule that runs the whole backward at once (1F1B) included."""
+    from hf_ring.training.pp.checks import check_pipeline_trainer
+
+    for kwargs in (None, {"use_reentrant": False}, {"use_reentrant": True}):
+        trainer = _trainer(gradient_checkpointing=True, chunked_loss=SimpleNamespace(enabled=True))
+        trainer.args.gradient_checkpointing_kwargs = kwargs
+        check_pipeline_trainer(trainer, subclass_loss=False)
+    trainer = _trainer(gradient_checkpointing=True, ring_plugin=SimpleNamespace(pp_schedule="ZBVZeroBubble"))
+    trainer.args.gradient_checkpointing_kwargs = {"use_reentrant": False}
+    check_pipeline_trainer(trainer, subclass_loss=False)
 
 
 def test_fsdp_inside_a_stage_refuses_what_it_does_not_compose():
@@ -386,6 +470,7 @@ def test_the_example_refuses_what_the_stages_do_not_compose():
     args = finetune_llama_long.parse_args(base)
     assert (args.pp_microbatches, args.pp_schedule) == (2, "1F1B")
     assert finetune_llama_long.parse_args([*base, "--fsdp", "full_shard"]).fsdp == "full_shard"  # pp_fsdp
+    assert finetune_llama_long.parse_args([*base, "--chunked_loss", "on"]).chunked_loss == "on"  # the last stage's
     for extra in (["--tp_size", "2"], ["--fsdp", "hybrid_shard"], ["--lora_r", "4"], ["--offload_checkpoints"],
                   ["--cp_pattern", "ulysses"], ["--pp_microbatches", "3"],
                   ["--fsdp", "full_shard", "--pp_schedule", "InterleavedZeroBubble"]):

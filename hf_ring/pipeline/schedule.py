@@ -10,7 +10,11 @@ The loss of a micro-batch on the last stage is its share of the step's token mea
 micro-batch`` (``hf_ring.training.loss``). Those shares add up, over micro-batches and the
 stage's dp x cp ranks, to one process's loss, and their gradients to its gradients, so the
 schedule is built with ``scale_grads=False``: its default divides every gradient by the
-number of micro-batches, which is right only for a loss averaged per micro-batch.
+number of micro-batches, which is right only for a loss averaged per micro-batch. With the
+chunked loss (``chunked_loss``) the last stage returns that token-loss sum itself, computed
+inside its LM head's call without the logits (``stages.StageModule``), and every stage is
+handed the micro-batch's ``shift_labels`` among its keyword arguments (as ``position_ids``):
+the loss function only divides by the step's tokens.
 
 Every rank of a stage's CP group runs the same schedule on its shard of the same
 micro-batches, so the ring's collectives inside a stage meet in the same order on every
@@ -31,6 +35,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
+from hf_ring.memory.chunked_loss import ChunkedLossConfig
 from hf_ring.patterns.state import ContextParallelState
 from hf_ring.pipeline.split import stage_layer_ranges, stages_of_rank
 from hf_ring.pipeline.stages import StageModule, build_stage_modules
@@ -70,15 +75,21 @@ def stages_per_rank_of(name: str, requested: Optional[int] = None) -> int:
 
 class TokenShareLoss:
     """The schedule's ``loss_fn``: a micro-batch's token-loss sum on this CP shard over the
-    step's valid tokens (:attr:`global_count`, set before every step)."""
+    step's valid tokens (:attr:`global_count`, set before every step).
 
-    def __init__(self) -> None:
+    ``output``: the last stage's logits ``(rows, local_seq, vocab)``, or with ``summed`` its
+    float32 scalar token-loss sum (the chunked loss, computed by the stage); ``shift_labels``
+    int64 ``(rows, local_seq)``. Returns a float32 scalar."""
+
+    def __init__(self, summed: bool = False) -> None:
+        self.summed = summed
         self.global_count: Optional[torch.Tensor] = None
 
-    def __call__(self, logits: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:
+    def __call__(self, output: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:
         if self.global_count is None:
             raise RuntimeError("the pipeline's loss has no token count: call PipelineRunner.step")
-        return loss_share(token_loss_sum(logits, shift_labels), self.global_count)
+        token_sum = output if self.summed else token_loss_sum(output, shift_labels)
+        return loss_share(token_sum, self.global_count)
 
 
 class PipelineRunner:
@@ -92,11 +103,14 @@ class PipelineRunner:
         n_microbatches: micro-batches per step.
         stages_per_rank: interleaved schedules: stages on each rank (default 2).
         pp_layers: decoder layers per stage, in stage order (default: an even split).
+        chunked_loss: compute the last stage's loss by chunks, without its logits
+            (``hf_ring.memory.chunked_loss``), as configured (its ``enabled`` True or None:
+            the caller decided it is on); None: from the logits.
     """
 
     def __init__(self, model: nn.Module, state: ContextParallelState, schedule: str = "1F1B",
                  n_microbatches: int = 2, stages_per_rank: Optional[int] = None,
-                 pp_layers: Optional[Sequence[int]] = None):
+                 pp_layers: Optional[Sequence[int]] = None, chunked_loss: Optional[ChunkedLossConfig] = None):
         self.schedule_name = schedule
         self.v_per_rank = stages_per_rank_of(schedule, stages_per_rank)
         if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches < 1:
@@ -107,8 +121,12 @@ class PipelineRunner:
         self.num_stages = self.pp_size * self.v_per_rank
         self.ranges = stage_layer_ranges(len(model.base_model.layers), self.num_stages, pp_layers)
         self.stage_ids = stages_of_rank(self.pp_rank, self.pp_size, self.v_per_rank, schedule in _V_SHAPED)
-        self.stages: dict[int, StageModule] = build_stage_modules(model, self.stage_ids, self.ranges)
-        self.loss = TokenShareLoss()
+        if chunked_loss is not None and chunked_loss.enabled is False:
+            raise ValueError("chunked_loss=ChunkedLossConfig(enabled=False) asks for no chunking: pass None for the "
+                             "loss from the last stage's logits")
+        self.chunked_loss = chunked_loss
+        self.stages: dict[int, StageModule] = build_stage_modules(model, self.stage_ids, self.ranges, chunked_loss)
+        self.loss = TokenShareLoss(summed=chunked_loss is not None)
         self._schedules: dict[tuple, Any] = {}
 
     @property
@@ -130,8 +148,10 @@ class PipelineRunner:
             for s, module in self.stages.items():
                 hidden_states = torch.empty(rows, local_len, hidden, dtype=dtype, device="meta", requires_grad=True)
                 inputs = torch.empty(rows, local_len, dtype=torch.long, device="meta") if s == 0 else hidden_states
-                outputs = torch.empty(rows, local_len, vocab, dtype=dtype, device="meta") if module.is_last \
-                    else hidden_states
+                outputs = hidden_states
+                if module.is_last:  # the logits, or the chunked loss's float32 token-loss sum
+                    outputs = torch.empty((), dtype=torch.float32, device="meta") if self.chunked_loss is not None \
+                        else torch.empty(rows, local_len, vocab, dtype=dtype, device="meta")
                 pipeline_stages.append(PipelineStage(module, s, self.num_stages, device, input_args=inputs,
                                                      output_args=outputs, group=self.state.mesh.group("pp")))
             cls = schedule_class(self.schedule_name if training else _EVAL_SCHEDULE.get(self.schedule_name,
@@ -164,6 +184,8 @@ class PipelineRunner:
         kwargs = {"position_ids": positions}
         if batch.get("doc_bounds") is not None:
             kwargs["doc_bounds"] = batch["doc_bounds"]
+        if self.chunked_loss is not None:  # the last stage's input; PyTorch hands every stage the same kwargs
+            kwargs["shift_labels"] = labels
         losses: list = []
         args = (ids,) if self.has_first else ()
         target = labels if self.has_last else None

@@ -27,7 +27,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,9 @@ from hf_ring.patches import accelerate as accelerate_patches
 from hf_ring.patterns.state import (AttentionSettings, ContextParallelState, as_timeout, check_kernel_name, check_pattern,
                                     setup_context_parallel)
 from hf_ring.sharding.layouts import check_layout
+
+if TYPE_CHECKING:  # the memory layer's config, imported where the pipeline is built
+    from hf_ring.memory.chunked_loss import ChunkedLossConfig
 
 
 def _ensure_process_group() -> None:
@@ -210,13 +213,17 @@ class RingAttentionPlugin:
         )
 
     def make_pipeline(self, model: Any, stages_per_rank: Optional[int] = None,
-                      pp_layers: Optional[list[int]] = None) -> Any:
+                      pp_layers: Optional[list[int]] = None,
+                      chunked_loss: Optional[ChunkedLossConfig] = None) -> Any:
         """This rank's stages of ``model`` (pruned to them) and the schedule that trains them
         (``hf_ring.pipeline.PipelineRunner``): ``pp_schedule``, ``pp_microbatches``; with
-        ``pp_fsdp`` each stage sharded over its dp x cp ranks (``hf_ring.pipeline.fsdp``)."""
+        ``pp_fsdp`` each stage sharded over its dp x cp ranks (``hf_ring.pipeline.fsdp``).
+        ``chunked_loss``: compute the last stage's loss by chunks, as configured (None: from
+        its logits)."""
         from hf_ring.pipeline import PipelineRunner
 
-        runner = PipelineRunner(model, self.setup(), self.pp_schedule, self.pp_microbatches, stages_per_rank, pp_layers)
+        runner = PipelineRunner(model, self.setup(), self.pp_schedule, self.pp_microbatches, stages_per_rank, pp_layers,
+                                chunked_loss)
         if self.pp_fsdp:
             from hf_ring.pipeline.fsdp import shard_stages
 

@@ -87,8 +87,9 @@ class RingTrainer(PipelineCheckpoints, RingTrainerBase, Trainer):
         chunked_loss: compute the LM head and the loss chunk by chunk, never holding the
             shard's full logits (:mod:`hf_ring.memory.chunked_loss`): a
             :class:`ChunkedLossConfig`, True / False, or None (default: on under context or
-            tensor parallelism; beside TP on each rank's vocabulary rows). The training and
-            eval losses are the same; ``outputs.logits`` of a chunked forward are empty.
+            tensor parallelism; beside TP on each rank's vocabulary rows; under pipeline
+            parallelism in the last stage). The training and eval losses are the same;
+            ``outputs.logits`` of a chunked forward are empty.
         loss_mean: ``"auto"`` (the stock Trainer's mean for the model), ``"tokens"`` or
             ``"micro_batches"`` (:mod:`hf_ring.training.loss`; warned where not stock).
         *args, **kwargs: as for ``transformers.Trainer``. ``data_collator`` must produce
@@ -152,7 +153,7 @@ class RingTrainer(PipelineCheckpoints, RingTrainerBase, Trainer):
     def _build_pipeline(self) -> None:
         transformers_patches.check_checkpoint_methods(Trainer)  # the checkpoint steps PipelineCheckpoints overrides
         self.pipeline = TrainerPipeline(self)
-        logger.info(f"[hf_ring] {self.pipeline.describe()}; the loss is not chunked on the last stage")
+        logger.info(f"[hf_ring] {self.pipeline.describe()}")
 
     def _computes_token_loss(self) -> bool:
         return type(self).compute_loss is RingTrainer.compute_loss

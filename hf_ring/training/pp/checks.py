@@ -7,6 +7,16 @@ built or any rank waits for a peer in a send. What the model itself cannot be cu
 stages for (image-text models, hybrid token mixers, tied embeddings, the MoE router's loss,
 expert parallelism) is refused by ``hf_ring.pipeline.refusals`` when the stages are built.
 
+Refused here: a loss of the trainer's own (the TRL trainers), tensor parallelism inside a
+stage, TrainingArguments' fsdp or DeepSpeed (FSDP2 inside each stage is the plugin's
+``pp_fsdp``), patterns other than the sharded ring, PEFT models, torch.compile, fp16's
+gradient scaler, evaluation under ZBVZeroBubble, reentrant gradient checkpointing under the
+zero-bubble schedules, collators whose rows the schedule cannot cut, and the checkpoint
+options named below. Composed, and so not refused: gradient checkpointing inside a stage
+(every layer recomputed in its stage's backward, ring and all) and the chunked loss, computed
+by the last stage in its LM head's call; both equal one process's loss and gradients
+(tests/test_trainer_pp.py).
+
 Must not import TRL or ``hf_ring.training.trainer``.
 """
 
@@ -14,8 +24,23 @@ from __future__ import annotations
 
 from typing import Any
 
+import transformers
+
 from hf_ring.training import weight_sharding
 from hf_ring.training.collator import RingCollatorConfig
+
+
+# The schedules whose backward PyTorch splits into input- and weight-gradient actions.
+_SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble")
+
+
+def _reentrant(args: Any) -> bool:
+    """Whether the Trainer's gradient checkpointing is PyTorch's reentrant one: as its kwargs say,
+    else transformers' default (``use_reentrant=True`` before 5.0, False from 5.0)."""
+    kwargs = getattr(args, "gradient_checkpointing_kwargs", None) or {}  # 5.x: mirrors activation_checkpointing_kwargs
+    if "use_reentrant" in kwargs:
+        return bool(kwargs["use_reentrant"])
+    return int(transformers.__version__.split(".")[0]) < 5
 
 
 def _refuse(trainer: Any, what: str, todo: str) -> None:
@@ -46,16 +71,16 @@ def check_pipeline_trainer(trainer: Any, subclass_loss: bool) -> None:
     model = trainer.model
     if hasattr(model, "peft_config"):
         _refuse(trainer, "a PEFT (LoRA) model", "train the whole model, or use pp_size=1")
-    if getattr(args, "gradient_checkpointing", False) or getattr(model, "is_gradient_checkpointing", False):
-        _refuse(trainer, "gradient checkpointing inside a stage", "set gradient_checkpointing=False, or pp_size=1")
     if getattr(args, "torch_compile", False):
         _refuse(trainer, "torch.compile of the stages", "set torch_compile=False, or use pp_size=1")
+    schedule = trainer.ring_plugin.pp_schedule
+    if schedule in _SPLIT_BACKWARD and getattr(args, "gradient_checkpointing", False) and _reentrant(args):
+        # PyTorch's split backward takes the input gradients with torch.autograd.grad, which the
+        # reentrant checkpoint refuses (torch 2.14: "incompatible with .grad()").
+        _refuse(trainer, f"reentrant gradient checkpointing (use_reentrant=True) under pp_schedule={schedule!r}",
+                "pass gradient_checkpointing_kwargs={'use_reentrant': False}, or another schedule")
     if getattr(trainer.accelerator, "scaler", None) is not None:
         _refuse(trainer, "fp16 mixed precision (a gradient scaler)", "use bf16 or float32, or pp_size=1")
-    chunked = getattr(trainer, "chunked_loss", None)
-    if chunked is not None and chunked.enabled:
-        _refuse(trainer, "the chunked loss on the last stage (the schedule's loss takes the stage's logits)",
-                "pass chunked_loss=None or False, or use pp_size=1")
     # Checkpoints are composed (hf_ring.training.pp.checkpoint); reloading the best one at the end is not.
     if getattr(args, "load_best_model_at_end", False):
         _refuse(trainer, "load_best_model_at_end (the stock reload of the best checkpoint loads the whole model "

@@ -21,6 +21,12 @@ What changes against ``pp_size == 1``, and why:
 - evaluation: each batch forward only through the schedule (``schedule.eval``), the last
   stage's token-loss sum handed to every stage over the ``pp`` group, so that every rank
   records the CP group's batch loss as at ``pp_size == 1``;
+- the chunked loss (``RingTrainer(chunked_loss=...)``; by default on under CP, as at
+  ``pp_size == 1``) is computed by the last stage inside its LM head's call, which returns the
+  micro-batch's token-loss sum instead of the logits (``hf_ring.pipeline.stages``);
+- gradient checkpointing is the Trainer's own (``gradient_checkpointing=True`` turns it on in
+  the pruned model's decoder layers, which the stages share): each layer is recomputed in
+  its stage's backward, its ring with it;
 - padded rows are filled to a multiple of ``pp_microbatches`` with copies of the batch's
   first row that carry no label (no token of the loss); packed rows come filled from
   :class:`~hf_ring.training.pp.collator.PipelineDataCollator`;
@@ -81,7 +87,10 @@ class TrainerPipeline:
                 f"{type(trainer).__name__} with pipeline parallelism trains the token mean over the step "
                 f"(loss_mean='tokens'), not loss_mean={trainer.loss_mean!r}: pass loss_mean='tokens', or use pp_size=1")
         self.model = trainer.model
-        self.runner = trainer.ring_plugin.make_pipeline(self.model)
+        # The trainer's rule (on under CP or TP unless set), so the last stage chunks as one process would.
+        chunked = trainer.chunked_loss
+        self.chunked_loss = chunked if chunked.active(self.state.cp_size, self.state.tp_size) else None
+        self.runner = trainer.ring_plugin.make_pipeline(self.model, chunked_loss=self.chunked_loss)
         self.sharded = bool(getattr(trainer.ring_plugin, "pp_fsdp", False))  # FSDP2 inside each stage
         accelerate_patches.keep_model_unwrapped(trainer.accelerator, self.model)
         trainer.accelerator.clip_grad_norm_ = self.clip_grad_norm_
@@ -90,7 +99,9 @@ class TrainerPipeline:
         r = self.runner
         return (f"pipeline: {r.schedule_name}, {r.num_stages} stages (this rank: {sorted(r.stages)}, layers "
                 f"{[r.ranges[s] for s in sorted(r.stages)]}), {r.n_microbatches} micro-batches a step"
-                + (f", FSDP2 over each stage's {self.state.loss_size} dp x cp ranks" if self.sharded else ""))
+                + (f", FSDP2 over each stage's {self.state.loss_size} dp x cp ranks" if self.sharded else "")
+                + (", the loss chunked on the last stage (no logits)" if self.chunked_loss is not None
+                   else ", the loss from the last stage's logits"))
 
     def _mode(self, training: bool) -> None:
         for stage in self.runner.stages.values():
