@@ -172,7 +172,7 @@ def compiled_mixer_layer(module: nn.Module, args: tuple, kwargs: dict[str, Any],
     tensors, names, constants = _split_arguments(module, kwargs)
     named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
-    record = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (*tensors, *params))
+    record = torch.is_grad_enabled() and any(t.requires_grad for t in (*tensors, *params))
     spec = _encode(tuple(names), tuple(name for name, _ in named), constants)
     out, _ = torch.ops.hf_ring.token_mixer_layer(tensors, params, spec, getattr(context, HANDLE_ATTR), slot, record)
     return out
